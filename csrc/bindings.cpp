@@ -1,0 +1,53 @@
+// Python bindings of the compiled kernels (module espert._C).  Pointers travel as integers so
+// that the module needs no torch headers; espert/ops.py validates every argument first.
+#include <pybind11/pybind11.h>
+
+#include "apply.h"
+
+namespace py = pybind11;
+using namespace espert;
+
+static ApplyArgs make_args(uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                           int64_t row_offset, int64_t col_offset, int64_t logical_cols, uintptr_t seeds,
+                           uintptr_t coeffs, int64_t n, uint64_t key) {
+  ApplyArgs a;
+  a.data = reinterpret_cast<void*>(data);
+  a.dtype = dtype;
+  a.block = Block{rows, cols, row_stride, row_offset, col_offset, logical_cols};
+  a.seeds = reinterpret_cast<const uint64_t*>(seeds);
+  a.coeffs = reinterpret_cast<const float*>(coeffs);
+  a.n = n;
+  a.key = key;
+  return a;
+}
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "espert compiled kernels (CPU, and CUDA when built with nvcc)";
+  m.def(
+      "apply_cpu",
+      [](uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride, int64_t row_offset,
+         int64_t col_offset, int64_t logical_cols, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
+        const ApplyArgs a = make_args(data, dtype, rows, cols, row_stride, row_offset, col_offset, logical_cols, seeds,
+                                      coeffs, n, key);
+        py::gil_scoped_release release;
+        apply_cpu(a);
+      },
+      "In place: w += sum_n coeffs[n] * eps(seeds[n], key, logical index).  Pointers are host addresses.");
+  m.def("cpu_isa", &cpu_isa, "The CPU code path in use: 'avx512' or 'generic'.");
+#ifdef ESPERT_WITH_CUDA
+  m.attr("has_cuda") = true;
+  m.def(
+      "apply_cuda",
+      [](uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride, int64_t row_offset,
+         int64_t col_offset, int64_t logical_cols, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key,
+         uintptr_t stream) {
+        const ApplyArgs a = make_args(data, dtype, rows, cols, row_stride, row_offset, col_offset, logical_cols, seeds,
+                                      coeffs, n, key);
+        const int err = apply_cuda(a, reinterpret_cast<void*>(stream));
+        if (err != 0) throw std::runtime_error("espert CUDA kernel launch failed with cudaError " + std::to_string(err));
+      },
+      "Like apply_cpu, with device pointers and a cudaStream_t handle.");
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

@@ -1,0 +1,209 @@
+// The noise spec's per-element math, shared by the CPU and CUDA kernels.
+//
+// Mirrors espert/noise.py operation for operation; docs/noise.md is the spec in
+// words.  Every float operation is one correctly rounded binary32 operation:
+// on the host this file must be compiled with -ffp-contract=off (no FMA
+// contraction) and without -ffast-math; on the device the __f*_rn intrinsics
+// are never contracted.  Torch-free on purpose: it is included by plain C++ and
+// by nvcc alike.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define ESPERT_HD __host__ __device__ __forceinline__
+#define ESPERT_UNROLL _Pragma("unroll")
+#else
+#define ESPERT_HD inline __attribute__((always_inline))
+// fully unrolled loops let GCC vectorize the caller's loop over lanes
+#define ESPERT_UNROLL _Pragma("GCC unroll 16")
+#endif
+
+namespace espert {
+
+// ---- correctly rounded binary32 arithmetic, never contracted ---------------
+#if defined(__CUDA_ARCH__)
+ESPERT_HD float fadd(float a, float b) { return __fadd_rn(a, b); }
+ESPERT_HD float fsub(float a, float b) { return __fsub_rn(a, b); }
+ESPERT_HD float fmul(float a, float b) { return __fmul_rn(a, b); }
+ESPERT_HD float fdiv(float a, float b) { return __fdiv_rn(a, b); }
+ESPERT_HD float fsqrt(float a) { return __fsqrt_rn(a); }
+ESPERT_HD uint32_t f2u(float f) { return __float_as_uint(f); }
+ESPERT_HD float u2f(uint32_t u) { return __uint_as_float(u); }
+#else
+ESPERT_HD float fadd(float a, float b) { return a + b; }
+ESPERT_HD float fsub(float a, float b) { return a - b; }
+ESPERT_HD float fmul(float a, float b) { return a * b; }
+ESPERT_HD float fdiv(float a, float b) { return a / b; }
+ESPERT_HD float fsqrt(float a) { return __builtin_sqrtf(a); }
+ESPERT_HD uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+ESPERT_HD float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+#endif
+
+// ---- Philox4x32-10 ----------------------------------------------------------
+struct U4 { uint32_t x0, x1, x2, x3; };
+
+ESPERT_HD U4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  ESPERT_UNROLL
+  for (int r = 0; r < 10; ++r) {
+    const uint64_t p0 = (uint64_t)0xD2511F53u * c0;
+    const uint64_t p1 = (uint64_t)0xCD9E8D57u * c2;
+    const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
+    const uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+    c1 = (uint32_t)p1;
+    c3 = (uint32_t)p0;
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return U4{c0, c1, c2, c3};
+}
+
+// ---- the normal transform ---------------------------------------------------
+// -2 ln u for u = ((x >> 8) + 1) * 2^-24.
+ESPERT_HD float neg2log_uniform(uint32_t x) {
+  const float u = fmul((float)((x >> 8) + 1u), u2f(0x33800000u));  // * 2^-24, exact
+  const uint32_t b = f2u(u);
+  int32_t e = (int32_t)(b >> 23) - 127;
+  uint32_t mb = (b & 0x007FFFFFu) | 0x3F800000u;
+  const bool big = mb > 0x3FB504F3u;  // m > sqrt(2): halve it
+  mb = big ? mb - 0x00800000u : mb;
+  e = big ? e + 1 : e;
+  const float m = u2f(mb);
+  const float s = fdiv(fsub(m, 1.0f), fadd(m, 1.0f));
+  const float t = fmul(s, s);
+  float q = u2f(0x3DE38E39u);               // 1/9
+  q = fadd(fmul(q, t), u2f(0x3E124925u));   // 1/7
+  q = fadd(fmul(q, t), u2f(0x3E4CCCCDu));   // 1/5
+  q = fadd(fmul(q, t), u2f(0x3EAAAAABu));   // 1/3
+  q = fmul(q, t);
+  const float s2 = fmul(s, 2.0f);
+  const float log_m = fadd(s2, fmul(s2, q));
+  const float ef = (float)e;
+  const float ln_u = fadd(fmul(ef, u2f(0x3F317200u)), fadd(fmul(ef, u2f(0x35BFBE8Eu)), log_m));
+  return fmul(ln_u, -2.0f);
+}
+
+// (cos θ, sin θ) for θ = 2π (y >> 8) / 2^24, with exact reduction to the nearest quarter turn.
+ESPERT_HD void sincos_turn(uint32_t y, float& c_out, float& s_out) {
+  const int32_t t = (int32_t)(y >> 8);
+  int32_t quad = (t + (1 << 21)) >> 22;
+  const int32_t r = t - (quad << 22);
+  quad &= 3;
+  const float a = fmul((float)r, u2f(0x34C90FDBu));  // 2π / 2^24
+  const float z = fmul(a, a);
+  float p = u2f(0x3638EF1Du);                // 1/9!
+  p = fadd(fmul(p, z), u2f(0xB9500D01u));    // -1/7!
+  p = fadd(fmul(p, z), u2f(0x3C088889u));    // 1/5!
+  p = fadd(fmul(p, z), u2f(0xBE2AAAABu));    // -1/3!
+  const float sin_a = fadd(a, fmul(fmul(a, z), p));
+  p = u2f(0xB493F27Eu);                      // -1/10!
+  p = fadd(fmul(p, z), u2f(0x37D00D01u));    // 1/8!
+  p = fadd(fmul(p, z), u2f(0xBAB60B61u));    // -1/6!
+  p = fadd(fmul(p, z), u2f(0x3D2AAAABu));    // 1/4!
+  p = fadd(fmul(p, z), -0.5f);               // -1/2!
+  const float cos_a = fadd(1.0f, fmul(z, p));
+  const bool swap = (quad & 1) != 0;
+  float c = swap ? sin_a : cos_a;
+  float s = swap ? cos_a : sin_a;
+  // negation is exact: flip the sign bit
+  c = ((quad == 1) | (quad == 2)) ? -c : c;
+  s = (quad >= 2) ? -s : s;
+  c_out = c;
+  s_out = s;
+}
+
+struct F4 { float n0, n1, n2, n3; };
+
+// The four normals of group g (logical elements 4g .. 4g+3) for (seed, key).
+ESPERT_HD F4 normals4(uint64_t seed, uint64_t key, uint64_t g) {
+  const U4 x = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32),
+                             (uint32_t)seed, (uint32_t)(seed >> 32));
+  F4 out;
+  const float r0 = fsqrt(neg2log_uniform(x.x0));
+  const float r1 = fsqrt(neg2log_uniform(x.x2));
+  float c, s;
+  sincos_turn(x.x1, c, s);
+  out.n0 = fmul(r0, c);
+  out.n1 = fmul(r0, s);
+  sincos_turn(x.x3, c, s);
+  out.n2 = fmul(r1, c);
+  out.n3 = fmul(r1, s);
+  return out;
+}
+
+// ---- storage formats: exact widening, round-to-nearest-even narrowing -------
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+ESPERT_HD float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+ESPERT_HD uint16_t f32_to_bf16(float f) {
+  const uint32_t b = f2u(f);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+  return (uint16_t)(nan ? ((b >> 16) | 0x40u) : rounded);
+}
+
+ESPERT_HD float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t ex = (h >> 10) & 0x1Fu;
+  const uint32_t man = h & 0x3FFu;
+  if (ex == 0x1Fu) return u2f(sign | 0x7F800000u | (man << 13));   // inf / nan
+  if (ex != 0) return u2f(sign | ((ex + 112u) << 23) | (man << 13));  // normal
+  // zero or subnormal: man * 2^-24, exact in binary32
+  const float mag = fmul((float)man, u2f(0x33800000u));
+  return u2f(sign | f2u(mag));
+}
+
+ESPERT_HD uint16_t f32_to_f16(float f) {
+  const uint32_t b = f2u(f);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // nan, quiet
+  if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);  // rounds to >= 65520: inf
+  if (a >= 0x38800000u) {  // normal half: rebias and round the 13 dropped bits to nearest even
+    const uint32_t v = a - 0x38000000u;  // exponent 127 -> 15
+    return (uint16_t)(sign | ((v + 0xFFFu + ((v >> 13) & 1u)) >> 13));
+  }
+  // subnormal half (or zero): shift the full significand right, round to nearest even
+  const uint32_t e = a >> 23;
+  if (e < 102u) return (uint16_t)sign;  // below half of the smallest subnormal: rounds to 0
+  const uint32_t man = (a & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 126u - e;  // 14 .. 24
+  const uint32_t half = 1u << (shift - 1);
+  const uint32_t rem = man & ((1u << shift) - 1u);
+  uint32_t q = man >> shift;
+  q += (rem > half || (rem == half && (q & 1u))) ? 1u : 0u;
+  return (uint16_t)(sign | q);
+}
+
+template <int DT> struct Storage;
+template <> struct Storage<kFloat32> {
+  using T = float;
+  static ESPERT_HD float load(float v) { return v; }
+  static ESPERT_HD float store(float v) { return v; }
+};
+template <> struct Storage<kFloat16> {
+  using T = uint16_t;
+  static ESPERT_HD float load(uint16_t v) { return f16_to_f32(v); }
+  static ESPERT_HD uint16_t store(float v) { return f32_to_f16(v); }
+};
+template <> struct Storage<kBFloat16> {
+  using T = uint16_t;
+  static ESPERT_HD float load(uint16_t v) { return bf16_to_f32(v); }
+  static ESPERT_HD uint16_t store(float v) { return f32_to_bf16(v); }
+};
+
+// A 2-D block [rows, cols] (row stride `row_stride` elements, unit column stride) inside a
+// logical [R, logical_cols] tensor, starting at (row_offset, col_offset).
+struct Block {
+  int64_t rows, cols, row_stride;
+  int64_t row_offset, col_offset, logical_cols;
+  ESPERT_HD uint64_t row_base(int64_t i) const {
+    return (uint64_t)(row_offset + i) * (uint64_t)logical_cols + (uint64_t)col_offset;
+  }
+};
+
+}  // namespace espert

@@ -1,0 +1,264 @@
+"""The noise spec, as a slow and obviously-correct numpy reference.
+
+ε(seed, key, i) is a pure function of a 64-bit seed, a 64-bit parameter key and
+a 64-bit logical element index.  Every backend (C++ CPU, CUDA, Triton) must
+reproduce these numbers bit for bit; ``docs/noise.md`` states the spec in words
+and ``tests/golden/noise_v1.json`` pins it.
+
+Recipe (all float arithmetic is IEEE binary32, round-to-nearest-even, one
+rounding per operation, no fused multiply-add):
+
+1. Philox4x32-10 with key (seed_lo, seed_hi) and counter
+   (g_lo, g_hi, key_lo, key_hi), where g = i // 4 is the group of four
+   consecutive logical elements.  It yields four uint32 words x0..x3.
+2. Box-Muller on (x0, x1) gives the normals of lanes 0 and 1, on (x2, x3)
+   those of lanes 2 and 3.  Lane = i % 4.
+   - radius word x: u = ((x >> 8) + 1) * 2^-24 in (0, 1];  R = sqrt(-2 ln u)
+   - angle word y: t = y >> 8, θ = 2π t / 2^24;  lane 0/2 get R cos θ, 1/3 get R sin θ.
+   ln, sin and cos are short polynomials defined below, built only from
+   correctly-rounded + - * / sqrt and exact integer/bit operations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+SPEC_VERSION = 1
+
+# Philox4x32-10 constants (Salmon et al. 2011, Random123).
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+PHILOX_ROUNDS = 10
+
+_f = np.float32
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+def _hexf(s: str) -> np.float32:
+    """A binary32 constant from its hex-float spelling (exact by construction)."""
+    v = _f(float.fromhex(s))
+    assert float(v) == float.fromhex(s), s
+    return v
+
+
+# ln: x = 2^e * m, m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(s), s = (m-1)/(m+1).
+LN2_HI = _hexf("0x1.62e400p-1")  # ln 2, high part with zero low bits (e * LN2_HI exact)
+LN2_LO = _hexf("0x1.7f7d1cp-20")  # ln 2 - LN2_HI
+LOG_C1 = _hexf("0x1.555556p-2")  # 1/3
+LOG_C2 = _hexf("0x1.99999ap-3")  # 1/5
+LOG_C3 = _hexf("0x1.24924ap-3")  # 1/7
+LOG_C4 = _hexf("0x1.c71c72p-4")  # 1/9
+SQRT2_BITS = 0x3FB504F3  # bits of sqrt(2) rounded to binary32
+TWO = _f(2.0)
+ONE = _f(1.0)
+MINUS_TWO = _f(-2.0)
+# sin/cos of a in [-π/4, π/4): Taylor polynomials, a = r * ANGLE_SCALE, r in [-2^21, 2^21).
+ANGLE_SCALE = _hexf("0x1.921fb6p-22")  # 2π / 2^24
+SIN_C3 = _hexf("-0x1.555556p-3")  # -1/3!
+SIN_C5 = _hexf("0x1.111112p-7")  # 1/5!
+SIN_C7 = _hexf("-0x1.a01a02p-13")  # -1/7!
+SIN_C9 = _hexf("0x1.71de3ap-19")  # 1/9!
+COS_C2 = _hexf("-0x1.000000p-1")  # -1/2!
+COS_C4 = _hexf("0x1.555556p-5")  # 1/4!
+COS_C6 = _hexf("-0x1.6c16c2p-10")  # -1/6!
+COS_C8 = _hexf("0x1.a01a02p-16")  # 1/8!
+COS_C10 = _hexf("-0x1.27e4fcp-22")  # -1/10!
+UNIFORM_SCALE = _hexf("0x1p-24")
+
+
+def param_key(name: str) -> int:
+    """64-bit key of a logical parameter name: the first 8 bytes of SHA-256(utf-8 name), little endian.
+
+    Stable across processes, Python versions and machines (unlike ``hash``).
+    """
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
+
+
+def _mulhilo(a: np.ndarray, m: int):
+    p = a.astype(np.uint64) * np.uint64(m)
+    return (p >> np.uint64(32)).astype(np.uint32), (p & _U32).astype(np.uint32)
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10.  counter: 4 uint32 arrays (broadcastable); key: 2 uint32 arrays.
+
+    Returns four uint32 arrays.  Matches the Random123 known-answer vectors.
+    """
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in counter)
+    k0, k1 = (np.asarray(k, dtype=np.uint64) for k in key)
+    c0, c1, c2, c3 = np.broadcast_arrays(c0, c1, c2, c3)
+    for r in range(PHILOX_ROUNDS):
+        kr0 = ((k0 + np.uint64(r * PHILOX_W0)) & _U32).astype(np.uint32)
+        kr1 = ((k1 + np.uint64(r * PHILOX_W1)) & _U32).astype(np.uint32)
+        hi0, lo0 = _mulhilo(c0, PHILOX_M0)
+        hi1, lo1 = _mulhilo(c2, PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ kr0, lo1, hi0 ^ c3 ^ kr1, lo0
+    return c0, c1, c2, c3
+
+
+def _split64(v) -> tuple[np.ndarray, np.ndarray]:
+    v = np.asarray(v, dtype=np.uint64)
+    return (v & _U32).astype(np.uint32), (v >> np.uint64(32)).astype(np.uint32)
+
+
+def philox_words(seed: int, key: int, group) -> tuple[np.ndarray, ...]:
+    """The four uint32 words of group(s) ``group`` (uint64 array) for (seed, key)."""
+    g_lo, g_hi = _split64(group)
+    s_lo, s_hi = _split64(np.uint64(seed))
+    k_lo, k_hi = _split64(np.uint64(key))
+    return philox4x32_10((g_lo, g_hi, k_lo, k_hi), (s_lo, s_hi))
+
+
+def neg2log_uniform(x: np.ndarray) -> np.ndarray:
+    """-2 ln u for u = ((x >> 8) + 1) * 2^-24, x uint32.  Result float32 in [0, 33.3]."""
+    k = (x >> np.uint32(8)) + np.uint32(1)  # 1 .. 2^24, exact in binary32
+    u = k.astype(np.float32) * UNIFORM_SCALE
+    b = u.view(np.uint32)
+    e = (b >> np.uint32(23)).astype(np.int32) - np.int32(127)
+    mb = (b & np.uint32(0x007FFFFF)) | np.uint32(0x3F800000)
+    big = mb > np.uint32(SQRT2_BITS)
+    mb = np.where(big, mb - np.uint32(0x00800000), mb)
+    e = np.where(big, e + np.int32(1), e)
+    m = mb.view(np.float32)
+    s = (m - ONE) / (m + ONE)
+    t = s * s
+    q = LOG_C4
+    q = q * t + LOG_C3
+    q = q * t + LOG_C2
+    q = q * t + LOG_C1
+    q = q * t
+    s2 = s * TWO
+    log_m = s2 + s2 * q
+    ef = e.astype(np.float32)
+    ln_u = ef * LN2_HI + (ef * LN2_LO + log_m)
+    return ln_u * MINUS_TWO
+
+
+def sincos_turn(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cos θ, sin θ) for θ = 2π (y >> 8) / 2^24, y uint32.  Quadrant reduction is exact."""
+    t = (y >> np.uint32(8)).astype(np.int32)  # 0 .. 2^24-1
+    quad = (t + np.int32(1 << 21)) >> np.int32(22)  # 0..4, nearest quarter turn
+    r = t - (quad << np.int32(22))  # -2^21 .. 2^21-1
+    quad = quad & np.int32(3)
+    a = r.astype(np.float32) * ANGLE_SCALE  # [-π/4, π/4)
+    z = a * a
+    p = SIN_C9
+    p = p * z + SIN_C7
+    p = p * z + SIN_C5
+    p = p * z + SIN_C3
+    sin_a = a + (a * z) * p
+    p = COS_C10
+    p = p * z + COS_C8
+    p = p * z + COS_C6
+    p = p * z + COS_C4
+    p = p * z + COS_C2
+    cos_a = ONE + z * p
+    # rotate by quad quarter turns: (c, s) -> (-s, c) -> (-c, -s) -> (s, -c)
+    swap = (quad & np.int32(1)) == 1
+    c = np.where(swap, sin_a, cos_a)
+    s = np.where(swap, cos_a, sin_a)
+    c = np.where((quad == 1) | (quad == 2), -c, c)
+    s = np.where(quad >= 2, -s, s)
+    return c, s
+
+
+def normals4(seed: int, key: int, group) -> np.ndarray:
+    """The four normals of each group: float32 array of shape group.shape + (4,)."""
+    x0, x1, x2, x3 = philox_words(seed, key, group)
+    out = []
+    for xr, xa in ((x0, x1), (x2, x3)):
+        radius = np.sqrt(neg2log_uniform(xr))
+        c, s = sincos_turn(xa)
+        out += [radius * c, radius * s]
+    return np.stack(out, axis=-1)
+
+
+def normal(seed: int, key: int, index) -> np.ndarray:
+    """ε(seed, key, index) for an array of logical element indices (uint64).  float32."""
+    index = np.asarray(index, dtype=np.uint64)
+    n4 = normals4(seed, key, index >> np.uint64(2))
+    return np.take_along_axis(n4, (index & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
+
+
+def block_indices(shape: tuple[int, ...], row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None):
+    """Logical element indices of a [rows, cols] block at (row_offset, col_offset) inside a
+    logical [R, logical_cols] matrix.  1-D tensors are one row.  Returns a uint64 array of ``shape``."""
+    rows, cols = (1, shape[0]) if len(shape) == 1 else (int(np.prod(shape[:-1])), shape[-1])
+    C = cols if logical_cols is None else logical_cols
+    r = np.arange(rows, dtype=np.uint64)[:, None] + np.uint64(row_offset)
+    c = np.arange(cols, dtype=np.uint64)[None, :] + np.uint64(col_offset)
+    return (r * np.uint64(C) + c).reshape(shape)
+
+
+# ---- rounding from binary32 to the storage formats, by integer operations --------------------
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even binary32 -> bfloat16 bits (uint16); NaN stays a quiet NaN."""
+    b = np.asarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, (b >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+def bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
+    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def apply_update(center: np.ndarray, delta: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float32(center) + delta back to ``dtype`` ('float32', 'float16', 'bfloat16' as uint16 bits)."""
+    if dtype == "bfloat16":
+        return f32_to_bf16_bits(bf16_bits_to_f32(center) + delta)
+    if dtype == "float16":
+        return (center.astype(np.float32) + delta).astype(np.float16)  # numpy rounds to nearest even
+    return center + delta
+
+
+def perturb_reference(w: np.ndarray, dtype: str, seed: int, key: int, sigma: float, sign: int = 1,
+                      row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None) -> np.ndarray:
+    """Reference for ``espert.ops.perturb_``: w + (sign*σ)·ε, rounded once to ``dtype``."""
+    eps = normal(seed, key, block_indices(w.shape, row_offset, col_offset, logical_cols))
+    return apply_update(w, _f(sign * sigma) * eps, dtype)
+
+
+def update_reference(w: np.ndarray, dtype: str, seeds, coeffs, key: int,
+                     row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None) -> np.ndarray:
+    """Reference for ``espert.ops.es_update_``: w + Σ_n c_n·ε_n, summed in float32 in member order."""
+    idx = block_indices(w.shape, row_offset, col_offset, logical_cols)
+    acc = np.zeros(w.shape, dtype=np.float32)
+    for s, c in zip(seeds, coeffs):
+        acc = acc + _f(c) * normal(int(s), key, idx)
+    return apply_update(w, acc, dtype)
+
+
+# ---- golden vectors: committed in tests/golden/, regenerated only on a spec version bump ----
+
+GOLDEN_CASES = [  # (seed, parameter name, first logical index, count)
+    (0, "model.layers.0.self_attn.q_proj.weight", 0, 64),
+    (1, "model.layers.0.self_attn.q_proj.weight", 1_000_003, 37),
+    (2**64 - 1, "lm_head.weight", 2**40 + 5, 16),
+    (0x0123456789ABCDEF, "", 2**63 - 8, 8),
+]
+
+
+def golden_vectors() -> dict:
+    """Known-answer vectors of the spec: Philox words and normals (as float32 bit patterns)."""
+    cases = []
+    for seed, name, start, count in GOLDEN_CASES:
+        key = param_key(name)
+        idx = np.arange(count, dtype=np.uint64) + np.uint64(start)
+        words = philox_words(seed, key, idx[:4] >> np.uint64(2))
+        cases.append({
+            "seed": seed, "name": name, "key": key, "start": start,
+            "philox_group0": [int(w[0]) for w in words],
+            "normal_bits": [int(b) for b in normal(seed, key, idx).view(np.uint32)],
+        })
+    return {"spec_version": SPEC_VERSION, "cases": cases}
+
+
+if __name__ == "__main__":  # python -m espert.noise > tests/golden/noise_v1.json
+    import json
+    print(json.dumps(golden_vectors(), indent=1))

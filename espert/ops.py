@@ -1,0 +1,262 @@
+"""The one op surface: in-place perturb, exact restore and the fused ES update.
+
+Every op validates its arguments completely before any backend touches memory, so a
+bad call raises and leaves the weights untouched.  Backends are registered in
+``BACKENDS`` with a capability gate; ``backend=None`` picks the default for the
+tensor's device (``ESPERT_BACKEND`` overrides it):
+
+    cpu     C++ kernels in espert._C (AVX-512 or generic, chosen at run time)
+    cuda    CUDA kernels in espert._C (when the module was built with nvcc)
+    triton  Triton kernels in kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
+
+All three compute the same bits: see docs/noise.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from espert import _C
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+U64 = 1 << 64
+# Bounded temporaries for restore_: at most this many bytes of the source are converted at once.
+STAGING_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where a tensor sits inside its logical parameter.
+
+    The tensor (2-D ``[rows, cols]``, or 1-D as one row, or N-D contiguous flattened to
+    ``[prod(shape[:-1]), shape[-1]]``) is the block at ``(row_offset, col_offset)`` of a logical
+    ``[logical_rows, logical_cols]`` matrix; element (i, j) has logical index
+    ``(row_offset + i) * logical_cols + col_offset + j`` and receives that element's noise.
+    """
+
+    row_offset: int = 0
+    col_offset: int = 0
+    logical_rows: int | None = None  # None: the block is the whole logical tensor
+    logical_cols: int | None = None
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    rows: int
+    cols: int
+    row_stride: int
+    row_offset: int
+    col_offset: int
+    logical_cols: int
+
+
+def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
+    if w.dim() == 0:
+        raise ValueError("espert ops need a tensor with at least one dimension, got a 0-d tensor")
+    if w.dim() == 1:
+        rows, cols = 1, w.shape[0]
+        if w.stride(0) != 1 and cols > 1:
+            raise ValueError(f"espert ops need unit stride along the last dimension, got stride {w.stride()}")
+        row_stride = cols
+    elif w.dim() == 2:
+        rows, cols = w.shape
+        if w.stride(1) != 1 and cols > 1:
+            raise ValueError(
+                f"espert ops need unit stride along the last dimension (a non-contiguous or transposed view), "
+                f"got shape {tuple(w.shape)} with strides {w.stride()}")
+        row_stride = w.stride(0) if rows > 1 else cols
+        if rows > 1 and row_stride < cols:
+            raise ValueError(f"rows of the tensor overlap in memory (strides {w.stride()})")
+    else:
+        if not w.is_contiguous():
+            raise ValueError(f"espert ops need a contiguous tensor for {w.dim()}-d shapes, got strides {w.stride()}")
+        cols = w.shape[-1]
+        rows = w.numel() // cols if cols else 0
+        row_stride = cols
+    block = block or Block()
+    lr = rows if block.logical_rows is None else block.logical_rows
+    lc = cols if block.logical_cols is None else block.logical_cols
+    ro, co = block.row_offset, block.col_offset
+    if min(ro, co) < 0 or ro + rows > lr or co + cols > lc:
+        raise ValueError(
+            f"block of shape [{rows}, {cols}] at offset ({ro}, {co}) lies outside the logical shape [{lr}, {lc}]")
+    if lr * lc >= U64:
+        raise ValueError(f"logical shape [{lr}, {lc}] has more than 2^64 elements")
+    return _Geometry(rows, cols, row_stride, ro, co, lc)
+
+
+def _check_weight(w: torch.Tensor) -> int:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(w).__name__}")
+    if w.dtype not in DTYPE_CODES:
+        raise TypeError(f"unsupported dtype {w.dtype}: espert ops take float32, float16 and bfloat16 weights")
+    return DTYPE_CODES[w.dtype]
+
+
+def _check_u64(name: str, v) -> int:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer in [0, 2^64), got {v!r}")
+    v = int(v)
+    if not 0 <= v < U64:
+        raise ValueError(f"{name} must be in [0, 2^64), got {v}")
+    return v
+
+
+# ---- backends ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    supports: Callable[[torch.Tensor], bool]  # capability gate
+    apply: Callable  # (w, dtype_code, geometry, seeds uint64 ndarray, coeffs float32 ndarray, key) -> None
+
+
+def _apply_cpu(w, code, g: _Geometry, seeds: np.ndarray, coeffs: np.ndarray, key: int) -> None:
+    _C.apply_cpu(w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols,
+                 seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
+
+
+def _device_arrays(w, seeds: np.ndarray, coeffs: np.ndarray):
+    # [N]-sized, never proportional to the weight
+    return (torch.from_numpy(seeds.view(np.int64)).to(w.device, non_blocking=False),
+            torch.from_numpy(coeffs).to(w.device, non_blocking=False))
+
+
+def _apply_cuda(w, code, g: _Geometry, seeds: np.ndarray, coeffs: np.ndarray, key: int) -> None:
+    s, c = _device_arrays(w, seeds, coeffs)
+    _C.apply_cuda(w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols,
+                  s.data_ptr(), c.data_ptr(), len(seeds), key, torch.cuda.current_stream(w.device).cuda_stream)
+
+
+def _apply_triton(w, code, g: _Geometry, seeds: np.ndarray, coeffs: np.ndarray, key: int) -> None:
+    from espert.kernels.apply import apply
+
+    s, c = _device_arrays(w, seeds, coeffs)
+    apply(w, code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols, s, c, key)
+
+
+def _triton_ok(w: torch.Tensor) -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+BACKENDS: dict[str, Backend] = {
+    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _apply_cpu),
+    "cuda": Backend("cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _apply_cuda),
+    "triton": Backend("triton", _triton_ok, _apply_triton),
+}
+
+
+def default_backend(w: torch.Tensor) -> str:
+    """The backend used for ``w`` when none is named: ESPERT_BACKEND, else cpu / cuda / triton by device."""
+    forced = os.environ.get("ESPERT_BACKEND")
+    if forced:
+        return forced
+    if w.device.type == "cpu":
+        return "cpu"
+    if w.is_cuda:
+        return "cuda" if _C.has_cuda else "triton"
+    raise ValueError(f"unsupported device {w.device}: espert ops run on cpu and cuda tensors")
+
+
+def available_backends(w: torch.Tensor) -> list[str]:
+    """Names of the backends whose capability gate accepts ``w``."""
+    return [name for name, b in BACKENDS.items() if b.supports(w)]
+
+
+def _backend(w: torch.Tensor, name: str | None) -> Backend:
+    name = name or default_backend(w)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {sorted(BACKENDS)}")
+    b = BACKENDS[name]
+    if not b.supports(w):
+        raise ValueError(f"backend {name!r} cannot run on a {w.device} tensor here; available: {available_backends(w)}")
+    return b
+
+
+# ---- the ops -------------------------------------------------------------------------------
+
+@torch.no_grad()
+def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], key: int, *,
+               block: Block | None = None, backend: str | None = None) -> torch.Tensor:
+    """In place: ``w <- round(w + Σ_n coeffs[n] · ε(seeds[n], key, logical index))``, one pass.
+
+    w: float32 / float16 / bfloat16 on cpu or cuda, shape [rows, cols] (unit inner stride), [n] or
+    contiguous N-D.  seeds: N ints in [0, 2^64).  coeffs: N finite floats (rounded to float32).
+    The sum over members is taken in float32 registers in member order; each element of ``w`` is
+    read and written once, and nothing of size N × w is stored.  Returns ``w``.
+    """
+    code = _check_weight(w)
+    g = _geometry(w, block)
+    key = _check_u64("key", key)
+    seeds = list(seeds)
+    coeffs = list(coeffs)
+    if len(seeds) != len(coeffs):
+        raise ValueError(f"got {len(seeds)} seeds but {len(coeffs)} coefficients")
+    seed_arr = np.array([_check_u64(f"seeds[{i}]", s) for i, s in enumerate(seeds)], dtype=np.uint64)
+    coeff_arr = np.array(coeffs, dtype=np.float64)
+    bad = ~np.isfinite(coeff_arr)
+    if bad.any():
+        raise ValueError(f"coefficients must be finite; got {coeff_arr[bad][:4].tolist()} at {np.flatnonzero(bad)[:4].tolist()}")
+    coeff32 = coeff_arr.astype(np.float32)
+    if not np.isfinite(coeff32).all():
+        raise ValueError("coefficients overflow float32")
+    b = _backend(w, backend)
+    if len(seeds) == 0 or w.numel() == 0:
+        return w
+    b.apply(w, code, g, seed_arr, coeff32, key)
+    return w
+
+
+def perturb_(w: torch.Tensor, seed: int, key: int, sigma: float, sign: int = 1, *,
+             block: Block | None = None, backend: str | None = None) -> torch.Tensor:
+    """In place: ``w <- round(w + sign·σ·ε(seed, key, logical index))``.  Antithetic pairs use sign ±1.
+
+    Same tensor rules as :func:`es_update_` (it is ``es_update_`` with one member and coefficient
+    ``sign·σ``).  σ must be finite and > 0.  Undo it with :func:`restore_`, never by subtracting:
+    rounding makes ``(w + σε) - σε != w`` for a few percent of bf16/fp16 elements.
+    """
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) or not math.isfinite(sigma) or sigma <= 0:
+        raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+    return es_update_(w, [seed], [sign * float(sigma)], key, block=block, backend=backend)
+
+
+@torch.no_grad()
+def restore_(w: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
+    """In place: ``w <- round_to_w.dtype(center)``, exact, in chunks of at most 64 MiB of ``center``.
+
+    w: float32 / float16 / bfloat16 on any device; center: same shape, float32 or w.dtype, on any
+    device (typically host memory).  Rounding is round-to-nearest-even, so restoring from a
+    float32 master gives the same bits as casting it.  Returns ``w``.
+    """
+    _check_weight(w)
+    if not isinstance(center, torch.Tensor) or center.shape != w.shape:
+        raise ValueError(f"center shape {tuple(getattr(center, 'shape', ()))} does not match weight shape {tuple(w.shape)}")
+    if center.dtype not in (torch.float32, w.dtype):
+        raise TypeError(f"center dtype {center.dtype} must be float32 or the weight's dtype {w.dtype}")
+    if w.numel() == 0:
+        return w
+    src = center.reshape(-1)
+    dst = w.view(-1) if w.is_contiguous() else None
+    if dst is None:  # a strided view: copy row blocks
+        rows = w.reshape(-1, w.shape[-1]) if w.dim() > 1 else w.unsqueeze(0)
+        src2 = center.reshape(rows.shape)
+        step = max(1, STAGING_BYTES // max(1, src2.shape[1] * src2.element_size()))
+        for i in range(0, rows.shape[0], step):
+            rows[i:i + step].copy_(src2[i:i + step], non_blocking=False)
+        return w
+    step = max(1, STAGING_BYTES // src.element_size())
+    for i in range(0, src.numel(), step):
+        dst[i:i + step].copy_(src[i:i + step], non_blocking=False)
+    return w
