@@ -185,6 +185,26 @@ def _backend(w: torch.Tensor, name: str | None) -> Backend:
 
 # ---- the ops -------------------------------------------------------------------------------
 
+def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Validate population seeds and coefficients; returns (uint64 [N], float32 [N]) arrays.
+
+    Raises ValueError on a length mismatch, a seed outside [0, 2^64), or a NaN/Inf coefficient.
+    """
+    seeds, coeffs = list(seeds), list(coeffs)
+    if len(seeds) != len(coeffs):
+        raise ValueError(f"got {len(seeds)} seeds but {len(coeffs)} coefficients")
+    seed_arr = np.array([_check_u64(f"seeds[{i}]", s) for i, s in enumerate(seeds)], dtype=np.uint64)
+    coeff_arr = np.array(coeffs, dtype=np.float64)
+    bad = ~np.isfinite(coeff_arr)
+    if bad.any():
+        raise ValueError(f"coefficients must be finite; got {coeff_arr[bad][:4].tolist()} "
+                         f"at positions {np.flatnonzero(bad)[:4].tolist()}")
+    coeff32 = coeff_arr.astype(np.float32)
+    if not np.isfinite(coeff32).all():
+        raise ValueError("coefficients overflow float32")
+    return seed_arr, coeff32
+
+
 @torch.no_grad()
 def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], key: int, *,
                block: Block | None = None, backend: str | None = None) -> torch.Tensor:
@@ -198,20 +218,9 @@ def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], k
     code = _check_weight(w)
     g = _geometry(w, block)
     key = _check_u64("key", key)
-    seeds = list(seeds)
-    coeffs = list(coeffs)
-    if len(seeds) != len(coeffs):
-        raise ValueError(f"got {len(seeds)} seeds but {len(coeffs)} coefficients")
-    seed_arr = np.array([_check_u64(f"seeds[{i}]", s) for i, s in enumerate(seeds)], dtype=np.uint64)
-    coeff_arr = np.array(coeffs, dtype=np.float64)
-    bad = ~np.isfinite(coeff_arr)
-    if bad.any():
-        raise ValueError(f"coefficients must be finite; got {coeff_arr[bad][:4].tolist()} at {np.flatnonzero(bad)[:4].tolist()}")
-    coeff32 = coeff_arr.astype(np.float32)
-    if not np.isfinite(coeff32).all():
-        raise ValueError("coefficients overflow float32")
+    seed_arr, coeff32 = check_members(seeds, coeffs)
     b = _backend(w, backend)
-    if len(seeds) == 0 or w.numel() == 0:
+    if len(seed_arr) == 0 or w.numel() == 0:
         return w
     b.apply(w, code, g, seed_arr, coeff32, key)
     return w

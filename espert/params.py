@@ -1,0 +1,77 @@
+"""Param maps: a model -> the list of ParamViews, the only thing the ops see.
+
+A ParamView is one logical parameter (named as in the checkpoint, e.g.
+``model.layers.0.self_attn.q_proj.weight``) or a block of it, and the live tensor
+that holds that block.  The logical name fixes the noise key, the block fixes the
+logical element indices, so a weight gets the same noise whether it lives in a
+plain torch module, in a fused vLLM parameter or in a tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from espert.noise import param_key
+from espert.ops import DTYPE_CODES, Block
+
+
+@dataclass(frozen=True)
+class ParamView:
+    """One logical parameter (or a block of it) and the live tensor that holds it.
+
+    name: logical (checkpoint) name, the source of the noise key.
+    tensor: the live weight block (a view into the model's storage; edited in place).
+    block: where ``tensor`` sits inside the logical parameter (None: it is all of it).
+    """
+
+    name: str
+    tensor: torch.Tensor
+    block: Block | None = None
+    key: int = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", param_key(self.name))
+
+    @property
+    def numel(self) -> int:
+        return self.tensor.numel()
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or p in name.split(".") for p in patterns)
+
+
+def torch_param_views(module: torch.nn.Module, include: Sequence[str] | None = None,
+                      exclude: Sequence[str] | None = None) -> list[ParamView]:
+    """ParamViews of a plain torch module (transformers models included): one per parameter, identity layout.
+
+    include / exclude: glob patterns on the parameter name (``*embed_tokens*``) or exact name
+    components (``norm``); a parameter is kept if it matches some include (all, when None) and no
+    exclude.  Tied parameters (same storage) appear once, under their first name.
+    Raises ValueError when a selected parameter has a dtype the ops do not support, or when the
+    filters select nothing.
+    """
+    views, seen = [], set()
+    for name, p in module.named_parameters(remove_duplicate=True):
+        if include and not _matches(name, include):
+            continue
+        if exclude and _matches(name, exclude):
+            continue
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if p.dtype not in DTYPE_CODES:
+            raise ValueError(f"parameter {name} has dtype {p.dtype}; espert perturbs float32/float16/bfloat16 only "
+                             f"(exclude it, or see the quantized formats)")
+        views.append(ParamView(name, p.data))
+    if not views:
+        raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
+    return views
+
+
+def total_numel(views: Iterable[ParamView]) -> int:
+    return sum(v.numel for v in views)
