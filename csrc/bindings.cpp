@@ -8,7 +8,7 @@ namespace py = pybind11;
 using namespace espert;
 
 static ApplyArgs make_args(uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                           int64_t row_offset, int64_t col_offset, int64_t logical_cols, uintptr_t seeds,
+                           uint64_t row_offset, uint64_t col_offset, uint64_t logical_cols, uintptr_t seeds,
                            uintptr_t coeffs, int64_t n, uint64_t key) {
   ApplyArgs a;
   a.data = reinterpret_cast<void*>(data);
@@ -25,8 +25,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "espert compiled kernels (CPU, and CUDA when built with nvcc)";
   m.def(
       "apply_cpu",
-      [](uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride, int64_t row_offset,
-         int64_t col_offset, int64_t logical_cols, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
+      [](uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride, uint64_t row_offset,
+         uint64_t col_offset, uint64_t logical_cols, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
         const ApplyArgs a = make_args(data, dtype, rows, cols, row_stride, row_offset, col_offset, logical_cols, seeds,
                                       coeffs, n, key);
         py::gil_scoped_release release;
@@ -38,8 +38,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("has_cuda") = true;
   m.def(
       "apply_cuda",
-      [](uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride, int64_t row_offset,
-         int64_t col_offset, int64_t logical_cols, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key,
+      [](uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride, uint64_t row_offset,
+         uint64_t col_offset, uint64_t logical_cols, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key,
          uintptr_t stream) {
         const ApplyArgs a = make_args(data, dtype, rows, cols, row_stride, row_offset, col_offset, logical_cols, seeds,
                                       coeffs, n, key);

@@ -198,12 +198,11 @@ template <> struct Storage<kBFloat16> {
 
 // A 2-D block [rows, cols] (row stride `row_stride` elements, unit column stride) inside a
 // logical [R, logical_cols] tensor, starting at (row_offset, col_offset).
+// Logical coordinates are unsigned 64-bit: a logical index may be anywhere in [0, 2^64).
 struct Block {
   int64_t rows, cols, row_stride;
-  int64_t row_offset, col_offset, logical_cols;
-  ESPERT_HD uint64_t row_base(int64_t i) const {
-    return (uint64_t)(row_offset + i) * (uint64_t)logical_cols + (uint64_t)col_offset;
-  }
+  uint64_t row_offset, col_offset, logical_cols;
+  ESPERT_HD uint64_t row_base(int64_t i) const { return (row_offset + (uint64_t)i) * logical_cols + col_offset; }
 };
 
 }  // namespace espert

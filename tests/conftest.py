@@ -1,0 +1,47 @@
+"""Shared test setup.  Triton must see TRITON_INTERPRET=1 before it is first imported, so that
+its kernels run on CPU tensors (there is no GPU in CI)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """The raw bit patterns of a float tensor (any supported dtype) as an unsigned numpy array."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.float32:
+        return t.view(torch.int32).numpy().view(np.uint32).copy()
+    return t.view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def to_ref(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A weight tensor in the form espert.noise's references take: (array, dtype name)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return bits(t), "bfloat16"
+    if t.dtype == torch.float16:
+        return t.numpy().copy(), "float16"
+    return t.numpy().copy(), "float32"
+
+
+def ref_bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32) if a.dtype == np.float32 else a.view(np.uint16)
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(1234)
+
+
+def weights(shape, dtype, gen, std=0.02, specials=False):
+    """N(0, std) weights; with specials, also zeros, -0, subnormals, huge values, inf and NaN."""
+    w = torch.randn(shape, generator=gen) * std
+    if specials:
+        flat = w.view(-1)
+        vals = [0.0, -0.0, 1e-40, -3e-39, 6e-8, -5.9e-8, 1e-5, 65500.0, -70000.0, 3e38, float("inf"), float("nan")]
+        flat[: len(vals)] = torch.tensor(vals)
+    return w.to(dtype)

@@ -1,0 +1,113 @@
+"""espert.ops against the numpy reference, bit for bit, on every backend that runs here."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import bits, ref_bits, to_ref, weights
+from espert import noise, ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BACKENDS = ["cpu", "triton"]
+KEY = noise.param_key("model.layers.3.mlp.up_proj.weight")
+
+
+def _check_update(w, seeds, coeffs, block=None, backend="cpu"):
+    ref_in, name = to_ref(w)
+    g = ops._geometry(w, block)
+    ref = noise.update_reference(ref_in.reshape(g.rows, g.cols), name, seeds, coeffs, KEY,
+                                 g.row_offset, g.col_offset, g.logical_cols)
+    ops.es_update_(w, seeds, coeffs, KEY, block=block, backend=backend)
+    np.testing.assert_array_equal(bits(w).reshape(g.rows, g.cols), ref_bits(ref))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_perturb_matches_reference(backend, dtype, rng):
+    w = weights((33, 70), dtype, rng, specials=True)
+    for sign in (1, -1):
+        _check_update(w, [17], [sign * 1e-3], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_update_matches_reference(backend, dtype, rng):
+    w = weights((5, 301), dtype, rng)
+    _check_update(w, [1, 2**64 - 1, 3, 2**40, 5], [1e-4, -3e-4, 2.5e-4, 0.0, -1e-5], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_with_odd_offsets_and_strided_rows(backend, rng):
+    big = weights((20, 67), torch.bfloat16, rng)
+    view = big[3:11, 5:40]  # row stride 67, not contiguous
+    _check_update(view, [7], [-1e-3], block=ops.Block(103, 9, 500, 77), backend=backend)
+    untouched = big.clone()
+    untouched[3:11, 5:40] = view
+    assert torch.equal(untouched, big)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_dim_and_three_dim_and_huge_offsets(backend, rng):
+    _check_update(weights((1001,), torch.float16, rng), [9], [1e-2], backend=backend)
+    _check_update(weights((3, 4, 10), torch.float32, rng), [9, 10], [1e-2, 2e-2], backend=backend)
+    _check_update(weights((2, 50), torch.bfloat16, rng), [4], [1e-3],
+                  block=ops.Block(2**31 + 7, 2**31 + 3, 2**31 + 100, 2**32 + 1), backend=backend)
+
+
+def test_shards_compose_to_the_whole(rng):
+    """Tensor-parallel shards and fused rows get exactly the noise of their logical elements."""
+    whole = weights((64, 96), torch.bfloat16, rng)
+    parts = whole.clone()
+    ops.perturb_(whole, 11, KEY, 1e-3)
+    for r0, r1 in ((0, 24), (24, 64)):
+        for c0, c1 in ((0, 45), (45, 96)):
+            shard = parts[r0:r1, c0:c1].clone()
+            ops.perturb_(shard, 11, KEY, 1e-3, block=ops.Block(r0, c0, 64, 96))
+            parts[r0:r1, c0:c1] = shard
+    assert torch.equal(parts, whole)
+
+
+def test_cpu_isa_paths_agree(rng):
+    """The AVX-512 and the generic CPU code paths produce identical bits."""
+    script = ("import torch, numpy as np; from espert import ops, _C;"
+              "w=torch.linspace(-1,1,10007).reshape(1,-1).to(torch.bfloat16);"
+              "ops.es_update_(w,[1,2,3],[1e-3,-2e-3,5e-4],77);"
+              "print(_C.cpu_isa(), w.view(torch.int16).numpy().tobytes().hex())")
+    outs = {}
+    for isa in ("generic", "native"):
+        env = dict(os.environ, ESPERT_CPU_ISA=isa)
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        name, data = out.stdout.split()
+        outs[name] = data
+    assert "generic" in outs
+    assert len(set(outs.values())) == 1, outs.keys()
+
+
+def test_backends_agree_with_each_other(rng):
+    w = weights((16, 513), torch.bfloat16, rng)
+    a, b = w.clone(), w.clone()
+    ops.es_update_(a, list(range(8)), np.linspace(-1e-3, 1e-3, 8), KEY, backend="cpu")
+    ops.es_update_(b, list(range(8)), np.linspace(-1e-3, 1e-3, 8), KEY, backend="triton")
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_restore_rounds_like_a_cast(rng):
+    center = torch.randn(3000, generator=rng) * 0.02
+    for dtype in (torch.bfloat16, torch.float16):
+        w = torch.empty(3000, dtype=dtype)
+        ops.restore_(w, center)
+        assert torch.equal(w, center.to(dtype))
+        ref_in, _ = to_ref(center)
+        if dtype == torch.bfloat16:
+            np.testing.assert_array_equal(bits(w), noise.f32_to_bf16_bits(ref_in))
+
+
+def test_restore_strided_view(rng):
+    big = torch.zeros(10, 20)
+    center = torch.randn(10, 7, generator=rng)
+    ops.restore_(big[:, 3:10], center)
+    assert torch.equal(big[:, 3:10], center) and big[:, :3].abs().sum() == 0 and big[:, 10:].abs().sum() == 0
