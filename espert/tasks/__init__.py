@@ -1,0 +1,47 @@
+"""Tasks and rewards used by the ES trainer and by ``espert eval``.
+
+Public API::
+
+    from espert.tasks import Task, load_task, make_task, reward_task, known_tasks
+
+    task = load_task("copy", "train", n=256)
+    rewards = task.score(completions, task.answers)   # list[float] in [0, 1]
+    answer = task.extract(completion, task.answers[0])  # str | None
+"""
+
+from .base import Task, check_rewards, make_task, per_item_reward
+from .copy_task import make_copy_task
+from .loaders import (
+    COUNTDOWN_PROMPT,
+    GSM8K_PROMPT,
+    MATH_PROMPT,
+    canonical_task_name,
+    known_tasks,
+    load_jsonl_task,
+    load_task,
+    reward_task,
+)
+from .rewards import (
+    copy_extract,
+    copy_reward,
+    countdown_answer,
+    countdown_check,
+    countdown_evaluate,
+    countdown_extract,
+    countdown_reward,
+    gsm8k_extract,
+    gsm8k_reward,
+    last_boxed,
+    math_equal,
+    math_extract,
+    math_reward,
+)
+
+__all__ = [
+    "Task", "make_task", "per_item_reward", "check_rewards", "load_task", "load_jsonl_task",
+    "reward_task", "known_tasks", "canonical_task_name", "make_copy_task",
+    "GSM8K_PROMPT", "MATH_PROMPT", "COUNTDOWN_PROMPT",
+    "gsm8k_reward", "gsm8k_extract", "math_reward", "math_extract", "math_equal", "last_boxed",
+    "countdown_reward", "countdown_extract", "countdown_check", "countdown_evaluate",
+    "countdown_answer", "copy_reward", "copy_extract",
+]

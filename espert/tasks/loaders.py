@@ -1,0 +1,202 @@
+"""Dataset loaders: Hugging Face Hub datasets, local JSONL files and the built-in ``copy`` task."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Optional
+
+from .base import Task
+from .copy_task import make_copy_task
+from .rewards import (
+    copy_extract,
+    copy_reward,
+    countdown_answer,
+    countdown_extract,
+    countdown_reward,
+    gsm8k_extract,
+    gsm8k_extract_strict,
+    gsm8k_reward,
+    gsm8k_reward_strict,
+    math_extract,
+    math_reward,
+)
+
+GSM8K_PROMPT = "{question}\nLet's think step by step and output the final answer after \"####\"."
+MATH_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+COUNTDOWN_PROMPT = (
+    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
+    "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
+    "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
+    "<answer> (1 + 2) / 3 </answer>."
+)
+
+#: Hub sources used by :func:`load_task` when no ``path`` is given (never used in tests).
+HUB_SOURCES = {
+    "gsm8k": ("openai/gsm8k", "main"),
+    "math500": ("HuggingFaceH4/MATH-500", None),
+    "countdown": ("Jiayi-Pan/Countdown-Tasks-3to4", None),
+}
+#: Countdown on the Hub only has a ``train`` split; its last rows form our ``test`` split.
+COUNTDOWN_TEST_SIZE = 1024
+
+#: Reward and extractor of every known task name.
+REWARDS: dict[str, tuple[Callable, Callable]] = {
+    "gsm8k": (gsm8k_reward, gsm8k_extract),
+    "gsm8k_strict": (gsm8k_reward_strict, gsm8k_extract_strict),
+    "math500": (math_reward, math_extract),
+    "countdown": (countdown_reward, countdown_extract),
+    "copy": (copy_reward, copy_extract),
+}
+ALIASES = {"math": "math500", "math-500": "math500", "gsm8k-strict": "gsm8k_strict"}
+
+
+def known_tasks() -> list[str]:
+    """Names accepted by :func:`load_task` and :func:`reward_task`."""
+    return sorted(REWARDS)
+
+
+def canonical_task_name(name: str) -> str:
+    """Resolve aliases (``math`` -> ``math500``); raise ``ValueError`` for unknown names."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in REWARDS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known_tasks())}")
+    return key
+
+
+def reward_task(name: str) -> Task:
+    """A problem-less :class:`Task` carrying only the reward/extractor of a known task.
+
+    Used to re-score saved completions without loading the dataset.
+    """
+    key = canonical_task_name(name)
+    reward, extract = REWARDS[key]
+    return Task(name=key, prompts=[], answers=[], reward_fn=reward, extract_fn=extract)
+
+
+def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, str]:
+    """Turn one record (JSONL line or Hub row) into ``(prompt, answer)``."""
+
+    def as_answer(v: Any) -> str:
+        if isinstance(v, (dict, list)):
+            return json.dumps(v)
+        return str(v)
+
+    if task in ("countdown",):
+        if "target" in row and ("nums" in row or "numbers" in row):
+            nums = row["nums"] if "nums" in row else row["numbers"]
+            prompt = row.get("prompt") or COUNTDOWN_PROMPT.format(numbers=list(nums), target=row["target"])
+            return str(prompt), countdown_answer(row["target"], nums)
+        if "prompt" in row and "answer" in row:
+            return str(row["prompt"]), as_answer(row["answer"])
+        raise ValueError(
+            f"{where}: countdown records need 'target' and 'nums'/'numbers' (or 'prompt' and 'answer'); "
+            f"got keys {sorted(row)}"
+        )
+    if "prompt" in row and "answer" in row:
+        return str(row["prompt"]), as_answer(row["answer"])
+    if task in ("gsm8k", "gsm8k_strict") and "question" in row and "answer" in row:
+        return GSM8K_PROMPT.format(question=row["question"]), as_answer(row["answer"])
+    if task == "math500" and "problem" in row and ("answer" in row or "solution" in row):
+        ans = row["answer"] if "answer" in row else row["solution"]
+        return MATH_PROMPT.format(problem=row["problem"]), as_answer(ans)
+    shapes = {
+        "gsm8k": "'prompt'/'answer' or 'question'/'answer'",
+        "gsm8k_strict": "'prompt'/'answer' or 'question'/'answer'",
+        "math500": "'prompt'/'answer' or 'problem'/'answer' (or 'problem'/'solution')",
+        "copy": "'prompt'/'answer'",
+    }
+    raise ValueError(f"{where}: {task} records need {shapes.get(task, repr('prompt/answer'))}; got keys {sorted(row)}")
+
+
+def load_jsonl_task(name: str, path: str, n: Optional[int] = None) -> Task:
+    """Load a known task's problems from a local JSONL file (one JSON object per line).
+
+    Accepted shapes: ``{"prompt": ..., "answer": ...}`` for every task; for gsm8k also
+    ``{"question": ..., "answer": "... #### 72"}``; for math500 ``{"problem", "answer"}``;
+    for countdown ``{"target": 24, "nums": [..]}``. Blank lines are skipped.
+    """
+    key = canonical_task_name(name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"task data file not found: {path}")
+    prompts, answers = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if n is not None and len(prompts) >= n:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            p, a = _row_to_problem(key, row, f"{path}:{lineno}")
+            prompts.append(p)
+            answers.append(a)
+    reward, extract = REWARDS[key]
+    return Task(name=key, prompts=prompts, answers=answers, reward_fn=reward, extract_fn=extract,
+                meta={"source": os.path.abspath(path)})
+
+
+def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: no cover - needs network
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("loading Hub datasets needs the 'datasets' package (pip install datasets)") from e
+    repo, config = HUB_SOURCES["gsm8k" if key == "gsm8k_strict" else key]
+    if key == "math500" and split != "test":
+        raise ValueError("math500 only has a 'test' split")
+    if key == "countdown":
+        if split not in ("train", "test"):
+            raise ValueError("countdown splits are 'train' and 'test' (last 1024 Hub rows)")
+        ds = datasets.load_dataset(repo, split="train")
+        total = len(ds)
+        lo, hi = (0, total - COUNTDOWN_TEST_SIZE) if split == "train" else (total - COUNTDOWN_TEST_SIZE, total)
+        if n is not None:
+            hi = min(hi, lo + n)
+        ds = ds.select(range(lo, hi))
+    else:
+        ds = datasets.load_dataset(repo, config, split=split) if config else datasets.load_dataset(repo, split=split)
+        if n is not None:
+            ds = ds.select(range(min(n, len(ds))))
+    prompts, answers = [], []
+    for i, row in enumerate(ds):
+        p, a = _row_to_problem(key, dict(row), f"{repo}[{split}][{i}]")
+        prompts.append(p)
+        answers.append(a)
+    reward, extract = REWARDS[key]
+    return Task(name=key, prompts=prompts, answers=answers, reward_fn=reward, extract_fn=extract,
+                meta={"source": repo, "split": split})
+
+
+def load_task(name: str, split: str = "test", n: Optional[int] = None, path: Optional[str] = None,
+              seed: Optional[int] = None) -> Task:
+    """Load a task by name.
+
+    Args:
+        name: ``gsm8k`` (``gsm8k_strict``: no last-number fallback), ``math500`` (alias
+            ``math``), ``countdown`` or ``copy``.
+        split: dataset split (``train``/``test``). Ignored when ``path`` is given.
+        n: keep only the first ``n`` problems (``None``: all; for ``copy``: 1024 train /
+            256 test).
+        path: local JSONL file to read instead of the Hub (or instead of generating
+            ``copy`` problems).
+        seed: only for ``copy``: override the split's generator seed.
+
+    Raises:
+        ValueError: unknown task name (the message lists the known ones) or malformed data.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    key = canonical_task_name(name)
+    if n is not None and n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if path is not None:
+        task = load_jsonl_task(key, path, n)
+        task.meta["split"] = split
+        return task
+    if key == "copy":
+        return make_copy_task(n=n, split=split, seed=seed)
+    return _load_hub_task(key, split, n)

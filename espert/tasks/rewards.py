@@ -1,0 +1,398 @@
+"""Reward functions and answer extractors for the built-in tasks.
+
+Every reward here is *batched*: ``reward(completions, answers) -> list[float]`` with
+values in ``[0, 1]``. Every extractor returns a normalized answer string or ``None``
+when no answer can be extracted. Exact definitions are in ``docs/eval.md``.
+
+* GSM8K: the number after the last ``####`` (fallback: the last number in the text,
+  see :func:`gsm8k_extract`), compared exactly as rationals after removing ``,`` and ``$``.
+* MATH: the content of the last ``\\boxed{...}`` (nested braces handled), compared with
+  ``math_verify`` (``parse`` + ``verify``); if math_verify raises or cannot parse either
+  side, a string comparison after LaTeX normalization is used instead.
+* Countdown: an arithmetic expression in the last ``<answer>...</answer>`` block that
+  uses exactly the given numbers, each once, with ``+ - * /`` and parentheses only and
+  evaluates exactly (rational arithmetic) to the target. Parsed with :mod:`ast`, never
+  evaluated with ``eval``.
+* copy: partial credit, fraction of the first ``len(answer)`` non-whitespace characters
+  that match the answer position by position.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import threading
+from collections import Counter
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Optional, Sequence
+
+# --------------------------------------------------------------------------- GSM8K
+
+_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+|/\d+)?|-?\.\d+")
+
+
+def parse_number(text: str) -> Optional[Fraction]:
+    """Parse a number such as ``"1,234.50"``, ``"$18"``, ``"-3"`` or ``"3/4"`` into an exact Fraction.
+
+    Commas, ``$`` signs, spaces and a trailing ``.`` are removed first. Returns ``None``
+    if the text is not a single number.
+    """
+    s = text.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    if not s:
+        return None
+    m = re.fullmatch(r"(-?\d+)/(\d+)", s)
+    if m:
+        return Fraction(int(m.group(1)), int(m.group(2))) if int(m.group(2)) != 0 else None
+    try:
+        return Fraction(Decimal(s))
+    except (InvalidOperation, ValueError):
+        return None
+
+
+def format_number(x: Fraction) -> str:
+    """Canonical string of an exact number: ``"18"``, ``"-0.5"``, ``"1/3"``."""
+    if x.denominator == 1:
+        return str(x.numerator)
+    d = x.denominator
+    while d % 2 == 0:
+        d //= 2
+    while d % 5 == 0:
+        d //= 5
+    if d == 1:  # terminating decimal
+        s = format(Decimal(x.numerator) / Decimal(x.denominator), "f")
+        return s.rstrip("0").rstrip(".") if "." in s else s
+    return f"{x.numerator}/{x.denominator}"
+
+
+def gsm8k_extract(completion: str, fallback_last_number: bool = True) -> Optional[str]:
+    """Final numeric answer of a GSM8K-style completion, canonicalized (e.g. ``"1000"``).
+
+    The answer is the first number after the *last* ``####`` marker. If there is no
+    ``####`` (or no number after it) and ``fallback_last_number`` is true (the default
+    for the ``gsm8k`` task), the last number anywhere in the completion is used.
+    Returns ``None`` if no number is found.
+    """
+    if not isinstance(completion, str):
+        return None
+    if "####" in completion:
+        tail = completion.rsplit("####", 1)[1]
+        m = _NUMBER_RE.search(tail.replace("$", ""))
+        if m:
+            v = parse_number(m.group(0))
+            if v is not None:
+                return format_number(v)
+    if fallback_last_number:
+        nums = _NUMBER_RE.findall(completion.replace("$", ""))
+        if nums:
+            v = parse_number(nums[-1])
+            if v is not None:
+                return format_number(v)
+    return None
+
+
+def gsm8k_gold(answer: str) -> Optional[Fraction]:
+    """Reference value of a GSM8K answer: the text after ``####`` or a plain number."""
+    s = answer.rsplit("####", 1)[1] if "####" in answer else answer
+    v = parse_number(s)
+    if v is None:
+        m = _NUMBER_RE.findall(s.replace("$", ""))
+        if m:
+            v = parse_number(m[-1])
+    return v
+
+
+def gsm8k_reward(
+    completions: Sequence[str], answers: Sequence[str], fallback_last_number: bool = True
+) -> list[float]:
+    """Batched GSM8K reward: 1.0 if the extracted number equals the reference exactly."""
+    out = []
+    for c, a in zip(completions, answers):
+        gold = gsm8k_gold(a)
+        if gold is None:
+            raise ValueError(f"GSM8K reference answer has no number: {a!r}")
+        pred = gsm8k_extract(c, fallback_last_number)
+        out.append(1.0 if pred is not None and parse_number(pred) == gold else 0.0)
+    return out
+
+
+def gsm8k_reward_strict(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """GSM8K reward that only accepts an answer written after ``####`` (no fallback)."""
+    return gsm8k_reward(completions, answers, fallback_last_number=False)
+
+
+def gsm8k_extract_strict(completion: str) -> Optional[str]:
+    """:func:`gsm8k_extract` without the last-number fallback."""
+    return gsm8k_extract(completion, fallback_last_number=False)
+
+
+# --------------------------------------------------------------------------- MATH
+
+_BOXED_MARKERS = ("\\boxed", "\\fbox")
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``.
+
+    Nested braces are matched, so ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``. The
+    brace-less form ``\\boxed 5`` gives ``5``. Returns ``None`` if there is no box or
+    its braces are unbalanced.
+    """
+    if not isinstance(text, str):
+        return None
+    pos = max(text.rfind(m) for m in _BOXED_MARKERS)
+    while pos >= 0:
+        marker = next(m for m in _BOXED_MARKERS if text.startswith(m, pos))
+        i = pos + len(marker)
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                ch = text[j]
+                if ch == "{" and (j == 0 or text[j - 1] != "\\"):
+                    depth += 1
+                elif ch == "}" and (j == 0 or text[j - 1] != "\\"):
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1 : j].strip()
+            return None  # unbalanced
+        if i < len(text) and text[i] == " ":
+            m = re.match(r"\s+([^\s$]+)", text[i:])
+            if m:
+                return m.group(1).rstrip(".")
+        # e.g. "\boxedx" is not a box: look for an earlier one
+        pos = max(text.rfind(m, 0, pos) for m in _BOXED_MARKERS)
+    return None
+
+
+def normalize_latex(s: str) -> str:
+    """String normalization used for MATH voting and as the fallback comparison.
+
+    Removes ``$``, spaces, ``\\left``/``\\right``, thin spaces, ``^\\circ``, ``\\%``/``%``,
+    ``\\text{...}`` wrappers, a leading ``x=``, and a trailing period; maps
+    ``\\dfrac``/``\\tfrac`` to ``\\frac``.
+    """
+    s = s.strip()
+    s = s.replace("\\left", "").replace("\\right", "")
+    for t in ("\\!", "\\,", "\\;", "\\:", "\\ ", "$"):
+        s = s.replace(t, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("\\circ", "")
+    s = s.replace("\\%", "").replace("%", "")
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\s+", "", s)
+    s = re.sub(r"^[a-zA-Z]=", "", s)
+    s = s.rstrip(".")
+    return s
+
+
+def math_extract(completion: str) -> Optional[str]:
+    """Normalized content of the last ``\\boxed{}`` (``None`` if there is none or it is empty)."""
+    b = last_boxed(completion)
+    if b is None:
+        return None
+    n = normalize_latex(b)
+    return n or None
+
+
+def _math_gold(answer: str) -> str:
+    b = last_boxed(answer) if any(m in answer for m in _BOXED_MARKERS) else None
+    return b if b is not None else answer.strip()
+
+
+def math_equal(gold: str, pred: str) -> bool:
+    """Whether ``pred`` is mathematically equivalent to ``gold`` (both raw LaTeX strings).
+
+    Uses ``math_verify.parse`` on ``\\boxed{...}``-wrapped strings and
+    ``math_verify.verify``. If math_verify is unavailable, raises, or cannot parse one
+    side, falls back to equality of :func:`normalize_latex` strings. String equality
+    after normalization is always accepted.
+    """
+    ng, np_ = normalize_latex(gold), normalize_latex(pred)
+    if ng and ng == np_:
+        return True
+    try:
+        from math_verify import parse, verify
+
+        # math_verify's timeout uses SIGALRM, which only works in the main thread.
+        timeout = 5 if threading.current_thread() is threading.main_thread() else None
+        g = parse("\\boxed{" + gold + "}", parsing_timeout=timeout, raise_on_error=True)
+        p = parse("\\boxed{" + pred + "}", parsing_timeout=timeout, raise_on_error=True)
+        if not g or not p:
+            return False  # unparsable: the string comparison above already failed
+        return bool(verify(g, p, timeout_seconds=timeout, raise_on_error=True))
+    except Exception:  # noqa: BLE001 - any math_verify failure -> string fallback
+        # The string-normalized comparison at the top of this function is the fallback
+        # and it has already failed.
+        return False
+
+
+def math_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """Batched MATH reward: 1.0 if the last ``\\boxed{}`` is equivalent to the reference.
+
+    The reference may be a bare LaTeX answer (MATH-500 ``answer`` field) or a full
+    solution containing ``\\boxed{}``.
+    """
+    out = []
+    for c, a in zip(completions, answers):
+        pred = last_boxed(c)
+        if pred is None or not pred.strip():
+            out.append(0.0)
+            continue
+        out.append(1.0 if math_equal(_math_gold(a), pred) else 0.0)
+    return out
+
+
+# --------------------------------------------------------------------------- Countdown
+
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+_MAX_EXPR_CHARS = 512
+_MAX_EXPR_NODES = 64
+_MAX_ABS_VALUE = 10**30
+
+
+def countdown_answer(target: int, numbers: Sequence[int]) -> str:
+    """Encode a Countdown problem as the reference-answer string used by this module."""
+    return json.dumps({"target": int(target), "numbers": [int(x) for x in numbers]})
+
+
+def countdown_gold(answer: str) -> tuple[int, list[int]]:
+    """Decode a Countdown reference answer ``{"target": T, "numbers": [...]}`` (``nums`` also accepted)."""
+    try:
+        d = json.loads(answer)
+        target = d["target"]
+        nums = d["numbers"] if "numbers" in d else d["nums"]
+        return int(target), [int(x) for x in nums]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f'Countdown reference answer must be JSON {{"target": int, "numbers": [int, ...]}}, got {answer!r} ({e})'
+        ) from None
+
+
+def countdown_extract(completion: str) -> Optional[str]:
+    """The expression in the last ``<answer>...</answer>`` block, whitespace removed.
+
+    A trailing ``= value`` is dropped (``"(1+2)*4 = 12"`` -> ``"(1+2)*4"``) and the
+    Unicode operators ``× ÷ −`` are mapped to ``* / -``. Returns ``None`` if there is
+    no answer block or it is empty.
+    """
+    if not isinstance(completion, str):
+        return None
+    blocks = _ANSWER_TAG_RE.findall(completion)
+    if not blocks:
+        return None
+    expr = blocks[-1]
+    expr = expr.replace("×", "*").replace("÷", "/").replace("−", "-")
+    expr = expr.split("=", 1)[0]
+    expr = re.sub(r"\s+", "", expr)
+    return expr or None
+
+
+class _CountdownError(ValueError):
+    pass
+
+
+def countdown_evaluate(expr: str) -> tuple[Fraction, list[int]]:
+    """Safely evaluate an arithmetic expression with :mod:`ast` and exact fractions.
+
+    Only non-negative integer literals, binary ``+ - * /`` and parentheses are allowed
+    (no unary minus, no floats, no names, no calls, no ``**``). Returns the value and the
+    list of integer literals used. Raises ``ValueError`` for anything else, including
+    division by zero.
+    """
+    if len(expr) > _MAX_EXPR_CHARS:
+        raise _CountdownError("expression too long")
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as e:
+        raise _CountdownError(f"syntax error: {e.msg}") from None
+    nodes = sum(1 for _ in ast.walk(tree))
+    if nodes > _MAX_EXPR_NODES:
+        raise _CountdownError("expression too large")
+    used: list[int] = []
+
+    def ev(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant):
+            v = node.value
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise _CountdownError(f"literal {v!r} is not a non-negative integer")
+            used.append(v)
+            return Fraction(v)
+        if isinstance(node, ast.BinOp):
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add):
+                r = left + right
+            elif isinstance(node.op, ast.Sub):
+                r = left - right
+            elif isinstance(node.op, ast.Mult):
+                r = left * right
+            elif isinstance(node.op, ast.Div):
+                if right == 0:
+                    raise _CountdownError("division by zero")
+                r = left / right
+            else:
+                raise _CountdownError(f"operator {type(node.op).__name__} not allowed")
+            if abs(r.numerator) > _MAX_ABS_VALUE or r.denominator > _MAX_ABS_VALUE:
+                raise _CountdownError("intermediate value too large")
+            return r
+        raise _CountdownError(f"{type(node).__name__} not allowed")
+
+    value = ev(tree.body)
+    return value, used
+
+
+def countdown_check(expr: Optional[str], target: int, numbers: Sequence[int]) -> bool:
+    """True if ``expr`` uses exactly ``numbers`` (each once, all of them) and equals ``target``."""
+    if not expr:
+        return False
+    try:
+        value, used = countdown_evaluate(expr)
+    except _CountdownError:
+        return False
+    if Counter(used) != Counter(int(n) for n in numbers):
+        return False
+    return value == Fraction(int(target))
+
+
+def countdown_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """Batched Countdown reward: 1.0 for a valid expression hitting the target, else 0.0."""
+    out = []
+    for c, a in zip(completions, answers):
+        target, nums = countdown_gold(a)
+        out.append(1.0 if countdown_check(countdown_extract(c), target, nums) else 0.0)
+    return out
+
+
+# --------------------------------------------------------------------------- copy
+
+
+def _squash(s: str) -> str:
+    return "".join(s.split())
+
+
+def copy_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """Batched copy reward with partial credit.
+
+    All whitespace is removed from the completion; the reward is the fraction of the
+    ``len(answer)`` positions where the completion's character equals the answer's
+    (missing characters count as wrong; characters past ``len(answer)`` are ignored).
+    """
+    out = []
+    for c, a in zip(completions, answers):
+        if not a:
+            raise ValueError("copy task: empty reference answer")
+        s = _squash(c)
+        hits = sum(1 for i, ch in enumerate(a) if i < len(s) and s[i] == ch)
+        out.append(hits / len(a))
+    return out
+
+
+def copy_extract(completion: str, answer: Optional[str] = None) -> Optional[str]:
+    """First ``len(answer)`` non-whitespace characters of the completion.
+
+    Without ``answer`` the whole whitespace-free completion is returned. ``None`` if empty.
+    """
+    s = _squash(completion) if isinstance(completion, str) else ""
+    if answer is not None:
+        s = s[: len(answer)]
+    return s or None
