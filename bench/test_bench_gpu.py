@@ -18,7 +18,6 @@ BACKENDS = ["triton"] + (["cuda"] if _C.has_cuda else [])
 
 @pytest.fixture(scope="module")
 def gpu_weights():
-    os.environ.pop("TRITON_INTERPRET", None)
     return bench_tensor("cuda", GPU_MIB)
 
 
