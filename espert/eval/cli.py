@@ -1,0 +1,166 @@
+"""argparse front ends for ``espert eval`` and ``espert analyze``.
+
+``espert/cli.py`` wires them in with::
+
+    from espert.eval.cli import add_eval_parser, add_analyze_parser
+    add_eval_parser(subparsers)      # -> "espert eval",    args.func(args) -> exit code
+    add_analyze_parser(subparsers)   # -> "espert analyze", args.func(args) -> exit code
+
+``python -m espert.eval {eval,analyze} ...`` works on its own as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+EVAL_EPILOG = """examples:
+  espert eval --task gsm8k --data test.jsonl --models base=Qwen2.5-0.5B es=runs/es/final \\
+      --base base -n 16 --limit 200 --out eval_out
+  espert eval --samples eval_out/samples_base.jsonl eval_out/samples_es.jsonl --base base --out rescored
+"""
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``eval`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
+    p = subparsers.add_parser(
+        "eval", help="sample models on a task and report pass@k, maj@k, histograms, progressions",
+        description="Sample n completions per problem from one or more models (or re-score saved samples) "
+                    "and write report.json, summary.txt and PNG plots.",
+        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("what to evaluate")
+    src.add_argument("--models", nargs="+", metavar="LABEL=PATH", help="model directories to sample from")
+    src.add_argument("--samples", nargs="+", metavar="FILE",
+                     help="re-score saved samples_*.jsonl files instead of generating")
+    src.add_argument("--no-rescore", action="store_true",
+                     help="with --samples: use the stored rewards instead of recomputing them")
+    src.add_argument("--base", metavar="LABEL", help="reference model for progressions/regressions (default: first)")
+    data = p.add_argument_group("task")
+    data.add_argument("--task", help="task name: gsm8k, gsm8k_strict, math500, countdown, copy")
+    data.add_argument("--data", metavar="JSONL", help="local JSONL file with the problems (instead of the Hub)")
+    data.add_argument("--split", default="test", help="dataset split (default: test)")
+    data.add_argument("--limit", type=int, help="evaluate only the first LIMIT problems")
+    samp = p.add_argument_group("sampling")
+    samp.add_argument("-n", "--n", type=int, default=8, help="samples per problem (default 8)")
+    samp.add_argument("--temperature", type=float, default=0.6, help="default 0.6; 0 = greedy")
+    samp.add_argument("--top-p", type=float, default=0.95, help="default 0.95")
+    samp.add_argument("--max-tokens", type=int, default=512, help="max new tokens per sample (default 512)")
+    samp.add_argument("--seed", type=int, default=0)
+    samp.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
+    samp.add_argument("--batch-size", type=int, default=64, help="sequences per generate call (transformers)")
+    samp.add_argument("--device", help="torch device for the transformers backend (default: cuda if available)")
+    samp.add_argument("--dtype", default="auto", help="model dtype, e.g. bfloat16 (default auto)")
+    samp.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
+    rep = p.add_argument_group("report")
+    rep.add_argument("--out", default="eval_out", metavar="DIR", help="output directory (default eval_out)")
+    rep.add_argument("--threshold", type=float,
+                     help="a sample is correct if reward >= THRESHOLD (default: the task's, 1.0)")
+    rep.add_argument("--solve-rule", choices=["any", "majority", "vote"], default="any",
+                     help="when a model 'solves' a problem, for progressions/regressions (default any)")
+    rep.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Entry point of ``espert eval``: returns 0, or 2 with a one-line error on bad input."""
+    try:
+        return _run_eval(args)
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
+        print(f"espert eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from ..tasks import load_task
+    from .runner import generate_samples, load_sample_files, parse_model_specs, write_outputs
+    from .samples import save_samples
+
+    if bool(args.models) == bool(args.samples):
+        raise ValueError("give exactly one of --models (generate) or --samples (re-score)")
+    threshold = 1.0 if args.threshold is None else args.threshold
+    if args.samples:
+        groups = load_sample_files(args.samples, task_name=args.task, rescore_rewards=not args.no_rescore)
+    else:
+        if not args.task:
+            raise ValueError("--task is required when generating")
+        models = parse_model_specs(args.models)
+        for label, path in models.items():
+            if args.backend == "transformers" and not os.path.exists(path) and os.path.sep in path:
+                raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
+        task = load_task(args.task, split=args.split, n=args.limit, path=args.data)
+        if len(task) == 0:
+            raise ValueError(f"task {args.task!r} has no problems")
+        if args.threshold is None:
+            threshold = task.success_threshold
+        _quiet_transformers()
+        from .samplers import make_sampler
+
+        groups = {}
+        os.makedirs(args.out, exist_ok=True)
+        for label, path in models.items():
+            print(f"[espert eval] sampling {label} ({path}): {len(task)} problems x {args.n}", file=sys.stderr)
+            kwargs = dict(chat_template=args.chat_template, dtype=args.dtype)
+            if args.backend == "transformers":
+                kwargs.update(batch_size=args.batch_size, device=args.device)
+            sampler = make_sampler(args.backend, path, **kwargs)
+            try:
+                recs = generate_samples(task, label, sampler, args.n, args.temperature, args.top_p, args.max_tokens,
+                                        args.seed, extra_meta={"model_path": path, "backend": args.backend,
+                                                               "split": args.split, "data": args.data})
+            finally:
+                close = getattr(sampler, "close", None)
+                if close:
+                    close()
+            out_path = os.path.join(args.out, f"samples_{label}.jsonl")
+            save_samples(out_path, recs)
+            print(f"[espert eval] wrote {out_path}", file=sys.stderr)
+            groups[label] = recs
+    write_outputs(groups, args.out, base=args.base, threshold=threshold, solve_rule=args.solve_rule,
+                  plots=not args.no_plots)
+    print(f"[espert eval] report: {os.path.join(args.out, 'report.json')}", file=sys.stderr)
+    return 0
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+
+
+def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``analyze`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
+    from ..analyze import add_arguments, run_analyze
+
+    p = subparsers.add_parser(
+        "analyze", help="weight drift of checkpoints vs a base model; export magnitude-thresholded checkpoints",
+        description="Relative L2 drift overall and per parameter group, update-magnitude distribution, and "
+                    "export of a checkpoint whose small updates (|delta| <= tau) are reset to the base weights.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run_analyze)
+    return p
+
+
+def build_parser(prog: str = "python -m espert.eval") -> argparse.ArgumentParser:
+    """A stand-alone parser with the ``eval`` and ``analyze`` sub-commands."""
+    parser = argparse.ArgumentParser(prog=prog, description="espert evaluation and weight analysis")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_eval_parser(sub)
+    add_analyze_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m espert.eval`` entry point. ``eval`` is implied if no sub-command is given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in ("eval", "analyze", "-h", "--help"):
+        argv = ["eval"] + argv
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

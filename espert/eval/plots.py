@@ -1,0 +1,118 @@
+"""PNG plots of an evaluation report (matplotlib, headless Agg backend)."""
+
+from __future__ import annotations
+
+import os
+
+from .metrics import ACC_BIN_LABELS
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_pass_at_k(report: dict, path: str) -> str:
+    """pass@k (solid) and maj@k (dashed) vs k for all models on one axes, log2 x axis."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    all_k = set()
+    for i, (lab, m) in enumerate(report["models"].items()):
+        ks = [int(k) for k in m["pass_at_k"]]
+        all_k.update(ks)
+        col = colors[i % len(colors)]
+        ax.plot(ks, [m["pass_at_k"][str(k)] for k in ks], marker="o", color=col, label=f"{lab} pass@k")
+        ax.plot(ks, [m["maj_at_k"][str(k)] for k in ks], marker="s", ms=4, ls="--", color=col, alpha=0.7,
+                label=f"{lab} maj@k")
+    ax.set_xscale("log", base=2)
+    ks_sorted = sorted(all_k)
+    ax.set_xticks(ks_sorted)
+    ax.set_xticklabels([str(k) for k in ks_sorted])
+    ax.minorticks_off()
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("k (samples per problem)")
+    ax.set_ylabel("score")
+    ax.set_title(f"pass@k and maj@k — task {report['task']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_accuracy_histograms(report: dict, path: str) -> str:
+    """Per-problem fraction-correct histograms, one panel per model, side by side (shared y)."""
+    plt = _plt()
+    models = report["models"]
+    n = len(models)
+    fig, axes = plt.subplots(1, n, figsize=(max(5.0, 4.6 * n), 4.0), dpi=120, sharey=True, squeeze=False)
+    x = list(range(len(ACC_BIN_LABELS)))
+    ymax = max(max(m["accuracy_histogram"]["counts"]) for m in models.values())
+    for ax, (lab, m) in zip(axes[0], models.items()):
+        counts = m["accuracy_histogram"]["counts"]
+        colors = ["#c0392b"] + ["#7f8c8d"] * (len(x) - 2) + ["#27ae60"]
+        bars = ax.bar(x, counts, color=colors, edgecolor="black", linewidth=0.5)
+        for b, c in zip(bars, counts):
+            if c:
+                ax.text(b.get_x() + b.get_width() / 2, c, str(c), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x)
+        ax.set_xticklabels(ACC_BIN_LABELS, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{lab}  (unsolved {m['unsolved']}/{m['n_problems']})", fontsize=10)
+        ax.set_xlabel("fraction of samples correct")
+        ax.set_ylim(0, ymax * 1.15 + 0.5)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("problems")
+    fig.suptitle(f"Per-problem accuracy — task {report['task']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_progressions(report: dict, path: str) -> str:
+    """Progression (green, up) and regression (red, down) counts per tuned model vs the base."""
+    plt = _plt()
+    comps = report["comparisons"]
+    labels = list(comps)
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(labels) + 2.5), 4.0), dpi=120)
+    if not labels:
+        ax.text(0.5, 0.5, "only one model: no comparison", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+    else:
+        x = list(range(len(labels)))
+        prog = [comps[lab]["progressions"] for lab in labels]
+        regr = [comps[lab]["regressions"] for lab in labels]
+        b1 = ax.bar([i - 0.2 for i in x], prog, width=0.4, color="#27ae60", label="progressions")
+        b2 = ax.bar([i + 0.2 for i in x], regr, width=0.4, color="#c0392b", label="regressions")
+        for bars in (b1, b2):
+            for b in bars:
+                ax.text(b.get_x() + b.get_width() / 2, b.get_height(), str(int(b.get_height())),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x)
+        ax.set_xticklabels([f"{lab}\n(net {comps[lab]['net']:+d})" for lab in labels])
+        top = max(prog + regr + [1])
+        ax.set_ylim(0, top * 1.2 + 0.5)
+        ax.set_ylabel("problems")
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title(f"vs base '{report['base']}' (solve rule '{report['solve_rule']}')", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_plots(report: dict, out_dir: str) -> list[str]:
+    """Write ``pass_at_k.png``, ``accuracy_hist.png`` and ``progressions.png`` into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    return [
+        plot_pass_at_k(report, os.path.join(out_dir, "pass_at_k.png")),
+        plot_accuracy_histograms(report, os.path.join(out_dir, "accuracy_hist.png")),
+        plot_progressions(report, os.path.join(out_dir, "progressions.png")),
+    ]

@@ -1,0 +1,209 @@
+"""Build the evaluation report (a JSON-serializable dict) and its terminal summary."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from .metrics import (
+    ACC_BIN_LABELS,
+    SOLVE_RULES,
+    accuracy_bin,
+    answer_entropy,
+    k_values,
+    maj_at_k,
+    mean_or_none,
+    pass_at_k,
+    solved,
+)
+
+REPORT_VERSION = 1
+
+
+def _correct_flags(rewards: Sequence[float], threshold: float) -> list[bool]:
+    return [r >= threshold - 1e-12 for r in rewards]
+
+
+def model_metrics(records: list[dict], threshold: float = 1.0) -> dict:
+    """All single-model metrics for one model's records (sorted by problem index).
+
+    pass@k and maj@k are reported for k in :func:`k_values` of the smallest per-problem
+    sample count (so every problem supports every k).
+    """
+    if not records:
+        raise ValueError("no problems to evaluate")
+    ns = [len(r["completions"]) for r in records]
+    if min(ns) < 1:
+        raise ValueError("every problem needs at least one sample")
+    n_min = min(ns)
+    ks = k_values(n_min)
+    per_c, per_n, per_h, per_bin, per_maj = [], [], [], [], []
+    all_rewards = []
+    abstain = 0
+    pass_sums = {k: 0.0 for k in ks}
+    maj_sums = {k: 0.0 for k in ks}
+    for r in records:
+        ok = _correct_flags(r["rewards"], threshold)
+        n, c = len(ok), sum(ok)
+        per_c.append(c)
+        per_n.append(n)
+        per_bin.append(accuracy_bin(c, n))
+        per_h.append(answer_entropy(r["extracted"]))
+        per_maj.append(maj_at_k(r["extracted"], ok, n))
+        all_rewards.extend(r["rewards"])
+        abstain += sum(1 for a in r["extracted"] if a is None)
+        for k in ks:
+            pass_sums[k] += pass_at_k(n, c, k)
+            maj_sums[k] += maj_at_k(r["extracted"], ok, k)
+    P = len(records)
+    hist = [0] * len(ACC_BIN_LABELS)
+    for b in per_bin:
+        hist[b] += 1
+    return {
+        "n_problems": P,
+        "n_samples_per_problem": n_min if min(ns) == max(ns) else {"min": min(ns), "max": max(ns)},
+        "n_samples": sum(ns),
+        "mean_reward": sum(all_rewards) / len(all_rewards),
+        "accuracy": sum(per_c) / sum(ns),
+        "pass_at_k": {str(k): pass_sums[k] / P for k in ks},
+        "maj_at_k": {str(k): maj_sums[k] / P for k in ks},
+        "accuracy_histogram": {"bins": list(ACC_BIN_LABELS), "counts": hist},
+        "unsolved": hist[0],
+        "all_correct": hist[-1],
+        "abstain_rate": abstain / sum(ns),
+        "answer_entropy_mean": mean_or_none(per_h),
+        "n_all_abstain": sum(1 for h in per_h if h is None),
+        "per_problem": {
+            "index": [r["index"] for r in records],
+            "n": per_n,
+            "n_correct": per_c,
+            "maj_at_n": per_maj,
+            "entropy": per_h,
+        },
+    }
+
+
+def _check_aligned(base: str, base_recs: list[dict], label: str, recs: list[dict]) -> None:
+    bi = [r["index"] for r in base_recs]
+    ti = [r["index"] for r in recs]
+    if bi != ti:
+        missing = sorted(set(bi) ^ set(ti))[:5]
+        raise ValueError(f"models {base!r} and {label!r} were evaluated on different problems "
+                         f"(e.g. indices {missing} are in only one of them)")
+    for a, b in zip(base_recs, recs):
+        if a["prompt"] != b["prompt"] or a["answer"] != b["answer"]:
+            raise ValueError(f"models {base!r} and {label!r} have different prompt/answer for problem {a['index']}")
+
+
+def compare(base: str, base_recs: list[dict], label: str, recs: list[dict], threshold: float,
+            solve_rule: str = "any") -> dict:
+    """Progressions/regressions of ``label`` against ``base`` plus entropy on those subsets.
+
+    A *progression* is a problem the base model does not solve and the tuned model solves;
+    a *regression* is the reverse; "solves" follows ``solve_rule`` (see
+    :func:`espert.eval.metrics.solved`).
+    """
+    if solve_rule not in SOLVE_RULES:
+        raise ValueError(f"unknown solve rule {solve_rule!r}; use one of {', '.join(SOLVE_RULES)}")
+    _check_aligned(base, base_recs, label, recs)
+    prog, regr, both, neither = [], [], [], []
+    hb, ht = [], []
+    for b, t in zip(base_recs, recs):
+        okb = _correct_flags(b["rewards"], threshold)
+        okt = _correct_flags(t["rewards"], threshold)
+        sb = solved(sum(okb), len(okb), b["extracted"], okb, solve_rule)
+        st = solved(sum(okt), len(okt), t["extracted"], okt, solve_rule)
+        (prog if st and not sb else regr if sb and not st else both if sb else neither).append(b["index"])
+        hb.append(answer_entropy(b["extracted"]))
+        ht.append(answer_entropy(t["extracted"]))
+    pos = {r["index"]: i for i, r in enumerate(base_recs)}
+
+    def ent(subset: list[int]) -> dict:
+        return {"n": len(subset),
+                "base": mean_or_none([hb[pos[i]] for i in subset]),
+                "tuned": mean_or_none([ht[pos[i]] for i in subset])}
+
+    return {
+        "base": base,
+        "solve_rule": solve_rule,
+        "progressions": len(prog),
+        "regressions": len(regr),
+        "net": len(prog) - len(regr),
+        "both_solved": len(both),
+        "neither_solved": len(neither),
+        "progression_indices": prog,
+        "regression_indices": regr,
+        "answer_entropy": {
+            "all": ent([r["index"] for r in base_recs]),
+            "progressions": ent(prog),
+            "regressions": ent(regr),
+        },
+    }
+
+
+def build_report(groups: dict[str, list[dict]], base: Optional[str] = None, threshold: float = 1.0,
+                 solve_rule: str = "any") -> dict:
+    """The full report for several models (``groups``: label -> records sorted by index).
+
+    ``base`` (default: the first model) is the reference for progressions/regressions.
+    """
+    if not groups:
+        raise ValueError("no models to report on")
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"success threshold must be in (0, 1], got {threshold}")
+    labels = list(groups)
+    if base is None:
+        base = labels[0]
+    if base not in groups:
+        raise ValueError(f"base model {base!r} not among the evaluated models: {', '.join(labels)}")
+    tasks = sorted({str(r.get("task")) for recs in groups.values() for r in recs})
+    report = {
+        "version": REPORT_VERSION,
+        "task": tasks[0] if len(tasks) == 1 else tasks,
+        "success_threshold": threshold,
+        "base": base,
+        "solve_rule": solve_rule,
+        "sampling": {lab: groups[lab][0].get("meta", {}) for lab in labels},
+        "models": {lab: model_metrics(groups[lab], threshold) for lab in labels},
+        "comparisons": {},
+    }
+    for lab in labels:
+        if lab != base:
+            report["comparisons"][lab] = compare(base, groups[base], lab, groups[lab], threshold, solve_rule)
+    return report
+
+
+def _fmt(x: Optional[float], nd: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def format_summary(report: dict) -> str:
+    """A short human-readable summary of a report (what ``espert eval`` prints)."""
+    models = report["models"]
+    labels = list(models)
+    any_m = models[labels[0]]
+    ks = list(any_m["pass_at_k"])
+    lines = []
+    n_desc = any_m["n_samples_per_problem"]
+    lines.append(f"task {report['task']}: {any_m['n_problems']} problems, n={n_desc} samples/problem, "
+                 f"correct = reward >= {report['success_threshold']:g}")
+    pk = [k for k in ks if k in ("1", ks[-1])] if len(ks) > 4 else ks
+    head = ["model", "reward"] + [f"pass@{k}" for k in pk] + [f"maj@{ks[-1]}", "unsolved", "all-correct", "H(bits)"]
+    rows = []
+    for lab in labels:
+        m = models[lab]
+        rows.append([lab, _fmt(m["mean_reward"])] + [_fmt(m["pass_at_k"].get(k)) for k in pk]
+                    + [_fmt(m["maj_at_k"][ks[-1]]) if ks[-1] in m["maj_at_k"] else "-",
+                       str(m["unsolved"]), str(m["all_correct"]), _fmt(m["answer_entropy_mean"], 2)])
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    for lab, cmp_ in report["comparisons"].items():
+        e = cmp_["answer_entropy"]
+        lines.append(
+            f"{lab} vs {cmp_['base']} (solve rule '{cmp_['solve_rule']}'): +{cmp_['progressions']} progressions, "
+            f"-{cmp_['regressions']} regressions (net {cmp_['net']:+d}); "
+            f"answer entropy base->tuned: all {_fmt(e['all']['base'], 2)}->{_fmt(e['all']['tuned'], 2)}, "
+            f"progressions {_fmt(e['progressions']['base'], 2)}->{_fmt(e['progressions']['tuned'], 2)}, "
+            f"regressions {_fmt(e['regressions']['base'], 2)}->{_fmt(e['regressions']['tuned'], 2)}")
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""Samplers: draw ``n`` completions per prompt from a model.
+
+A sampler is anything with::
+
+    sample(prompts, n, temperature, top_p, max_tokens, seed) -> list[list[str]]
+
+returning, for every prompt, ``n`` completions (generated text only, prompt excluded).
+:class:`TransformersSampler` (CPU or GPU, batched, seeded) is the default;
+:class:`VLLMSampler` is a thin wrapper over ``vllm.LLM.generate`` that imports vllm lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """The sampling interface used by ``espert eval``."""
+
+    def sample(self, prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int,
+               seed: int) -> list[list[str]]:
+        """Return ``n`` completions for every prompt (``len(result) == len(prompts)``)."""
+        ...
+
+
+def _check_sampling_args(prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int) -> None:
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a list of strings, not a single string")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+
+
+class TransformersSampler:
+    """Sample with ``transformers`` ``generate`` (left-padded batches, CPU or GPU).
+
+    Args:
+        model_path: a Hugging Face model directory (or Hub id if you have network).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA if available.
+        dtype: torch dtype name (``"float32"``, ``"bfloat16"``, ...) or ``"auto"``
+            (the checkpoint's dtype on GPU, float32 on CPU).
+        batch_size: maximum number of sequences per ``generate`` call; a call holds
+            ``max(1, batch_size // n)`` prompts, each with ``n`` return sequences.
+        chat_template: wrap each prompt as a user message with the tokenizer's chat template.
+
+    Reproducibility: before each ``generate`` call the torch RNG is seeded with
+    ``seed + index of the first prompt in the call``, so a rerun with the same seed,
+    batch size, device and library versions reproduces the samples exactly.
+    """
+
+    def __init__(self, model_path: str, device: Optional[str] = None, dtype: str = "auto", batch_size: int = 64,
+                 chat_template: bool = False, trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype == "auto":
+            torch_dtype = "auto" if self.device.startswith("cuda") else torch.float32
+        else:
+            torch_dtype = getattr(torch, dtype, None)
+            if not isinstance(torch_dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            if self.tokenizer.eos_token is None:
+                raise ValueError(f"tokenizer of {model_path} has neither a pad nor an eos token")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype,
+                                                          trust_remote_code=trust_remote_code)
+        self.model.to(self.device)
+        self.model.eval()
+        self.batch_size = batch_size
+        self.chat_template = chat_template
+        self.model_path = model_path
+
+    def _format(self, prompt: str) -> str:
+        if not self.chat_template:
+            return prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"--chat-template was requested but {self.model_path} has no chat template")
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def sample(self, prompts: Sequence[str], n: int, temperature: float = 0.6, top_p: float = 0.95,
+               max_tokens: int = 512, seed: int = 0) -> list[list[str]]:
+        """Draw ``n`` completions per prompt; ``temperature == 0`` means greedy decoding."""
+        import torch
+
+        _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
+        per_call = max(1, self.batch_size // n)
+        eos = self.tokenizer.eos_token_id
+        out: list[list[str]] = []
+        for start in range(0, len(prompts), per_call):
+            chunk = [self._format(p) for p in prompts[start:start + per_call]]
+            enc = self.tokenizer(chunk, return_tensors="pt", padding=True)
+            enc = {k: v.to(self.device) for k, v in enc.items()}
+            torch.manual_seed(seed + start)
+            gen_kwargs = dict(max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id,
+                              eos_token_id=eos)
+            if temperature > 0:
+                reps = n
+                gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                  num_return_sequences=n)
+            else:  # greedy: one decode per prompt, repeated n times
+                reps = 1
+                gen_kwargs.update(do_sample=False, num_return_sequences=1)
+            with torch.inference_mode():
+                seqs = self.model.generate(**enc, **gen_kwargs)
+            new = seqs[:, enc["input_ids"].shape[1]:]
+            texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+            for i in range(len(chunk)):
+                got = texts[i * reps:(i + 1) * reps]
+                out.append(got if reps == n else got * n)
+        return out
+
+    def close(self) -> None:
+        """Free the model (and GPU memory)."""
+        import gc
+
+        import torch
+
+        del self.model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class VLLMSampler:
+    """Sample with vLLM (``vllm.LLM(...).generate`` with ``SamplingParams(n=..., seed=...)``).
+
+    vllm is imported lazily; if it is not installed, construction raises ``ImportError``
+    with install instructions. Extra keyword arguments go to ``vllm.LLM``. Not covered
+    by the CPU test suite.
+    """
+
+    def __init__(self, model_path: str, chat_template: bool = False, **llm_kwargs):
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError("the vllm backend needs the 'vllm' package (pip install vllm); "
+                              "use --backend transformers otherwise") from e
+        self._vllm = vllm
+        self.llm = vllm.LLM(model=model_path, **llm_kwargs)
+        self.chat_template = chat_template
+        self.model_path = model_path
+
+    def sample(self, prompts: Sequence[str], n: int, temperature: float = 0.6, top_p: float = 0.95,
+               max_tokens: int = 512, seed: int = 0) -> list[list[str]]:
+        """Draw ``n`` completions per prompt with one vLLM ``generate`` call."""
+        _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
+        params = self._vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                                           max_tokens=max_tokens, seed=seed)
+        if self.chat_template:
+            tok = self.llm.get_tokenizer()
+            prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        outs = self.llm.generate(list(prompts), params)
+        result = [[o.text for o in out.outputs] for out in outs]
+        if len(result) != len(prompts) or any(len(r) != n for r in result):
+            raise RuntimeError("vLLM returned an unexpected number of completions")
+        return result
+
+    def close(self) -> None:
+        """Drop the engine."""
+        del self.llm
+
+
+def make_sampler(backend: str, model_path: str, **kwargs) -> Sampler:
+    """Construct a sampler by backend name (``transformers`` or ``vllm``)."""
+    if backend == "transformers":
+        return TransformersSampler(model_path, **kwargs)
+    if backend == "vllm":
+        kwargs.pop("batch_size", None)
+        kwargs.pop("device", None)
+        dtype = kwargs.pop("dtype", "auto")
+        return VLLMSampler(model_path, dtype=dtype, **kwargs)
+    raise ValueError(f"unknown backend {backend!r}; use 'transformers' or 'vllm'")

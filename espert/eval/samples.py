@@ -1,0 +1,136 @@
+"""Saving, loading and (re)scoring sampled completions (one JSONL line per problem)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable, Optional, Sequence
+
+from ..tasks import Task, reward_task
+
+#: Keys of one JSONL line.
+RECORD_KEYS = ("model", "task", "index", "prompt", "answer", "completions", "rewards", "extracted", "meta")
+
+
+def make_records(label: str, task: Task, completions: Sequence[Sequence[str]], meta: Optional[dict] = None,
+                 indices: Optional[Sequence[int]] = None) -> list[dict]:
+    """Score completions (``completions[i]`` = the n samples of problem i) into records.
+
+    Each record holds the model label, task name, problem index, prompt, answer, the
+    completions, per-sample rewards and extracted answers, and ``meta`` (sampling settings).
+    """
+    if len(completions) != len(task.prompts):
+        raise ValueError(f"got completions for {len(completions)} problems, task has {len(task.prompts)}")
+    idx = list(range(len(task.prompts))) if indices is None else list(indices)
+    records = []
+    for i, (p, a, comps) in enumerate(zip(task.prompts, task.answers, completions)):
+        rec = {"model": label, "task": task.name, "index": idx[i], "prompt": p, "answer": a,
+               "completions": list(comps), "rewards": [], "extracted": [], "meta": dict(meta or {})}
+        records.append(rec)
+    return score_records(records, task)
+
+
+def score_records(records: list[dict], task: Task) -> list[dict]:
+    """(Re)compute ``rewards`` and ``extracted`` of every record in place with ``task``'s reward.
+
+    All completions are scored in one batched call. Returns ``records``.
+    """
+    flat_c, flat_a = [], []
+    for r in records:
+        if not r["completions"]:
+            raise ValueError(f"model {r['model']!r} problem {r['index']}: empty completion list")
+        flat_c.extend(r["completions"])
+        flat_a.extend([r["answer"]] * len(r["completions"]))
+    rewards = task.score(flat_c, flat_a)
+    pos = 0
+    for r in records:
+        m = len(r["completions"])
+        r["rewards"] = rewards[pos:pos + m]
+        r["extracted"] = [task.extract(c, r["answer"]) for c in r["completions"]]
+        r["task"] = task.name
+        pos += m
+    return records
+
+
+def save_samples(path: str, records: Iterable[dict]) -> None:
+    """Write records as JSONL (one problem per line, UTF-8, keys in a fixed order)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps({k: r[k] for k in RECORD_KEYS if k in r}, ensure_ascii=False) + "\n")
+
+
+def validate_record(r: Any, where: str) -> dict:
+    """Check one loaded record; raises ``ValueError`` naming ``where`` on any problem."""
+    if not isinstance(r, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    for k in ("model", "index", "prompt", "answer", "completions", "rewards", "extracted"):
+        if k not in r:
+            raise ValueError(f"{where}: missing key {k!r}")
+    comps, rews, ext = r["completions"], r["rewards"], r["extracted"]
+    if not isinstance(comps, list) or not comps:
+        raise ValueError(f"{where}: 'completions' must be a non-empty list")
+    if not isinstance(rews, list) or len(rews) != len(comps):
+        raise ValueError(f"{where}: {len(comps)} completions but {len(rews) if isinstance(rews, list) else '?'} rewards")
+    if not isinstance(ext, list) or len(ext) != len(comps):
+        raise ValueError(f"{where}: {len(comps)} completions but {len(ext) if isinstance(ext, list) else '?'} extracted answers")
+    for j, x in enumerate(rews):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x) or math.isinf(x):
+            raise ValueError(f"{where}: reward {j} is not a finite number ({x!r})")
+        if not 0.0 <= x <= 1.0:
+            raise ValueError(f"{where}: reward {j} = {x} is outside [0, 1]")
+    for j, x in enumerate(ext):
+        if x is not None and not isinstance(x, str):
+            raise ValueError(f"{where}: extracted answer {j} must be a string or null")
+    r.setdefault("task", None)
+    r.setdefault("meta", {})
+    return r
+
+
+def load_samples(path: str) -> list[dict]:
+    """Read a samples JSONL file written by :func:`save_samples` (validated)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"samples file not found: {path}")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            out.append(validate_record(r, f"{path}:{lineno}"))
+    if not out:
+        raise ValueError(f"samples file {path} contains no records")
+    return out
+
+
+def group_by_model(records: Iterable[dict]) -> dict[str, list[dict]]:
+    """Group records by model label (insertion order), sorted by problem index; duplicate indices are an error."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(str(r["model"]), []).append(r)
+    for label, recs in groups.items():
+        recs.sort(key=lambda r: r["index"])
+        seen = set()
+        for r in recs:
+            if r["index"] in seen:
+                raise ValueError(f"model {label!r}: problem index {r['index']} appears more than once")
+            seen.add(r["index"])
+    return groups
+
+
+def rescore(records: list[dict], task_name: Optional[str] = None) -> list[dict]:
+    """Recompute rewards/extracted answers of loaded records with a built-in task's reward.
+
+    ``task_name`` defaults to the ``task`` stored in the records (all must agree).
+    """
+    if task_name is None:
+        names = {r.get("task") for r in records}
+        if len(names) != 1 or None in names:
+            raise ValueError(f"cannot infer the task from the samples (found {sorted(map(str, names))}); pass --task")
+        task_name = names.pop()
+    return score_records(records, reward_task(task_name))
