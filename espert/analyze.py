@@ -422,6 +422,8 @@ def run_analyze(args: argparse.Namespace) -> int:
             raise ValueError("--export needs exactly one --ckpt")
         if args.export and args.threshold is None:
             raise ValueError("--export needs --threshold TAU")
+        if args.export:  # fail before the (possibly long) drift pass
+            _check_output_dir(args.export, [args.base, *ckpts.values()], args.force)
         results = {}
         for label, path in ckpts.items():
             res = compute_drift(args.base, path, args.taus, per_tensor=not args.no_per_tensor)

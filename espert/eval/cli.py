@@ -88,7 +88,9 @@ def _run_eval(args: argparse.Namespace) -> int:
             raise ValueError("--task is required when generating")
         models = parse_model_specs(args.models)
         for label, path in models.items():
-            if args.backend == "transformers" and not os.path.exists(path) and os.path.sep in path:
+            # "org/name" may be a Hub id; anything else that looks like a path must exist.
+            looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+            if looks_local and not os.path.exists(os.path.expanduser(path)):
                 raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
         task = load_task(args.task, split=args.split, n=args.limit, path=args.data)
         if len(task) == 0:

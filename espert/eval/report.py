@@ -186,7 +186,7 @@ def format_summary(report: dict) -> str:
     n_desc = any_m["n_samples_per_problem"]
     lines.append(f"task {report['task']}: {any_m['n_problems']} problems, n={n_desc} samples/problem, "
                  f"correct = reward >= {report['success_threshold']:g}")
-    pk = [k for k in ks if k in ("1", ks[-1])] if len(ks) > 4 else ks
+    pk = ks if len(ks) <= 4 else [ks[0], ks[len(ks) // 2], ks[-1]]
     head = ["model", "reward"] + [f"pass@{k}" for k in pk] + [f"maj@{ks[-1]}", "unsolved", "all-correct", "H(bits)"]
     rows = []
     for lab in labels:
@@ -202,8 +202,10 @@ def format_summary(report: dict) -> str:
         e = cmp_["answer_entropy"]
         lines.append(
             f"{lab} vs {cmp_['base']} (solve rule '{cmp_['solve_rule']}'): +{cmp_['progressions']} progressions, "
-            f"-{cmp_['regressions']} regressions (net {cmp_['net']:+d}); "
-            f"answer entropy base->tuned: all {_fmt(e['all']['base'], 2)}->{_fmt(e['all']['tuned'], 2)}, "
-            f"progressions {_fmt(e['progressions']['base'], 2)}->{_fmt(e['progressions']['tuned'], 2)}, "
-            f"regressions {_fmt(e['regressions']['base'], 2)}->{_fmt(e['regressions']['tuned'], 2)}")
+            f"-{cmp_['regressions']} regressions (net {cmp_['net']:+d})")
+        lines.append(
+            f"  answer entropy (bits) {cmp_['base']} -> {lab}: all {_fmt(e['all']['base'], 2)} -> "
+            f"{_fmt(e['all']['tuned'], 2)}, progressions {_fmt(e['progressions']['base'], 2)} -> "
+            f"{_fmt(e['progressions']['tuned'], 2)}, regressions {_fmt(e['regressions']['base'], 2)} -> "
+            f"{_fmt(e['regressions']['tuned'], 2)}")
     return "\n".join(lines)
