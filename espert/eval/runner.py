@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 from ..tasks import Task
 from .plots import write_plots
 from .report import build_report, format_summary
-from .samples import group_by_model, load_samples, make_records, rescore, save_samples
+from .samples import group_by_model, load_samples, make_records, rescore
 
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
