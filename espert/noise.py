@@ -194,6 +194,24 @@ def block_indices(shape: tuple[int, ...], row_offset: int = 0, col_offset: int =
     return (r * np.uint64(C) + c).reshape(shape)
 
 
+# ---- the stochastic-rounding stream (quantized weights; docs/noise.md §4) ---------------------
+
+SR_STREAM_BIT = np.uint64(1 << 63)  # groups are < 2^62, so (g | 2^63) never meets a normal's counter
+
+
+def sr_uniform(seed: int, key: int, index) -> np.ndarray:
+    """u(seed, key, index) in [0, 1): the stochastic-rounding uniform of logical element(s) ``index``.
+
+    Same Philox key (seed) and counter layout as ε, with group g' = (index >> 2) | 2^63 (a stream
+    disjoint from the normals'); lane index & 3 picks the word x and u = (x >> 8) * 2^-24 (exact).
+    index: uint64 array.  Returns float32 of index's shape.
+    """
+    index = np.asarray(index, dtype=np.uint64)
+    words = np.stack(philox_words(seed, key, (index >> np.uint64(2)) | SR_STREAM_BIT), axis=-1)
+    x = np.take_along_axis(words, (index & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
+    return (x >> np.uint32(8)).astype(np.float32) * UNIFORM_SCALE
+
+
 # ---- rounding from binary32 to the storage formats, by integer operations --------------------
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,10 @@
+"""Quantized weights (int8, FP8 e4m3, int4 GPTQ / AWQ / vLLM CPU W4A16 / Marlin): perturb, restore and
+update them in place, in their storage layouts, with the one noise spec.  See docs/quantized.md."""
+
+from .formats import (FORMATS, INT4_FORMATS, QuantWeight, dequantize, logical_scales, logical_zeros,
+                      pack_codes_, quantize_weight, unpack_codes)
+from .ops import available_backends, es_update_q_, perturb_q_, qgeometry, requantize_, restore_q_
+
+__all__ = ["FORMATS", "INT4_FORMATS", "QuantWeight", "dequantize", "logical_scales", "logical_zeros", "pack_codes_",
+           "quantize_weight", "unpack_codes", "available_backends", "es_update_q_", "perturb_q_", "qgeometry",
+           "requantize_", "restore_q_"]

@@ -1,0 +1,325 @@
+"""In-place perturb / restore / fused ES update of quantized weights, where they live.
+
+The ops take a :class:`~espert.quant.formats.QuantWeight` (codes in their storage layout, scales)
+and edit the codes in place; scales and zero points are never changed.  Noise is the one noise
+spec: element (n, k) of the logical ``[N_out, K_in]`` weight gets ε(seed, key, n·K + k) (or its
+block's logical index), whatever the layout, so a weight gets the same noise as its float
+original.  The per-element math is in ``espert/quant/reference.py`` and docs/quantized.md.
+
+Backends (``backend=None``: ``cpu`` for CPU tensors, ``cuda`` (else ``triton``) for CUDA ones):
+
+    reference  numpy: unpack -> float -> edit -> repack (slow, obviously correct)
+    cpu        C++ / OpenMP, espert._C.quant_cpu (csrc/cpu/quant_cpu.cpp)
+    cuda       espert._C.quant_cuda (csrc/cuda/quant_cuda.cu), when built with nvcc
+    triton     kernels/quant.py (GPU; CPU tensors only under TRITON_INTERPRET=1)
+
+Every argument is validated before any backend touches memory: an error leaves codes and
+master untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from espert import _C, noise
+from espert.ops import STAGING_BYTES, U64, Block, _check_u64, check_members
+
+from . import reference as ref
+from .formats import FORMATS, INT4_FORMATS, SCALE_DTYPES, QuantWeight, marlin_grouped, nk_view, storage_shape
+
+ELEM_CODES = {"int8": 0, "fp8": 1, "int4": 2}
+LAYOUT_CODES = {"nk": 0, "kn": 1, "gptq": 2, "awq": 3, "cpu_w4a16": 4, "marlin": 5}
+SCALE_KINDS = {"tensor": 0, "channel": 1, "grouped": 2, "marlin_grouped": 3, "marlin_channel": 4}
+SCALE_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MODES = {"perturb": 0, "master": 1, "naive": 2}
+STORAGE_LIMITS = {"int8": (-128, 127), "fp8": (-448.0, 448.0), "int4": (0, 15)}
+QUANT_BACKENDS = ("reference", "cpu", "cuda", "triton")
+
+
+@dataclass(frozen=True)
+class QGeometry:
+    """What the kernels need besides pointers: validated layout, shape, strides, scales, block."""
+
+    elem: str
+    layout: str
+    N: int
+    K: int
+    ld: int
+    row_offset: int
+    col_offset: int
+    logical_cols: int
+    scale_kind: str
+    group: int
+    scale_ld: int
+    qmin: float
+    qmax: float
+    data: torch.Tensor  # the tensor whose data_ptr the kernels get (8-bit: uint8 view)
+
+
+def _err(qw: QuantWeight, msg: str) -> ValueError:
+    return ValueError(f"quantized weight ({qw.fmt}, [{qw.out_features}, {qw.in_features}]): {msg}")
+
+
+def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
+    """Validate ``qw`` (format, storage dtype/shape/strides, scales, group size, code range, block).
+
+    Raises TypeError / ValueError with a message naming what is wrong; touches nothing.
+    """
+    if not isinstance(qw, QuantWeight):
+        raise TypeError(f"expected a QuantWeight, got {type(qw).__name__}")
+    if qw.fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {qw.fmt!r}; supported: {FORMATS}")
+    N, K = int(qw.out_features), int(qw.in_features)
+    if N <= 0 or K <= 0:
+        raise _err(qw, "out_features and in_features must be positive")
+    if K % 4:
+        raise _err(qw, f"in_features must be a multiple of 4 (noise groups are 4 consecutive k), got {K}")
+    q = qw.qweight
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"qweight must be a torch.Tensor, got {type(q).__name__}")
+    elem = qw.elem
+    if elem == "int4":
+        if q.dtype != torch.int32:
+            raise _err(qw, f"qweight must be int32 (8 packed 4-bit codes per word), got {q.dtype}")
+        need = {"gptq": (K % 8 == 0, "in_features % 8 == 0"), "awq": (N % 8 == 0, "out_features % 8 == 0"),
+                "cpu_w4a16": (N % 16 == 0, "out_features % 16 == 0"),
+                "marlin": (K % 16 == 0 and N % 64 == 0, "in_features % 16 == 0 and out_features % 64 == 0")}[qw.fmt]
+        if not need[0]:
+            raise _err(qw, f"the {qw.fmt} layout needs {need[1]}")
+        shape = storage_shape(qw.fmt, N, K)
+        if tuple(q.shape) != shape:
+            raise _err(qw, f"{qw.fmt} qweight must have shape {list(shape)}, got {list(q.shape)}")
+        if not q.is_contiguous():
+            raise _err(qw, f"qweight must be contiguous, got strides {q.stride()}")
+        layout, ld, data = qw.fmt, shape[1], q
+        g = qw.group
+        if qw.group_size not in (-1, None) and (g <= 0 or K % g or g % 8):
+            raise _err(qw, f"unsupported group_size {qw.group_size}: use -1 or a positive multiple of 8 that "
+                           f"divides in_features ({K})")
+        if qw.fmt == "marlin" and qw.group_size not in (-1, None) and g % 16:
+            raise _err(qw, f"marlin needs group_size -1 or a multiple of 16, got {qw.group_size}")
+        groups = K // g
+        if tuple(qw.scales.shape) != (groups, N):
+            raise _err(qw, f"scales must have shape [{groups}, {N}] ([K/group_size, N]), got {list(qw.scales.shape)}")
+        if qw.fmt == "marlin":
+            kind = "marlin_grouped" if marlin_grouped(qw.group_size, K) else "marlin_channel"
+        else:
+            kind = "grouped"
+        scale_ld = N
+    else:
+        want = torch.int8 if elem == "int8" else torch.float8_e4m3fn
+        if q.dtype != want:
+            raise _err(qw, f"qweight must be {want}, got {q.dtype}")
+        if q.dim() != 2:
+            raise _err(qw, f"qweight must be 2-D, got shape {list(q.shape)}")
+        t = nk_view(qw)
+        if tuple(t.shape) != (N, K):
+            exp = [K, N] if qw.transposed else [N, K]
+            raise _err(qw, f"qweight must have shape {exp} (transposed={qw.transposed}), got {list(q.shape)}")
+        if t.stride(1) == 1 and (N == 1 or t.stride(0) >= K):
+            layout, ld = "nk", (t.stride(0) if N > 1 else K)
+        elif t.stride(0) == 1 and (K == 1 or t.stride(1) >= N):
+            layout, ld = "kn", (t.stride(1) if K > 1 else N)
+        else:
+            raise _err(qw, f"qweight must be row-major [N, K] or [K, N] with unit inner stride "
+                           f"(non-contiguous view with strides {q.stride()})")
+        data = q.view(torch.uint8) if elem == "fp8" else q
+        s = qw.scales
+        if s.numel() == 1:
+            kind = "tensor"
+        elif s.numel() == N and s.dim() in (1, 2) and s.shape[-1] in (1, N):
+            kind = "channel"
+        else:
+            raise _err(qw, f"scales must have one element (per tensor) or shape [N] / [N, 1] (per channel, N={N}), "
+                           f"got {list(s.shape)}")
+        g, scale_ld = K, 0
+    s = qw.scales
+    if not isinstance(s, torch.Tensor) or s.dtype not in SCALE_DTYPES:
+        raise _err(qw, f"scales must be a float32 / float16 / bfloat16 tensor, got "
+                       f"{getattr(s, 'dtype', type(s).__name__)}")
+    if not s.is_contiguous():
+        raise _err(qw, f"scales must be contiguous, got strides {s.stride()}")
+    if s.device != q.device:
+        raise _err(qw, f"scales are on {s.device} but qweight is on {q.device}")
+    sf = s.float()
+    if not bool(torch.isfinite(sf).all()) or not bool((sf > 0).all()):
+        raise _err(qw, "scales must be finite and > 0 (a step of one code must be a finite value step)")
+    lo, hi = STORAGE_LIMITS[elem]
+    qmin, qmax = qw.code_range
+    if not (lo <= qmin <= qmax <= hi) or (elem != "fp8" and (qmin != int(qmin) or qmax != int(qmax))):
+        raise _err(qw, f"code range [{qmin}, {qmax}] must be {'integers ' if elem != 'fp8' else ''}within "
+                       f"[{lo}, {hi}]")
+    b = block or Block()
+    lr = N if b.logical_rows is None else b.logical_rows
+    lc = K if b.logical_cols is None else b.logical_cols
+    ro, co = b.row_offset, b.col_offset
+    if min(ro, co) < 0 or ro + N > lr or co + K > lc:
+        raise _err(qw, f"block at offset ({ro}, {co}) lies outside the logical shape [{lr}, {lc}]")
+    if lr * lc >= U64:
+        raise _err(qw, f"logical shape [{lr}, {lc}] has more than 2^64 elements")
+    if lc % 4 or co % 4:
+        raise _err(qw, f"blocks need logical_cols and col_offset divisible by 4, got {lc} and {co}")
+    return QGeometry(elem, layout, N, K, ld, ro, co, lc, kind, g, scale_ld, float(qmin), float(qmax), data)
+
+
+def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
+    if master is None:
+        return
+    if not isinstance(master, torch.Tensor) or master.dtype != torch.float32:
+        raise _err(qw, f"master must be a float32 tensor, got {getattr(master, 'dtype', type(master).__name__)}")
+    if tuple(master.shape) != qw.shape or not master.is_contiguous():
+        raise _err(qw, f"master must be a contiguous [{qw.out_features}, {qw.in_features}] tensor, got "
+                       f"{list(master.shape)} strides {master.stride()}")
+    if master.device != qw.qweight.device:
+        raise _err(qw, f"master is on {master.device} but qweight is on {qw.qweight.device}")
+
+
+# ---- backends ------------------------------------------------------------------------------
+
+def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str) -> tuple:
+    return (g.data.data_ptr(), ELEM_CODES[g.elem], LAYOUT_CODES[g.layout], g.N, g.K, g.ld, g.row_offset,
+            g.col_offset, g.logical_cols, qw.scales.data_ptr(), SCALE_DTYPE_CODES[qw.scales.dtype],
+            SCALE_KINDS[g.scale_kind], g.group, g.scale_ld, 0 if master is None else master.data_ptr(),
+            MODES[mode], g.qmin, g.qmax)
+
+
+def _run_cpu(qw, g, master, mode, seeds, coeffs, key):
+    _C.quant_cpu(*_kernel_args(qw, g, master, mode), seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
+
+
+def _run_cuda(qw, g, master, mode, seeds, coeffs, key):
+    dev = qw.qweight.device
+    s = torch.from_numpy(seeds.view(np.int64)).to(dev)
+    c = torch.from_numpy(coeffs).to(dev)
+    _C.quant_cuda(*_kernel_args(qw, g, master, mode), s.data_ptr(), c.data_ptr(), len(seeds), key,
+                  torch.cuda.current_stream(dev).cuda_stream)
+
+
+def _run_triton(qw, g, master, mode, seeds, coeffs, key):
+    from espert.kernels.quant import quant_apply
+
+    dev = qw.qweight.device
+    s = torch.from_numpy(seeds.view(np.int64)).to(dev)
+    c = torch.from_numpy(coeffs).to(dev)
+    quant_apply(g, qw.scales, master, MODES[mode], s, c, key)
+
+
+def _run_reference(qw, g, master, mode, seeds, coeffs, key):
+    from .formats import logical_scales, pack_codes_, unpack_codes
+
+    idx = noise.block_indices((g.N, g.K), g.row_offset, g.col_offset, g.logical_cols)
+    codes = unpack_codes(qw).numpy()
+    scales = logical_scales(qw).numpy()
+    if mode == "perturb":
+        new = ref.perturb_codes(codes, g.elem, scales, int(seeds[0]), key, float(coeffs[0]), g.qmin, g.qmax, idx)
+    else:
+        m = None if master is None else master.detach().cpu().numpy()
+        new, m2 = ref.update_codes(codes, m, g.elem, scales, seeds, coeffs, key, g.qmin, g.qmax, idx)
+        if master is not None:
+            master.copy_(torch.from_numpy(m2))
+    pack_codes_(qw, torch.from_numpy(new))
+
+
+_RUNNERS = {"reference": _run_reference, "cpu": _run_cpu, "cuda": _run_cuda, "triton": _run_triton}
+
+
+def available_backends(qw: QuantWeight) -> list[str]:
+    dev = qw.qweight.device
+    out = ["reference"] if dev.type == "cpu" else []
+    if dev.type == "cpu":
+        out.append("cpu")
+    if dev.type == "cuda" and _C.has_cuda:
+        out.append("cuda")
+    try:
+        import triton  # noqa: F401
+        if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            out.append("triton")
+    except ImportError:
+        pass
+    return out
+
+
+def _backend(qw: QuantWeight, name: str | None) -> str:
+    dev = qw.qweight.device
+    if name is None:
+        name = os.environ.get("ESPERT_QUANT_BACKEND") or (
+            "cpu" if dev.type == "cpu" else ("cuda" if dev.type == "cuda" and _C.has_cuda else "triton"))
+    if name not in _RUNNERS:
+        raise ValueError(f"unknown quantized backend {name!r}; known: {list(_RUNNERS)}")
+    if name not in available_backends(qw):
+        raise ValueError(f"backend {name!r} cannot run on a {dev} tensor here; available: {available_backends(qw)}")
+    return name
+
+
+# ---- the ops -------------------------------------------------------------------------------
+
+@torch.no_grad()
+def perturb_q_(qw: QuantWeight, seed: int, key: int, sigma: float, sign: int = 1, *, block: Block | None = None,
+               backend: str | None = None) -> QuantWeight:
+    """In place: codes ← clamp(code + floor(sign·σ·ε/s + u)) (int8 / int4) or the e4m3 code nearest
+    below/above e4m3(code) + sign·σ·ε/s, chosen stochastically (fp8).  u = sr_uniform(seed, key, i).
+
+    The dequantized step is unbiased: E[Δθ] = sign·σ·ε (before clamping).  Undo with
+    :func:`restore_q_` (exact copy of the stored codes), never by a second perturb.  Returns ``qw``.
+    """
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) or not math.isfinite(sigma) \
+            or sigma <= 0:
+        raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+    g = qgeometry(qw, block)
+    key = _check_u64("key", key)
+    seeds, coeffs = check_members([seed], [sign * float(sigma)])
+    name = _backend(qw, backend)
+    _RUNNERS[name](qw, g, None, "perturb", seeds, coeffs, key)
+    return qw
+
+
+@torch.no_grad()
+def es_update_q_(qw: QuantWeight, seeds: Sequence[int], coeffs: Sequence[float], key: int,
+                 master: torch.Tensor | None = None, *, block: Block | None = None,
+                 backend: str | None = None) -> QuantWeight:
+    """The fused ES update of a quantized weight, in place: θ ← θ + Σ_n coeffs[n]·ε(seeds[n]).
+
+    With ``master`` (float32 [N, K], the code-domain value: int code + residual, or fp8 value / s):
+    master ← clamp(master + Σ c ε / s), codes ← round-to-nearest-even(master) — small steps
+    accumulate in the master.  Without: codes ← round(code + Σ c ε / s) (naive; small steps vanish).
+    All members' noise is regenerated per element in registers; each code (word) is read and written
+    once.  Returns ``qw``.
+    """
+    g = qgeometry(qw, block)
+    _check_master(qw, master)
+    key = _check_u64("key", key)
+    seed_arr, coeff32 = check_members(seeds, coeffs)
+    name = _backend(qw, backend)
+    _RUNNERS[name](qw, g, master, "master" if master is not None else "naive", seed_arr, coeff32, key)
+    return qw
+
+
+@torch.no_grad()
+def requantize_(qw: QuantWeight, master: torch.Tensor, *, backend: str | None = None) -> QuantWeight:
+    """codes ← round-to-nearest-even(clamp(master)) (the update with no member): after loading a master."""
+    return es_update_q_(qw, [], [], 0, master, backend=backend)
+
+
+@torch.no_grad()
+def restore_q_(qw: QuantWeight, codes: torch.Tensor) -> QuantWeight:
+    """In place: the storage ← ``codes`` (same shape and dtype, any device), an exact copy, in row
+    chunks of at most 64 MiB (no device allocation beyond what ``copy_`` stages)."""
+    q = qw.qweight
+    if not isinstance(codes, torch.Tensor) or codes.shape != q.shape or codes.dtype != q.dtype:
+        raise _err(qw, f"restore source must be a {q.dtype} tensor of shape {list(q.shape)}, got "
+                       f"{getattr(codes, 'dtype', None)} {list(getattr(codes, 'shape', []))}")
+    rows_dst = q if q.dim() > 1 else q.unsqueeze(0)
+    rows_src = codes.reshape(rows_dst.shape)
+    row_bytes = max(1, rows_src.shape[1] * rows_src.element_size())
+    step = max(1, STAGING_BYTES // row_bytes)
+    for i in range(0, rows_dst.shape[0], step):
+        rows_dst[i:i + step].copy_(rows_src[i:i + step])
+    return qw
