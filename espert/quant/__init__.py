@@ -8,3 +8,8 @@ from .ops import available_backends, es_update_q_, perturb_q_, qgeometry, requan
 __all__ = ["FORMATS", "INT4_FORMATS", "QuantWeight", "dequantize", "logical_scales", "logical_zeros", "pack_codes_",
            "quantize_weight", "unpack_codes", "available_backends", "es_update_q_", "perturb_q_", "qgeometry",
            "requantize_", "restore_q_"]
+from .center import QuantCenterStore, QuantParamView  # noqa: E402
+from .model import QuantLinear, model_quant_center, quant_param_views, quantize_model  # noqa: E402
+
+__all__ += ["QuantCenterStore", "QuantParamView", "QuantLinear", "model_quant_center", "quant_param_views",
+            "quantize_model"]

@@ -1,0 +1,146 @@
+"""QuantCenterStore: the exact center of quantized weights, in host memory (CenterStore's API).
+
+- exact codes: a host copy of each weight's storage tensor (same dtype and layout: 1 byte per
+  int8 / fp8 weight, 0.5 byte per int4 weight).  ``restore()`` copies it back: bit-exact after any
+  number of cycles, and the device holds nothing beyond the quantized weights (0 extra bits/weight).
+- a float32 master per weight (4 bytes/weight, ``master=True``): the code-domain value
+  (int: code + residual; fp8: value / s).  ``update()`` adds Σ cₙεₙ/s to it with the fused kernel
+  on the host and re-derives the codes (round to nearest even), then restores the live weights,
+  so steps smaller than a quantization step accumulate instead of vanishing.  ``master=False``
+  rounds code + step directly (naive; smaller host footprint, poor update fidelity).
+
+Scales and zero points are never changed; a host copy of the scales (1/g of the codes) lets the
+update run on the host whatever device the weights are on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from espert.noise import param_key
+from espert.ops import Block, check_members
+
+from .formats import QuantWeight, e4m3_bits_to_float, unpack_codes
+from .ops import es_update_q_, perturb_q_, qgeometry, requantize_, restore_q_
+
+
+@dataclass(frozen=True)
+class QuantParamView:
+    """One quantized logical weight (or a block of it): its logical (checkpoint) name, which fixes the
+    noise key, and the live :class:`QuantWeight` (edited in place)."""
+
+    name: str
+    qw: QuantWeight
+    block: Block | None = None
+    key: int = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", param_key(self.name))
+
+    @property
+    def numel(self) -> int:
+        return self.qw.out_features * self.qw.in_features
+
+
+def _host_clone(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    c = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
+    c.copy_(t)
+    return c
+
+
+def initial_master(qw: QuantWeight) -> torch.Tensor:
+    """float32 [N, K] code-domain values of the current codes (int: the code; fp8: its e4m3 value)."""
+    codes = unpack_codes(qw)
+    return (e4m3_bits_to_float(codes) if qw.fmt == "fp8" else codes.float()).contiguous()
+
+
+class QuantCenterStore:
+    """Exact centers of quantized weights in host memory; same methods as :class:`espert.center.CenterStore`.
+
+    views: QuantParamViews (weights on any device).  master: keep the float32 master (default).
+    pin: page-lock the host code copies (faster GPU restores).  Validates every view up front.
+    """
+
+    def __init__(self, views: Sequence[QuantParamView], master: bool = True, pin: bool = False):
+        names = [v.name for v in views]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate logical parameter names: {sorted({n for n in names if names.count(n) > 1})[:5]}")
+        for v in views:
+            qgeometry(v.qw, v.block)
+        self.views = list(views)
+        self.codes: list[torch.Tensor] = []  # exact storage, host, same layout as the live qweight
+        self.host: list[QuantWeight] = []  # host twins (codes + scales) the update runs on
+        self.masters: list[torch.Tensor] | None = [] if master else None
+        for v in self.views:
+            c = _host_clone(v.qw.qweight, pin)  # contiguous on the host, whatever the live strides
+            self.codes.append(c)
+            h = QuantWeight(v.qw.fmt, c, _host_clone(v.qw.scales, False), v.qw.out_features, v.qw.in_features,
+                            v.qw.group_size, None, v.qw.transposed, v.qw.qmin, v.qw.qmax)
+            self.host.append(h)
+            if self.masters is not None:
+                self.masters.append(initial_master(h))
+
+    # -- CenterStore API -------------------------------------------------------------------
+    @property
+    def centers(self) -> list[torch.Tensor]:
+        """The float32 masters (what ``apply_update``'s decay multiplies: a value decay for int8 / fp8
+        and symmetric int4 with z = 0 only; with zero points it would decay towards code 0)."""
+        if self.masters is None:
+            raise ValueError("this QuantCenterStore keeps no float32 master (master=False)")
+        return self.masters
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory: exact codes + scales copies + masters, in bytes."""
+        total = sum(c.numel() * c.element_size() for c in self.codes)
+        total += sum(h.scales.numel() * h.scales.element_size() for h in self.host)
+        if self.masters is not None:
+            total += sum(m.numel() * 4 for m in self.masters)
+        return total
+
+    def restore(self) -> None:
+        """Copy the exact codes back into every live weight."""
+        for v, c in zip(self.views, self.codes):
+            restore_q_(v.qw, c)
+
+    def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
+        """Live codes <- center perturbed by sign·σ·ε(seed) with stochastic rounding (from the restored state)."""
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma <= 0:
+            raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
+        if sign not in (1, -1):
+            raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+        for v in self.views:
+            perturb_q_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend)
+
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float]) -> None:
+        """center <- center + Σ coeffs[n]·ε(seeds[n]) (fused, on the host), then restore the live weights."""
+        check_members(seeds, coeffs)
+        for i, v in enumerate(self.views):
+            m = None if self.masters is None else self.masters[i]
+            es_update_q_(self.host[i], seeds, coeffs, v.key, m, block=v.block, backend="cpu")
+        self.restore()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Logical name -> float32 master (or the exact codes when there is no master)."""
+        src = self.masters if self.masters is not None else self.codes
+        return {v.name: t for v, t in zip(self.views, src)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the centers exactly (codes re-derived from the masters) and restore the live weights."""
+        src = self.masters if self.masters is not None else self.codes
+        for v, c in zip(self.views, src):
+            if v.name not in state:
+                raise KeyError(f"checkpoint has no center for {v.name}")
+            s = state[v.name]
+            if s.shape != c.shape or s.dtype != c.dtype:
+                raise ValueError(f"center {v.name}: checkpoint has {s.dtype}{tuple(s.shape)}, "
+                                 f"expected {c.dtype}{tuple(c.shape)}")
+        for i, (v, c) in enumerate(zip(self.views, src)):
+            c.copy_(state[v.name])
+            if self.masters is not None:
+                requantize_(self.host[i], self.masters[i], backend="cpu")
+        self.restore()

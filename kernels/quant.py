@@ -1,0 +1,338 @@
+"""Triton backend of the quantized ops (espert/quant/ops.py): bit-identical to the numpy reference
+(``espert/quant/reference.py``) and to the C++/CUDA kernels (``csrc/quant.h``).
+
+Work is split into the same *units* as the C++ kernels: G Philox groups (4 consecutive k of one
+row n) that together own whole storage words.  A program handles BLOCK units as [BLOCK] tensors;
+the G groups and 4 lanes of a unit are unrolled at compile time, so every Philox call feeds four
+elements, and packed int4 words are loaded once, edited in registers nibble by nibble and stored
+once (no two programs, nor two lanes, ever write the same word).  Launch with
+``enable_fp_fusion=False``; divisions are ``tl.div_rn`` (plain ``/`` is approximate on GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from espert.kernels.apply import normals4, philox4x32_10
+
+# Layout codes (csrc/quant.h) and modes.
+NK, KN, GPTQ, AWQ, CPU_W4A16, MARLIN = 0, 1, 2, 3, 4, 5
+INT8, FP8, INT4 = 0, 1, 2
+PERTURB, MASTER, NAIVE = 0, 1, 2
+UNITS_G = {NK: 1, KN: 1, GPTQ: 2, AWQ: 8, CPU_W4A16: 8, MARLIN: 4}
+DEFAULT_BLOCK = 256
+
+
+@triton.jit
+def _sr_uniforms4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi):
+    """The four SR uniforms of groups g: Philox with counter high word | 2^31 (g' = g | 2^63)."""
+    x0, x1, x2, x3 = philox4x32_10(g_lo, g_hi | 0x80000000, key_lo, key_hi, seed_lo, seed_hi)
+    return ((x0 >> 8).to(tl.float32) * 5.9604644775390625e-08, (x1 >> 8).to(tl.float32) * 5.9604644775390625e-08,
+            (x2 >> 8).to(tl.float32) * 5.9604644775390625e-08, (x3 >> 8).to(tl.float32) * 5.9604644775390625e-08)
+
+
+@triton.jit
+def _rne(q):
+    return (q + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _e4m3_to_f32(h):
+    sign = (h & 0x80) << 24
+    e = (h >> 3) & 0xF
+    m = h & 7
+    normal = sign | ((e + 120) << 23) | (m << 20)
+    sub = sign | (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+    return tl.where(e == 0, sub, normal).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_round(y, u, STOCH: tl.constexpr):
+    b = y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    e = tl.maximum((b >> 23).to(tl.int32) - 127, -6)
+    inv = ((130 - e).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    quantum = ((124 + e).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    q = y * inv
+    if STOCH:
+        r = tl.floor(q + u)
+    else:
+        r = _rne(q)
+    return r * quantum
+
+
+@triton.jit
+def _f32_to_e4m3(x):
+    b = x.to(tl.uint32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    sub = (a.to(tl.float32, bitcast=True) * 512.0).to(tl.uint32)
+    normal = ((a >> 20) - 960) & 0x7F
+    return sign | tl.where(a < 0x3C800000, sub, normal)
+
+
+@triton.jit
+def _edit(code, acc, s, u, mptr, mask, qmin, qmax, ELEM: tl.constexpr, MODE: tl.constexpr):
+    """New code (uint32: int8 as its byte, fp8 bits, int4 nibble) of one element per lane (quant.h edit_code)."""
+    v = tl.div_rn(acc, s)
+    if ELEM == 1:
+        nan = (code & 0x7F) == 0x7F
+        if MODE == 0:
+            y = _e4m3_to_f32(code) + v
+            new = _f32_to_e4m3(tl.minimum(tl.maximum(_e4m3_round(y, u, True), qmin), qmax))
+        else:
+            if MODE == 1:
+                base = tl.load(mptr, mask=mask, other=0.0)
+            else:
+                base = _e4m3_to_f32(code)
+            x = tl.minimum(tl.maximum(base + v, qmin), qmax)
+            if MODE == 1:
+                tl.store(mptr, x, mask=mask & ~nan)
+            new = _f32_to_e4m3(_e4m3_round(tl.where(nan, 0.0, x), u, False))
+        return tl.where(nan, code, new)
+    else:
+        if ELEM == 0:
+            c = ((code ^ 0x80).to(tl.int32) - 128).to(tl.float32)  # the byte as a signed int8
+        else:
+            c = code.to(tl.float32)
+        if MODE == 0:
+            x = tl.minimum(tl.maximum(c + tl.floor(v + u), qmin), qmax)
+        else:
+            if MODE == 1:
+                base = tl.load(mptr, mask=mask, other=0.0)
+            else:
+                base = c
+            t = tl.minimum(tl.maximum(base + v, qmin), qmax)
+            if MODE == 1:
+                tl.store(mptr, t, mask=mask)
+            x = _rne(t)
+        xi = x.to(tl.int32)
+        if ELEM == 0:
+            return (xi & 0xFF).to(tl.uint32)
+        return xi.to(tl.uint32)
+
+
+@triton.jit
+def _origin(u, j: tl.constexpr, N, K, LAYOUT: tl.constexpr):
+    """(n, k0) of group j of units u (quant.h Lay<L>::origin)."""
+    if LAYOUT == 0:
+        n = u // (K // 4)
+        k0 = 4 * (u % (K // 4))
+    elif LAYOUT == 1:
+        n = u % N
+        k0 = 4 * (u // N)
+    elif LAYOUT == 2:
+        n = u % N
+        k0 = 8 * (u // N) + 4 * j
+    elif LAYOUT == 3 or LAYOUT == 4:
+        n = 8 * (u % (N // 8)) + j
+        k0 = 4 * (u // (N // 8))
+    else:
+        tile = u // 64
+        r = u % 64
+        w = r % 4
+        y = (r // 4) % 2
+        x = r // 8
+        n = 64 * (tile % (N // 64)) + 16 * w + 8 * (j // 2) + x
+        k0 = 16 * (tile // (N // 64)) + 4 * y + 8 * (j % 2)
+    return n, k0
+
+
+@triton.jit
+def _word_of(n, k, ld, LAYOUT: tl.constexpr):
+    """Storage element (byte or int32 word) and bit shift of logical (n, k) (quant.h Lay<L>::loc)."""
+    if LAYOUT == 0:
+        return n * ld + k, 0
+    elif LAYOUT == 1:
+        return k * ld + n, 0
+    elif LAYOUT == 2:
+        return (k // 8) * ld + n, 4 * (k % 8)
+    elif LAYOUT == 3:
+        t = n % 8
+        return k * ld + n // 8, 4 * (t // 2 + 4 * (t % 2))
+    elif LAYOUT == 4:
+        return (n // 16) * ld + 2 * k + (n % 16) // 8, 4 * (n % 8)
+    else:
+        kk = k % 16
+        nn = n % 64
+        th = 4 * (nn % 8) + (kk % 8) // 2
+        v = kk % 2 + 2 * (kk // 8) + 4 * ((nn % 16) // 8)
+        slot = tl.where(v % 2 == 1, 4 + v // 2, v // 2)
+        return (k // 16) * ld + (n // 64) * 128 + 4 * th + nn // 16, 4 * slot
+
+
+@triton.jit
+def _scale(scales_ptr, n, k, group, scale_ld, mask, KIND: tl.constexpr):
+    if KIND == 0:
+        i = n * 0
+    elif KIND == 1:
+        i = n
+    elif KIND == 2:
+        i = (k // group) * scale_ld + n
+    elif KIND == 3:
+        nn = n % 64
+        i = (k // group) * scale_ld + (n - nn) + 8 * (nn % 8) + nn // 8
+    else:
+        nn = n % 32
+        i = (k // group) * scale_ld + (n - nn) + 8 * ((nn // 2) % 4) + 2 * (nn // 8) + nn % 2
+    return tl.load(scales_ptr + i, mask=mask, other=1.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["row_offset", "col_offset", "logical_cols", "key", "qmin", "qmax"])
+def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_members, units, N, K, ld,
+                  row_offset, col_offset, logical_cols, group, scale_ld, qmin, qmax, key,
+                  ELEM: tl.constexpr, LAYOUT: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr,
+                  G: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    u = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = u < units
+    u = tl.where(mask, u, 0)
+    k64 = key.to(tl.uint64)
+    key_lo = k64.to(tl.uint32)
+    key_hi = (k64 >> 32).to(tl.uint32)
+    s0 = tl.load(seeds_ptr).to(tl.uint64, bitcast=True)  # member 0: the SR stream's seed (perturb)
+    # int4 units own 1, 4 or 2 words: the word of (group 0, lane l) tells where they are
+    if ELEM == 2:
+        n00, k00 = _origin(u, 0, N, K, LAYOUT)
+        wa0, _s = _word_of(n00, k00, ld, LAYOUT)
+        wa1, _s = _word_of(n00, k00 + 1, ld, LAYOUT)
+        wa2, _s = _word_of(n00, k00 + 2, ld, LAYOUT)
+        if LAYOUT == 5:  # Marlin: lanes 0, 1 in one word, lanes 2, 3 in the next
+            wa1 = wa2
+        wa3, _s = _word_of(n00, k00 + 3, ld, LAYOUT)
+        w0 = tl.load(codes_ptr + wa0, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        if LAYOUT == 3 or LAYOUT == 4 or LAYOUT == 5:
+            w1 = tl.load(codes_ptr + wa1, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        if LAYOUT == 3 or LAYOUT == 4:
+            w2 = tl.load(codes_ptr + wa2, mask=mask, other=0).to(tl.uint32, bitcast=True)
+            w3 = tl.load(codes_ptr + wa3, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    for j in tl.static_range(G):
+        n, k0 = _origin(u, j, N, K, LAYOUT)
+        base = (row_offset.to(tl.uint64) + n.to(tl.uint64)) * logical_cols.to(tl.uint64) \
+            + col_offset.to(tl.uint64) + k0.to(tl.uint64)
+        g = base >> 2
+        g_lo = g.to(tl.uint32)
+        g_hi = (g >> 32).to(tl.uint32)
+        a0 = tl.zeros([BLOCK], tl.float32)
+        a1 = tl.zeros([BLOCK], tl.float32)
+        a2 = tl.zeros([BLOCK], tl.float32)
+        a3 = tl.zeros([BLOCK], tl.float32)
+        for m in range(n_members):
+            seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
+            c = tl.load(coeffs_ptr + m)
+            e0, e1, e2, e3 = normals4(seed.to(tl.uint32), (seed >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
+            a0 = a0 + c * e0
+            a1 = a1 + c * e1
+            a2 = a2 + c * e2
+            a3 = a3 + c * e3
+        if MODE == 0:
+            u0, u1, u2, u3 = _sr_uniforms4(s0.to(tl.uint32), (s0 >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
+        else:
+            u0 = a0 * 0.0
+            u1 = u0
+            u2 = u0
+            u3 = u0
+        for l in tl.static_range(4):
+            if l == 0:
+                acc = a0
+                uu = u0
+            elif l == 1:
+                acc = a1
+                uu = u1
+            elif l == 2:
+                acc = a2
+                uu = u2
+            else:
+                acc = a3
+                uu = u3
+            k = k0 + l
+            s = _scale(scales_ptr, n, k, group, scale_ld, mask, KIND)
+            mptr = master_ptr + n * K + k
+            widx, shift = _word_of(n, k, ld, LAYOUT)
+            if ELEM == 2:
+                # which of the unit's words holds (j, l): GPTQ one; AWQ / CPU W4A16 word l; Marlin l // 2
+                if LAYOUT == 2:
+                    word = w0
+                elif LAYOUT == 5:
+                    if l < 2:
+                        word = w0
+                    else:
+                        word = w1
+                else:
+                    if l == 0:
+                        word = w0
+                    elif l == 1:
+                        word = w1
+                    elif l == 2:
+                        word = w2
+                    else:
+                        word = w3
+                sh = shift.to(tl.uint32)
+                code = (word >> sh) & 0xF
+                nc = _edit(code, acc, s, uu, mptr, mask, qmin, qmax, ELEM, MODE)
+                word = (word & ~(tl.full([BLOCK], 0xF, tl.uint32) << sh)) | (nc << sh)
+                if LAYOUT == 2:
+                    w0 = word
+                elif LAYOUT == 5:
+                    if l < 2:
+                        w0 = word
+                    else:
+                        w1 = word
+                else:
+                    if l == 0:
+                        w0 = word
+                    elif l == 1:
+                        w1 = word
+                    elif l == 2:
+                        w2 = word
+                    else:
+                        w3 = word
+            else:
+                code = tl.load(codes_ptr + widx, mask=mask, other=0).to(tl.uint32)
+                nc = _edit(code, acc, s, uu, mptr, mask, qmin, qmax, ELEM, MODE)
+                tl.store(codes_ptr + widx, nc.to(tl.uint8), mask=mask)
+    if ELEM == 2:
+        tl.store(codes_ptr + wa0, w0.to(tl.int32, bitcast=True), mask=mask)
+        if LAYOUT == 3 or LAYOUT == 4 or LAYOUT == 5:
+            tl.store(codes_ptr + wa1, w1.to(tl.int32, bitcast=True), mask=mask)
+        if LAYOUT == 3 or LAYOUT == 4:
+            tl.store(codes_ptr + wa2, w2.to(tl.int32, bitcast=True), mask=mask)
+            tl.store(codes_ptr + wa3, w3.to(tl.int32, bitcast=True), mask=mask)
+
+
+_ELEM = {"int8": INT8, "fp8": FP8, "int4": INT4}
+_LAYOUT = {"nk": NK, "kn": KN, "gptq": GPTQ, "awq": AWQ, "cpu_w4a16": CPU_W4A16, "marlin": MARLIN}
+_KIND = {"tensor": 0, "channel": 1, "grouped": 2, "marlin_grouped": 3, "marlin_channel": 4}
+
+
+def _units(layout: int, n: int, k: int) -> int:
+    return {NK: n * (k // 4), KN: n * (k // 4), GPTQ: n * (k // 8), AWQ: (n // 8) * (k // 4),
+            CPU_W4A16: (n // 8) * (k // 4), MARLIN: (n // 64) * (k // 16) * 64}[layout]
+
+
+def quant_apply(geom, scales: torch.Tensor, master: torch.Tensor | None, mode: int, seeds: torch.Tensor,
+                coeffs: torch.Tensor, key: int, *, block: int = DEFAULT_BLOCK) -> None:
+    """Run the quantized kernel on a validated geometry (``espert.quant.ops.QGeometry``).
+
+    geom.data: the storage (int8 / uint8 bytes or int32 words); scales: float32/16/bf16; master:
+    float32 [N, K] or None; mode 0 perturb / 1 master update / 2 naive update; seeds int64 [n]
+    (uint64 bit patterns), coeffs float32 [n], on the storage's device (at least one seed for perturb).
+    """
+    layout = _LAYOUT[geom.layout]
+    units = _units(layout, geom.N, geom.K)
+    if units == 0:
+        return
+    if seeds.numel() == 0:  # the SR seed load needs an element; no member means acc = 0
+        seeds = torch.zeros(1, dtype=torch.int64, device=seeds.device)
+        coeffs_n = 0
+    else:
+        coeffs_n = seeds.numel()
+    data = geom.data.view(torch.uint8) if geom.elem == "int8" else geom.data
+    m = master if master is not None else data  # never read unless mode 1
+    grid = (triton.cdiv(units, block),)
+    _quant_kernel[grid](data, scales, m, seeds, coeffs, coeffs_n, units, geom.N, geom.K, geom.ld,
+                        geom.row_offset, geom.col_offset, geom.logical_cols, geom.group, geom.scale_ld,
+                        geom.qmin, geom.qmax, key,
+                        ELEM=_ELEM[geom.elem], LAYOUT=layout, KIND=_KIND[geom.scale_kind], MODE=mode,
+                        G=UNITS_G[layout], BLOCK=block, enable_fp_fusion=False)

@@ -1,0 +1,336 @@
+"""Quantized weights: layouts, bitwise agreement of every backend with the numpy reference, exact
+restore, SR statistics, update fidelity, memory, errors, the CUDA compile check and QuantLinear."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from espert import noise
+from espert.ops import Block
+from espert.quant import (FORMATS, INT4_FORMATS, QuantCenterStore, QuantParamView, QuantWeight, dequantize,
+                          es_update_q_, perturb_q_, quantize_weight, restore_q_, unpack_codes)
+from espert.quant import diagnostics as D
+from espert.quant import formats as F
+from espert.quant.center import initial_master
+from espert.quant.reference import e4m3_to_f32, f32_to_e4m3
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = noise.param_key("model.layers.1.mlp.down_proj.weight")
+NVCC = shutil.which("nvcc")
+
+
+def qweight(fmt, n=128, k=64, group=32, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    return quantize_weight(torch.randn(n, k, generator=g) * 0.02, fmt, group, **kw)
+
+
+def storage(qw):
+    return qw.qweight.view(torch.uint8) if qw.fmt == "fp8" else qw.qweight
+
+
+def run(qw, mode, backend, block=None):
+    """Apply one op (perturb / master / naive) with ``backend``; returns (qw, master)."""
+    master = initial_master(qw) if mode == "master" else None
+    if mode == "perturb":
+        perturb_q_(qw, 5, KEY, 2e-3, -1, block=block, backend=backend)
+    else:
+        es_update_q_(qw, [1, 2**64 - 1, 3], [3e-3, -2e-3, 1e-3], KEY, master, block=block, backend=backend)
+    return qw, master
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", INT4_FORMATS)
+def test_int4_pack_unpack_roundtrip(fmt):
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, size=(128, 64)).astype(np.int32)
+    packed = F.pack_int4(fmt, codes)
+    assert packed.shape == F.storage_shape(fmt, 128, 64) and packed.dtype == np.int32
+    np.testing.assert_array_equal(F.unpack_int4(fmt, packed, 128, 64), codes)
+
+
+def test_marlin_closed_form_matches_the_vllm_repack():
+    """research.md's index map is the same bijection as vLLM's marlin_permute_weights + pack."""
+    rng = np.random.default_rng(1)
+    k, n = 64, 256
+    codes_kn = rng.integers(0, 16, size=(k, n))
+    np.testing.assert_array_equal(F.pack_int4("marlin", codes_kn.T.copy()), F.marlin_pack_vllm(codes_kn))
+    kk, nn = np.meshgrid(np.arange(k), np.arange(n), indexing="ij")
+    row, col, shift = F.marlin_index(kk, nn)
+    flat = (row * 2 * n + col) * 8 + shift // 4
+    assert np.unique(flat).size == k * n  # bijective onto the (K/16, 2N) x 8 nibbles
+
+
+def test_marlin_scale_permutations_match_vllm():
+    s = np.arange(3 * 128, dtype=np.float32).reshape(3, 128)
+    for grouped in (True, False):
+        perm = F.marlin_permute_scales(s, grouped)
+        cols = F.marlin_scale_col(np.arange(128), grouped)
+        np.testing.assert_array_equal(perm[:, cols], s)
+
+
+def test_awq_and_cpu_layout_formulas():
+    """AWQ nibble order [0, 2, 4, 6, 1, 3, 5, 7] and research.md's CPU W4A16 formula, element by element."""
+    rng = np.random.default_rng(2)
+    codes = rng.integers(0, 16, size=(32, 16)).astype(np.int32)
+    awq = F.pack_int4("awq", codes).view(np.uint32)
+    cpu = F.pack_int4("cpu_w4a16", codes).view(np.uint32)
+    for n in range(32):
+        for k in range(16):
+            nib = list(F.AWQ_ORDER).index(n % 8)
+            assert (awq[k, n // 8] >> (4 * nib)) & 0xF == codes[n, k]
+            assert (cpu[n // 16, 2 * k + (n % 16) // 8] >> (4 * (n % 8))) & 0xF == codes[n, k]
+
+
+def test_e4m3_conversions_match_torch():
+    bits = np.arange(256, dtype=np.uint8)
+    want = torch.from_numpy(bits.copy()).view(torch.float8_e4m3fn).float().numpy()
+    got = e4m3_to_f32(bits)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+    np.testing.assert_array_equal(f32_to_e4m3(got[ok]), bits[ok])
+
+
+def test_sr_uniform_stream():
+    idx = np.arange(4096, dtype=np.uint64)
+    u = noise.sr_uniform(3, KEY, idx)
+    assert u.dtype == np.float32 and u.min() >= 0 and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.02 and abs(u.var() - 1 / 12) < 0.005
+    # a stream of its own: not the words the normals use
+    words = np.stack(noise.philox_words(3, KEY, idx[::4] >> np.uint64(2)), -1).reshape(-1)
+    assert not np.array_equal((words >> np.uint32(8)).astype(np.float32) * np.float32(2 ** -24), u[: words.size])
+
+
+# ---- bitwise: every backend against the numpy reference ----------------------------------------
+
+CASES = [("int8", {}), ("int8", {"per_tensor": True}), ("fp8", {}), ("fp8", {"per_tensor": True}),
+         ("fp8", {"scale_dtype": torch.bfloat16}), ("gptq", {}), ("gptq", {"scale_dtype": torch.bfloat16}),
+         ("awq", {}), ("cpu_w4a16", {}), ("marlin", {}), ("marlin", {"group": -1}), ("gptq", {"group": -1})]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("mode", ["perturb", "master", "naive"])
+@pytest.mark.parametrize("fmt,kw", CASES, ids=[f"{f}-{'-'.join(map(str, k.values()))}" for f, k in CASES])
+def test_backends_match_reference(fmt, kw, mode, backend):
+    kw = dict(kw)
+    group = kw.pop("group", 32)
+    base = qweight(fmt, group=group, **kw)
+    want, m_want = run(base.clone(), mode, "reference")
+    got, m_got = run(base.clone(), mode, backend)
+    assert torch.equal(storage(got), storage(want))
+    assert not torch.equal(storage(got), storage(base))  # the op did something
+    if mode == "master":
+        assert torch.equal(m_got.view(torch.int32), m_want.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_8bit_storage_orders_and_vllm_transposed_view(backend):
+    """[N, K], [K, N] row-major and vLLM's (K, N) .t() view of [N, K] storage get the same codes."""
+    base = qweight("int8")
+    want, _ = run(base.clone(), "perturb", "reference")
+    kn = QuantWeight("int8", base.qweight.t().contiguous(), base.scales.clone(), 128, 64, transposed=True)
+    view = QuantWeight("int8", base.qweight.clone().t(), base.scales.clone(), 128, 64, transposed=True)
+    for qw in (kn, view):
+        run(qw, "perturb", backend)
+        assert torch.equal(unpack_codes(qw), unpack_codes(want))
+
+
+def test_same_noise_in_every_layout():
+    """One logical int4 weight stored in the four int4 layouts moves identically (logical noise index)."""
+    base = qweight("gptq", group=-1)
+    codes, scales = unpack_codes(base), base.scales
+    outs = []
+    for fmt in INT4_FORMATS:
+        s = scales
+        if fmt == "marlin":
+            s = torch.from_numpy(F.marlin_permute_scales(scales.numpy(), False))
+        qw = QuantWeight(fmt, torch.zeros(F.storage_shape(fmt, 128, 64), dtype=torch.int32), s, 128, 64, -1)
+        F.pack_codes_(qw, codes)
+        perturb_q_(qw, 11, KEY, 5e-3)
+        outs.append(unpack_codes(qw))
+    assert all(torch.equal(o, outs[0]) for o in outs) and not torch.equal(outs[0], codes)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "gptq", "marlin"])
+def test_shards_compose_to_the_whole(fmt):
+    """Row / column blocks (tensor-parallel shards) regenerate exactly their elements' noise."""
+    n, k = 128, 128
+    whole = qweight(fmt, n, k, group=-1)
+    ref_codes = unpack_codes(whole)
+    perturb_q_(whole, 9, KEY, 3e-3)
+    for r0, r1, c0, c1 in ((0, 64, 0, 64), (64, 128, 64, 128)):
+        part = quantize_weight(dequantize(qweight(fmt, n, k, group=-1))[r0:r1, c0:c1], fmt, -1)
+        F.pack_codes_(part, ref_codes[r0:r1, c0:c1])
+        part.scales = torch.ones_like(part.scales) * 0.004
+        full = QuantWeight(fmt, whole.qweight.clone(), whole.scales.clone(), n, k)
+        # compare against a whole weight with the part's scales: equal scales make the step comparable
+        cmp = quantize_weight(torch.zeros(n, k), fmt, -1)
+        F.pack_codes_(cmp, ref_codes)
+        cmp.scales = torch.ones_like(cmp.scales) * 0.004
+        perturb_q_(cmp, 9, KEY, 3e-3)
+        perturb_q_(part, 9, KEY, 3e-3, block=Block(r0, c0, n, k))
+        assert torch.equal(unpack_codes(part), unpack_codes(cmp)[r0:r1, c0:c1]), (r0, c0)
+        del full
+
+
+# ---- exactness, statistics, fidelity, memory --------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_thousand_cycles_restore_exactly(fmt):
+    r = D.restore_exactness(fmt, cycles=1000, n=64, k=256)
+    assert r["differ"] == 0
+    assert r["storage_moved_frac_first_cycle"] > 0.3  # the perturbation really moved codes
+    per_code = 1.0 if fmt in ("int8", "fp8") else 0.5
+    assert r["host_bytes_per_weight_no_master"] == pytest.approx(per_code, abs=0.02)  # + scales copy
+
+
+@pytest.mark.parametrize("fmt,quanta", [("int8", 0.2), ("int8", 3.0), ("fp8", 1.0), ("fp8", 4.0), ("gptq", 0.2),
+                                        ("awq", 0.5)])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_perturbation_is_unbiased_with_the_sr_variance(fmt, quanta, sign):
+    """E[Δ] = 0, Var[Δ] = σ² + E[s²·frac(1 − frac)], Cov(Δ, ε) = sign·σ."""
+    q = float(D.quantum(D.make_weight(fmt)).pow(2).mean().sqrt())
+    r = D.perturbation_stats(fmt, quanta * q, sign=sign)
+    assert r["count"] > 10000
+    assert abs(r["mean"]) < 4 * r["mean_se"] + 1e-9
+    assert r["var"] == pytest.approx(r["var_formula"], rel=0.08 if fmt == "fp8" else 0.05)
+    assert r["cov_eps"] == pytest.approx(sign * r["sigma"], rel=0.06)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "gptq"])
+def test_update_fidelity_master_vs_naive(fmt):
+    r = D.update_fidelity(fmt, steps=100, population=8, n=32, k=256)
+    assert r["naive"] > 0.5  # naive rounding loses most sub-step updates
+    assert r["master"] < 0.5 * r["naive"]
+    assert r["master"] <= r["floor"] * 1.35 + 0.02  # near what any code-storing scheme can reach
+    assert r["host_bytes_per_weight_master"] == pytest.approx(r["host_bytes_per_weight_naive"] + 4)
+
+
+def _max_cpu_allocation(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "gptq"])
+def test_ops_allocate_nothing_proportional_to_the_weight(fmt):
+    qw = qweight(fmt, 1024, 1024, group=128)
+    master = initial_master(qw)
+    codes = qw.qweight.clone()
+    calls = [lambda: perturb_q_(qw, 1, KEY, 1e-3), lambda: es_update_q_(qw, list(range(8)), [1e-4] * 8, KEY, master),
+             lambda: restore_q_(qw, codes)]
+    # only scale-sized temporaries (validation of the scales: N or K/g·N elements), never weight-sized
+    peak = max(_max_cpu_allocation(c) for c in calls)
+    assert peak <= 4 * qw.scales.numel() + 4096, peak
+    assert _max_cpu_allocation(lambda: dequantize(qw)) >= 1024 * 1024  # the check can fail
+
+
+# ---- errors: clear, and nothing changes ----------------------------------------------------------
+
+def _bad_cases():
+    g = qweight("gptq")
+    i8 = qweight("int8")
+    yield "group", QuantWeight("gptq", g.qweight, g.scales, 128, 64, group_size=12), "group_size"
+    yield "scale shape", QuantWeight("gptq", g.qweight, g.scales[:1], 128, 64, group_size=32), "scales must have shape"
+    yield "scale dtype", QuantWeight("int8", i8.qweight, i8.scales.to(torch.float64), 128, 64), "float32 / float16"
+    yield "zero scale", QuantWeight("int8", i8.qweight, torch.zeros_like(i8.scales), 128, 64), "finite and > 0"
+    yield "layout", QuantWeight("marlin", g.qweight, g.scales, 128, 64, group_size=32), "marlin qweight must have shape"
+    yield "dtype", QuantWeight("int8", i8.qweight.to(torch.int16), i8.scales, 128, 64), "must be torch.int8"
+    wide = torch.zeros(64, 256, dtype=torch.int8)
+    yield "strided", QuantWeight("int8", wide[:, ::2], i8.scales, 128, 64, transposed=True), "unit inner stride"
+    yield "K % 4", QuantWeight("int8", torch.zeros(4, 6, dtype=torch.int8), torch.ones(4), 4, 6), "multiple of 4"
+    yield "unknown", QuantWeight("int3", g.qweight, g.scales, 128, 64), "unknown quantized format"
+    yield "range", QuantWeight("int8", i8.qweight, i8.scales, 128, 64, qmin=-200), "code range"
+    yield "awq N", QuantWeight("awq", torch.zeros(64, 1, dtype=torch.int32), torch.ones(2, 4, dtype=torch.float16),
+                               4, 64, 32), "out_features % 8"
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda c: c[0])
+def test_clear_errors_and_weights_untouched(case):
+    _, qw, msg = case
+    before = qw.qweight.clone()
+    with pytest.raises((ValueError, TypeError), match=re.escape(msg)):
+        perturb_q_(qw, 1, KEY, 1e-2)
+    with pytest.raises((ValueError, TypeError), match=re.escape(msg)):
+        es_update_q_(qw, [1], [1e-2], KEY)
+    assert torch.equal(qw.qweight, before)
+
+
+def test_bad_master_block_and_members_leave_everything_untouched():
+    qw = qweight("gptq")
+    master = initial_master(qw)
+    before, m_before = qw.qweight.clone(), master.clone()
+    with pytest.raises(ValueError, match="master must be a contiguous"):
+        es_update_q_(qw, [1], [1e-2], KEY, master.t())
+    with pytest.raises(ValueError, match="float32"):
+        es_update_q_(qw, [1], [1e-2], KEY, master.double())
+    with pytest.raises(ValueError, match="finite"):
+        es_update_q_(qw, [1, 2], [1e-2, float("nan")], KEY, master)
+    with pytest.raises(ValueError, match="outside the logical shape"):
+        perturb_q_(qw, 1, KEY, 1e-2, block=Block(1, 0, 128, 64))
+    with pytest.raises(ValueError, match="sigma"):
+        perturb_q_(qw, 1, KEY, 0.0)
+    with pytest.raises(ValueError, match="restore source"):
+        restore_q_(qw, qw.qweight[:1].clone())
+    assert torch.equal(qw.qweight, before) and torch.equal(master, m_before)
+
+
+def test_center_store_roundtrip_and_checkpoint():
+    qws = [qweight("int8", seed=1), qweight("awq", seed=2)]
+    store = QuantCenterStore([QuantParamView("a.weight", qws[0]), QuantParamView("b.weight", qws[1])])
+    store.update([1, 2], [2e-3, -1e-3])
+    state = {k: v.clone() for k, v in store.state_dict().items()}
+    live = [q.qweight.clone() for q in qws]
+    store.perturb(3, 1e-2)
+    other = QuantCenterStore([QuantParamView("a.weight", qws[0].clone()), QuantParamView("b.weight", qws[1].clone())])
+    other.load_state_dict(state)
+    store.restore()
+    for q, o, want in zip(qws, other.views, live):
+        assert torch.equal(q.qweight, want) and torch.equal(o.qw.qweight, want)
+    with pytest.raises(KeyError):
+        other.load_state_dict({"a.weight": state["a.weight"]})
+
+
+# ---- build: the CUDA kernel compiles to exact PTX ------------------------------------------------
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_quant_cuda_kernel_compiles_to_exact_ptx(tmp_path):
+    ptx = tmp_path / "quant.ptx"
+    subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-std=c++17", "-O3", "--fmad=false", "-DESPERT_WITH_CUDA",
+                    str(ROOT / "csrc/cuda/quant_cuda.cu"), "-o", str(ptx)], check=True, capture_output=True)
+    text = ptx.read_text()
+    assert text.count(".entry") >= 24  # 3 modes x (2 x 2 eight-bit + 4 int4 layouts)
+    assert not re.search(r"\bfma\.rn\.f32|\bmad\.f32", text)
+    assert not re.search(r"\b(div|sqrt|rcp)\.approx", text)
+    assert re.search(r"\bdiv\.rn\.f32", text) and re.search(r"\bcvt\.rmi\.f32\.f32", text)
+    assert ".local" not in text  # everything in registers
+
+
+# ---- QuantLinear and models -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_model_forward_and_exact_restore(fmt, tmp_path):
+    from espert.quant import model_quant_center, quant_param_views, quantize_model
+    from espert.tiny import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "tiny"), seed=0)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 4]])
+    ref = model(ids).logits
+    quantize_model(model, fmt, group_size=32)
+    views = quant_param_views(model)
+    assert views and all(v.name.endswith(".weight") and "lm_head" not in v.name for v in views)
+    assert "model.layers.0.self_attn.q_proj.weight" in {v.name for v in views}
+    out = model(ids).logits
+    assert (out - ref).abs().max() < 0.2 * ref.abs().max()  # quantization error, not garbage
+    store = model_quant_center(model)
+    store.perturb(1, 0.02)
+    assert not torch.equal(model(ids).logits, out)
+    store.restore()
+    assert torch.equal(model(ids).logits, out)
