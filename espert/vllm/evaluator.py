@@ -1,0 +1,265 @@
+"""The vLLM evaluator: the :class:`espert.evaluators.Evaluator` interface over one vLLM engine.
+
+A member's evaluation: ``es_perturb`` in every worker (in place, through espert's fused ops) →
+reset the prefix cache → greedy ``llm.generate`` (temperature 0) → score with the task →
+``es_restore`` in a ``finally`` (exact, from the host center) → reset the prefix cache.
+The update, checkpoints and replays go through the worker extension too
+(:mod:`espert.vllm.worker`); nothing but seeds and scalars crosses the RPC per member.
+
+Two vLLM facts this module handles (docs/vllm.md):
+
+- **Prefix caching** keeps KV blocks computed under *other* weights: after a weight change a
+  cached prefix is stale.  :func:`make_llm` creates engines with ``enable_prefix_caching=False``,
+  and the evaluator also calls ``llm.reset_prefix_cache()`` after every weight change (so an
+  engine passed in with caching on is still correct).
+- **CPU prepacking**: see :mod:`espert.vllm.cpu_patch`; :func:`make_llm` installs the patch and
+  ``es_setup`` refuses a model whose weights were prepacked.
+
+Prompts are tokenized by the model's Hugging Face tokenizer (as the torch evaluator does) and
+sent as token ids; completions are the new token ids decoded with special tokens skipped.  So
+with greedy fp32 decoding the vLLM and torch evaluators score the same text.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from espert.evaluators.base import Evaluator, Member
+from espert.vllm import WORKER_EXTENSION, cpu_patch
+
+log = logging.getLogger("espert.vllm")
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def make_llm(model: str, *, dtype: str = "float32", tensor_parallel_size: int = 1, seed: int = 0,
+             max_model_len: int | None = None, enable_prefix_caching: bool = False, **kwargs):
+    """A ``vllm.LLM`` ready for espert: the worker extension, prefix caching off, CPU-safe defaults.
+
+    On CPU: ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB; vLLM otherwise reserves most of RAM),
+    ``enforce_eager=True``, and the prepack patch is installed before the model loads.  Extra
+    keyword arguments go to ``LLM`` unchanged (e.g. ``gpu_memory_utilization``).
+    """
+    cpu_patch.install()
+    from vllm import LLM
+
+    kw = dict(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
+              worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=enable_prefix_caching)
+    if max_model_len is not None:
+        kw["max_model_len"] = max_model_len
+    if _on_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        kw.setdefault("enforce_eager", True)
+    kw.update(kwargs)
+    if kw.get("worker_extension_cls") != WORKER_EXTENSION:
+        raise ValueError(f"espert needs worker_extension_cls={WORKER_EXTENSION!r}")
+    return LLM(**kw)
+
+
+class VLLMEvaluator(Evaluator):
+    """Rewards of a vLLM engine's model under greedy decoding, perturbed inside the workers.
+
+    llm: a ``vllm.LLM`` created with ``worker_extension_cls=espert.vllm.WORKER_EXTENSION``
+    (use :func:`make_llm`), or a model path/Hub id (then the engine is created with
+    :func:`make_llm` and ``llm_kwargs``, and closed by :meth:`close`).
+    score: batched reward ``fn(completions, answers) -> list[float]`` (a Task's ``score``).
+    include / exclude: parameter patterns on **logical** (checkpoint) names.
+    max_new_tokens: generation budget.  seed: the SamplingParams seed (greedy ignores it).
+    chat_template: wrap prompts as a user message.  member_errors: ``"raise"`` or ``"nan"``,
+    as in :class:`espert.evaluators.ModelEvaluator`.  reset_prefix_cache: call
+    ``llm.reset_prefix_cache()`` after every weight change (on by default; required when the
+    engine has prefix caching on).
+
+    ``timings`` accumulates seconds spent in perturb / generate / restore / update.
+    """
+
+    def __init__(self, llm, score: Callable[[Sequence[str], Sequence[str]], list[float]], *,
+                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                 max_new_tokens: int = 16, seed: int = 0, chat_template: bool = False,
+                 member_errors: str = "raise", reset_prefix_cache: bool = True, master: str = "float32",
+                 llm_kwargs: dict | None = None):
+        if member_errors not in ("raise", "nan"):
+            raise ValueError(f"member_errors must be 'raise' or 'nan', got {member_errors!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self._owns = isinstance(llm, str)
+        self.llm = make_llm(llm, seed=seed, **(llm_kwargs or {})) if self._owns else llm
+        self.score = score
+        self.member_errors = member_errors
+        self.reset_cache = reset_prefix_cache
+        self.chat_template = chat_template
+        try:
+            self.info = self.llm.collective_rpc("es_setup", kwargs=dict(include=include, exclude=exclude,
+                                                                         master=master))
+        except AttributeError as e:
+            raise RuntimeError(f"the engine has no espert worker extension; create it with "
+                               f"worker_extension_cls={WORKER_EXTENSION!r} (espert.vllm.make_llm): {e}") from e
+        from transformers import AutoTokenizer
+        from vllm import SamplingParams
+
+        mc = self.llm.llm_engine.model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision)
+        self.sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, seed=seed, detokenize=False)
+        self.timings = {"perturb": 0.0, "generate": 0.0, "restore": 0.0, "update": 0.0, "members": 0}
+        self._cache_key: tuple | None = None
+        self._prompts: list = []
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def rpc(self, method: str, *args, **kwargs) -> list:
+        """``llm.collective_rpc(method)`` on every worker (TP rank); one result per rank."""
+        return self.llm.collective_rpc(method, args=args, kwargs=kwargs or None)
+
+    def _changed(self) -> None:
+        if self.reset_cache:
+            self.llm.reset_prefix_cache()
+
+    def _format(self, prompt: str) -> str:
+        if not self.chat_template:
+            return prompt
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _token_prompts(self, prompts: Sequence[str]) -> list:
+        key = tuple(prompts)
+        if key != self._cache_key:
+            from vllm.inputs import TokensPrompt
+
+            self._prompts = [TokensPrompt(prompt_token_ids=self.tokenizer(self._format(p))["input_ids"])
+                             for p in prompts]
+            self._cache_key = key
+        return self._prompts
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str]) -> list[str]:
+        """Greedy completions (new text, special tokens skipped) of the live weights."""
+        outs = self.llm.generate(self._token_prompts(prompts), self.sampling, use_tqdm=False)
+        return [self.tokenizer.decode(list(o.outputs[0].token_ids), skip_special_tokens=True) for o in outs]
+
+    def rollout(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
+        return list(self.score(self.generate(prompts), answers))
+
+    # -- the Evaluator interface -------------------------------------------------------------------
+    def perturb(self, seed: int, sigma: float, sign: int = 1) -> None:
+        self.rpc("es_perturb", int(seed), float(sigma), int(sign))
+        self._changed()
+
+    def restore(self) -> None:
+        self.rpc("es_restore")
+        self._changed()
+
+    def evaluate(self, members: Sequence[Member], sigma: float, prompts: Sequence[str],
+                 answers: Sequence[str]) -> list[float]:
+        if len(prompts) != len(answers) or not prompts:
+            raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and "
+                             f"{len(answers)}")
+        out = []
+        for seed, sign in members:
+            t0 = time.perf_counter()
+            try:
+                self.perturb(seed, sigma, sign)
+                t1 = time.perf_counter()
+                self.timings["perturb"] += t1 - t0
+                rewards = self.rollout(prompts, answers)
+                self.timings["generate"] += time.perf_counter() - t1
+            except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
+                if self.member_errors == "raise":
+                    raise
+                log.warning("member (seed=%d, sign=%+d) failed, dropped: %r", seed, sign, e)
+                rewards = [math.nan]
+            finally:
+                t2 = time.perf_counter()
+                self.restore()
+                self.timings["restore"] += time.perf_counter() - t2
+            self.timings["members"] += 1
+            out.append(math.fsum(rewards) / len(rewards) if rewards else math.nan)
+        return out
+
+    def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
+        return self.rollout(prompts, answers)
+
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
+        t0 = time.perf_counter()
+        self.rpc("es_update", [int(s) for s in seeds], [float(c) for c in coeffs], float(decay))
+        self._changed()
+        self.timings["update"] += time.perf_counter() - t0
+
+    def center_state(self) -> dict[str, torch.Tensor]:
+        from espert.vllm.params import assemble
+
+        return assemble(self.rpc("es_center_state"))
+
+    def live_state(self) -> dict[str, torch.Tensor]:
+        """The live weights by logical name (host copies), reassembled over TP ranks."""
+        from espert.vllm.params import assemble
+
+        return assemble(self.rpc("es_live_state"))
+
+    def load_center(self, state: dict[str, torch.Tensor]) -> None:
+        from espert.vllm.params import pack_tensor
+
+        self.rpc("es_load_center", {k: pack_tensor(v.detach().to("cpu", torch.float32)) for k, v in state.items()})
+        self._changed()
+
+    def checksum(self) -> list[dict]:
+        """One fingerprint per TP rank (see ``es_checksum``)."""
+        return self.rpc("es_checksum")
+
+    def close(self) -> None:
+        if self.llm is not None and self._owns:
+            shutdown_llm(self.llm)
+        self.llm = None
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an engine (its core process in multiprocess mode) and free it."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    import gc
+
+    del llm
+    gc.collect()
+
+
+# ---- the ES loop's backend registry ----------------------------------------------------------
+
+def build_from_config(cfg, model_path: str, score) -> Evaluator:
+    """``--backend vllm``: one engine (``cfg.vllm_engines`` <= 1) or an :class:`EnginePool`.
+
+    Reads optional config fields when present (``vllm_tensor_parallel_size``, ``vllm_engines``,
+    ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``); defaults otherwise.
+    """
+    engines = int(getattr(cfg, "vllm_engines", 1) or 1)
+    llm_kwargs = dict(dtype=cfg.dtype, tensor_parallel_size=int(getattr(cfg, "vllm_tensor_parallel_size", 1) or 1))
+    for field, arg in (("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
+                       ("vllm_max_model_len", "max_model_len")):
+        if getattr(cfg, field, None) is not None:
+            llm_kwargs[arg] = getattr(cfg, field)
+    ev_kwargs = dict(include=cfg.include, exclude=cfg.exclude, max_new_tokens=cfg.max_new_tokens,
+                     seed=cfg.seed, chat_template=cfg.chat_template, member_errors=cfg.member_errors)
+    if engines > 1:
+        from espert.vllm.pool import EnginePool
+
+        return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)
+    return VLLMEvaluator(model_path, score, llm_kwargs=llm_kwargs, **ev_kwargs)
+
+
+def register() -> None:
+    """Register ``"vllm"`` with :func:`espert.evaluators.register_evaluator`."""
+    from espert.evaluators import register_evaluator
+
+    register_evaluator("vllm", build_from_config)
+
+
+register()

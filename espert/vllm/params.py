@@ -1,0 +1,375 @@
+"""vLLM's runtime layout -> ParamViews with logical (checkpoint) names and Blocks.
+
+vLLM fuses checkpoint parameters (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``,
+``gate_proj``/``up_proj`` -> ``gate_up_proj``; the model's ``packed_modules_mapping``) and
+shards them under tensor parallelism.  The noise key comes from the logical name and the noise
+index from the logical element index (docs/noise.md), so we describe every live tensor as a
+list of :class:`Piece` s: a row range of the local tensor that is a block of one logical
+parameter.  Then transformers, vLLM TP=1 and vLLM TP=k all draw the same ε for the same
+logical element, and k/v heads replicated over ranks (tp > kv heads) draw identical noise.
+
+The layout rules (vllm 0.32 ``layers/linear.py`` and ``vocab_parallel_embedding.py``)::
+
+    ColumnParallelLinear         local rows [0, n/tp)            -> logical rows tp_rank·n/tp + j
+    MergedColumnParallelLinear   shard i: local rows Σ_{<i} p    -> logical rows of output i from tp_rank·p_i
+    QKVParallelLinear            q: rows from tp_rank·heads·hd
+                                 k, v: rows from (tp_rank // kv_replicas)·kv_heads·hd
+    RowParallelLinear            weight: local columns [0, K/tp) -> logical columns tp_rank·K/tp + j
+                                 bias: whole (kept on every rank, added on rank 0)
+    ReplicatedLinear, norms      whole
+    VocabParallelEmbedding,      local rows [0, org_end - org_start) -> logical rows org_start + j;
+    ParallelLMHead               padding rows (to a multiple of 64, and per rank) are not parameters
+    tied lm_head                 the same Parameter as embed_tokens: one logical param, as in the checkpoint
+
+Anything else that holds a parameter we cannot map (a quantization method other than the
+unquantized one, an unknown fused linear subclass, MoE experts, added LoRA vocabulary, a
+prepacked (empty) weight) raises :class:`LayoutError` naming the parameter.  Nothing is
+silently skipped.
+
+The pure layout functions (:func:`linear_pieces`, :func:`vocab_pieces`) take plain numbers, so
+the TP>1 layouts are unit-tested with shards built by hand (tests/test_vllm_params.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from espert.ops import DTYPE_CODES, Block
+from espert.params import ParamView, _matches
+
+
+class LayoutError(ValueError):
+    """A vLLM parameter whose runtime layout espert cannot map to logical (checkpoint) coordinates."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Local rows ``[start, stop)`` of a live tensor (1-D: elements) = a block of logical parameter ``name``.
+
+    For a 2-D tensor the block is rows ``[start, stop)`` × all local columns, at ``block`` in the
+    logical ``[R, C]`` matrix.  For a 1-D tensor (a bias, a norm weight) ``[start, stop)`` are
+    elements, and the block is one row at column offset ``block.col_offset`` of ``[1, C]``.
+    """
+
+    name: str
+    start: int
+    stop: int
+    block: Block
+
+
+# ---- pure layout rules (no vLLM needed) --------------------------------------------------------
+
+def linear_pieces(kind: str, vllm_name: str, local_shape: Sequence[int], *, logical_names: Sequence[str] | None = None,
+                  tp_rank: int = 0, tp_size: int = 1, output_sizes: Sequence[int] | None = None,
+                  num_heads: int | None = None, num_kv_heads: int | None = None, total_num_heads: int | None = None,
+                  total_num_kv_heads: int | None = None, head_size: int | None = None, v_head_size: int | None = None,
+                  num_kv_head_replicas: int = 1) -> list[Piece]:
+    """Pieces of one parameter (weight ``[N, K]`` or bias ``[N]``) of a vLLM linear layer.
+
+    kind: ``"replicated" | "column" | "merged" | "qkv" | "row"``.  vllm_name: the live
+    parameter's name (``...qkv_proj.weight``).  logical_names: checkpoint names of the fused
+    outputs, in order (``[q, k, v]`` or ``[gate, up]``), for ``merged``/``qkv``; else ``[vllm_name]``.
+    The other arguments are the layer attributes of the same names.
+    """
+    is_bias = len(local_shape) == 1
+    rows = int(local_shape[0])
+    cols = 1 if is_bias else int(local_shape[1])
+
+    def piece(name: str, start: int, stop: int, logical_rows: int, row_offset: int, col_offset: int = 0,
+              logical_cols: int | None = None) -> Piece:
+        if is_bias:  # a 1-D tensor is one row: the logical offset is a column offset
+            return Piece(name, start, stop, Block(0, row_offset, 1, logical_rows))
+        return Piece(name, start, stop, Block(row_offset, col_offset, logical_rows, logical_cols or cols))
+
+    if kind == "replicated":
+        return [piece(vllm_name, 0, rows, rows, 0)]
+    if kind == "row":
+        if is_bias:  # the full bias lives on every rank
+            return [piece(vllm_name, 0, rows, rows, 0)]
+        return [piece(vllm_name, 0, rows, rows, 0, col_offset=tp_rank * cols, logical_cols=cols * tp_size)]
+    if kind == "column":
+        return [piece(vllm_name, 0, rows, rows * tp_size, tp_rank * rows)]
+    if kind == "merged":
+        if output_sizes is None or logical_names is None or len(logical_names) != len(output_sizes):
+            raise LayoutError(f"{vllm_name}: merged layer needs output_sizes and one logical name per output "
+                              f"(got {output_sizes}, {logical_names})")
+        out, start = [], 0
+        for name, size in zip(logical_names, output_sizes):
+            if size % tp_size:
+                raise LayoutError(f"{vllm_name}: output size {size} is not divisible by tp_size {tp_size}")
+            part = size // tp_size
+            out.append(piece(name, start, start + part, size, tp_rank * part))
+            start += part
+        if start != rows:
+            raise LayoutError(f"{vllm_name}: fused outputs {list(output_sizes)}/tp={tp_size} cover {start} rows, "
+                              f"the live tensor has {rows}")
+        return out
+    if kind == "qkv":
+        need = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                    total_num_heads=total_num_heads, total_num_kv_heads=total_num_kv_heads)
+        missing = [k for k, v in need.items() if v is None]
+        if missing or logical_names is None or len(logical_names) != 3:
+            raise LayoutError(f"{vllm_name}: QKV layer needs {missing or ''} and three logical names "
+                              f"(got {logical_names})")
+        vhs = v_head_size or head_size
+        q = num_heads * head_size
+        k = num_kv_heads * head_size
+        v = num_kv_heads * vhs
+        kv_shard = tp_rank // num_kv_head_replicas
+        out = [piece(logical_names[0], 0, q, total_num_heads * head_size, tp_rank * q),
+               piece(logical_names[1], q, q + k, total_num_kv_heads * head_size, kv_shard * k),
+               piece(logical_names[2], q + k, q + k + v, total_num_kv_heads * vhs, kv_shard * v)]
+        if q + k + v != rows:
+            raise LayoutError(f"{vllm_name}: q/k/v sizes {q}+{k}+{v} do not match the live tensor's {rows} rows")
+        return out
+    raise LayoutError(f"{vllm_name}: unknown linear kind {kind!r}")
+
+
+def vocab_pieces(vllm_name: str, local_shape: Sequence[int], *, org_vocab_start: int, org_vocab_end: int,
+                 org_vocab_size: int, num_added: int = 0) -> list[Piece]:
+    """Pieces of a (vocab-parallel, padded) embedding or LM head ``[rows_padded, D]``: the real vocabulary rows only."""
+    if num_added:
+        raise LayoutError(f"{vllm_name}: added (LoRA) vocabulary rows are not mapped to checkpoint rows")
+    n = org_vocab_end - org_vocab_start
+    if not 0 <= n <= local_shape[0]:
+        raise LayoutError(f"{vllm_name}: vocab shard [{org_vocab_start}, {org_vocab_end}) does not fit the live "
+                          f"tensor of {local_shape[0]} rows")
+    if n == 0:
+        return []
+    return [Piece(vllm_name, 0, n, Block(org_vocab_start, 0, org_vocab_size, int(local_shape[1])))]
+
+
+def piece_views(tensor: torch.Tensor, pieces: Sequence[Piece], rename: Callable[[str], str] | None = None
+                ) -> list[ParamView]:
+    """ParamViews (views into ``tensor``'s storage, never copies) for the pieces of one live tensor."""
+    out = []
+    for p in pieces:
+        t = tensor[p.start:p.stop]
+        out.append(ParamView(rename(p.name) if rename else p.name, t, p.block))
+    return out
+
+
+# ---- reading a live vLLM model ----------------------------------------------------------------
+
+def _linear_kind(module) -> str | None:
+    """The layout kind of a vLLM linear layer, or None when the module is not one we know."""
+    from vllm.model_executor.layers import linear as L
+
+    # exact class checks first: subclasses with extra fused outputs must not pass as their base
+    exact = {L.ReplicatedLinear: "replicated", L.ColumnParallelLinear: "column",
+             L.MergedColumnParallelLinear: "merged", L.QKVParallelLinear: "qkv", L.RowParallelLinear: "row"}
+    return exact.get(type(module))
+
+
+def _check_quant(name: str, module) -> None:
+    qm = getattr(module, "quant_method", None)
+    if qm is None:
+        return
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+        raise LayoutError(f"{name}: quantization method {type(qm).__name__} has a runtime layout espert does not "
+                          f"map (only unquantized weights are supported through vLLM; exclude it)")
+
+
+def _logical_names(prefix: str, leaf: str, packed: dict[str, list[str]]) -> list[str] | None:
+    """``model.layers.0.self_attn.qkv_proj`` + ``weight`` -> [``...q_proj.weight``, ``...k_proj.weight``, ...]."""
+    mod_path, _, last = prefix.rpartition(".")
+    if last not in packed:
+        return None
+    base = f"{mod_path}." if mod_path else ""
+    return [f"{base}{sub}.{leaf}" for sub in packed[last]]
+
+
+def vllm_param_views(model: torch.nn.Module, include: Sequence[str] | None = None,
+                     exclude: Sequence[str] | None = None, rename: Callable[[str], str] | None = None
+                     ) -> list[ParamView]:
+    """ParamViews of a loaded vLLM model (``worker.model_runner.model``), named by checkpoint names.
+
+    include / exclude: patterns as in :func:`espert.params.torch_param_views`, matched against the
+    **logical** names (``*q_proj*`` selects the q block of ``qkv_proj``).  rename: optional map from
+    vLLM's unfused names to checkpoint names, for models whose names differ beyond packing.
+    Tied parameters (``lm_head`` tied to ``embed_tokens``) appear once, under their first name.
+    Raises :class:`LayoutError` naming the parameter for any layout it cannot map, and
+    ValueError when the filters select nothing.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    modules = dict(model.named_modules())
+    views: list[ParamView] = []
+    seen: set[int] = set()
+    for pname, p in model.named_parameters(remove_duplicate=True):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        prefix, _, leaf = pname.rpartition(".")
+        module = modules.get(prefix, model)
+        if p.dtype not in DTYPE_CODES:
+            raise LayoutError(f"{pname}: dtype {p.dtype} (quantized or packed storage) cannot be perturbed through "
+                              f"vLLM by espert; exclude it")
+        kind = _linear_kind(module)
+        if kind is None:
+            from vllm.model_executor.layers.linear import LinearBase
+
+            if isinstance(module, LinearBase):
+                raise LayoutError(f"{pname}: linear layer type {type(module).__name__} has a layout espert does not "
+                                  f"map (known: Replicated/Column/MergedColumn/QKV/RowParallelLinear)")
+            if type(module).__name__ in ("FusedMoE", "SharedFusedMoE") or "experts" in prefix.split("."):
+                raise LayoutError(f"{pname}: MoE expert weights are not mapped to checkpoint names")
+        if kind is not None or isinstance(module, VocabParallelEmbedding):
+            _check_quant(pname, module)
+        if p.numel() == 0:
+            raise LayoutError(f"{pname}: the live weight is empty, so it was repacked at load (vLLM-CPU prepacks "
+                              f"Linear weights unless espert.vllm.cpu_patch.install() ran before the model loaded)")
+        if leaf not in ("weight", "bias") and (kind is not None or isinstance(module, VocabParallelEmbedding)):
+            raise LayoutError(f"{pname}: unexpected parameter {leaf!r} on {type(module).__name__}")
+
+        if kind is not None:
+            names = _logical_names(prefix, leaf, packed) if kind in ("merged", "qkv") else None
+            if kind in ("merged", "qkv") and names is None:
+                raise LayoutError(f"{pname}: fused layer {prefix} is not in the model's packed_modules_mapping, so "
+                                  f"its checkpoint names are unknown")
+            g = lambda a, d=None: getattr(module, a, d)  # noqa: E731
+            pieces = linear_pieces(
+                kind, pname, tuple(p.shape), logical_names=names, tp_rank=g("tp_rank", 0), tp_size=g("tp_size", 1),
+                output_sizes=g("output_sizes"), num_heads=g("num_heads"), num_kv_heads=g("num_kv_heads"),
+                total_num_heads=g("total_num_heads"), total_num_kv_heads=g("total_num_kv_heads"),
+                head_size=g("head_size"), v_head_size=g("v_head_size"),
+                num_kv_head_replicas=g("num_kv_head_replicas", 1))
+            if kind == "merged" and len(pieces) != len(names):
+                raise LayoutError(f"{pname}: {len(pieces)} fused outputs but {len(names)} checkpoint names")
+        elif isinstance(module, VocabParallelEmbedding):
+            if leaf != "weight" or p.dim() != 2:
+                raise LayoutError(f"{pname}: unexpected vocab-parallel parameter of shape {tuple(p.shape)}")
+            si = module.shard_indices
+            pieces = vocab_pieces(pname, tuple(p.shape), org_vocab_start=si.org_vocab_start_index,
+                                  org_vocab_end=si.org_vocab_end_index, org_vocab_size=module.org_vocab_size,
+                                  num_added=si.num_added_elements)
+        else:
+            tp = getattr(module, "tp_size", 1)
+            if tp != 1:
+                raise LayoutError(f"{pname}: {type(module).__name__} is sharded (tp_size={tp}) in a way espert "
+                                  f"does not map")
+            n = p.shape[0] if p.dim() >= 1 else 1
+            if p.dim() == 1:
+                pieces = [Piece(pname, 0, n, Block(0, 0, 1, n))]
+            else:
+                pieces = [Piece(pname, 0, n, None)]
+        for pc in pieces:
+            lname = rename(pc.name) if rename else pc.name
+            if include and not _matches(lname, include):
+                continue
+            if exclude and _matches(lname, exclude):
+                continue
+            t = p.data[pc.start:pc.stop]
+            views.append(ParamView(lname, t, pc.block if pc.block != Block(0, 0, None, None) else None))
+    if not views:
+        raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
+    return views
+
+
+# ---- reassembling logical tensors from pieces --------------------------------------------------
+
+def logical_shape(tensor_shape: Sequence[int], block: Block | None) -> tuple[int, ...]:
+    """Shape of the logical parameter a view of ``tensor_shape`` at ``block`` belongs to."""
+    if block is None or block.logical_rows is None:
+        return tuple(tensor_shape)
+    if len(tensor_shape) == 1:
+        return (block.logical_cols,)
+    return (block.logical_rows, block.logical_cols)
+
+
+def block_slices(shape: Sequence[int], block: Block | None) -> tuple[slice, ...]:
+    """Index of a block of local ``shape`` inside its logical tensor."""
+    if block is None:
+        return tuple(slice(None) for _ in shape)
+    if len(shape) == 1:
+        return (slice(block.col_offset, block.col_offset + shape[0]),)
+    return (slice(block.row_offset, block.row_offset + shape[0]), slice(block.col_offset, block.col_offset + shape[1]))
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pack_tensor(t: torch.Tensor) -> list:
+    """A host tensor as ``[dtype name, shape, raw bytes]``: survives vLLM's msgpack RPC without
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (which would otherwise turn nested tensors into lists)."""
+    t = t.detach().to("cpu").contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"cannot pack dtype {t.dtype}")
+    raw = t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy().tobytes()
+    return [name, list(t.shape), raw]
+
+
+def unpack_tensor(x) -> torch.Tensor:
+    """Inverse of :func:`pack_tensor` (also accepts a plain tensor, as in-process RPC returns)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    name, shape, raw = x
+    dt = _DTYPES[name]
+    buf = bytearray(raw)
+    if not buf:
+        return torch.empty(tuple(shape), dtype=dt)
+    return torch.frombuffer(buf, dtype=dt).reshape(tuple(shape))
+
+
+def block_to_tuple(block: Block | None) -> tuple | None:
+    return None if block is None else (block.row_offset, block.col_offset, block.logical_rows, block.logical_cols)
+
+
+def tuple_to_block(t) -> Block | None:
+    return None if t is None else Block(*t)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def assemble(shards: Sequence[Sequence[tuple[str, torch.Tensor, tuple | None]]]) -> dict[str, torch.Tensor]:
+    """Logical tensors from every rank's ``(name, tensor, block tuple)`` pieces.
+
+    Pieces that overlap (k/v replicated over ranks) must agree bit for bit, else ValueError; a
+    logical element that no piece covers is an error too.
+    """
+    out: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for rank_pieces in shards:
+        for name, t, bt in rank_pieces:
+            t = unpack_tensor(t)
+            block = tuple_to_block(bt)
+            shape = logical_shape(t.shape, block)
+            if name not in out:
+                out[name] = torch.zeros(shape, dtype=t.dtype)
+                covered[name] = torch.zeros(shape, dtype=torch.bool)
+            if tuple(out[name].shape) != shape:
+                raise ValueError(f"{name}: pieces disagree on the logical shape ({tuple(out[name].shape)} vs {shape})")
+            idx = block_slices(t.shape, block)
+            dst, seen = out[name][idx], covered[name][idx]
+            if seen.any() and not torch.equal(_bits(dst[seen]), _bits(t[seen])):
+                raise ValueError(f"{name}: replicated pieces differ between ranks")
+            dst.copy_(t)
+            seen.fill_(True)
+    for name, c in covered.items():
+        if not bool(c.all()):
+            raise ValueError(f"{name}: {int((~c).sum())} logical elements are not covered by any piece")
+    return out
+
+
+def split_logical(views: Sequence[ParamView], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The local blocks of logical tensors ``state`` (name -> full logical tensor) for ``views``, by view name."""
+    out = {}
+    for v in views:
+        if v.name not in state:
+            raise KeyError(f"state has no tensor for {v.name}")
+        full = state[v.name]
+        want = logical_shape(v.tensor.shape, v.block)
+        if tuple(full.shape) != want:
+            raise ValueError(f"{v.name}: state has shape {tuple(full.shape)}, the logical parameter is {want}")
+        out[v.name] = full[block_slices(v.tensor.shape, v.block)]
+    return out

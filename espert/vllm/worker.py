@@ -1,0 +1,163 @@
+"""The worker extension: espert inside vLLM's model runner, driven by ``llm.collective_rpc``.
+
+Create the engine with ``LLM(model=..., worker_extension_cls="espert.vllm.worker.ESWorkerExtension",
+enable_prefix_caching=False)``.  vLLM mixes this class into every worker (one per TP rank),
+so the methods below run next to the live weights; the driver calls them by name::
+
+    llm.collective_rpc("es_setup", kwargs=dict(include=None, exclude=None))
+    llm.collective_rpc("es_perturb", args=(seed, sigma, sign))   # in place, from the center
+    llm.collective_rpc("es_restore")                             # exact: copies the host center back
+    llm.collective_rpc("es_update", args=(seeds, coeffs, decay)) # on the float32 host master
+    llm.collective_rpc("es_checksum")                            # cheap fingerprint, per rank
+
+Only seeds, scalars and (for checkpoints) the float32 center cross the RPC.  All weight edits
+go through espert's fused ops on the live tensors (never reallocated: data pointers and CUDA
+graphs stay valid); the only copy of the weights is espert's CenterStore in host memory.
+
+Importing this module installs the vLLM-CPU prepack patch (:mod:`espert.vllm.cpu_patch`), and
+vLLM imports it in each worker before the model loads.  Method names start with ``es_`` so they
+cannot collide with the worker's own attributes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Sequence
+
+import torch
+
+from espert.vllm import cpu_patch
+
+cpu_patch.install()  # before the worker loads the model: see espert/vllm/cpu_patch.py
+
+#: Elements sampled per tensor for the checksum hash.
+CHECKSUM_SAMPLES = 1024
+
+
+def _bits_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy().tobytes()
+
+
+def fingerprint(views, centers) -> dict:
+    """Per-rank checksum: float64 sums of the live weights and of the center, and a hash of strided samples.
+
+    Cost: one reduction pass over each tensor plus ≤ CHECKSUM_SAMPLES elements per tensor moved
+    to the host and hashed; nothing proportional to the model is allocated.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    live_sum, center_sum = [], []
+    for v, c in zip(views, centers):
+        h.update(v.name.encode())
+        for t, acc in ((v.tensor, live_sum), (c, center_sum)):
+            flat = t.reshape(-1)
+            step = max(1, flat.numel() // CHECKSUM_SAMPLES)
+            h.update(_bits_bytes(flat[::step]))
+            acc.append(float(torch.sum(t, dtype=torch.float64)))
+    return {"live_sum": math.fsum(live_sum), "center_sum": math.fsum(center_sum), "hash": h.hexdigest()}
+
+
+class ESWorkerExtension:
+    """Mixed into vLLM's worker class; see the module docstring.  State lives in ``self._es_*``."""
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _es_model(self) -> torch.nn.Module:
+        runner = self.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def _es_require(self):
+        center = getattr(self, "_es_center", None)
+        if center is None:
+            raise RuntimeError("espert worker extension: call es_setup first")
+        return center
+
+    def _es_rank(self) -> tuple[int, int]:
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        except Exception:  # noqa: BLE001 - not initialised: a single worker
+            return 0, 1
+
+    # -- the RPC surface -------------------------------------------------------------------------
+    def es_setup(self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                 master: str = "float32") -> dict:
+        """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
+
+        Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device"}``.
+        Raises (naming the parameter) for layouts it cannot map, and RuntimeError when the
+        CPU prepack patch did not take effect.
+        """
+        from espert.center import CenterStore
+        from espert.vllm.params import vllm_param_views
+
+        model = self._es_model()
+        cpu_patch.check_model(model)
+        views = vllm_param_views(model, include=include, exclude=exclude)
+        device = views[0].tensor.device
+        if master not in ("float32", "weights"):
+            raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
+        self._es_center = CenterStore(views, master_dtype=torch.float32 if master == "float32" else None,
+                                      pin=device.type == "cuda")
+        rank, tp = self._es_rank()
+        return {"rank": rank, "tp_size": tp, "params": [v.name for v in views],
+                "numel": sum(v.numel for v in views), "center_bytes": self._es_center.nbytes, "device": str(device)}
+
+    def es_perturb(self, seed: int, sigma: float, sign: int = 1) -> None:
+        """Live weights <- center + sign·σ·ε(seed) (from the restored state), in place."""
+        self._es_require().perturb(int(seed), float(sigma), int(sign))
+
+    def es_restore(self) -> None:
+        """Live weights <- the exact center (host copy), in place."""
+        self._es_require().restore()
+
+    def es_update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
+        """center <- decay·center + Σ coeffs[n]·ε(seeds[n]) on the host master (CPU op), then restore."""
+        from espert.evaluators.base import apply_update
+
+        apply_update(self._es_require(), [int(s) for s in seeds], [float(c) for c in coeffs], float(decay))
+
+    def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
+        """This rank's center pieces ``(logical name, float32 tensor, block tuple)``; see params.assemble."""
+        from espert.vllm.params import block_to_tuple, pack_tensor
+
+        c = self._es_require()
+        return [(v.name, pack_tensor(t), block_to_tuple(v.block)) for v, t in zip(c.views, c.centers)]
+
+    def es_live_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
+        """This rank's live weight pieces (copies, on the host), for tests and diagnostics."""
+        from espert.vllm.params import block_to_tuple, pack_tensor
+
+        c = self._es_require()
+        return [(v.name, pack_tensor(v.tensor), block_to_tuple(v.block)) for v in c.views]
+
+    def es_load_center(self, state: dict) -> None:
+        """Replace the center from full logical tensors (name -> tensor, or ``pack_tensor`` form); each rank
+        takes its blocks."""
+        from espert.vllm.params import split_logical, unpack_tensor
+
+        c = self._es_require()
+        state = {k: unpack_tensor(v) for k, v in state.items()}
+        local = split_logical(c.views, state)
+        local = {k: v.to(dtype=t.dtype) if v.dtype != t.dtype else v
+                 for (k, v), t in zip(local.items(), c.centers)}
+        c.load_state_dict({k: v.contiguous() for k, v in local.items()})
+
+    def es_checksum(self) -> dict:
+        """``{"rank", "live_sum", "center_sum", "hash"}``: cheap, exact fingerprint of this rank's weights and center."""
+        c = self._es_require()
+        out = fingerprint(c.views, c.centers)
+        out["rank"] = self._es_rank()[0]
+        return out
+
+    def es_data_ptrs(self) -> dict[str, int]:
+        """data_ptr() of every parameter of the vLLM model (must never change: CUDA graphs hold them)."""
+        return {n: p.data_ptr() for n, p in self._es_model().named_parameters(remove_duplicate=False)}
+
+    def es_layout(self) -> list[tuple[str, tuple, tuple | None]]:
+        """``(logical name, local shape, block tuple)`` of every view, for inspection and docs."""
+        from espert.vllm.params import block_to_tuple
+
+        return [(v.name, list(v.tensor.shape), block_to_tuple(v.block)) for v in self._es_require().views]
+
