@@ -1,0 +1,230 @@
+"""The ``espert`` command line.
+
+    espert train   [--config FILE.yaml|.toml] [--run-dir DIR] [--resume] [--<field> VALUE ...]
+    espert replay  RUN_DIR [--out DIR] [--upto T]
+    espert tiny    OUT_DIR [--seed S]
+    espert eval    ...   (espert.eval.cli)
+    espert analyze ...   (espert.eval.cli)
+
+Every ESConfig field is a ``train`` flag (``population`` -> ``--population``); precedence is
+defaults < config file < flags.  ``espert train`` with no arguments runs the main job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import typing
+from typing import Sequence
+
+from espert.es import ESConfig
+
+FIELD_HELP = {
+    "model": "'tiny' (built into RUN/base_model), a local HF model directory, or a Hub id",
+    "tiny_seed": "seed of the tiny model's random initialization",
+    "task": "copy | gsm8k | gsm8k_strict | math500 | countdown",
+    "train_data": "local JSONL with the training problems (default: the task's train split)",
+    "eval_data": "local JSONL with the held-out problems (default: the task's --eval-split)",
+    "eval_split": "split of the held-out problems",
+    "train_size": "problems in the training pool (default: all)",
+    "eval_size": "held-out problems scored at the center (0: none)",
+    "backend": "evaluator backend: torch (transformers) or a registered one such as vllm",
+    "device": "torch device of the live weights: cpu, cuda, cuda:1, ...",
+    "dtype": "live-weight dtype: float32 | bfloat16 | float16 (the ES master is float32)",
+    "chat_template": "wrap prompts in the tokenizer's chat template",
+    "max_new_tokens": "greedy generation budget per prompt",
+    "generation_batch_size": "prompts per generate call",
+    "cpu_threads": "torch CPU threads (0: torch's default; 1 is fastest for the tiny model)",
+    "include": "only perturb parameters matching these patterns (glob or name component)",
+    "exclude": "never perturb parameters matching these patterns",
+    "iterations": "ES iterations",
+    "population": "members per iteration (N; N/2 seeds when antithetic)",
+    "antithetic": "mirrored pairs (+eps, -eps) sharing a seed",
+    "sigma": "perturbation scale",
+    "sigma_schedule": "constant | linear | cosine (to --sigma-end)",
+    "sigma_end": "final sigma of a linear/cosine schedule",
+    "alpha": "step size: theta += alpha/N * sum z_n eps_n (not divided by sigma)",
+    "alpha_schedule": "constant | linear | cosine (to --alpha-end)",
+    "alpha_end": "final alpha of a linear/cosine schedule",
+    "normalization": "reward normalization: zscore | rank (centered ranks)",
+    "weight_decay": "center *= 1 - alpha*weight_decay before each update",
+    "prompts_per_iteration": "training prompts per iteration (all members share them)",
+    "seed": "master seed: member seeds and prompt subsets derive from it",
+    "member_errors": "raise | nan: an exception in one member stops the run, or drops that member",
+    "eval_every": "held-out evaluation every N iterations (0: start and end only)",
+    "checkpoint_every": "checkpoint + export every N iterations (0: end only)",
+}
+
+TRAIN_EPILOG = """examples:
+  espert train                                   # main job: tiny model, copy task, CPU, a few minutes
+  espert train --iterations 50 --run-dir runs/quick
+  espert train --run-dir runs/quick --resume --iterations 100     # continue (or extend) a run
+  espert train --config configs/copy_tiny.yaml --sigma 0.03
+  espert train --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --device cuda --dtype bfloat16 \\
+      --sigma 0.001 --alpha 0.0005 --population 30 --prompts-per-iteration 200 --max-new-tokens 512 \\
+      --chat-template --eval-size 200 --iterations 500
+  espert replay runs/quick                       # rebuild the final weights from base model + log
+"""
+
+
+def load_config_file(path: str) -> dict:
+    """A flat mapping of ESConfig fields from YAML or TOML (a run's own config.yaml works too)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f) or {}
+    elif path.endswith(".toml"):
+        import tomllib
+
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    else:
+        raise ValueError(f"config file must end in .yaml, .yml or .toml: {path}")
+    if isinstance(doc, dict) and "format" in doc and isinstance(doc.get("config"), dict):
+        doc = doc["config"]  # a run directory's config.yaml
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a mapping of config fields")
+    return doc
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ES config (every ESConfig field; defaults run the main job)")
+    hints = typing.get_type_hints(ESConfig)
+    for f in dataclasses.fields(ESConfig):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        t = args[0] if args and type(None) in typing.get_args(hint) else hint
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_ = f"{FIELD_HELP.get(f.name, '')} (default: {default})"
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_)
+        if t is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif typing.get_origin(t) is list:
+            g.add_argument(flag, nargs="+", metavar="PATTERN", **kw)
+        elif t in (int, float):
+            g.add_argument(flag, type=t, metavar=t.__name__.upper(), **kw)
+        else:
+            g.add_argument(flag, metavar="STR", **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from espert import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="espert", description="espert: evolution strategies for LLMs with fused, exactly restorable "
+                                   "counter-based noise. Run 'espert COMMAND --help' for details.")
+    parser.add_argument("--version", action="version", version=f"espert {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    tr = sub.add_parser("train", help="train with ES (defaults: the tiny-model main job on CPU)",
+                        description="Train a model with evolution strategies. Writes a run directory "
+                                    "(config.yaml, log.jsonl, center.safetensors, export/) that resumes and "
+                                    "replays bit-exactly.", epilog=TRAIN_EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr.add_argument("--config", metavar="FILE", help="YAML or TOML file of ESConfig fields")
+    tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
+    tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_config_flags(tr)
+    tr.set_defaults(func=cmd_train)
+
+    rp = sub.add_parser("replay", help="rebuild a run's weights from its base model and log alone",
+                        description="Apply every logged update to the base model's float32 center on the CPU, "
+                                    "write OUT/center.safetensors and OUT/export/ (HF format), and compare with "
+                                    "the run's checkpoint.")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/replay)")
+    rp.add_argument("--upto", type=int, metavar="T", help="stop after iteration T (default: the last logged)")
+    rp.set_defaults(func=cmd_replay)
+
+    tn = sub.add_parser("tiny", help="build the tiny random model + char tokenizer into a directory",
+                        description="Write the main job's tiny Llama-architecture model (random init) and its "
+                                    "character tokenizer as a standard HF model directory.")
+    tn.add_argument("out_dir", metavar="OUT_DIR")
+    tn.add_argument("--seed", type=int, default=0)
+    tn.set_defaults(func=cmd_tiny)
+
+    try:
+        from espert.eval.cli import add_analyze_parser, add_eval_parser
+    except ImportError:  # the evaluation package is optional at this layer
+        pass
+    else:
+        add_eval_parser(sub)
+        add_analyze_parser(sub)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
+    """``(config, overrides)``: file values under flag values; on --resume the run's config is the base."""
+    overrides = load_config_file(args.config) if args.config else {}
+    names = {f.name for f in dataclasses.fields(ESConfig)}
+    overrides.update({k: v for k, v in vars(args).items() if k in names})
+    if args.resume:
+        from espert.runs import read_run_config
+
+        if not args.run_dir:
+            raise SystemExit("espert train: --resume needs --run-dir")
+        stored = ESConfig.from_dict(read_run_config(args.run_dir)["config"])
+        return ESConfig.from_dict(overrides, base=stored), overrides
+    return ESConfig.from_dict(overrides), overrides
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from espert.es import train
+    from espert.evaluators.torch_model import quiet_generation_warnings
+
+    cfg, _ = config_from_args(args)
+    run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
+    quiet_generation_warnings()
+    echo = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    echo(f"[espert] run directory: {run_dir}")
+    summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo)
+    held = summary["heldout"]
+    if held:
+        curve = "  ".join(f"it {t}: {m:.3f}" for t, m in held)
+        echo(f"[espert] held-out mean reward: {curve}")
+    if summary["export"]:
+        echo(f"[espert] final weights (HF format): {summary['export']}")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from espert.runs import replay
+
+    res = replay(args.run_dir, args.out, upto=args.upto, echo=lambda s: print(s, file=sys.stderr))
+    return 1 if res["matches_checkpoint"] is False else 0
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from espert.tiny import build_tiny_model
+
+    build_tiny_model(args.out_dir, seed=args.seed)
+    print(args.out_dir)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"espert {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"espert {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

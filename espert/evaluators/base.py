@@ -1,0 +1,141 @@
+"""The Evaluator interface: the only thing the ES loop knows about a model backend.
+
+The loop hands an evaluator a population of members ``(seed, sign)`` and the prompts of the
+iteration, and gets one reward per member back.  It then hands back the update as seeds and
+coefficients.  It never sees weights, devices or generation code, so a torch model, one vLLM
+engine or many engines behind Ray all look the same to it.
+
+Contract of an :class:`Evaluator` (what the loop relies on):
+
+``evaluate(members, sigma, prompts, answers) -> list[float]``
+    One reward per member, in member order: the mean task reward over the prompts of the
+    model with weights ``center + sign·σ·ε(seed)``.  ``nan`` marks a member that failed (the
+    loop drops it from the update).  The weights are back at the exact center when it
+    returns *or raises*.  Must be a deterministic function of (center, members, σ, prompts):
+    resumed runs rely on it to reproduce rewards.
+``evaluate_center(prompts, answers) -> list[float]``
+    Per-prompt rewards of the center itself (held-out evaluation).
+``update(seeds, coeffs, decay=1.0)``
+    ``center <- decay·center + Σ_n coeffs[n]·ε(seeds[n])`` on the float32 master, then the live
+    weights are restored to the new center.  Every replica must apply the same arithmetic: the
+    update goes through the CPU op on the host master, so it is bit-identical everywhere.
+``center_state() -> dict[str, Tensor]`` / ``load_center(state)``
+    The float32 master by logical (checkpoint) name; what checkpoints save and replay rebuilds.
+``close()``
+    Free the model.
+
+:class:`ModelEvaluator` implements all of it for backends that hold one :class:`CenterStore`
+and can score the current live weights (``rollout``); a backend only writes ``rollout``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+from typing import Sequence
+
+import torch
+
+from espert.center import CenterStore
+
+log = logging.getLogger("espert.evaluators")
+
+Member = tuple[int, int]  # (seed: uint64, sign: +1 | -1)
+
+
+class Evaluator(abc.ABC):
+    """Abstract evaluator: see the module docstring for the contract."""
+
+    @abc.abstractmethod
+    def evaluate(self, members: Sequence[Member], sigma: float, prompts: Sequence[str],
+                 answers: Sequence[str]) -> list[float]:
+        """Mean reward over ``prompts`` of each perturbed member; ``nan`` = failed member."""
+
+    @abc.abstractmethod
+    def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
+        """Per-prompt rewards of the (unperturbed) center."""
+
+    @abc.abstractmethod
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
+        """``center <- decay·center + Σ coeffs[n]·ε(seeds[n])``, then restore the live weights."""
+
+    @abc.abstractmethod
+    def center_state(self) -> dict[str, torch.Tensor]:
+        """The exact center (float32 master) by logical parameter name, on the host."""
+
+    @abc.abstractmethod
+    def load_center(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the center exactly (names, shapes and dtypes must match) and restore the weights."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the model."""
+
+
+def apply_update(center: CenterStore, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
+    """The one place where the center moves: optional decay, then the fused ES update, then restore.
+
+    decay: multiply every center tensor by this float (``1 - α·weight_decay``), in place on the host
+    master, before the update; 1.0 skips it.  Elementwise float32 multiplication on the CPU is
+    deterministic, so this stays bit-replayable.  Arguments are validated before anything moves.
+    """
+    if not (isinstance(decay, (int, float)) and math.isfinite(decay) and decay > 0):
+        raise ValueError(f"decay must be a finite number > 0, got {decay!r}")
+    from espert.ops import check_members
+
+    check_members(seeds, coeffs)
+    if decay != 1.0:
+        for c in center.centers:
+            c.mul_(float(decay))
+    center.update(seeds, coeffs)  # restores the live weights
+
+
+class ModelEvaluator(Evaluator):
+    """An evaluator over one :class:`CenterStore`: perturb, ``rollout``, restore in ``finally``.
+
+    Subclasses implement :meth:`rollout` (per-prompt rewards of the live weights as they are now).
+    member_errors: ``"raise"`` (default: an exception in a member's rollout propagates, after the
+    weights are restored) or ``"nan"`` (the member gets reward ``nan``, is logged, and the loop
+    drops it from the update).
+    """
+
+    def __init__(self, center: CenterStore, member_errors: str = "raise"):
+        if member_errors not in ("raise", "nan"):
+            raise ValueError(f"member_errors must be 'raise' or 'nan', got {member_errors!r}")
+        self.center = center
+        self.member_errors = member_errors
+
+    @abc.abstractmethod
+    def rollout(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
+        """Per-prompt rewards in [0, 1] (``nan`` allowed) of the live weights, which it must not change."""
+
+    def evaluate(self, members, sigma, prompts, answers):
+        if len(prompts) != len(answers) or not prompts:
+            raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and "
+                             f"{len(answers)}")
+        out = []
+        for seed, sign in members:
+            try:
+                self.center.perturb(seed, sigma, sign)
+                rewards = self.rollout(prompts, answers)
+            except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
+                if self.member_errors == "raise":
+                    raise
+                log.warning("member (seed=%d, sign=%+d) failed, dropped: %r", seed, sign, e)
+                rewards = [math.nan]
+            finally:
+                self.center.restore()
+            out.append(math.fsum(rewards) / len(rewards) if rewards else math.nan)
+        return out
+
+    def evaluate_center(self, prompts, answers):
+        return list(self.rollout(prompts, answers))
+
+    def update(self, seeds, coeffs, decay=1.0):
+        apply_update(self.center, seeds, coeffs, decay)
+
+    def center_state(self):
+        return self.center.state_dict()
+
+    def load_center(self, state):
+        self.center.load_state_dict(state)

@@ -1,0 +1,135 @@
+"""The torch / transformers evaluator: greedy ``generate`` on CPU or GPU, batched, left-padded."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Callable, Sequence
+
+import torch
+
+from espert.center import CenterStore
+from espert.params import torch_param_views
+
+from .base import ModelEvaluator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` -> the torch dtype (clear error otherwise)."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
+    """Load ``(model, tokenizer)`` from a local model directory or Hub id, in eval mode on ``device``.
+
+    The tokenizer is set to left padding; a missing pad token falls back to the eos token.
+    """
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if os.path.sep in path and not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory not found: {path}")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer of {path} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
+    model.requires_grad_(False)
+    return model, tok
+
+
+def model_center(model: torch.nn.Module, include: Sequence[str] | None = None,
+                 exclude: Sequence[str] | None = None, pin: bool = False) -> CenterStore:
+    """The float32 host center of a torch model's selected parameters (see ``torch_param_views``)."""
+    return CenterStore(torch_param_views(model, include=include, exclude=exclude), master_dtype=torch.float32,
+                       pin=pin)
+
+
+class TorchEvaluator(ModelEvaluator):
+    """Rewards of a transformers causal LM under greedy decoding.
+
+    model: a ``*ForCausalLM`` in eval mode (any device/dtype the ops support).  tokenizer: its
+    tokenizer (left padding is forced).  score: batched reward ``fn(completions, answers) ->
+    list[float]`` (a :class:`espert.tasks.Task`'s ``score``).  include / exclude: which parameters
+    ES perturbs (``torch_param_views`` patterns).  max_new_tokens: generation budget per prompt.
+    batch_size: prompts per ``generate`` call.  chat_template: wrap prompts as a user message.
+
+    A member's rollout: the tokenized prompts (cached) go through ``generate(do_sample=False)`` in
+    chunks of ``batch_size``; new tokens are decoded with special tokens skipped and scored.
+    Greedy decoding is deterministic on a fixed device/dtype/batch, so rewards are a function of
+    (center, member, prompts).
+    """
+
+    def __init__(self, model, tokenizer, score: Callable[[Sequence[str], Sequence[str]], list[float]],
+                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                 max_new_tokens: int = 16, batch_size: int = 64, chat_template: bool = False,
+                 member_errors: str = "raise"):
+        if max_new_tokens < 1 or batch_size < 1:
+            raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
+        device = next(model.parameters()).device
+        super().__init__(model_center(model, include, exclude, pin=device.type == "cuda"), member_errors)
+        self.model, self.tokenizer, self.score = model, tokenizer, score
+        self.tokenizer.padding_side = "left"
+        self.device = device
+        self.batch_size = batch_size
+        self.chat_template = chat_template
+        gc = copy.deepcopy(model.generation_config)
+        gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
+        gc.num_beams, gc.num_return_sequences = 1, 1
+        gc.max_new_tokens, gc.max_length = max_new_tokens, None
+        gc.pad_token_id = tokenizer.pad_token_id
+        if gc.eos_token_id is None:
+            gc.eos_token_id = tokenizer.eos_token_id
+        self.generation_config = gc
+        self._cache_key: tuple | None = None
+        self._batches: list[dict[str, torch.Tensor]] = []
+
+    def _format(self, prompt: str) -> str:
+        if not self.chat_template:
+            return prompt
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _encoded(self, prompts: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+        key = tuple(prompts)
+        if key != self._cache_key:  # the same prompts serve every member of an iteration
+            self._batches = []
+            for i in range(0, len(prompts), self.batch_size):
+                chunk = [self._format(p) for p in prompts[i:i + self.batch_size]]
+                enc = self.tokenizer(chunk, return_tensors="pt", padding=True)
+                self._batches.append({k: v.to(self.device) for k, v in enc.items()})
+            self._cache_key = key
+        return self._batches
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[str]) -> list[str]:
+        """Greedy completions (new text only) of the live weights for ``prompts``."""
+        out: list[str] = []
+        for enc in self._encoded(prompts):
+            seqs = self.model.generate(**enc, generation_config=self.generation_config)
+            out.extend(self.tokenizer.batch_decode(seqs[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+        return out
+
+    def rollout(self, prompts, answers):
+        return list(self.score(self.generate(prompts), answers))
+
+    def close(self) -> None:
+        self.model = None
+        self._batches = []
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def quiet_generation_warnings() -> None:
+    """Silence transformers' per-call generation notices (used by the CLI)."""
+    logging.getLogger("transformers.generation.utils").setLevel(logging.ERROR)

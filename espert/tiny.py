@@ -1,0 +1,110 @@
+"""A tiny causal LM and a character-level tokenizer, built locally (no downloads).
+
+The main job (``espert train`` with no arguments) trains this model from random
+initialization with ES on the built-in ``copy`` task.  The directory written by
+:func:`build_tiny_model` is a standard Hugging Face model directory::
+
+    config.json  generation_config.json  model.safetensors
+    tokenizer.json  tokenizer_config.json  special_tokens_map.json (depending on the transformers version)
+
+so it loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``
+and with vLLM (Llama architecture, head_dim 32, which vLLM's CPU attention supports).
+
+Everything is a deterministic function of the arguments: the same ``seed`` gives the same
+weights bit for bit (torch's CPU generator), and the tokenizer does not depend on any data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+#: Special tokens, in id order: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>.
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+#: Default alphabet: the ``copy`` task's letters and its separator.
+DEFAULT_ALPHABET = "abcdef>"
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of the tiny model.  Defaults: 2 layers, hidden 64, 2 heads of dim 32 (~83k parameters).
+
+    init_std: std of the normal initialization of linear/embedding weights (transformers'
+    ``initializer_range``).  A larger value than the usual 0.02 gives a random model whose
+    greedy outputs already depend on the input, which ES can then shape.
+    """
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 64
+    init_std: float = 0.02
+    alphabet: str = DEFAULT_ALPHABET
+
+
+def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A character-level tokenizer over ``alphabet`` (one token per character), as ``PreTrainedTokenizerFast``.
+
+    Trained with ``tokenizers``' BPE trainer with a vocabulary exactly the size of the specials plus
+    the alphabet, so no merges are learnt: ids 0-3 are ``<pad> <s> </s> <unk>``, then the characters
+    in sorted order (the trainer sorts its alphabet).  Encoding prepends ``<s>``; decoding concatenates characters (no spaces).
+    Characters outside the alphabet encode as ``<unk>``.
+    """
+    from tokenizers import Tokenizer, decoders, models, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))  # unique, order kept
+    if not chars:
+        raise ValueError("the tiny tokenizer needs a non-empty alphabet")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer = trainers.BpeTrainer(vocab_size=len(SPECIAL_TOKENS) + len(chars), special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=chars, limit_alphabet=len(chars), show_progress=False)
+    tok.train_from_iterator([alphabet], trainer=trainer)
+    vocab = tok.get_vocab()
+    missing = [c for c in chars if c not in vocab]
+    if missing or len(vocab) != len(SPECIAL_TOKENS) + len(chars):
+        raise RuntimeError(f"tiny tokenizer: unexpected vocabulary {sorted(vocab, key=vocab.get)}")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                       special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", padding_side="left", clean_up_tokenization_spaces=False)
+
+
+def build_tiny_model(save_dir: str, seed: int = 0, spec: TinySpec | None = None):
+    """Write a random Llama-architecture tiny model + tokenizer to ``save_dir``; returns the model (float32, CPU).
+
+    Deterministic in ``(seed, spec)``.  ``save_dir`` is created; existing files in it are overwritten.
+    Also writes ``espert_tiny.json`` recording the seed and spec.
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    spec = spec or TinySpec()
+    os.makedirs(save_dir, exist_ok=True)
+    tok = build_tokenizer(spec.alphabet)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.init_std,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False, dtype="float32")
+    # Weights come from torch's CPU generator, seeded here, in module construction order.
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
+    finally:
+        torch.random.set_rng_state(state)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id, do_sample=False)
+    model.save_pretrained(save_dir, safe_serialization=True)
+    tok.save_pretrained(save_dir)
+    with open(os.path.join(save_dir, "espert_tiny.json"), "w", encoding="utf-8") as f:
+        json.dump({"seed": seed, "spec": asdict(spec)}, f, indent=2)
+        f.write("\n")
+    return model
