@@ -1,0 +1,279 @@
+"""A population over several vLLM engines: Ray actors, each owning one engine.
+
+    pool = EnginePool(model_path, task.score, engines=4, llm_kwargs=dict(tensor_parallel_size=1))
+    rewards = pool.evaluate(members, sigma, prompts, answers)   # members spread over the engines
+    pool.update(seeds, coeffs, decay)                           # every engine applies it itself
+
+What travels per iteration (never weights):
+
+    driver -> engine   members (seed: uint64, sign: ±1), σ, the prompts/answers (once per chunk)
+    engine -> driver   one float64 reward per member
+    driver -> engine   the update: seeds (8 B each), coefficients (float64 -> float32), decay
+    engine -> driver   a checksum per TP rank (two float64 sums + a 16-byte hash)
+
+Every engine applies the same update to its own float32 host master through espert's CPU op,
+whose arithmetic is fixed (docs/noise.md), so all replicas hold bit-identical centers.  The
+checksums returned by ``update`` are compared every iteration; any difference raises
+:class:`ReplicaDivergence` (stop loudly: a silent fork would train N different models).
+
+Members are handed out in chunks from a queue, so a fast engine takes more.  A member's reward
+depends only on (center, member, σ, prompts), not on which engine scores it, so rewards are
+identical with 1 or N engines.  When an engine dies (its actor raises ``RayActorError``), its
+chunk goes back on the queue and is scored by a live engine; the dead engine is dropped from
+the pool (``dead`` lists it).  Losing every engine raises.
+
+Mapping to many nodes: nothing here assumes one machine.  Start Ray on a cluster
+(``ray start --head`` / ``ray start --address=...``), pass ``num_gpus_per_engine`` (e.g. the TP
+size) and Ray places one actor per GPU group anywhere in the cluster; only the bytes above
+cross the network.  ``load_center`` (resume) is the one call that sends weights, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+
+from espert.evaluators.base import Evaluator, Member
+
+log = logging.getLogger("espert.vllm")
+
+
+class ReplicaDivergence(RuntimeError):
+    """Engines that applied the same updates hold different weights."""
+
+
+class EngineActor:
+    """One vLLM engine and its espert evaluator, living in its own process (a Ray actor).
+
+    env: environment set before vLLM is imported in this process (e.g. in-process V1 engine,
+    KV cache size, thread binding).
+    """
+
+    def __init__(self, model: str, score: Callable, ev_kwargs: dict, llm_kwargs: dict, env: dict):
+        os.environ.update({k: str(v) for k, v in env.items()})
+        from espert.vllm.evaluator import VLLMEvaluator
+
+        self.ev = VLLMEvaluator(model, score, llm_kwargs=llm_kwargs, **ev_kwargs)
+
+    def ready(self) -> dict:
+        return {"pid": os.getpid(), "info": self.ev.info}
+
+    def evaluate(self, members, sigma, prompts, answers) -> list[float]:
+        return self.ev.evaluate([tuple(m) for m in members], sigma, prompts, answers)
+
+    def evaluate_center(self, prompts, answers) -> list[float]:
+        return self.ev.evaluate_center(prompts, answers)
+
+    def update(self, seeds, coeffs, decay) -> list[dict]:
+        self.ev.update(seeds, coeffs, decay)
+        return self.ev.checksum()
+
+    def checksum(self) -> list[dict]:
+        return self.ev.checksum()
+
+    def center_state(self):
+        from espert.vllm.params import pack_tensor
+
+        return {k: pack_tensor(v) for k, v in self.ev.center_state().items()}
+
+    def load_center(self, state) -> list[dict]:
+        from espert.vllm.params import unpack_tensor
+
+        self.ev.load_center({k: unpack_tensor(v) for k, v in state.items()})
+        return self.ev.checksum()
+
+    def rpc(self, method: str, *args):
+        """Call a worker-extension method directly (diagnostics and tests)."""
+        return self.ev.rpc(method, *args)
+
+    def timings(self) -> dict:
+        return dict(self.ev.timings)
+
+    def close(self) -> None:
+        self.ev.close()
+
+
+def _nbytes(obj) -> int:
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class EnginePool(Evaluator):
+    """The Evaluator interface over ``engines`` vLLM engines in Ray actors (see the module docstring).
+
+    model: model directory or Hub id.  score: the task's batched reward (picklable).
+    engines: number of engines.  chunk: members per task handed to an engine (default: spread
+    the population evenly, about two chunks per engine).  llm_kwargs: passed to
+    :func:`espert.vllm.make_llm` in each actor.  num_cpus_per_engine / num_gpus_per_engine: Ray
+    resources per actor (GPU: set num_gpus_per_engine to the TP size).  env: extra environment
+    for the actors.  ray_init: keyword arguments for ``ray.init`` when Ray is not initialised yet.
+    Other keyword arguments go to :class:`espert.vllm.VLLMEvaluator`.
+
+    ``traffic`` records the pickled size of every message of the last iteration (``evaluate`` +
+    ``update``), by direction; ``weights_bytes`` is what one broadcast of the center would cost.
+    """
+
+    def __init__(self, model: str, score: Callable, *, engines: int = 2, chunk: int | None = None,
+                 llm_kwargs: dict | None = None, num_cpus_per_engine: float = 1, num_gpus_per_engine: float = 0,
+                 env: dict | None = None, ray_init: dict | None = None, **ev_kwargs):
+        import ray
+
+        if engines < 1:
+            raise ValueError(f"engines must be >= 1, got {engines}")
+        if not ray.is_initialized():
+            ray.init(**{"include_dashboard": False, "log_to_driver": False, **(ray_init or {})})
+        self._ray = ray
+        self.chunk = chunk
+        ncpu = os.cpu_count() or 1
+        actor_cls = ray.remote(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine)(EngineActor)
+        self.actors = []
+        for i in range(engines):
+            e = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
+                 os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+            if num_gpus_per_engine == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                e["VLLM_CPU_OMP_THREADS_BIND"] = str(i % ncpu)  # one core per CPU engine, no oversubscription
+            e.update(env or {})
+            self.actors.append(actor_cls.remote(model, score, ev_kwargs, llm_kwargs or {}, e))
+        infos = ray.get([a.ready.remote() for a in self.actors])
+        self.info = infos[0]["info"]
+        self.alive = list(range(engines))
+        self.dead: list[int] = []
+        numel = sum(r["numel"] for r in self.info)
+        self.weights_bytes = 4 * numel  # one float32 center
+        self.traffic: dict[str, int] = {}
+        self.checksums: list[list[dict]] = []
+
+    # -- failure handling --------------------------------------------------------------------------
+    def _mark_dead(self, i: int, err: BaseException) -> None:
+        if i in self.alive:
+            self.alive.remove(i)
+            self.dead.append(i)
+            log.warning("engine %d died (%s); its work is re-queued, %d engines left", i, type(err).__name__,
+                        len(self.alive))
+        if not self.alive:
+            raise RuntimeError("every engine of the pool died") from err
+
+    def _count(self, key: str, obj) -> None:
+        self.traffic[key] = self.traffic.get(key, 0) + _nbytes(obj)
+
+    # -- the Evaluator interface -------------------------------------------------------------------
+    def evaluate(self, members: Sequence[Member], sigma: float, prompts: Sequence[str],
+                 answers: Sequence[str]) -> list[float]:
+        ray = self._ray
+        members = [(int(s), int(g)) for s, g in members]
+        self.traffic = {}
+        n = len(members)
+        size = self.chunk or max(1, math.ceil(n / (2 * max(1, len(self.alive)))))
+        queue = deque((i, members[i:i + size]) for i in range(0, n, size))
+        out: list[float | None] = [None] * n
+        running: dict = {}  # ObjectRef -> (engine, start, chunk)
+        prompts, answers = list(prompts), list(answers)
+        # the prompts travel once per engine per iteration (ray.put), not once per chunk
+        p_ref, a_ref = ray.put(prompts), ray.put(answers)
+        self._count("prompts_to_each_engine", (prompts, answers))
+        while queue or running:
+            busy = {e for e, _, _ in running.values()}
+            for e in [e for e in self.alive if e not in busy]:
+                if not queue:
+                    break
+                start, chunk = queue.popleft()
+                ref = self.actors[e].evaluate.remote(chunk, float(sigma), p_ref, a_ref)
+                self._count("members_out", (chunk, float(sigma)))
+                running[ref] = (e, start, chunk)
+            if not running:
+                raise RuntimeError("no live engine to evaluate the population")
+            done, _ = ray.wait(list(running), num_returns=1)
+            for ref in done:
+                e, start, chunk = running.pop(ref)
+                try:
+                    rewards = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as err:
+                    queue.appendleft((start, chunk))
+                    self._mark_dead(e, err)
+                    continue
+                self._count("rewards_in", rewards)
+                if len(rewards) != len(chunk):
+                    raise RuntimeError(f"engine {e} returned {len(rewards)} rewards for {len(chunk)} members")
+                out[start:start + len(chunk)] = [float(r) for r in rewards]
+        return [float(r) for r in out]
+
+    def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
+        return self._first("evaluate_center", list(prompts), list(answers))
+
+    def _first(self, method: str, *args):
+        while True:
+            e = self.alive[0] if self.alive else None
+            if e is None:
+                raise RuntimeError("every engine of the pool died")
+            try:
+                return self._ray.get(getattr(self.actors[e], method).remote(*args))
+            except (self._ray.exceptions.RayActorError, self._ray.exceptions.ActorDiedError) as err:
+                self._mark_dead(e, err)
+
+    def _broadcast(self, method: str, *args) -> dict[int, object]:
+        ray = self._ray
+        refs = {e: getattr(self.actors[e], method).remote(*args) for e in list(self.alive)}
+        results = {}
+        for e, ref in refs.items():
+            try:
+                results[e] = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as err:
+                self._mark_dead(e, err)
+        return results
+
+    def _check(self, sums: dict[int, list[dict]], when: str) -> None:
+        if not sums:
+            raise RuntimeError("every engine of the pool died")
+        self.checksums.append([sums[e] for e in sorted(sums)])
+        ref_e = min(sums)
+        for e, cs in sums.items():
+            if cs != sums[ref_e]:
+                raise ReplicaDivergence(f"{when}: engine {e} checksum {cs} != engine {ref_e} checksum {sums[ref_e]}; "
+                                        f"the replicas no longer hold the same weights")
+
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
+        seeds, coeffs = [int(s) for s in seeds], [float(c) for c in coeffs]
+        msg = (seeds, coeffs, float(decay))
+        for _ in self.alive:
+            self._count("update_out", msg)
+        sums = self._broadcast("update", *msg)
+        for cs in sums.values():
+            self._count("checksums_in", cs)
+        self._check(sums, "after update")
+
+    def checksum(self) -> dict[int, list[dict]]:
+        """Every live engine's per-rank checksums, after checking that they agree."""
+        sums = self._broadcast("checksum")
+        self._check(sums, "checksum")
+        return sums
+
+    def center_state(self) -> dict[str, torch.Tensor]:
+        from espert.vllm.params import unpack_tensor
+
+        return {k: unpack_tensor(v) for k, v in self._first("center_state").items()}
+
+    def load_center(self, state: dict[str, torch.Tensor]) -> None:
+        from espert.vllm.params import pack_tensor
+
+        ref = self._ray.put({k: pack_tensor(v.detach().float()) for k, v in state.items()})
+        self._check(self._broadcast("load_center", ref), "after load_center")
+
+    def timings(self) -> dict[int, dict]:
+        return self._broadcast("timings")
+
+    def close(self) -> None:
+        ray = self._ray
+        for e in list(self.alive):
+            try:
+                ray.get(self.actors[e].close.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+            ray.kill(self.actors[e])
+        self.alive = []
+        time.sleep(0)
