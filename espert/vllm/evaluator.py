@@ -43,8 +43,13 @@ def _on_cpu() -> bool:
 
 
 def make_llm(model: str, *, dtype: str = "float32", tensor_parallel_size: int = 1, seed: int = 0,
-             max_model_len: int | None = None, enable_prefix_caching: bool = False, **kwargs):
+             max_model_len: int | None = None, enable_prefix_caching: bool = False, multiprocess: bool | None = None,
+             **kwargs):
     """A ``vllm.LLM`` ready for espert: the worker extension, prefix caching off, CPU-safe defaults.
+
+    multiprocess: run the V1 engine core in its own process (True) or in this one (False); None
+    leaves ``VLLM_ENABLE_V1_MULTIPROCESSING`` as it is.  (vLLM caches its environment once an
+    engine has started; this resets that cache so the choice takes effect.)
 
     On CPU: ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB; vLLM otherwise reserves most of RAM),
     ``enforce_eager=True``, and the prepack patch is installed before the model loads.  Extra
@@ -52,6 +57,12 @@ def make_llm(model: str, *, dtype: str = "float32", tensor_parallel_size: int = 
     """
     cpu_patch.install()
     from vllm import LLM
+
+    if multiprocess is not None:
+        import vllm.envs
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        vllm.envs.disable_envs_cache()
 
     kw = dict(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
               worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=enable_prefix_caching)
