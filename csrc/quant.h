@@ -259,11 +259,11 @@ ESPERT_HD void run_unit(const QuantArgs& a, int64_t u) {
     F4 uu{0.0f, 0.0f, 0.0f, 0.0f};
     if (MODE == kPerturb) uu = sr_uniforms4(a.seeds[0], a.key, gg[j]);
     const float us[4] = {uu.n0, uu.n1, uu.n2, uu.n3};
+    const float s = load_scale(a, gn[j], gk[j]);  // the group's 4 lanes share a scale (group % 8 == 0)
     ESPERT_UNROLL
     for (int l = 0; l < 4; ++l) {
       const int64_t n = gn[j], k = gk[j] + l;
       const Loc p = Ly::loc(n, k, a.ld);
-      const float s = load_scale(a, n, k);
       float* m = MODE == kUpdateMaster ? a.master + n * a.K + k : nullptr;
       if (E == kInt4) {
         uint32_t* w = reinterpret_cast<uint32_t*>(a.codes) + p.word;

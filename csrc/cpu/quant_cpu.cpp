@@ -29,6 +29,10 @@ ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
       Ly::origin(u0 + j / G, j % G, a.N, a.K, gn[j], gk[j]);
       gg[j] = ((a.row_offset + (uint64_t)gn[j]) * a.logical_cols + a.col_offset + (uint64_t)gk[j]) >> 2;
     }
+    // one scale per group: group sizes are multiples of 8 and k0 % 4 == 0, so the 4 lanes share it
+    alignas(64) float sc[kTileGroups];
+    for (int j = 0; j < ng; ++j) sc[j] = load_scale(a, gn[j], gk[j]);
+    for (int j = ng; j < kTileGroups; ++j) gg[j] = gg[0];  // padding: a full tile keeps the loops vectorized
     alignas(64) float acc[4][kTileGroups];
     for (int l = 0; l < 4; ++l)
       for (int j = 0; j < kTileGroups; ++j) acc[l][j] = 0.0f;
@@ -37,7 +41,7 @@ ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
       const float c = a.coeffs[m];
 #pragma GCC ivdep
       for (int j = 0; j < kTileGroups; ++j) {  // full tile (padding groups are computed, never used)
-        const F4 f = normals4(seed, a.key, gg[j < ng ? j : 0]);
+        const F4 f = normals4(seed, a.key, gg[j]);
         acc[0][j] = fadd(acc[0][j], fmul(c, f.n0));
         acc[1][j] = fadd(acc[1][j], fmul(c, f.n1));
         acc[2][j] = fadd(acc[2][j], fmul(c, f.n2));
@@ -48,7 +52,7 @@ ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
     if (MODE == kPerturb) {
 #pragma GCC ivdep
       for (int j = 0; j < kTileGroups; ++j) {
-        const F4 f = sr_uniforms4(a.seeds[0], a.key, gg[j < ng ? j : 0]);
+        const F4 f = sr_uniforms4(a.seeds[0], a.key, gg[j]);
         us[0][j] = f.n0;
         us[1][j] = f.n1;
         us[2][j] = f.n2;
@@ -59,7 +63,7 @@ ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
       for (int l = 0; l < 4; ++l) {
         const int64_t n = gn[j], k = gk[j] + l;
         const Loc p = Ly::loc(n, k, a.ld);
-        const float s = load_scale(a, n, k);
+        const float s = sc[j];
         const float u = MODE == kPerturb ? us[l][j] : 0.0f;
         float* mp = MODE == kUpdateMaster ? a.master + n * a.K + k : nullptr;
         if (E == kInt4) {
