@@ -1,0 +1,20 @@
+"""A torch evaluator whose ES center is the quantized weights (QuantLinear layers) of the model.
+
+The ES loop only sees the Evaluator interface; ModelEvaluator only needs a center with
+perturb / restore / update / state_dict / load_state_dict / centers, which QuantCenterStore has.
+"""
+
+from __future__ import annotations
+
+from espert.evaluators.torch_model import TorchEvaluator
+
+from .model import model_quant_center
+
+
+class QuantTorchEvaluator(TorchEvaluator):
+    """:class:`TorchEvaluator` over a model prepared with :func:`~espert.quant.quantize_model`: ES perturbs
+    and updates the QuantLinear codes (float parameters stay fixed).  master: keep the float32 master."""
+
+    def __init__(self, model, tokenizer, score, master: bool = True, **kw):
+        super().__init__(model, tokenizer, score, **kw)
+        self.center = model_quant_center(model, master=master)
