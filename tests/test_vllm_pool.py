@@ -1,0 +1,94 @@
+"""A population over two vLLM engines in Ray actors vs one engine.
+
+- two engines give the same rewards and the same final center as one engine (bitwise);
+- replicas compare checksums at every update and stop loudly on divergence;
+- a dead engine's members are re-queued on a live one, not lost.
+Runtime: ~1 min (two actors start an engine each).
+"""
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+ray = pytest.importorskip("ray")
+
+import torch  # noqa: E402
+
+from espert.es import coefficients, normalize  # noqa: E402
+from espert.tasks import load_task  # noqa: E402
+from espert.tiny import build_tiny_model  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+TASK = load_task("copy", "train", n=12)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("vllm_tiny_pool"))
+    build_tiny_model(d, seed=0)
+    return d
+
+
+@pytest.fixture(scope="module")
+def single(tiny_dir):
+    from espert.vllm import VLLMEvaluator, make_llm
+    from espert.vllm.evaluator import shutdown_llm
+
+    e = VLLMEvaluator(make_llm(tiny_dir, max_model_len=64, multiprocess=False), TASK.score, max_new_tokens=6)
+    yield e
+    shutdown_llm(e.llm)
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_dir):
+    from espert.vllm import EnginePool
+
+    p = EnginePool(tiny_dir, TASK.score, engines=2, max_new_tokens=6, llm_kwargs=dict(max_model_len=64),
+                   ray_init=dict(num_cpus=2, object_store_memory=128 << 20))
+    yield p
+    p.close()
+    ray.shutdown()
+
+
+def members(t):
+    return [(1000 * t + k, g) for k in range(4) for g in (1, -1)]
+
+
+def test_two_engines_equal_one_engine(pool, single):
+    for t in (1, 2):
+        m = members(t)
+        r_pool = pool.evaluate(m, 0.05, TASK.prompts, TASK.answers)
+        r_one = single.evaluate(m, 0.05, TASK.prompts, TASK.answers)
+        assert r_pool == r_one
+        seeds, coeffs = coefficients(m, r_one, normalize(r_one), 0.02)
+        assert seeds
+        pool.update(seeds, coeffs, 0.999)
+        single.update(seeds, coeffs, 0.999)
+        # only seeds, scalars and checksums travelled: a few hundred bytes against 4 B/parameter
+        assert sum(pool.traffic.values()) < 4096 < pool.weights_bytes
+    assert pool.checksums and all(len(c) == 2 for c in pool.checksums)
+    got, want = pool.center_state(), single.center_state()
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert pool.checksum()[0] == single.checksum()
+
+
+def test_divergence_stops_loudly(pool):
+    from espert.vllm.pool import ReplicaDivergence
+
+    ray.get(pool.actors[1].rpc.remote("es_update", [99], [0.1], 1.0))  # one replica drifts
+    with pytest.raises(ReplicaDivergence, match="engine 1"):
+        pool.checksum()
+
+
+def test_dead_engine_members_are_requeued(pool, single):
+    ray.kill(pool.actors[1])  # the drifted replica dies
+    m = members(3)
+    assert pool.evaluate(m, 0.05, TASK.prompts, TASK.answers) == single.evaluate(m, 0.05, TASK.prompts,
+                                                                                  TASK.answers)
+    assert pool.dead == [1] and pool.alive == [0]
+    pool.update([5], [0.01])
+    single.update([5], [0.01])
+    assert pool.checksum()[0] == single.checksum()
