@@ -1,0 +1,52 @@
+"""The vLLM-CPU prepack trap is real without espert's patch (run in a fresh process, ~15 s).
+
+A plain ``LLM`` (no espert worker extension, so no patch) prepacks the Linear weights at load:
+``qkv_proj.weight`` becomes empty, and editing ``lm_head.weight`` in place does not change the
+logprobs.  With the patch (tests/test_vllm_engine.py) every edit changes them.
+If this test fails because the logprobs *do* change, vLLM stopped prepacking; the patch
+(espert/vllm/cpu_patch.py) may then be unnecessary.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm")
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch
+    from espert.tiny import build_tiny_model
+    build_tiny_model(sys.argv[1], seed=0)
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
+              enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+    def lps():
+        o = llm.generate([{"prompt_token_ids": [1, 4, 5, 6, 10]}], sp, use_tqdm=False)[0].outputs[0]
+        return [{k: v.logprob for k, v in s.items()} for s in o.logprobs]
+    def probe(w):
+        m = w.model_runner.model
+        return tuple(m.model.layers[0].self_attn.qkv_proj.weight.shape)
+    def edit(w):
+        with torch.no_grad():
+            w.model_runner.model.lm_head.weight.add_(1.0)
+    before = lps()
+    shape = llm.collective_rpc(probe)[0]
+    llm.collective_rpc(edit)
+    print("RESULT" + json.dumps({"qkv_shape": shape, "unchanged": lps() == before}))
+""")
+
+
+def test_without_patch_edits_are_silently_ignored(tmp_path):
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "tiny")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line, p.stderr[-3000:]
+    res = json.loads(line[len("RESULT"):])
+    assert res["qkv_shape"] == [0], res  # prepacked: the Parameter is empty
+    assert res["unchanged"], "editing lm_head.weight changed the logprobs: vLLM no longer prepacks it"
