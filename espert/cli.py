@@ -38,6 +38,10 @@ FIELD_HELP = {
     "max_new_tokens": "greedy generation budget per prompt",
     "generation_batch_size": "prompts per generate call",
     "cpu_threads": "torch CPU threads (0: torch's default; 1 is fastest for the tiny model)",
+    "vllm_engines": "backend vllm: number of engines sharing the population",
+    "vllm_tensor_parallel_size": "backend vllm: tensor-parallel GPUs per engine",
+    "vllm_gpu_memory_utilization": "backend vllm: fraction of GPU memory per engine (default: vLLM's)",
+    "vllm_max_model_len": "backend vllm: max context length (default: the model's)",
     "include": "only perturb parameters matching these patterns (glob or name component)",
     "exclude": "never perturb parameters matching these patterns",
     "iterations": "ES iterations",
@@ -178,11 +182,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from espert.es import train
-    from espert.evaluators.torch_model import quiet_generation_warnings
 
     cfg, _ = config_from_args(args)
     run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
-    quiet_generation_warnings()
     echo = lambda s: print(s, file=sys.stderr)  # noqa: E731
     echo(f"[espert] run directory: {run_dir}")
     summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo)
@@ -216,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command in ("train", "replay", "tiny"):
+        from espert.evaluators.torch_model import quiet_transformers
+
+        quiet_transformers()
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

@@ -69,16 +69,20 @@ class ESConfig:
     max_new_tokens: int = 8
     generation_batch_size: int = 256  # prompts per generate call
     cpu_threads: int = 1  # torch.set_num_threads at start (0: leave torch's default); tiny models run best on 1
+    vllm_engines: int = 1  # backend vllm: engines (one per GPU group), each evaluating a share of the members
+    vllm_tensor_parallel_size: int = 1
+    vllm_gpu_memory_utilization: float | None = None
+    vllm_max_model_len: int | None = None
     include: list[str] | None = None  # parameters ES moves (torch_param_views patterns); None: all
     exclude: list[str] | None = None
     # -- ES --
     iterations: int = 300
     population: int = 32  # N members per iteration (N/2 seeds when antithetic)
     antithetic: bool = True
-    sigma: float = 0.05
+    sigma: float = 0.02
     sigma_schedule: str = "constant"  # constant | linear | cosine (from sigma to sigma_end)
     sigma_end: float | None = None
-    alpha: float = 0.025
+    alpha: float = 0.01
     alpha_schedule: str = "constant"
     alpha_end: float | None = None
     normalization: str = "zscore"  # zscore | rank (centered ranks in [-0.5, 0.5])
@@ -113,6 +117,8 @@ class ESConfig:
              "eval_size must be >= 0 and train_size >= 1")
         need(self.max_new_tokens >= 1 and self.generation_batch_size >= 1,
              "max_new_tokens and generation_batch_size must be >= 1")
+        need(self.vllm_engines >= 1 and self.vllm_tensor_parallel_size >= 1,
+             "vllm_engines and vllm_tensor_parallel_size must be >= 1")
         need(self.cpu_threads >= 0, f"cpu_threads must be >= 0, got {self.cpu_threads}")
         need(self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every and checkpoint_every must be >= 0")
         need(self.normalization in NORMALIZATIONS, f"normalization must be one of {NORMALIZATIONS}, "

@@ -43,7 +43,7 @@ def test_precedence_defaults_file_flags(tmp_path):
     y.write_text("sigma: 0.01\npopulation: 8\nexclude: [embed_tokens]\nantithetic: false\n")
     cfg = parse(["train", "--config", str(y), "--population", "6"])
     assert (cfg.sigma, cfg.population, cfg.exclude, cfg.antithetic) == (0.01, 6, ["embed_tokens"], False)
-    assert cfg.alpha == 0.025  # default
+    assert cfg.alpha == 0.01  # default
     t = tmp_path / "c.toml"
     t.write_text('sigma = 0.02\ninclude = ["mlp", "self_attn"]\nsigma_schedule = "linear"\nsigma_end = 0.01\n')
     cfg = parse(["train", "--config", str(t), "--antithetic"])

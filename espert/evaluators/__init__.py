@@ -1,9 +1,9 @@
 """Evaluators: model backends behind one small interface (see :mod:`espert.evaluators.base`).
 
 Backends register a builder ``fn(cfg: ESConfig, model_path: str, score) -> Evaluator`` under a
-name; ``ESConfig.backend`` picks one.  Built in: ``"torch"`` (transformers ``generate``).  A vLLM
-backend registers itself with :func:`register_evaluator` (e.g. ``register_evaluator("vllm", ...)``
-at import of its module) and is then selected with ``--backend vllm``.
+name; ``ESConfig.backend`` picks one.  Built in: ``"torch"`` (transformers ``generate``).  The vLLM
+backend (``espert.vllm.evaluator``) registers ``"vllm"`` with :func:`register_evaluator` when it is
+imported, which :func:`build_evaluator` does on first use of ``--backend vllm``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 Builder = Callable[["ESConfig", str, Callable], Evaluator]
 EVALUATORS: dict[str, Builder] = {}
 #: Backends that live in modules imported on first use (name -> module).
-LAZY_BACKENDS = {"vllm": "espert.evaluators.vllm"}
+LAZY_BACKENDS = {"vllm": "espert.vllm.evaluator"}
 
 
 def register_evaluator(name: str, builder: Builder) -> None:

@@ -31,10 +31,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
     import os
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     if os.path.sep in path and not os.path.isdir(path):
         raise FileNotFoundError(f"model directory not found: {path}")
     tok = AutoTokenizer.from_pretrained(path)
@@ -130,6 +127,10 @@ class TorchEvaluator(ModelEvaluator):
             torch.cuda.empty_cache()
 
 
-def quiet_generation_warnings() -> None:
-    """Silence transformers' per-call generation notices (used by the CLI)."""
+def quiet_transformers() -> None:
+    """Silence transformers' load/save progress bars and per-call notices (the CLI calls this)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     logging.getLogger("transformers.generation.utils").setLevel(logging.ERROR)
