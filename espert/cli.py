@@ -29,7 +29,7 @@ FIELD_HELP = {
     "train_data": "local JSONL with the training problems (default: the task's train split)",
     "eval_data": "local JSONL with the held-out problems (default: the task's --eval-split)",
     "eval_split": "split of the held-out problems",
-    "train_size": "problems in the training pool (default: all)",
+    "train_size": "problems in the training pool (default: all of the split)",
     "eval_size": "held-out problems scored at the center (0: none)",
     "backend": "evaluator backend: torch (transformers) or a registered one such as vllm",
     "device": "torch device of the live weights: cpu, cuda, cuda:1, ...",
@@ -42,8 +42,8 @@ FIELD_HELP = {
     "vllm_tensor_parallel_size": "backend vllm: tensor-parallel GPUs per engine",
     "vllm_gpu_memory_utilization": "backend vllm: fraction of GPU memory per engine (default: vLLM's)",
     "vllm_max_model_len": "backend vllm: max context length (default: the model's)",
-    "include": "only perturb parameters matching these patterns (glob or name component)",
-    "exclude": "never perturb parameters matching these patterns",
+    "include": "only perturb parameters matching these patterns (glob or name component; default: all)",
+    "exclude": "never perturb parameters matching these patterns (default: none)",
     "iterations": "ES iterations",
     "population": "members per iteration (N; N/2 seeds when antithetic)",
     "antithetic": "mirrored pairs (+eps, -eps) sharing a seed",
@@ -61,6 +61,10 @@ FIELD_HELP = {
     "eval_every": "held-out evaluation every N iterations (0: start and end only)",
     "checkpoint_every": "checkpoint + export every N iterations (0: end only)",
 }
+
+CHOICES = {"dtype": ["float32", "bfloat16", "float16"], "normalization": ["zscore", "rank"],
+           "sigma_schedule": ["constant", "linear", "cosine"], "alpha_schedule": ["constant", "linear", "cosine"],
+           "member_errors": ["raise", "nan"]}
 
 TRAIN_EPILOG = """examples:
   espert train                                   # main job: tiny model, copy task, CPU, a few minutes
@@ -106,9 +110,13 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         t = args[0] if args and type(None) in typing.get_args(hint) else hint
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        help_ = f"{FIELD_HELP.get(f.name, '')} (default: {default})"
+        help_ = FIELD_HELP.get(f.name, "")
+        if default is not None and "default" not in help_:
+            help_ += f" (default: {default})"
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_)
-        if t is bool:
+        if f.name in CHOICES:
+            g.add_argument(flag, choices=CHOICES[f.name], **kw)
+        elif t is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(t) is list:
             g.add_argument(flag, nargs="+", metavar="PATTERN", **kw)

@@ -262,7 +262,22 @@ class Run:
         self.path, self.cfg, self.doc = path, cfg, doc
         self.echo = echo or (lambda s: None)
         self.records = read_log(self.file(LOG), repair=True)
+        self._cleanup()
         self._log = open(self.file(LOG), "a", encoding="utf-8")
+
+    def _cleanup(self) -> None:
+        """Remove what a killed process left half-written (temporary files and directories)."""
+        if not os.path.isdir(self.path):
+            return
+        names = os.listdir(self.path)
+        if EXPORT not in names:  # killed between the two renames of an export swap: keep the old one
+            olds = sorted(n for n in names if n.startswith(f"{EXPORT}.old-"))
+            if olds:
+                os.replace(self.file(olds[-1]), self.file(EXPORT))
+        for n in os.listdir(self.path):
+            if ".tmp-" in n or n.startswith(f"{EXPORT}.old-"):
+                p = self.file(n)
+                shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)

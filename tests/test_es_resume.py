@@ -40,10 +40,10 @@ def iters(run_dir):
     return [r for r in runs.read_log(os.path.join(run_dir, runs.LOG)) if r["kind"] == "iter"]
 
 
-def assert_same_run(a, b):
+def assert_same_run(a, b, iterations=SMALL["iterations"]):
     sa, ia = center(a)
     sb, ib = center(b)
-    assert ia == ib == SMALL["iterations"]
+    assert ia == ib == iterations
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     ra, rb = iters(a), iters(b)
     for key in ("iteration", "members", "rewards", "seeds", "coeffs", "decay", "prompt_indices", "sigma", "alpha"):
@@ -97,6 +97,10 @@ def test_torn_log_line_is_dropped(reference, tmp_path):
     with pytest.raises(Crash):
         train(ESConfig(**SMALL), d, progress=False, echo=None, hook=crash_at(3, "logged"))
     log = os.path.join(d, runs.LOG)
+    # leftovers of a process killed while writing a checkpoint and swapping in an export
+    open(os.path.join(d, "center.safetensors.tmp-999"), "wb").write(b"partial")
+    os.makedirs(os.path.join(d, "export.tmp-999"))
+    os.replace(os.path.join(d, "export"), os.path.join(d, "export.old-999"))
     good = open(log, "rb").read()
     # the process died in the middle of writing iteration 3's record: no newline, half the JSON
     lines = good.split(b"\n")
@@ -106,6 +110,7 @@ def test_torn_log_line_is_dropped(reference, tmp_path):
     train(ESConfig(**SMALL), d, resume=True, progress=False, echo=None)
     assert_same_run(reference, d)
     assert open(log, "rb").read().endswith(b"\n")
+    assert sorted(os.listdir(d)) == ["base_model", "center.safetensors", "config.yaml", "export", "log.jsonl"]
     # damage before the end is not guessed at
     data = open(log, "rb").read().split(b"\n")
     data[2] = data[2][:10]
@@ -179,3 +184,17 @@ def test_refusals_and_mismatch(reference, tmp_path):
     train(ESConfig(**SMALL), reference, resume=True, progress=False, echo=None)
     assert open(os.path.join(reference, runs.LOG), "rb").read() == before
     json.dumps(runs.read_run_config(reference))  # plain data
+
+
+def test_bfloat16_live_weights_resume_and_replay(tmp_path):
+    """bf16 live weights, float32 master: crash/resume and replay are still bit-identical."""
+    cfg = ESConfig(**{**SMALL, "dtype": "bfloat16", "iterations": 4, "checkpoint_every": 0, "eval_every": 0})
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train(cfg, a, progress=False, echo=None)
+    with pytest.raises(Crash):
+        train(cfg, b, progress=False, echo=None, hook=crash_at(3, "updated"))
+    train(cfg, b, resume=True, progress=False, echo=None)
+    assert_same_run(a, b, iterations=4)
+    state, _ = center(a)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert runs.replay(a, str(tmp_path / "r"), echo=None)["matches_checkpoint"] is True

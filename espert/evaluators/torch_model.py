@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Callable, Sequence
 
@@ -61,7 +60,8 @@ class TorchEvaluator(ModelEvaluator):
     ES perturbs (``torch_param_views`` patterns).  max_new_tokens: generation budget per prompt.
     batch_size: prompts per ``generate`` call.  chat_template: wrap prompts as a user message.
 
-    A member's rollout: the tokenized prompts (cached) go through ``generate(do_sample=False)`` in
+    A member's rollout: the tokenized prompts (cached) go through plain greedy ``generate`` (the
+    model's stop tokens, nothing else from its generation config) in
     chunks of ``batch_size``; new tokens are decoded with special tokens skipped and scored.
     Greedy decoding is deterministic on a fixed device/dtype/batch, so rewards are a function of
     (center, member, prompts).
@@ -80,13 +80,18 @@ class TorchEvaluator(ModelEvaluator):
         self.device = device
         self.batch_size = batch_size
         self.chat_template = chat_template
-        gc = copy.deepcopy(model.generation_config)
-        gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
-        gc.num_beams, gc.num_return_sequences = 1, 1
-        gc.max_new_tokens, gc.max_length = max_new_tokens, None
-        gc.pad_token_id = tokenizer.pad_token_id
-        if gc.eos_token_id is None:
-            gc.eos_token_id = tokenizer.eos_token_id
+        # plain greedy decoding: only the model's stop tokens are kept from its generation config
+        # (no sampling settings, no repetition penalty), as with temperature-0 vLLM sampling
+        from transformers import GenerationConfig
+
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                              eos_token_id=eos if eos is not None else tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id,
+                              bos_token_id=getattr(model.generation_config, "bos_token_id", None))
+        # transformers fills unset fields of a passed config from model.generation_config (e.g. a
+        # repetition penalty): the evaluator owns the model, so it replaces that config as well
+        model.generation_config = gc
         self.generation_config = gc
         self._cache_key: tuple | None = None
         self._batches: list[dict[str, torch.Tensor]] = []
