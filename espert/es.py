@@ -15,7 +15,7 @@ papers use α = σ/2).  Noise never exists as a tensor: perturbation and update 
 ε(seed, key, index) inside the kernels.  Everything that moves θ is logged before it is applied
 (seeds, coefficients, decay), so a run is replayable from the base model and its log alone.
 
-Failure rule: a member whose reward is nan (failed rollout) is dropped; z-scores/ranks are
+Failure rule: a member whose reward is nan or infinite (failed rollout) is dropped; z-scores/ranks are
 computed over the valid members and N_valid divides the sum.  All valid rewards equal → zero
 update (no nan).  No valid member → the update (and the decay) is skipped and the record says so.
 
@@ -264,8 +264,9 @@ def coefficients(members: Sequence[Member], rewards: Sequence[float], z: np.ndar
     for (seed, sign), zi, ok in zip(members, z, valid):
         if ok:
             acc[seed] = acc.get(seed, 0.0) + sign * float(zi)
-    seeds = [s for s, v in acc.items() if v != 0.0]
-    return seeds, [alpha * acc[s] / n_valid for s in seeds]
+    pairs = [(s, alpha * v / n_valid) for s, v in acc.items()]
+    pairs = [(s, c) for s, c in pairs if c != 0.0]
+    return [s for s, _ in pairs], [c for _, c in pairs]
 
 
 def reward_stats(rewards: Sequence[float]) -> dict:
@@ -317,9 +318,13 @@ def apply_record(evaluator: Evaluator, record: dict) -> None:
 
 # ---- a run --------------------------------------------------------------------------------------
 
-def train(cfg: ESConfig, run_dir: str, resume: bool = False, progress: bool = True,
+def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bool = True,
           hook: Callable[[int, str], None] | None = None, echo: Callable[[str], None] | None = print) -> dict:
-    """Train (or resume) a run in ``run_dir``; returns a summary dict.
+    """Train (or resume) a run in ``run_dir``; returns a summary dict
+    ``{"run_dir", "iterations", "heldout": [(t, mean)], "train_reward": [(t, mean)], "export"}``.
+
+    cfg: the run's config; with ``resume`` it may be None (use the stored one) or must match the
+    stored one except for ``runs.RESUMABLE_CHANGES``.  echo: where status lines go (None: nowhere).
 
     hook(t, phase) is called at phases ``"logged"`` (record appended, update not yet applied),
     ``"updated"`` and ``"checkpointed"`` of each iteration; tests use it to crash a run anywhere.

@@ -290,7 +290,7 @@ class Run:
 
     # -- opening --
     @classmethod
-    def open(cls, run_dir: str, cfg: ESConfig, resume: bool = False,
+    def open(cls, run_dir: str, cfg: ESConfig | None, resume: bool = False,
              echo: Callable[[str], None] | None = print) -> "Run":
         """Create a new run in ``run_dir`` or (``resume``) reopen it.
 
@@ -320,6 +320,8 @@ class Run:
                 run._write_config()
                 run.echo(f"[espert] resume: changed {', '.join(f'{k}={b!r}' for k, (_, b) in diff.items())}")
             return run
+        if cfg is None:
+            raise ValueError("a new run needs a config (cfg=None is only for resuming)")
         if exists:
             raise FileExistsError(f"{run_dir} already holds an espert run; pass --resume to continue it, or choose "
                                   f"another --run-dir")
