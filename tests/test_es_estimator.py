@@ -15,7 +15,7 @@ from espert.es import ESConfig, coefficients, es_step, normalize, population, pr
 from espert.evaluators import ModelEvaluator
 from espert.params import ParamView
 
-D = 64
+D = 32
 
 
 class FunctionEvaluator(ModelEvaluator):
