@@ -331,11 +331,12 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
     """
     from espert import runs
 
+    import torch
+
     run = runs.Run.open(run_dir, cfg, resume=resume, echo=echo)
     cfg = run.cfg
+    threads = torch.get_num_threads()
     if cfg.cpu_threads:
-        import torch
-
         torch.set_num_threads(cfg.cpu_threads)
     evaluator = None
     try:
@@ -393,6 +394,7 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
         if evaluator is not None:
             evaluator.close()
         run.close()
+        torch.set_num_threads(threads)
 
 
 def _progress(enabled: bool, total: int, initial: int):
