@@ -19,6 +19,7 @@ The center is also what checkpoints save and replays rebuild.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -74,6 +75,16 @@ class CenterStore:
         for v, c in zip(self.views, self.centers):
             ops.es_update_(c, seeds, coeffs, v.key, block=v.block)
         self.restore()
+
+    def scale(self, factor: float) -> None:
+        """center <- factor · center (float32 elementwise on the host, deterministic), weights not restored.
+
+        Used for weight decay (factor = 1 − α·wd) right before :meth:`update`, which restores.
+        """
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
+        for c in self.centers:
+            c.mul_(float(factor))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Logical name -> center tensor (host).  Blocks of one logical parameter are saved by view name."""

@@ -163,8 +163,10 @@ void apply_typed(const ApplyArgs& a) {
   const Tiling tiling(a.block);
   const int64_t total = tiling.count();
   const bool avx = use_avx512();
-#pragma omp parallel for schedule(static)
-  for (int64_t task = 0; task < (total + kTilesPerTask - 1) / kTilesPerTask; ++task) {
+  const int64_t ntasks = (total + kTilesPerTask - 1) / kTilesPerTask;
+  // a thread team costs more than a few tasks of work (tiny tensors, busy machines)
+#pragma omp parallel for schedule(static) if (ntasks >= 4)
+  for (int64_t task = 0; task < ntasks; ++task) {
     const int64_t b = task * kTilesPerTask;
     const int64_t e = std::min(total, b + kTilesPerTask);
     if (avx) run_avx512<DT>(a, tiling, b, e);

@@ -107,7 +107,7 @@ void run(const QuantArgs& a) {
   const int64_t per_task = 16 * (kTileGroups / Lay<L>::G);  // 16 tiles, 4096 elements
   const int64_t tasks = (units + per_task - 1) / per_task;
   const bool avx = use_avx512();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (tasks >= 4)  // a thread team costs more than a few tasks
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t b = t * per_task, e = std::min(units, b + per_task);
     if (avx) run_avx512<E, L, MODE>(a, b, e);

@@ -85,8 +85,7 @@ def apply_update(center: CenterStore, seeds: Sequence[int], coeffs: Sequence[flo
 
     check_members(seeds, coeffs)
     if decay != 1.0:
-        for c in center.centers:
-            c.mul_(float(decay))
+        center.scale(decay)
     center.update(seeds, coeffs)  # restores the live weights
 
 

@@ -102,6 +102,25 @@ class QuantCenterStore:
             total += sum(m.numel() * 4 for m in self.masters)
         return total
 
+    def scale(self, factor: float) -> None:
+        """Weight decay on the masters: the dequantized value is multiplied by ``factor``.
+
+        Codes with a zero point z (int4: ``zeros`` or 8) decay towards z, not towards code 0:
+        master <- z + factor·(master − z).  The live codes move at the next :meth:`update`.
+        """
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
+        for v, m in zip(self.views, self.centers):
+            if v.qw.fmt in ("int8", "fp8"):
+                m.mul_(float(factor))
+                continue
+            if v.qw.zeros is None:
+                z = torch.tensor(8.0)
+            else:  # [K/g, N] -> [N, K]
+                g = v.qw.group_size if v.qw.group_size > 0 else v.qw.in_features
+                z = v.qw.zeros.to("cpu", torch.float32).t().repeat_interleave(g, dim=1)[:, : v.qw.in_features]
+            m.sub_(z).mul_(float(factor)).add_(z)
+
     def restore(self) -> None:
         """Copy the exact codes back into every live weight."""
         for v, c in zip(self.views, self.codes):
