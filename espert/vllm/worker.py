@@ -82,8 +82,11 @@ class ESWorkerExtension:
 
     # -- the RPC surface -------------------------------------------------------------------------
     def es_setup(self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                 master: str = "float32") -> dict:
+                 master: str = "float32", rename: dict[str, str] | None = None) -> dict:
         """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
+
+        rename: optional {vLLM unfused name: checkpoint name} for models whose names differ beyond
+        packing (a dict, so it survives the RPC); names not in it are kept.
 
         Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device"}``.
         Raises (naming the parameter) for layouts it cannot map, and RuntimeError when the
@@ -94,7 +97,8 @@ class ESWorkerExtension:
 
         model = self._es_model()
         cpu_patch.check_model(model)
-        views = vllm_param_views(model, include=include, exclude=exclude)
+        views = vllm_param_views(model, include=include, exclude=exclude,
+                                 rename=(lambda n: rename.get(n, n)) if rename else None)
         device = views[0].tensor.device
         if master not in ("float32", "weights"):
             raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
