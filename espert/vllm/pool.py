@@ -9,7 +9,7 @@ What travels per iteration (never weights):
     driver -> engine   members (seed: uint64, sign: ±1), σ, the prompts/answers (once per chunk)
     engine -> driver   one float64 reward per member
     driver -> engine   the update: seeds (8 B each), coefficients (float64 -> float32), decay
-    engine -> driver   a checksum per TP rank (two float64 sums + a 16-byte hash)
+    engine -> driver   a checksum per TP rank (two exact int64 bit sums, a 16-byte hash, two float64 sums)
 
 Every engine applies the same update to its own float32 host master through espert's CPU op,
 whose arithmetic is fixed (docs/noise.md), so all replicas hold bit-identical centers.  The
@@ -231,9 +231,14 @@ class EnginePool(Evaluator):
         if not sums:
             raise RuntimeError("every engine of the pool died")
         self.checksums.append([sums[e] for e in sorted(sums)])
+        from espert.vllm.worker import EXACT_FIELDS
+
+        def exact(cs):
+            return [{k: r[k] for k in EXACT_FIELDS} for r in cs]
+
         ref_e = min(sums)
         for e, cs in sums.items():
-            if cs != sums[ref_e]:
+            if exact(cs) != exact(sums[ref_e]):
                 raise ReplicaDivergence(f"{when}: engine {e} checksum {cs} != engine {ref_e} checksum {sums[ref_e]}; "
                                         f"the replicas no longer hold the same weights")
 

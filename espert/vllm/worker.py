@@ -8,7 +8,7 @@ so the methods below run next to the live weights; the driver calls them by name
     llm.collective_rpc("es_perturb", args=(seed, sigma, sign))   # in place, from the center
     llm.collective_rpc("es_restore")                             # exact: copies the host center back
     llm.collective_rpc("es_update", args=(seeds, coeffs, decay)) # on the float32 host master
-    llm.collective_rpc("es_checksum")                            # cheap fingerprint, per rank
+    llm.collective_rpc("es_checksum")                            # cheap exact fingerprint, per rank
 
 Only seeds, scalars and (for checkpoints) the float32 center cross the RPC.  All weight edits
 go through espert's fused ops on the live tensors (never reallocated: data pointers and CUDA
@@ -40,22 +40,37 @@ def _bits_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy().tobytes()
 
 
-def fingerprint(views, centers) -> dict:
-    """Per-rank checksum: float64 sums of the live weights and of the center, and a hash of strided samples.
+def _bit_sum(t: torch.Tensor) -> int:
+    """Sum of the raw bit patterns as int64: exact and order-independent (same on any thread count or device)."""
+    return int(torch.sum(t.view(torch.int32 if t.element_size() == 4 else torch.int16), dtype=torch.int64))
 
-    Cost: one reduction pass over each tensor plus ≤ CHECKSUM_SAMPLES elements per tensor moved
-    to the host and hashed; nothing proportional to the model is allocated.
+
+def fingerprint(views, centers) -> dict:
+    """Per-rank checksum of the live weights and the center.
+
+    Compared between replicas (exact, independent of reduction order): ``live_bits`` and
+    ``center_bits``, int64 sums of every element's bit pattern, and ``hash``, a blake2b of
+    ≤ CHECKSUM_SAMPLES strided elements per tensor with their names.  For people: ``live_sum``
+    and ``center_sum``, float64 sums of the values (their last bits may depend on the thread count).
+    Cost: one reduction pass over each tensor; nothing proportional to the model is allocated.
     """
     h = hashlib.blake2b(digest_size=16)
+    out = {"live_bits": 0, "center_bits": 0}
     live_sum, center_sum = [], []
     for v, c in zip(views, centers):
         h.update(v.name.encode())
-        for t, acc in ((v.tensor, live_sum), (c, center_sum)):
+        for t, kind, acc in ((v.tensor, "live", live_sum), (c, "center", center_sum)):
             flat = t.reshape(-1)
             step = max(1, flat.numel() // CHECKSUM_SAMPLES)
             h.update(_bits_bytes(flat[::step]))
+            out[f"{kind}_bits"] = (out[f"{kind}_bits"] + _bit_sum(t)) % (1 << 64)
             acc.append(float(torch.sum(t, dtype=torch.float64)))
-    return {"live_sum": math.fsum(live_sum), "center_sum": math.fsum(center_sum), "hash": h.hexdigest()}
+    out.update(hash=h.hexdigest(), live_sum=math.fsum(live_sum), center_sum=math.fsum(center_sum))
+    return out
+
+
+#: The checksum fields replicas must agree on exactly.
+EXACT_FIELDS = ("rank", "live_bits", "center_bits", "hash")
 
 
 class ESWorkerExtension:
@@ -149,7 +164,7 @@ class ESWorkerExtension:
         c.load_state_dict({k: v.contiguous() for k, v in local.items()})
 
     def es_checksum(self) -> dict:
-        """``{"rank", "live_sum", "center_sum", "hash"}``: cheap, exact fingerprint of this rank's weights and center."""
+        """``{"rank", "live_bits", "center_bits", "hash", "live_sum", "center_sum"}``: see :func:`fingerprint`."""
         c = self._es_require()
         out = fingerprint(c.views, c.centers)
         out["rank"] = self._es_rank()[0]
