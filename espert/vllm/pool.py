@@ -136,10 +136,15 @@ class EnginePool(Evaluator):
         for i in range(engines):
             e = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
                  os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-            if num_gpus_per_engine == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                e["VLLM_CPU_OMP_THREADS_BIND"] = str(i % ncpu)  # one core per CPU engine, no oversubscription
+            if num_gpus_per_engine == 0:
+                if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                    e["VLLM_CPU_OMP_THREADS_BIND"] = str(i % ncpu)  # one core per CPU engine, no oversubscription
+                # OpenMP reads this when the runtime loads, i.e. before any Python runs in the actor; more
+                # threads than cores makes espert's kernels and vLLM's GEMMs stall on a busy machine
+                e.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(max(1, int(num_cpus_per_engine)))))
             e.update(env or {})
-            self.actors.append(actor_cls.remote(model, score, ev_kwargs, llm_kwargs or {}, e))
+            opts = actor_cls.options(runtime_env={"env_vars": e})
+            self.actors.append(opts.remote(model, score, ev_kwargs, llm_kwargs or {}, e))
         infos = ray.get([a.ready.remote() for a in self.actors])
         self.info = infos[0]["info"]
         self.alive = list(range(engines))
