@@ -2,11 +2,13 @@
 
 - two engines give the same rewards and the same final center as one engine (bitwise);
 - replicas compare checksums at every update and stop loudly on divergence;
-- a dead engine's members are re-queued on a live one, not lost.
+- a dead engine's members are re-queued on a live one, not lost: an engine process dies in the
+  middle of scoring (os._exit), and later the last one is killed with ray.kill (the pool raises).
 Runtime: ~1 min (two actors start an engine each).
 """
 
 import os
+import sys
 
 import pytest
 
@@ -21,6 +23,20 @@ from espert.tiny import build_tiny_model  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 TASK = load_task("copy", "train", n=12)
+
+
+class CrashOnce:
+    """The task's score, except that the first engine to find ``path`` deletes it and dies on the spot."""
+
+    def __init__(self, path, score):
+        self.path, self.score = path, score
+
+    def __call__(self, completions, answers):
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            return self.score(completions, answers)
+        os._exit(1)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +57,16 @@ def single(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_dir):
+def crash_file(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("crash") / "crash_once")
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_dir, crash_file):
     from espert.vllm import EnginePool
 
-    p = EnginePool(tiny_dir, TASK.score, engines=2, max_new_tokens=6, llm_kwargs=dict(max_model_len=64),
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors cannot import tests/
+    p = EnginePool(tiny_dir, CrashOnce(crash_file, TASK.score), engines=2, max_new_tokens=6, llm_kwargs=dict(max_model_len=64),
                    ray_init=dict(num_cpus=2, object_store_memory=128 << 20))
     yield p
     p.close()
@@ -89,12 +111,20 @@ def test_divergence_stops_loudly(pool):
         pool.checksum()
 
 
-def test_dead_engine_members_are_requeued(pool, single):
-    ray.kill(pool.actors[1])  # the drifted replica dies
+def test_engine_dying_mid_iteration_loses_no_member(pool, single, crash_file):
+    pool.load_center(single.center_state())  # resynchronise the drifted replica (the one call that ships weights)
+    assert len(pool.checksums[-1]) == 2
+    open(crash_file, "w").close()  # the next engine to score a chunk dies in the middle of it
     m = members(3)
     assert pool.evaluate(m, 0.05, TASK.prompts, TASK.answers) == single.evaluate(m, 0.05, TASK.prompts,
                                                                                   TASK.answers)
-    assert pool.dead == [1] and pool.alive == [0]
+    assert not os.path.exists(crash_file) and len(pool.dead) == 1 and len(pool.alive) == 1
     pool.update([5], [0.01])
     single.update([5], [0.01])
-    assert exact(pool.checksum()[0]) == exact(single.checksum())
+    assert exact(pool.checksum()[pool.alive[0]]) == exact(single.checksum())
+
+
+def test_losing_every_engine_raises(pool):
+    ray.kill(pool.actors[pool.alive[0]])
+    with pytest.raises(RuntimeError, match="every engine"):
+        pool.evaluate(members(4), 0.05, TASK.prompts, TASK.answers)
