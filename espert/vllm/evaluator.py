@@ -104,7 +104,8 @@ class VLLMEvaluator(Evaluator):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self._owns = isinstance(llm, str)
-        self.llm = make_llm(llm, seed=seed, **(llm_kwargs or {})) if self._owns else llm
+        seed = int(seed) % (1 << 31)  # ESConfig seeds are uint64; vLLM seeds numpy (< 2^32). Greedy ignores it.
+        self.llm = make_llm(llm, **{"seed": seed, **(llm_kwargs or {})}) if self._owns else llm
         self.score = score
         self.member_errors = member_errors
         self.reset_cache = reset_prefix_cache
