@@ -87,6 +87,17 @@ class ESWorkerExtension:
             raise RuntimeError("espert worker extension: call es_setup first")
         return center
 
+    def _es_sync(self) -> None:
+        """Finish the in-place edits before the RPC returns (CUDA).
+
+        vLLM makes its dedicated stream torch's current stream in the worker thread, and espert's
+        ops enqueue on torch's current stream, so they are already ordered with the forward pass;
+        waiting here also keeps the order if a later generate ran on another stream.  CPU: no-op.
+        """
+        c = getattr(self, "_es_center", None)
+        if c is not None and c.views and c.views[0].tensor.is_cuda:
+            torch.cuda.current_stream(c.views[0].tensor.device).synchronize()
+
     def _es_rank(self) -> tuple[int, int]:
         try:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -126,16 +137,19 @@ class ESWorkerExtension:
     def es_perturb(self, seed: int, sigma: float, sign: int = 1) -> None:
         """Live weights <- center + sign·σ·ε(seed) (from the restored state), in place."""
         self._es_require().perturb(int(seed), float(sigma), int(sign))
+        self._es_sync()
 
     def es_restore(self) -> None:
         """Live weights <- the exact center (host copy), in place."""
         self._es_require().restore()
+        self._es_sync()
 
     def es_update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
         """center <- decay·center + Σ coeffs[n]·ε(seeds[n]) on the host master (CPU op), then restore."""
         from espert.evaluators.base import apply_update
 
         apply_update(self._es_require(), [int(s) for s in seeds], [float(c) for c in coeffs], float(decay))
+        self._es_sync()
 
     def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
         """This rank's center pieces ``(logical name, float32 tensor, block tuple)``; see params.assemble."""
@@ -162,6 +176,7 @@ class ESWorkerExtension:
         local = {k: v.to(dtype=t.dtype) if v.dtype != t.dtype else v
                  for (k, v), t in zip(local.items(), c.centers)}
         c.load_state_dict({k: v.contiguous() for k, v in local.items()})
+        self._es_sync()
 
     def es_checksum(self) -> dict:
         """``{"rank", "live_bits", "center_bits", "hash", "live_sum", "center_sum"}``: see :func:`fingerprint`."""
