@@ -1,5 +1,6 @@
 // Python bindings of the compiled kernels (module espert._C).  Pointers travel as integers so
 // that the module needs no torch headers; espert/ops.py validates every argument first.
+#include <omp.h>
 #include <pybind11/pybind11.h>
 
 #include "apply.h"
@@ -67,6 +68,10 @@ PYBIND11_MODULE(_C, m) {
       },
       "In place: w += sum_n coeffs[n] * eps(seeds[n], key, logical index).  Pointers are host addresses.");
   m.def("cpu_isa", &cpu_isa, "The CPU code path in use: 'avx512' or 'generic'.");
+  // This module links its own OpenMP runtime (torch bundles another), so torch.set_num_threads does not
+  // reach it: espert/ops.py forwards torch's thread count before every CPU call.
+  m.def("set_num_threads", [](int n) { omp_set_num_threads(n > 0 ? n : 1); }, "Threads of espert's CPU kernels.");
+  m.def("get_num_threads", []() { return omp_get_max_threads(); }, "Threads of espert's CPU kernels.");
   m.def(
       "quant_cpu",
       [](uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld, uint64_t row_offset,

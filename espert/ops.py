@@ -117,7 +117,13 @@ class Backend:
     apply: Callable  # (w, dtype_code, geometry, seeds uint64 ndarray, coeffs float32 ndarray, key) -> None
 
 
+def sync_cpu_threads() -> None:
+    """Give espert's CPU kernels torch's thread count (they run on a separate OpenMP runtime)."""
+    _C.set_num_threads(torch.get_num_threads())
+
+
 def _apply_cpu(w, code, g: _Geometry, seeds: np.ndarray, coeffs: np.ndarray, key: int) -> None:
+    sync_cpu_threads()
     _C.apply_cpu(w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols,
                  seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
 

@@ -111,3 +111,19 @@ def test_restore_strided_view(rng):
     center = torch.randn(10, 7, generator=rng)
     ops.restore_(big[:, 3:10], center)
     assert torch.equal(big[:, 3:10], center) and big[:, :3].abs().sum() == 0 and big[:, 10:].abs().sum() == 0
+
+
+def test_cpu_kernels_follow_torch_thread_count():
+    """espert's OpenMP runtime is not torch's: the op surface forwards torch.set_num_threads."""
+    from espert import _C
+
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ops.perturb_(torch.zeros(16), 1, 2, 1e-3)
+        assert _C.get_num_threads() == 1
+        torch.set_num_threads(2)
+        ops.perturb_(torch.zeros(16), 1, 2, 1e-3)
+        assert _C.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from espert import _C, noise
-from espert.ops import STAGING_BYTES, U64, Block, _check_u64, check_members
+from espert.ops import STAGING_BYTES, U64, Block, _check_u64, check_members, sync_cpu_threads
 
 from . import reference as ref
 from .formats import FORMATS, INT4_FORMATS, SCALE_DTYPES, QuantWeight, marlin_grouped, nk_view, storage_shape
@@ -190,6 +190,7 @@ def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str) -> tuple:
 
 
 def _run_cpu(qw, g, master, mode, seeds, coeffs, key):
+    sync_cpu_threads()
     _C.quant_cpu(*_kernel_args(qw, g, master, mode), seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
 
 
