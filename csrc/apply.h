@@ -20,7 +20,9 @@ struct ApplyArgs {
 
 // CPU: OpenMP over tiles, AVX-512 when the processor has it (unless ESPERT_CPU_ISA=generic).
 void apply_cpu(const ApplyArgs& args);
-// Name of the code path apply_cpu takes on this machine: "avx512" or "generic".
+// Whether the CPU kernels take their AVX-512 path: the processor has AVX-512 F/VL/BW/DQ and
+// ESPERT_CPU_ISA is not "generic" (read once).  cpu_isa() names the path: "avx512" or "generic".
+bool use_avx512();
 const char* cpu_isa();
 
 #ifdef ESPERT_WITH_CUDA

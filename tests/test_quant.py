@@ -334,3 +334,27 @@ def test_quantize_model_forward_and_exact_restore(fmt, tmp_path):
     assert not torch.equal(model(ids).logits, out)
     store.restore()
     assert torch.equal(model(ids).logits, out)
+
+
+def test_quant_cpu_isa_paths_agree():
+    """The AVX-512 and generic paths of the quantized CPU kernels produce identical codes."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import torch; from espert import _C; from espert.quant import quantize_weight, perturb_q_, es_update_q_\n"
+              "w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02\n"
+              "out = []\n"
+              "for fmt in ('int8', 'fp8', 'gptq', 'awq', 'marlin'):\n"
+              "    qw = quantize_weight(w, fmt, group_size=128)\n"
+              "    perturb_q_(qw, 3, 77, 0.01, -1, backend='cpu')\n"
+              "    es_update_q_(qw, [1, 2], [0.01, -0.02], 77, backend='cpu')\n"
+              "    out.append(qw.qweight.contiguous().view(torch.uint8).numpy().tobytes().hex())\n"
+              "print(_C.cpu_isa(), ''.join(out))")
+    outs = {}
+    for isa in ("generic", "native"):
+        res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, ESPERT_CPU_ISA=isa),
+                             capture_output=True, text=True, check=True)
+        name, data = res.stdout.split()
+        outs[name] = data
+    assert "generic" in outs and len(set(outs.values())) == 1

@@ -148,16 +148,6 @@ void run_generic(const ApplyArgs& a, const Tiling& t, int64_t b, int64_t e) {
   run_tiles<DT, false>(a, t, b, e);
 }
 
-bool use_avx512() {
-  static const bool yes = [] {
-    const char* forced = std::getenv("ESPERT_CPU_ISA");
-    if (forced && std::strcmp(forced, "generic") == 0) return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-  }();
-  return yes;
-}
-
 template <int DT>
 void apply_typed(const ApplyArgs& a) {
   const Tiling tiling(a.block);
@@ -175,6 +165,16 @@ void apply_typed(const ApplyArgs& a) {
 }
 
 }  // namespace
+
+bool use_avx512() {
+  static const bool yes = [] {
+    const char* forced = std::getenv("ESPERT_CPU_ISA");
+    if (forced && std::strcmp(forced, "generic") == 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  }();
+  return yes;
+}
 
 const char* cpu_isa() { return use_avx512() ? "avx512" : "generic"; }
 

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../apply.h"
 #include "../quant.h"
 
 namespace espert {
@@ -91,22 +92,12 @@ void run_generic(const QuantArgs& a, int64_t b, int64_t e) {
   run_tiles<E, L, MODE>(a, b, e);
 }
 
-bool use_avx512() {
-  static const bool yes = [] {
-    const char* forced = std::getenv("ESPERT_CPU_ISA");
-    if (forced && std::strcmp(forced, "generic") == 0) return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-  }();
-  return yes;
-}
-
 template <int E, int L, int MODE>
 void run(const QuantArgs& a) {
   const int64_t units = Lay<L>::units(a.N, a.K);
   const int64_t per_task = 16 * (kTileGroups / Lay<L>::G);  // 16 tiles, 4096 elements
   const int64_t tasks = (units + per_task - 1) / per_task;
-  const bool avx = use_avx512();
+  const bool avx = espert::use_avx512();
 #pragma omp parallel for schedule(static) if (tasks >= 4)  // a thread team costs more than a few tasks
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t b = t * per_task, e = std::min(units, b + per_task);

@@ -324,6 +324,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, group_size: int = 128, scale_dtyp
     g = k if group_size in (-1, None) else group_size
     if k % g:
         raise ValueError(f"group_size {group_size} does not divide in_features {k}")
+    if fmt == "marlin" and (n % 64 or k % 16):
+        raise ValueError(f"marlin needs out_features % 64 == 0 and in_features % 16 == 0, got [{n}, {k}]")
     wg = w.reshape(n, k // g, g)
     sym = fmt != "awq" if symmetric is None else symmetric
     if sym:
