@@ -33,6 +33,8 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import time
+from collections import defaultdict
 from typing import Sequence
 
 import torch
@@ -89,6 +91,43 @@ def apply_update(center: CenterStore, seeds: Sequence[int], coeffs: Sequence[flo
     center.update(seeds, coeffs)  # restores the live weights
 
 
+def score_members(members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str],
+                  perturb, restore, rollout, member_errors: str = "raise",
+                  timings: dict[str, float] | None = None) -> list[float]:
+    """The member loop every evaluator shares: perturb → rollout → restore (in ``finally``) per member.
+
+    perturb(seed, sigma, sign), restore(), rollout(prompts, answers) -> per-prompt rewards.
+    Returns each member's mean reward; with member_errors="nan" a failing member scores ``nan``
+    (logged), with "raise" the exception propagates after the weights are restored.  timings, if
+    given, accumulates seconds under "perturb", "generate", "restore" and counts "members".
+    """
+    if len(prompts) != len(answers) or not prompts:
+        raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and "
+                         f"{len(answers)}")
+    t = timings if timings is not None else defaultdict(float)
+    out = []
+    for seed, sign in members:
+        t0 = time.perf_counter()
+        try:
+            perturb(seed, sigma, sign)
+            t1 = time.perf_counter()
+            t["perturb"] += t1 - t0
+            rewards = rollout(prompts, answers)
+            t["generate"] += time.perf_counter() - t1
+        except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
+            if member_errors == "raise":
+                raise
+            log.warning("member (seed=%d, sign=%+d) failed, dropped: %r", seed, sign, e)
+            rewards = [math.nan]
+        finally:
+            t2 = time.perf_counter()
+            restore()
+            t["restore"] += time.perf_counter() - t2
+        t["members"] += 1
+        out.append(math.fsum(rewards) / len(rewards) if rewards else math.nan)
+    return out
+
+
 class ModelEvaluator(Evaluator):
     """An evaluator over one :class:`CenterStore`: perturb, ``rollout``, restore in ``finally``.
 
@@ -109,23 +148,8 @@ class ModelEvaluator(Evaluator):
         """Per-prompt rewards in [0, 1] (``nan`` allowed) of the live weights, which it must not change."""
 
     def evaluate(self, members, sigma, prompts, answers):
-        if len(prompts) != len(answers) or not prompts:
-            raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and "
-                             f"{len(answers)}")
-        out = []
-        for seed, sign in members:
-            try:
-                self.center.perturb(seed, sigma, sign)
-                rewards = self.rollout(prompts, answers)
-            except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
-                if self.member_errors == "raise":
-                    raise
-                log.warning("member (seed=%d, sign=%+d) failed, dropped: %r", seed, sign, e)
-                rewards = [math.nan]
-            finally:
-                self.center.restore()
-            out.append(math.fsum(rewards) / len(rewards) if rewards else math.nan)
-        return out
+        return score_members(members, sigma, prompts, answers, self.center.perturb, self.center.restore,
+                             self.rollout, self.member_errors)
 
     def evaluate_center(self, prompts, answers):
         return list(self.rollout(prompts, answers))

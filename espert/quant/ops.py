@@ -31,7 +31,7 @@ from espert import _C, noise
 from espert.ops import STAGING_BYTES, U64, Block, _check_u64, check_members, sync_cpu_threads
 
 from . import reference as ref
-from .formats import FORMATS, INT4_FORMATS, SCALE_DTYPES, QuantWeight, marlin_grouped, nk_view, storage_shape
+from .formats import FORMATS, SCALE_DTYPES, QuantWeight, marlin_grouped, nk_view, storage_shape
 
 ELEM_CODES = {"int8": 0, "fp8": 1, "int4": 2}
 LAYOUT_CODES = {"nk": 0, "kn": 1, "gptq": 2, "awq": 3, "cpu_w4a16": 4, "marlin": 5}

@@ -23,14 +23,13 @@ with greedy fp32 decoding the vLLM and torch evaluators score the same text.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from typing import Callable, Sequence
 
 import torch
 
-from espert.evaluators.base import Evaluator, Member
+from espert.evaluators.base import Evaluator, Member, score_members
 from espert.vllm import WORKER_EXTENSION, cpu_patch
 
 log = logging.getLogger("espert.vllm")
@@ -171,30 +170,8 @@ class VLLMEvaluator(Evaluator):
 
     def evaluate(self, members: Sequence[Member], sigma: float, prompts: Sequence[str],
                  answers: Sequence[str]) -> list[float]:
-        if len(prompts) != len(answers) or not prompts:
-            raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and "
-                             f"{len(answers)}")
-        out = []
-        for seed, sign in members:
-            t0 = time.perf_counter()
-            try:
-                self.perturb(seed, sigma, sign)
-                t1 = time.perf_counter()
-                self.timings["perturb"] += t1 - t0
-                rewards = self.rollout(prompts, answers)
-                self.timings["generate"] += time.perf_counter() - t1
-            except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
-                if self.member_errors == "raise":
-                    raise
-                log.warning("member (seed=%d, sign=%+d) failed, dropped: %r", seed, sign, e)
-                rewards = [math.nan]
-            finally:
-                t2 = time.perf_counter()
-                self.restore()
-                self.timings["restore"] += time.perf_counter() - t2
-            self.timings["members"] += 1
-            out.append(math.fsum(rewards) / len(rewards) if rewards else math.nan)
-        return out
+        return score_members(members, sigma, prompts, answers, self.perturb, self.restore, self.rollout,
+                             self.member_errors, self.timings)
 
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return self.rollout(prompts, answers)
