@@ -9,7 +9,9 @@ tensor's device (``ESPERT_BACKEND`` overrides it):
     cuda    CUDA kernels in espert._C (when the module was built with nvcc)
     triton  Triton kernels in kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
 
-All three compute the same bits: see docs/noise.md.
+All three compute the same bits: see docs/noise.md.  Quantized weights
+(``espert.quant.QuantWeight``: int8, FP8, int4 GPTQ/AWQ/Marlin) go through the same three ops,
+dispatched by layout to the lattice kernels of ``espert.quant`` (docs/quantized.md).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
     if lr * lc >= U64:
         raise ValueError(f"logical shape [{lr}, {lc}] has more than 2^64 elements")
     return _Geometry(rows, cols, row_stride, ro, co, lc)
+
+
+def _quantized(w) -> bool:
+    """A quantized weight (codes + scales in a storage layout): ops dispatch to espert.quant's kernels."""
+    return type(w).__name__ == "QuantWeight" and type(w).__module__.startswith("espert.quant")
 
 
 def _check_weight(w: torch.Tensor) -> int:
@@ -213,14 +220,23 @@ def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.nda
 
 @torch.no_grad()
 def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], key: int, *,
-               block: Block | None = None, backend: str | None = None) -> torch.Tensor:
+               block: Block | None = None, backend: str | None = None, master: torch.Tensor | None = None):
     """In place: ``w <- round(w + Σ_n coeffs[n] · ε(seeds[n], key, logical index))``, one pass.
+
+    A quantized weight (``espert.quant.QuantWeight``) dispatches to its lattice kernels
+    (``espert.quant.es_update_q_``; ``master`` is its optional float32 code-domain master).
 
     w: float32 / float16 / bfloat16 on cpu or cuda, shape [rows, cols] (unit inner stride), [n] or
     contiguous N-D.  seeds: N ints in [0, 2^64).  coeffs: N finite floats (rounded to float32).
     The sum over members is taken in float32 registers in member order; each element of ``w`` is
     read and written once, and nothing of size N × w is stored.  Returns ``w``.
     """
+    if _quantized(w):
+        from espert.quant.ops import es_update_q_
+
+        return es_update_q_(w, seeds, coeffs, key, master, block=block, backend=backend)
+    if master is not None:
+        raise ValueError("master= is only for quantized weights; float weights keep their master in a CenterStore")
     code = _check_weight(w)
     g = _geometry(w, block)
     key = _check_u64("key", key)
@@ -240,6 +256,10 @@ def perturb_(w: torch.Tensor, seed: int, key: int, sigma: float, sign: int = 1, 
     ``sign·σ``).  σ must be finite and > 0.  Undo it with :func:`restore_`, never by subtracting:
     rounding makes ``(w + σε) - σε != w`` for a few percent of bf16/fp16 elements.
     """
+    if _quantized(w):
+        from espert.quant.ops import perturb_q_
+
+        return perturb_q_(w, seed, key, sigma, sign, block=block, backend=backend)
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) or not math.isfinite(sigma) or sigma <= 0:
         raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
     if sign not in (1, -1):
@@ -255,6 +275,10 @@ def restore_(w: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
     device (typically host memory).  Rounding is round-to-nearest-even, so restoring from a
     float32 master gives the same bits as casting it.  Returns ``w``.
     """
+    if _quantized(w):
+        from espert.quant.ops import restore_q_
+
+        return restore_q_(w, center)
     _check_weight(w)
     if not isinstance(center, torch.Tensor) or center.shape != w.shape:
         raise ValueError(f"center shape {tuple(getattr(center, 'shape', ()))} does not match weight shape {tuple(w.shape)}")

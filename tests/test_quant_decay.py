@@ -18,3 +18,24 @@ def test_scale_multiplies_the_dequantized_master(fmt):
     torch.testing.assert_close(after, 0.5 * before, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="scale factor"):
         store.scale(float("nan"))
+
+
+def test_the_one_op_surface_dispatches_quantized_layouts():
+    """espert.ops.perturb_ / es_update_ / restore_ take a QuantWeight and use the lattice kernels."""
+    from espert import ops
+    from espert.quant import es_update_q_, perturb_q_
+
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.02
+    a, b = quantize_weight(w, "gptq", group_size=64), quantize_weight(w, "gptq", group_size=64)
+    center = a.qweight.clone()
+    ops.perturb_(a, 5, 9, 0.02, -1)
+    perturb_q_(b, 5, 9, 0.02, -1)
+    assert torch.equal(a.qweight, b.qweight) and not torch.equal(a.qweight, center)
+    ops.restore_(a, center)
+    assert torch.equal(a.qweight, center)
+    ops.es_update_(a, [1, 2], [0.01, -0.01], 9)
+    c = quantize_weight(w, "gptq", group_size=64)
+    es_update_q_(c, [1, 2], [0.01, -0.01], 9)
+    assert torch.equal(a.qweight, c.qweight)
+    with pytest.raises(ValueError, match="master= is only for quantized"):
+        ops.es_update_(torch.zeros(4), [1], [0.1], 9, master=torch.zeros(4))
