@@ -212,7 +212,8 @@ def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.nda
     if bad.any():
         raise ValueError(f"coefficients must be finite; got {coeff_arr[bad][:4].tolist()} "
                          f"at positions {np.flatnonzero(bad)[:4].tolist()}")
-    coeff32 = coeff_arr.astype(np.float32)
+    with np.errstate(over="ignore"):  # overflow is reported just below
+        coeff32 = coeff_arr.astype(np.float32)
     if not np.isfinite(coeff32).all():
         raise ValueError("coefficients overflow float32")
     return seed_arr, coeff32
