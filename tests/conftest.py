@@ -32,6 +32,16 @@ def ref_bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32) if a.dtype == np.float32 else a.view(np.uint16)
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny random Llama + char tokenizer (espert.tiny, seed 0), built once per session.  Read-only."""
+    from espert.tiny import build_tiny_model
+
+    d = str(tmp_path_factory.mktemp("tiny") / "model")
+    build_tiny_model(d, seed=0)
+    return d
+
+
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)

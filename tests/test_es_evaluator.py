@@ -7,14 +7,6 @@ import torch
 
 from espert.evaluators import TorchEvaluator, load_model
 from espert.tasks import load_task
-from espert.tiny import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny") / "model")
-    build_tiny_model(d, seed=0)
-    return d
 
 
 @pytest.fixture(scope="module")

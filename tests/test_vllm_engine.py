@@ -21,19 +21,11 @@ from espert.center import CenterStore  # noqa: E402
 from espert.evaluators.base import apply_update  # noqa: E402
 from espert.params import torch_param_views  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
-from espert.tiny import build_tiny_model  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 GROUPS = {"embeddings": ["*embed_tokens*"], "attention": ["*self_attn*"], "mlp": ["*.mlp.*"],
           "norms": ["*norm*"], "lm_head": ["lm_head*"]}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("vllm_tiny"))
-    build_tiny_model(d, seed=0)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,9 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from espert.tasks import load_task  # noqa: E402
-from espert.tiny import build_tiny_model  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 MEMBERS = [(s, g) for s in (101, 202, 303, 2**63 + 7) for g in (1, -1)]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("vllm_tiny_ev"))
-    build_tiny_model(d, seed=0)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import torch  # noqa: E402
 
 from espert.es import coefficients, normalize  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
-from espert.tiny import build_tiny_model  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 TASK = load_task("copy", "train", n=12)
@@ -37,13 +36,6 @@ class CrashOnce:
         except FileNotFoundError:
             return self.score(completions, answers)
         os._exit(1)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("vllm_tiny_pool"))
-    build_tiny_model(d, seed=0)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,9 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from espert.tasks import load_task  # noqa: E402
-from espert.tiny import build_tiny_model  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM-CPU TP=2 needs one core per rank")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("vllm_tiny_tp"))
-    build_tiny_model(d, seed=0)
-    return d
 
 
 @pytest.fixture(scope="module")
