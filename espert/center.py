@@ -90,6 +90,10 @@ class CenterStore:
         """Logical name -> center tensor (host).  Blocks of one logical parameter are saved by view name."""
         return {v.name: c for v, c in zip(self.views, self.centers)}
 
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The center as checkpoint values by logical name: here the same tensors as :meth:`state_dict`."""
+        return self.state_dict()
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the centers (exactly) and restore the live weights.  Checks names, shapes and dtypes first."""
         for v, c in zip(self.views, self.centers):

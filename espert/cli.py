@@ -42,6 +42,9 @@ FIELD_HELP = {
     "vllm_tensor_parallel_size": "backend vllm: tensor-parallel GPUs per engine",
     "vllm_gpu_memory_utilization": "backend vllm: fraction of GPU memory per engine (default: vLLM's)",
     "vllm_max_model_len": "backend vllm: max context length (default: the model's)",
+    "quant": "none | int8 | fp8 | gptq | awq: quantize the Linear layers (not lm_head) at load; ES perturbs "
+             "and updates the quantized codes in place (torch backend); exports hold the dequantized weights",
+    "quant_group_size": "int4 group size along the input dimension (-1: one group per row)",
     "include": "only perturb parameters matching these patterns (glob or name component; default: all)",
     "exclude": "never perturb parameters matching these patterns (default: none)",
     "iterations": "ES iterations",

@@ -73,6 +73,8 @@ class ESConfig:
     vllm_tensor_parallel_size: int = 1
     vllm_gpu_memory_utilization: float | None = None
     vllm_max_model_len: int | None = None
+    quant: str = "none"  # backend torch: quantize Linear layers (not lm_head) at load to int8 | fp8 | gptq | awq; ES moves the codes
+    quant_group_size: int = 128  # int4 group along K
     include: list[str] | None = None  # parameters ES moves (torch_param_views patterns); None: all
     exclude: list[str] | None = None
     # -- ES --
@@ -126,6 +128,16 @@ class ESConfig:
         need(self.member_errors in ("raise", "nan"), f"member_errors must be 'raise' or 'nan', "
                                                      f"got {self.member_errors!r}")
         need(self.dtype in ("float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
+        from espert.quant.formats import FORMATS
+
+        need(self.quant == "none" or self.quant in FORMATS, f"quant must be 'none' or one of {FORMATS}, "
+                                                            f"got {self.quant!r}")
+        need(self.quant == "none" or self.backend == "torch",
+             f"quant={self.quant!r} quantizes a float model for the torch backend; vLLM loads quantized "
+             f"checkpoints (W8A8 int8) itself")
+        need(self.quant == "none" or not (self.include or self.exclude),
+             "include/exclude select float parameters; with quant, ES moves the quantized Linear codes")
+        need(self.quant_group_size == -1 or self.quant_group_size >= 8, "quant_group_size must be -1 or >= 8")
         for name in ("sigma", "alpha"):
             v, kind, end = getattr(self, name), getattr(self, f"{name}_schedule"), getattr(self, f"{name}_end")
             need(math.isfinite(v) and v > 0, f"{name} must be a finite number > 0, got {v}")

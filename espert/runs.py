@@ -200,7 +200,12 @@ def export_model(state: dict[str, torch.Tensor], base_ref: str, out_dir: str, it
                         c = state[k]
                         if tuple(c.shape) != tuple(t.shape):
                             raise ValueError(f"center {k} has shape {tuple(c.shape)}, base has {tuple(t.shape)}")
-                        t = c.detach().to("cpu", t.dtype).contiguous()
+                        c = c.detach().to("cpu")
+                        if not t.dtype.is_floating_point and c.dtype.is_floating_point:
+                            # integer codes (e.g. a W8A8 master in code units): round, don't truncate
+                            info = torch.iinfo(t.dtype)
+                            c = c.round().clamp(info.min, info.max)
+                        t = c.to(t.dtype).contiguous()
                         found.add(k)
                     tensors[k] = t
             save_file(tensors, os.path.join(tmp, shard), metadata=meta)
@@ -405,9 +410,9 @@ class Run:
 
     def checkpoint(self, evaluator, t: int) -> None:
         """Save the center at iteration t and export it in the base model's format."""
-        state = evaluator.center_state()
-        save_center(self.file(CENTER), state, t)
-        export_model(state, self.base_path, self.file(EXPORT), iteration=t, note={"run": os.path.abspath(self.path)})
+        save_center(self.file(CENTER), evaluator.center_state(), t)
+        export_model(evaluator.export_state(), self.base_path, self.file(EXPORT), iteration=t,
+                     note={"run": os.path.abspath(self.path)})
 
     def evaluate_heldout(self, evaluator, task, t: int) -> dict:
         """Mean reward of the center θ_t on the held-out problems; logged as an ``eval`` record."""
@@ -486,7 +491,12 @@ def replay(run_dir: str, out_dir: str | None = None, upto: int | None = None,
             raise ValueError(f"--upto {upto} is outside the logged iterations 0..{len(its)}")
         its = its[:upto]
     model, _ = load_model(base, device="cpu", dtype=cfg.dtype)
-    center = model_center(model, cfg.include, cfg.exclude)
+    if cfg.quant != "none":  # the same quantization as training, then the quantized center
+        from espert.quant import model_quant_center, quantize_model
+
+        center = model_quant_center(quantize_model(model, cfg.quant, group_size=cfg.quant_group_size))
+    else:
+        center = model_center(model, cfg.include, cfg.exclude)
     target = _CenterTarget(center)
     t0 = time.time()
     for rec in its:
@@ -496,7 +506,8 @@ def replay(run_dir: str, out_dir: str | None = None, upto: int | None = None,
     os.makedirs(out_dir, exist_ok=True)
     state = center.state_dict()
     save_center(os.path.join(out_dir, CENTER), state, last)
-    export_model(state, base, os.path.join(out_dir, EXPORT), iteration=last, note={"replayed_from": run_dir})
+    export_model(center.export_state(), base, os.path.join(out_dir, EXPORT), iteration=last,
+                 note={"replayed_from": run_dir})
     match = None
     ck = os.path.join(run_dir, CENTER)
     if os.path.exists(ck):

@@ -29,6 +29,14 @@ def register_evaluator(name: str, builder: Builder) -> None:
 
 def _torch_builder(cfg: "ESConfig", model_path: str, score: Callable) -> TorchEvaluator:
     model, tok = load_model(model_path, device=cfg.device, dtype=cfg.dtype)
+    if cfg.quant != "none":
+        from espert.quant import quantize_model
+        from espert.quant.evaluator import QuantTorchEvaluator
+
+        quantize_model(model, cfg.quant, group_size=cfg.quant_group_size)
+        return QuantTorchEvaluator(model, tok, score, max_new_tokens=cfg.max_new_tokens,
+                                   batch_size=cfg.generation_batch_size, chat_template=cfg.chat_template,
+                                   member_errors=cfg.member_errors)
     return TorchEvaluator(model, tok, score, include=cfg.include, exclude=cfg.exclude,
                           max_new_tokens=cfg.max_new_tokens, batch_size=cfg.generation_batch_size,
                           chat_template=cfg.chat_template, member_errors=cfg.member_errors)

@@ -70,6 +70,10 @@ class Evaluator(abc.ABC):
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the center exactly (names, shapes and dtypes must match) and restore the weights."""
 
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The center as checkpoint values by logical name (what exports write); default: center_state()."""
+        return self.center_state()
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model."""
 
@@ -159,6 +163,9 @@ class ModelEvaluator(Evaluator):
 
     def center_state(self):
         return self.center.state_dict()
+
+    def export_state(self):
+        return self.center.export_state()
 
     def load_center(self, state):
         self.center.load_state_dict(state)

@@ -16,7 +16,7 @@ update run on the host whatever device the weights are on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from espert.noise import param_key
 from espert.ops import Block, check_members
 
-from .formats import QuantWeight, e4m3_bits_to_float, unpack_codes
+from .formats import QuantWeight, dequantize, e4m3_bits_to_float, unpack_codes
 from .ops import es_update_q_, perturb_q_, qgeometry, requantize_, restore_q_
 
 
@@ -142,6 +142,12 @@ class QuantCenterStore:
             m = None if self.masters is None else self.masters[i]
             es_update_q_(self.host[i], seeds, coeffs, v.key, m, block=v.block, backend="cpu")
         self.restore()
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The center as float checkpoint values: each weight dequantized from its exact center codes,
+        float32 [out_features, in_features] by logical name (what a float export of the model holds)."""
+        return {v.name: dequantize(replace(h, zeros=None if v.qw.zeros is None else v.qw.zeros.cpu()))
+                for v, h in zip(self.views, self.host)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Logical name -> float32 master (or the exact codes when there is no master)."""

@@ -1,0 +1,57 @@
+"""espert train --quant: ES on a locally quantized model from the CLI, with exact resume/replay and a
+float export that holds the dequantized center codes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ARGS = ["--iterations", "4", "--population", "4", "--prompts-per-iteration", "4", "--eval-size", "8",
+        "--eval-every", "2", "--checkpoint-every", "2", "--sigma", "0.05", "--alpha", "0.05", "--no-progress"]
+
+
+def _espert(*args):
+    return subprocess.run([sys.executable, "-m", "espert", *args], capture_output=True, text=True, check=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "awq"])
+def test_train_quantized_then_replay_bit_identical(tmp_path, fmt):
+    run = str(tmp_path / "run")
+    _espert("train", "--run-dir", run, "--quant", fmt, "--quant-group-size", "32", *ARGS)
+    res = _espert("replay", run, "--out", str(tmp_path / "replay"))
+    out = res.stdout + res.stderr
+    assert "bit-identical" in out and ": yes" in out, out
+    # the export is a float checkpoint whose quantized Linear weights are exactly the dequantized codes
+    from espert.evaluators.torch_model import load_model
+    from espert.quant import model_quant_center, quantize_model
+
+    model, _ = load_model(os.path.join(run, "base_model"))
+    center = model_quant_center(quantize_model(model, fmt, group_size=32))
+    center.load_state_dict(load_file(os.path.join(run, "center.safetensors")))
+    exported = load_file(os.path.join(run, "export", "model.safetensors"))
+    for name, value in center.export_state().items():
+        assert torch.equal(exported[name], value.to(exported[name].dtype)), name
+    base = load_file(os.path.join(run, "base_model", "model.safetensors"))
+    assert any(not torch.equal(exported[n], base[n]) for n in center.export_state())  # ES moved something
+    assert json.load(open(os.path.join(run, "export", "espert_export.json")))["iteration"] == 4
+    # stop after 2 iterations, resume to 4: the same center, bit for bit
+    part = str(tmp_path / "part")
+    _espert("train", "--run-dir", part, "--quant", fmt, "--quant-group-size", "32", *ARGS[:1], "2", *ARGS[2:])
+    _espert("train", "--run-dir", part, "--resume", "--iterations", "4", "--no-progress")
+    a, b = load_file(os.path.join(run, "center.safetensors")), load_file(os.path.join(part, "center.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_quant_config_errors():
+    from espert.es import ESConfig
+
+    with pytest.raises(ValueError, match="quant must be"):
+        ESConfig(quant="int3")
+    with pytest.raises(ValueError, match="vLLM loads quantized"):
+        ESConfig(quant="int8", backend="vllm")
+    with pytest.raises(ValueError, match="include/exclude"):
+        ESConfig(quant="int8", exclude=["norm"])
