@@ -28,6 +28,17 @@ from espert import ops
 from espert.params import ParamView
 
 
+def check_state(state: dict[str, torch.Tensor], views: Sequence, centers: Sequence[torch.Tensor]) -> None:
+    """Raise unless ``state`` has a tensor of the same shape and dtype as each center, by view name."""
+    for v, c in zip(views, centers):
+        if v.name not in state:
+            raise KeyError(f"checkpoint has no center for {v.name}")
+        s = state[v.name]
+        if s.shape != c.shape or s.dtype != c.dtype:
+            raise ValueError(f"center {v.name}: checkpoint has {s.dtype}{tuple(s.shape)}, "
+                             f"expected {c.dtype}{tuple(c.shape)}")
+
+
 class CenterStore:
     """Exact centers of a list of ParamViews, in host memory.
 
@@ -96,13 +107,7 @@ class CenterStore:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the centers (exactly) and restore the live weights.  Checks names, shapes and dtypes first."""
-        for v, c in zip(self.views, self.centers):
-            if v.name not in state:
-                raise KeyError(f"checkpoint has no center for {v.name}")
-            s = state[v.name]
-            if s.shape != c.shape or s.dtype != c.dtype:
-                raise ValueError(f"center {v.name}: checkpoint has {s.dtype}{tuple(s.shape)}, "
-                                 f"expected {c.dtype}{tuple(c.shape)}")
+        check_state(state, self.views, self.centers)
         for v, c in zip(self.views, self.centers):
             c.copy_(state[v.name])
         self.restore()

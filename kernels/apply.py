@@ -132,6 +132,25 @@ def normals4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi):
     return r0 * c0, r0 * s0, r1 * c1, r1 * s1
 
 
+@triton.jit
+def member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, BLOCK: tl.constexpr):
+    """Σ_m coeffs[m]·ε(seeds[m]) for the four lanes of BLOCK groups: the spec's sum, from +0.0 in
+    member order, kept in registers.  seeds: int64 bit patterns of uint64; coeffs: float32."""
+    acc0 = tl.zeros([BLOCK], tl.float32)
+    acc1 = tl.zeros([BLOCK], tl.float32)
+    acc2 = tl.zeros([BLOCK], tl.float32)
+    acc3 = tl.zeros([BLOCK], tl.float32)
+    for m in range(n):
+        seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
+        c = tl.load(coeffs_ptr + m)
+        n0, n1, n2, n3 = normals4(seed.to(tl.uint32), (seed >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
+        acc0 = acc0 + c * n0
+        acc1 = acc1 + c * n1
+        acc2 = acc2 + c * n2
+        acc3 = acc3 + c * n3
+    return acc0, acc1, acc2, acc3
+
+
 # ---- storage formats (bits in uint32 tensors) -----------------------------------------------
 
 @triton.jit
@@ -240,18 +259,7 @@ def _apply_kernel(w_ptr, seeds_ptr, coeffs_ptr, n, cols, row_stride, row_offset,
     ptrs = w_ptr + row.to(tl.int64) * row_stride + col
     x = _load_f32(ptrs, mask, DTYPE, F16_HW)  # issued before the noise math, which hides its latency
 
-    acc0 = tl.zeros([BLOCK], tl.float32)  # +0.0, as in the reference
-    acc1 = tl.zeros([BLOCK], tl.float32)
-    acc2 = tl.zeros([BLOCK], tl.float32)
-    acc3 = tl.zeros([BLOCK], tl.float32)
-    for m in range(n):
-        seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
-        c = tl.load(coeffs_ptr + m)
-        n0, n1, n2, n3 = normals4(seed.to(tl.uint32), (seed >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
-        acc0 = acc0 + c * n0
-        acc1 = acc1 + c * n1
-        acc2 = acc2 + c * n2
-        acc3 = acc3 + c * n3
+    acc0, acc1, acc2, acc3 = member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, BLOCK)
     # lanes in element order: interleave(interleave(a0, a2), interleave(a1, a3)) = a0 a1 a2 a3 a0 a1 ...
     acc = tl.interleave(tl.interleave(acc0, acc2), tl.interleave(acc1, acc3))
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from espert.kernels.apply import normals4, philox4x32_10
+from espert.kernels.apply import member_sum, philox4x32_10
 
 # Layout codes (csrc/quant.h) and modes.
 NK, KN, GPTQ, AWQ, CPU_W4A16, MARLIN = 0, 1, 2, 3, 4, 5
@@ -214,18 +214,7 @@ def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_me
         g = base >> 2
         g_lo = g.to(tl.uint32)
         g_hi = (g >> 32).to(tl.uint32)
-        a0 = tl.zeros([BLOCK], tl.float32)
-        a1 = tl.zeros([BLOCK], tl.float32)
-        a2 = tl.zeros([BLOCK], tl.float32)
-        a3 = tl.zeros([BLOCK], tl.float32)
-        for m in range(n_members):
-            seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
-            c = tl.load(coeffs_ptr + m)
-            e0, e1, e2, e3 = normals4(seed.to(tl.uint32), (seed >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
-            a0 = a0 + c * e0
-            a1 = a1 + c * e1
-            a2 = a2 + c * e2
-            a3 = a3 + c * e3
+        a0, a1, a2, a3 = member_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g_lo, g_hi, BLOCK)
         if MODE == 0:
             u0, u1, u2, u3 = _sr_uniforms4(s0.to(tl.uint32), (s0 >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
         else:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from espert.center import check_state
 from espert.noise import param_key
 from espert.ops import Block, check_members
 
@@ -157,13 +158,7 @@ class QuantCenterStore:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the centers exactly (codes re-derived from the masters) and restore the live weights."""
         src = self.masters if self.masters is not None else self.codes
-        for v, c in zip(self.views, src):
-            if v.name not in state:
-                raise KeyError(f"checkpoint has no center for {v.name}")
-            s = state[v.name]
-            if s.shape != c.shape or s.dtype != c.dtype:
-                raise ValueError(f"center {v.name}: checkpoint has {s.dtype}{tuple(s.shape)}, "
-                                 f"expected {c.dtype}{tuple(c.shape)}")
+        check_state(state, self.views, src)
         for i, (v, c) in enumerate(zip(self.views, src)):
             c.copy_(state[v.name])
             if self.masters is not None:
