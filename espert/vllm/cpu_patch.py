@@ -30,15 +30,31 @@ import torch
 
 log = logging.getLogger("espert.vllm")
 
-_ORIGINAL = None
+def wrap_once(owner, attr: str, replacement) -> bool:
+    """Install ``replacement(original, *args, **kwargs)`` as ``owner.attr``, once; returns True if installed now.
+
+    The wrapper is marked, so a module imported again (vLLM imports the worker extension in every
+    process) never stacks a second wrapper on the first.
+    """
+    original = getattr(owner, attr)
+    if getattr(original, "_espert_patched", False):
+        return False
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return replacement(original, *args, **kwargs)
+
+    wrapper._espert_patched = True
+    setattr(owner, attr, wrapper)
+    return True
 
 
-def _patched(layer: torch.nn.Module, remove_weight: bool) -> None:
+def _patched(original, layer: torch.nn.Module, remove_weight: bool) -> None:
     w = getattr(layer, "weight", None)
     if isinstance(w, torch.Tensor) and w.dim() == 2 and not w.is_meta:
         layer.cpu_linear = torch.nn.functional.linear  # keep layer.weight; every edit takes effect
         return
-    _ORIGINAL(layer, remove_weight)
+    original(layer, remove_weight)
 
 
 def install() -> bool:
@@ -46,23 +62,12 @@ def install() -> bool:
 
     Returns True when the patch is (now) installed; False when vLLM is not importable.
     """
-    global _ORIGINAL
     try:
         from vllm.model_executor.layers import utils as vutils
     except ImportError:  # pragma: no cover - vllm missing
         return False
-    current = vutils.dispatch_cpu_unquantized_gemm
-    if getattr(current, "_espert_patched", False):
-        return True
-    _ORIGINAL = current
-
-    @functools.wraps(current)
-    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
-        return _patched(layer, remove_weight)
-
-    dispatch_cpu_unquantized_gemm._espert_patched = True
-    vutils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
-    log.info("espert: vLLM-CPU weight prepacking disabled (F.linear on the live weights)")
+    if wrap_once(vutils, "dispatch_cpu_unquantized_gemm", _patched):
+        log.info("espert: vLLM-CPU weight prepacking disabled (F.linear on the live weights)")
     return True
 
 

