@@ -341,11 +341,9 @@ def format_drift_summary(label: str, res: dict) -> str:
 
 def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
     """Write ``drift_groups.png`` (per-group relative drift) and ``update_hist.png`` (log10|delta|)."""
-    import matplotlib
+    from espert.eval.plots import pyplot, save_figure
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     labels = list(results)
@@ -365,10 +363,7 @@ def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
     ax.set_title("Per-group relative drift")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "drift_groups.png"))
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, "drift_groups.png")))
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     edges = HIST_EDGES
@@ -382,10 +377,7 @@ def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
     ax.set_title("Update magnitude distribution")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "update_hist.png"))
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, "update_hist.png")))
     return paths
 
 

@@ -7,7 +7,8 @@ import os
 from .metrics import ACC_BIN_LABELS
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the headless Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -16,9 +17,17 @@ def _plt():
     return plt
 
 
+def save_figure(fig, path: str) -> str:
+    """Lay out, write the PNG, and free the figure; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path)
+    pyplot().close(fig)
+    return path
+
+
 def plot_pass_at_k(report: dict, path: str) -> str:
     """pass@k (solid) and maj@k (dashed) vs k for all models on one axes, log2 x axis."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     all_k = set()
@@ -40,15 +49,12 @@ def plot_pass_at_k(report: dict, path: str) -> str:
     ax.set_title(f"pass@k and maj@k — task {report['task']}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_accuracy_histograms(report: dict, path: str) -> str:
     """Per-problem fraction-correct histograms, one panel per model, side by side (shared y)."""
-    plt = _plt()
+    plt = pyplot()
     models = report["models"]
     n = len(models)
     fig, axes = plt.subplots(1, n, figsize=(max(5.0, 4.6 * n), 4.0), dpi=120, sharey=True, squeeze=False)
@@ -69,15 +75,12 @@ def plot_accuracy_histograms(report: dict, path: str) -> str:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].set_ylabel("problems")
     fig.suptitle(f"Per-problem accuracy — task {report['task']}", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_progressions(report: dict, path: str) -> str:
     """Progression (green, up) and regression (red, down) counts per tuned model vs the base."""
-    plt = _plt()
+    plt = pyplot()
     comps = report["comparisons"]
     labels = list(comps)
     fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(labels) + 2.5), 4.0), dpi=120)
@@ -102,10 +105,7 @@ def plot_progressions(report: dict, path: str) -> str:
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     ax.set_title(f"vs base '{report['base']}' (solve rule '{report['solve_rule']}')", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_plots(report: dict, out_dir: str) -> list[str]:
