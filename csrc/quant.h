@@ -126,13 +126,16 @@ template <> struct Lay<kGPTQ> {
   }
   static ESPERT_HD Loc loc(int64_t n, int64_t k, int64_t ld) { return Loc{(k >> 3) * ld + n, 4 * (int)(k & 7)}; }
 };
-// AWQ int32 [K, N/8] (nibble order 0 2 4 6 1 3 5 7): a unit is the 4 words k0..k0+3 of 8 columns
-template <> struct Lay<kAWQ> {
+// Units of 8 adjacent columns n × 4 rows k (the int4 layouts that pack along N)
+struct Units8Cols {
   static constexpr int G = 8;
   static ESPERT_HD int64_t units(int64_t N, int64_t K) { return (N / 8) * (K / 4); }
   static ESPERT_HD void origin(int64_t u, int j, int64_t N, int64_t, int64_t& n, int64_t& k0) {
     n = 8 * (u % (N / 8)) + j; k0 = 4 * (u / (N / 8));
   }
+};
+// AWQ int32 [K, N/8] (nibble order 0 2 4 6 1 3 5 7): a unit is the 4 words k0..k0+3 of 8 columns
+template <> struct Lay<kAWQ> : Units8Cols {
   static ESPERT_HD Loc loc(int64_t n, int64_t k, int64_t ld) {
     const int t = (int)(n & 7);
     const int nib = (t >> 1) + 4 * (t & 1);  // AWQ_REV = [0, 4, 1, 5, 2, 6, 3, 7]
@@ -140,12 +143,7 @@ template <> struct Lay<kAWQ> {
   }
 };
 // vLLM CPU W4A16 int32 [N/16, 2K]: code(n, k) in word (n/16, 2k + (n%16)/8), nibble n%8
-template <> struct Lay<kCpuW4A16> {
-  static constexpr int G = 8;
-  static ESPERT_HD int64_t units(int64_t N, int64_t K) { return (N / 8) * (K / 4); }
-  static ESPERT_HD void origin(int64_t u, int j, int64_t N, int64_t, int64_t& n, int64_t& k0) {
-    n = 8 * (u % (N / 8)) + j; k0 = 4 * (u / (N / 8));
-  }
+template <> struct Lay<kCpuW4A16> : Units8Cols {
   static ESPERT_HD Loc loc(int64_t n, int64_t k, int64_t ld) {
     return Loc{(n >> 4) * ld + 2 * k + ((n & 15) >> 3), 4 * (int)(n & 7)};
   }
