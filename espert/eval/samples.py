@@ -8,6 +8,7 @@ import os
 from typing import Any, Iterable, Optional, Sequence
 
 from ..tasks import Task, reward_task
+from ..tasks.loaders import iter_jsonl
 
 #: Keys of one JSONL line.
 RECORD_KEYS = ("model", "task", "index", "prompt", "answer", "completions", "rewards", "extracted", "meta")
@@ -90,19 +91,7 @@ def validate_record(r: Any, where: str) -> dict:
 
 def load_samples(path: str) -> list[dict]:
     """Read a samples JSONL file written by :func:`save_samples` (validated)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"samples file not found: {path}")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            out.append(validate_record(r, f"{path}:{lineno}"))
+    out = [validate_record(r, where) for where, r in iter_jsonl(path, "samples file")]
     if not out:
         raise ValueError(f"samples file {path} contains no records")
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .base import Task
 from .copy_task import make_copy_task
@@ -109,6 +109,25 @@ def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, st
     raise ValueError(f"{where}: {task} records need {shapes.get(task, repr('prompt/answer'))}; got keys {sorted(row)}")
 
 
+def iter_jsonl(path: str, kind: str = "JSONL file") -> Iterator[tuple[str, Any]]:
+    """Yield ``("path:line", value)`` for each non-blank line of a JSONL file.
+
+    Raises FileNotFoundError naming ``kind`` and the path, and ValueError naming the line for
+    invalid JSON.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{kind} not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+
+
 def load_jsonl_task(name: str, path: str, n: Optional[int] = None) -> Task:
     """Load a known task's problems from a local JSONL file (one JSON object per line).
 
@@ -117,25 +136,15 @@ def load_jsonl_task(name: str, path: str, n: Optional[int] = None) -> Task:
     for countdown ``{"target": 24, "nums": [..]}``. Blank lines are skipped.
     """
     key = canonical_task_name(name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"task data file not found: {path}")
     prompts, answers = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if n is not None and len(prompts) >= n:
-                break
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            p, a = _row_to_problem(key, row, f"{path}:{lineno}")
-            prompts.append(p)
-            answers.append(a)
+    for where, row in iter_jsonl(path, "task data file"):
+        if n is not None and len(prompts) >= n:
+            break
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        p, a = _row_to_problem(key, row, where)
+        prompts.append(p)
+        answers.append(a)
     reward, extract = REWARDS[key]
     return Task(name=key, prompts=prompts, answers=answers, reward_fn=reward, extract_fn=extract,
                 meta={"source": os.path.abspath(path)})
