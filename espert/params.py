@@ -20,7 +20,18 @@ from espert.ops import DTYPE_CODES, Block
 
 
 @dataclass(frozen=True)
-class ParamView:
+class LogicalParam:
+    """A logical (checkpoint) parameter name and the noise key it fixes: ``key = param_key(name)``."""
+
+    name: str
+    key: int = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", param_key(self.name))
+
+
+@dataclass(frozen=True)
+class ParamView(LogicalParam):
     """One logical parameter (or a block of it) and the live tensor that holds it.
 
     name: logical (checkpoint) name, the source of the noise key.
@@ -28,13 +39,8 @@ class ParamView:
     block: where ``tensor`` sits inside the logical parameter (None: it is all of it).
     """
 
-    name: str
     tensor: torch.Tensor
     block: Block | None = None
-    key: int = field(init=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "key", param_key(self.name))
 
     @property
     def numel(self) -> int:

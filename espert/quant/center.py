@@ -16,13 +16,13 @@ update run on the host whatever device the weights are on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
 from espert.center import check_state
-from espert.noise import param_key
+from espert.params import LogicalParam
 from espert.ops import Block, check_members
 
 from .formats import QuantWeight, dequantize, e4m3_bits_to_float, unpack_codes
@@ -30,17 +30,12 @@ from .ops import es_update_q_, perturb_q_, qgeometry, requantize_, restore_q_
 
 
 @dataclass(frozen=True)
-class QuantParamView:
+class QuantParamView(LogicalParam):
     """One quantized logical weight (or a block of it): its logical (checkpoint) name, which fixes the
     noise key, and the live :class:`QuantWeight` (edited in place)."""
 
-    name: str
     qw: QuantWeight
     block: Block | None = None
-    key: int = field(init=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "key", param_key(self.name))
 
     @property
     def numel(self) -> int:
