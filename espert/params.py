@@ -47,7 +47,9 @@ class ParamView(LogicalParam):
         return self.tensor.numel()
 
 
-def _matches(name: str, patterns: Sequence[str]) -> bool:
+def matches(name: str, patterns: Sequence[str]) -> bool:
+    """Whether ``name`` matches a glob pattern (``*embed_tokens*``) or equals one of its dot-separated
+    components (``norm``, ``bias``)."""
     return any(fnmatch.fnmatchcase(name, p) or p in name.split(".") for p in patterns)
 
 
@@ -63,9 +65,9 @@ def torch_param_views(module: torch.nn.Module, include: Sequence[str] | None = N
     """
     views, seen = [], set()
     for name, p in module.named_parameters(remove_duplicate=True):
-        if include and not _matches(name, include):
+        if include and not matches(name, include):
             continue
-        if exclude and _matches(name, exclude):
+        if exclude and matches(name, exclude):
             continue
         if p.data_ptr() in seen:
             continue
@@ -73,7 +75,9 @@ def torch_param_views(module: torch.nn.Module, include: Sequence[str] | None = N
         if p.dtype not in DTYPE_CODES:
             raise ValueError(f"parameter {name} has dtype {p.dtype}; espert perturbs float32/float16/bfloat16 only "
                              f"(exclude it, or see the quantized formats)")
-        views.append(ParamView(name, p.data))
+        # detach(), not .data: the view shares the parameter's autograd version counter, so an in-place
+        # op on it makes backward() through stale activations fail loudly instead of silently
+        views.append(ParamView(name, p.detach()))
     if not views:
         raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
     return views

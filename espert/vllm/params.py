@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from espert.ops import DTYPE_CODES, Block
-from espert.params import ParamView, _matches
+from espert.params import ParamView, matches
 
 
 class LayoutError(ValueError):
@@ -264,9 +264,9 @@ def vllm_param_views(model: torch.nn.Module, include: Sequence[str] | None = Non
                 pieces = [Piece(pname, 0, n, None)]
         for pc in pieces:
             lname = rename(pc.name) if rename else pc.name
-            if include and not _matches(lname, include):
+            if include and not matches(lname, include):
                 continue
-            if exclude and _matches(lname, exclude):
+            if exclude and matches(lname, exclude):
                 continue
             t = p.data[pc.start:pc.stop]
             views.append(ParamView(lname, t, pc.block if pc.block != Block(0, 0, None, None) else None))

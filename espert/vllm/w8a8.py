@@ -192,7 +192,7 @@ class _QView:
 
 def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None) -> tuple[list, list]:
     """QuantParamViews (logical names, Blocks as params.py) of the W8A8 layers, and those layers."""
-    from espert.params import _matches
+    from espert.params import matches
     from espert.quant import QuantParamView, QuantWeight
     from espert.vllm.params import LayoutError, _linear_kind, _logical_names, linear_pieces
 
@@ -227,7 +227,7 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
         used = False
         for pc in pieces:
             lname = rename(pc.name) if rename else pc.name
-            if (include and not _matches(lname, include)) or (exclude and _matches(lname, exclude)):
+            if (include and not matches(lname, include)) or (exclude and matches(lname, exclude)):
                 continue
             n = pc.stop - pc.start
             qw = QuantWeight("int8", codes[pc.start:pc.stop], scales[pc.start:pc.stop], n, codes.shape[1])
