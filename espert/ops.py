@@ -268,35 +268,78 @@ def perturb_(w: torch.Tensor, seed: int, key: int, sigma: float, sign: int = 1, 
     return es_update_(w, [seed], [sign * float(sigma)], key, block=block, backend=backend)
 
 
-@torch.no_grad()
-def restore_(w: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
-    """In place: ``w <- round_to_w.dtype(center)``, exact, in chunks of at most 64 MiB of ``center``.
+# 16-bit float formats: (exponent-all-ones pattern, mantissa mask, shift of the mantissa into binary32, quiet bit)
+_HALF_NAN = {torch.bfloat16: (0x7F80, 0x007F, 16, 0x0040), torch.float16: (0x7C00, 0x03FF, 13, 0x0200)}
 
-    w: float32 / float16 / bfloat16 on any device; center: same shape, float32 or w.dtype, on any
-    device (typically host memory).  Rounding is round-to-nearest-even, so restoring from a
-    float32 master gives the same bits as casting it.  Returns ``w``.
+
+def cast_exact_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """In place: ``dst <- src`` converted to dst's dtype, round-to-nearest-even, NaN bits kept.
+
+    dst, src: same shape, float32 / float16 / bfloat16, same device.  torch's casts turn every bf16
+    NaN into 0xFFFF and quiet fp16 signaling NaNs; here a NaN keeps its sign and payload: widening
+    shifts the 16-bit mantissa into the top of the binary32 mantissa, narrowing takes it back (a
+    binary32 NaN whose top mantissa bits are all zero becomes the quiet NaN of that sign).  So
+    narrow(widen(x)) is bit-identical for every 16-bit x.  Returns ``dst``.
+    """
+    dst.copy_(src)
+    if dst.dtype == src.dtype or not src.dtype.is_floating_point:
+        return dst
+    nan = torch.isnan(src)
+    if not bool(nan.any()):
+        return dst
+    if src.dtype == torch.float32:  # narrow
+        exp, mant, shift, quiet = _HALF_NAN[dst.dtype]
+        b = src.view(torch.int32)[nan]
+        m = (b >> shift) & mant
+        h = ((b >> 16) & 0x8000) | exp | torch.where(m == 0, torch.full_like(m, quiet), m)
+        dst.view(torch.int16)[nan] = h.to(torch.int16)
+    else:  # widen
+        exp, mant, shift, _ = _HALF_NAN[src.dtype]
+        h = src.view(torch.int16)[nan].to(torch.int32)
+        b = ((h & 0x8000) << 16) | 0x7F800000 | ((h & mant) << shift)
+        dst.view(torch.int32)[nan] = b
+    return dst
+
+
+@torch.no_grad()
+def restore_(w: torch.Tensor, center: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+    """In place: ``w <- round_to_w.dtype(center)``, bit-exact, at most 64 MiB of ``center`` at a time.
+
+    w: float32 / float16 / bfloat16 on any device, any layout the other ops accept (checked by the
+    same geometry rules, so a weight ops cannot address is refused, never copied into a temporary).
+    center: a contiguous tensor of w's shape, float32 or w.dtype, on any device (typically host
+    memory).  Rounding is round-to-nearest-even; NaNs keep their bits (:func:`cast_exact_`), so
+    restoring from a float32 master made from ``w`` returns exactly the bits ``w`` started from.
+    non_blocking: same-dtype copies from pinned host memory are left asynchronous (the caller
+    synchronizes).  Returns ``w``.
     """
     if _quantized(w):
         from espert.quant.ops import restore_q_
 
         return restore_q_(w, center)
     _check_weight(w)
-    if not isinstance(center, torch.Tensor) or center.shape != w.shape:
-        raise ValueError(f"center shape {tuple(getattr(center, 'shape', ()))} does not match weight shape {tuple(w.shape)}")
+    if not isinstance(center, torch.Tensor):
+        raise TypeError(f"center must be a torch.Tensor, got {type(center).__name__}")
+    if center.shape != w.shape:
+        raise ValueError(f"center shape {tuple(center.shape)} does not match weight shape {tuple(w.shape)}")
     if center.dtype not in (torch.float32, w.dtype):
         raise TypeError(f"center dtype {center.dtype} must be float32 or the weight's dtype {w.dtype}")
+    if not center.is_contiguous():
+        raise ValueError(f"center must be contiguous, got strides {center.stride()}")
+    if center.device.type == "meta":
+        raise ValueError("center is on the meta device (it holds no data)")
+    g = _geometry(w, None)
     if w.numel() == 0:
         return w
-    src = center.reshape(-1)
-    dst = w.view(-1) if w.is_contiguous() else None
-    if dst is None:  # a strided view: copy row blocks
-        rows = w.reshape(-1, w.shape[-1]) if w.dim() > 1 else w.unsqueeze(0)
-        src2 = center.reshape(rows.shape)
-        step = max(1, STAGING_BYTES // max(1, src2.shape[1] * src2.element_size()))
-        for i in range(0, rows.shape[0], step):
-            rows[i:i + step].copy_(src2[i:i + step], non_blocking=False)
-        return w
-    step = max(1, STAGING_BYTES // src.element_size())
-    for i in range(0, src.numel(), step):
-        dst[i:i + step].copy_(src[i:i + step], non_blocking=False)
+    dst = w.as_strided((g.rows, g.cols), (g.row_stride, 1))  # a view: the one geometry all ops use
+    src = center.view(g.rows, g.cols)
+    step = max(1, STAGING_BYTES // max(1, g.cols * src.element_size()))
+    for i in range(0, g.rows, step):
+        d, s = dst[i:i + step], src[i:i + step]
+        if s.dtype == d.dtype:
+            d.copy_(s, non_blocking=non_blocking)
+        elif s.device == d.device:
+            cast_exact_(d, s)
+        else:  # convert next to the source (bounded staging), then one transfer
+            d.copy_(cast_exact_(torch.empty(s.shape, dtype=d.dtype, device=s.device), s))
     return w
