@@ -72,9 +72,11 @@ def test_maj_plurality_and_abstentions():
     assert maj_at_k([None, None, None, "7"], [False, False, False, True], 4) == 1.0
     # all abstain -> wrong
     assert maj_at_k([None, None], [False, False], 2) == 0.0
-    # only the first k samples vote
-    assert maj_at_k(["8", "7", "7"], [False, True, True], 1) == 0.0
-    assert maj_at_k(["8", "7", "7"], [False, True, True], 3) == 1.0
+    # method="first": only the first k samples vote
+    assert maj_at_k(["8", "7", "7"], [False, True, True], 1, method="first") == 0.0
+    assert maj_at_k(["8", "7", "7"], [False, True, True], 3, method="first") == 1.0
+    # default: the average over all k-subsets (2 of the 3 single samples say "7")
+    assert maj_at_k(["8", "7", "7"], [False, True, True], 1) == pytest.approx(2 / 3)
 
 
 def test_maj_ties_get_fractional_credit():
@@ -95,6 +97,70 @@ def test_maj_rejects_bad_input():
         maj_at_k(["1"], [True, False], 1)
     with pytest.raises(ValueError):
         maj_at_k(["1", "2"], [True, False], 3)
+    with pytest.raises(ValueError, match="unknown maj@k method"):
+        maj_at_k(["1", "2"], [True, False], 1, method="random")
+
+
+def brute_force_maj_at_k(ext, ok, k):
+    """Vote of every k-subset, averaged; an answer is correct iff all of its n samples are."""
+    cls_ok = {a: all(o for b, o in zip(ext, ok) if b == a) for a in set(ext) - {None}}
+    subsets = list(itertools.combinations(range(len(ext)), k))
+    return sum(maj_at_k([ext[i] for i in s], [cls_ok.get(ext[i], False) for i in s], k, method="first")
+               for s in subsets) / len(subsets)
+
+
+def test_maj_subsets_matches_enumeration():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(150):
+        n, J = rng.randint(1, 9), rng.randint(1, 5)
+        ext = [rng.choice([None] + [str(j) for j in range(J)]) for _ in range(n)]
+        good = {str(j) for j in rng.sample(range(J), rng.randint(0, J))}
+        ok = [e in good for e in ext]
+        for k in range(1, n + 1):
+            assert maj_at_k(ext, ok, k) == pytest.approx(brute_force_maj_at_k(ext, ok, k), abs=1e-12), (ext, ok, k)
+
+
+def test_maj_subsets_has_less_order_dependence_than_first_k():
+    # the same multiset of answers in two orders: first-k changes, the subset average does not
+    a = ["7", "7", "5", "5", "5"]
+    ok_a = [x == "5" for x in a]
+    b = a[::-1]
+    ok_b = ok_a[::-1]
+    assert maj_at_k(a, ok_a, 2, method="first") == 0.0 and maj_at_k(b, ok_b, 2, method="first") == 1.0
+    assert maj_at_k(a, ok_a, 2) == maj_at_k(b, ok_b, 2) == pytest.approx(brute_force_maj_at_k(a, ok_a, 2))
+
+
+def test_maj_votes_over_equivalence_classes():
+    from espert.eval.metrics import answer_classes
+    from espert.tasks.rewards import answer_equivalence
+
+    # three correct samples in three spellings against two wrong "7": strings lose, classes win
+    ext = ["\\frac{1}{2}", "0.5", "1/2", "7", "7"]
+    ok = [True, True, True, False, False]
+    assert maj_at_k(ext, ok, 5) == 0.0
+    classes = answer_classes(ext, answer_equivalence("math500"))
+    assert classes == [0, 0, 0, 1, 1]
+    assert maj_at_k(classes, ok, 5) == 1.0
+    assert answer_classes(["0.5", "1/2", "0.50", "2"], answer_equivalence("gsm8k")) == [0, 0, 0, 1]
+    assert answer_equivalence("copy") is None and answer_equivalence("not-a-task") is None
+
+
+def test_report_votes_over_math_equivalence():
+    recs = [{"model": "m", "task": "math500", "index": 0, "prompt": "p", "answer": "\\frac{1}{2}",
+             "completions": ["\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{1/2}", "\\boxed{7}", "\\boxed{7}"]}]
+    from espert.eval.samples import score_records
+    from espert.tasks import reward_task
+
+    score_records(recs, reward_task("math500"))
+    assert recs[0]["rewards"] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    rep = build_report({"m": recs})
+    assert rep["models"]["m"]["maj_at_k"]["5"] == 1.0  # 3 of 5 samples agree up to equivalence
+    assert rep["models"]["m"]["maj_at_k"]["4"] == pytest.approx(0.7)  # 3 of 5 subsets tie 2:2
+    assert rep["models"]["m"]["answer_entropy_mean"] == pytest.approx(-(0.6 * math.log2(0.6) + 0.4 * math.log2(0.4)))
+    strings = build_report({"m": recs}, equivalent=None)
+    assert strings["models"]["m"]["maj_at_k"]["5"] == 0.0
 
 
 # ------------------------------------------------------------------ histogram
@@ -151,7 +217,7 @@ def _fixture_groups(rescore=True):
 @pytest.mark.parametrize("rescore", [False, True])
 def test_report_on_fixture_matches_hand_computed_numbers(rescore):
     expected = json.load(open(os.path.join(FIX, "eval_expected_report.json")))
-    rep = build_report(_fixture_groups(rescore), base="base")
+    rep = build_report(_fixture_groups(rescore), base="base", maj_method="first")
     for label, exp in expected["models"].items():
         got = rep["models"][label]
         for key in ("mean_reward", "accuracy", "abstain_rate", "answer_entropy_mean"):
@@ -172,6 +238,30 @@ def test_report_on_fixture_matches_hand_computed_numbers(rescore):
         assert cmp_["answer_entropy"][subset]["tuned"] == pytest.approx(vals["tuned"], abs=1e-12)
     text = format_summary(rep)
     assert "+2 progressions" in text and "-1 regressions" in text
+
+
+def test_report_maj_default_is_the_subset_average():
+    groups = _fixture_groups()
+    rep = build_report(groups, base="base")
+    for label, recs in groups.items():
+        want = {}
+        for k in rep["models"][label]["maj_at_k"]:
+            want[k] = sum(brute_force_maj_at_k(r["extracted"], [x >= 1.0 for x in r["rewards"]], int(k))
+                          for r in recs) / len(recs)
+        assert rep["models"][label]["maj_at_k"] == pytest.approx(want, abs=1e-12)
+        assert rep["models"][label]["maj_method"] == "subsets"
+
+
+def test_accuracy_equals_pass1_only_at_equal_n():
+    recs = [{"model": "m", "task": "copy", "index": 0, "prompt": "ab>", "answer": "ab", "completions": ["ab"],
+             "rewards": [1.0], "extracted": ["ab"]},
+            {"model": "m", "task": "copy", "index": 1, "prompt": "ba>", "answer": "ba", "completions": ["x", "y", "z"],
+             "rewards": [0.0, 0.0, 0.0], "extracted": ["x", "y", "z"]}]
+    m = build_report({"m": recs})["models"]["m"]
+    assert m["accuracy"] == 0.25 and m["pass_at_k"]["1"] == 0.5  # micro vs macro average
+    recs[1].update(completions=["x"], rewards=[0.0], extracted=["x"])
+    m = build_report({"m": recs})["models"]["m"]
+    assert m["accuracy"] == m["pass_at_k"]["1"] == 0.5
 
 
 def test_rescoring_recomputes_rewards(tmp_path):

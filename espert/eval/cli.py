@@ -59,6 +59,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                      help="a sample is correct if reward >= THRESHOLD (default: the task's, 1.0)")
     rep.add_argument("--solve-rule", choices=["any", "majority", "vote"], default="any",
                      help="when a model 'solves' a problem, for progressions/regressions (default any)")
+    rep.add_argument("--maj", choices=["subsets", "first"], default="subsets",
+                     help="maj@k: exact average over all k-subsets of the n samples (default), or the "
+                          "first k samples only")
     rep.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=run_eval)
     return p
@@ -121,7 +124,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             print(f"[espert eval] wrote {out_path}", file=sys.stderr)
             groups[label] = recs
     write_outputs(groups, args.out, base=args.base, threshold=threshold, solve_rule=args.solve_rule,
-                  plots=not args.no_plots)
+                  plots=not args.no_plots, maj_method=args.maj)
     print(f"[espert eval] report: {os.path.join(args.out, 'report.json')}", file=sys.stderr)
     return 0
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
+
+import numpy as np
 
 #: Labels of the 12 accuracy-histogram bins (per-problem fraction of correct samples).
 ACC_BIN_LABELS = ["0", "(0,0.1]", "(0.1,0.2]", "(0.2,0.3]", "(0.3,0.4]", "(0.4,0.5]",
@@ -59,25 +61,71 @@ def k_values(n: int) -> list[int]:
     return ks
 
 
-def maj_at_k(extracted: Sequence[Optional[str]], correct: Sequence[bool], k: int) -> float:
-    """Majority-vote score over the first ``k`` samples of one problem.
+MAJ_METHODS = ("subsets", "first")
 
-    * Votes are the extracted answers of samples ``0..k-1``; ``None`` (failed
-      extraction) abstains. If every sample abstains the score is 0.
-    * An answer is *correct* iff every one of its voting samples is correct (for the
-      built-in tasks correctness depends only on the extracted answer, so all agree).
-    * The plurality answer wins. On a tie between ``t`` answers the score is the
-      fraction of the tied answers that are correct (the expected score of breaking the
-      tie uniformly at random): e.g. 1 correct vs 1 wrong answer with 2 votes each -> 0.5.
+
+def answer_classes(extracted: Sequence[Optional[str]],
+                   equivalent: Optional[Callable[[str, str], bool]] = None) -> list[Optional[int]]:
+    """Equivalence-class label (0, 1, ...) of each sample's extracted answer; ``None`` stays ``None``.
+
+    Identical strings always share a class.  With ``equivalent(a, b) -> bool`` (the task's own
+    equivalence, see :func:`espert.tasks.rewards.answer_equivalence`) a new string joins the class of
+    the first earlier class representative it is equivalent to, so ``\\frac{1}{2}``, ``0.5`` and
+    ``1/2`` are one answer on MATH.  Each distinct string is compared once per class (not per sample).
+    """
+    reps: list[str] = []
+    label_of: dict[str, int] = {}
+    out: list[Optional[int]] = []
+    for a in extracted:
+        if a is None:
+            out.append(None)
+            continue
+        if a not in label_of:
+            lab = None
+            if equivalent is not None:
+                lab = next((j for j, r in enumerate(reps) if equivalent(r, a)), None)
+            if lab is None:
+                reps.append(a)
+                lab = len(reps) - 1
+            label_of[a] = lab
+        out.append(label_of[a])
+    return out
+
+
+def maj_at_k(extracted: Sequence[Optional[Hashable]], correct: Sequence[bool], k: int,
+             method: str = "subsets") -> float:
+    """Majority-vote score of one problem at k votes.
+
+    ``extracted``: per-sample answers (strings or the class labels of :func:`answer_classes`;
+    ``None`` abstains).  ``correct``: per-sample correctness flags.
+
+    * ``method="subsets"`` (default): the exact average of the vote over **all** ``C(n, k)``
+      k-subsets of the n samples (see :func:`maj_at_k_subsets`).  An answer is correct iff all of
+      its n samples are correct.
+    * ``method="first"``: the vote over the first k samples only (more variance: it depends on
+      the sample order).  An answer is correct iff all of its voting samples are correct.
+
+    Votes: the plurality answer wins.  On a tie between ``t`` answers the score is the fraction of
+    the tied answers that are correct (the expected score of breaking the tie uniformly at random):
+    e.g. 1 correct vs 1 wrong answer with 2 votes each -> 0.5.  If every vote abstains the score is 0.
     """
     k = _check_int("k", k)
     if len(extracted) != len(correct):
         raise ValueError(f"{len(extracted)} extracted answers but {len(correct)} correctness flags")
     if not 1 <= k <= len(extracted):
         raise ValueError(f"k={k} must be in [1, n={len(extracted)}]")
+    if method == "subsets":
+        return maj_at_k_subsets(extracted, correct, k)
+    if method != "first":
+        raise ValueError(f"unknown maj@k method {method!r}; use one of {', '.join(MAJ_METHODS)}")
+    return _vote(extracted[:k], correct[:k])
+
+
+def _vote(extracted: Sequence[Optional[Hashable]], correct: Sequence[bool]) -> float:
+    """Plurality vote of one set of samples, ties scored as the fraction of tied answers that are correct."""
     votes: Counter = Counter()
-    ans_correct: dict[str, bool] = {}
-    for a, ok in zip(extracted[:k], correct[:k]):
+    ans_correct: dict = {}
+    for a, ok in zip(extracted, correct):
         if a is None:
             continue
         votes[a] += 1
@@ -87,6 +135,60 @@ def maj_at_k(extracted: Sequence[Optional[str]], correct: Sequence[bool], k: int
     top = max(votes.values())
     tied = [a for a, v in votes.items() if v == top]
     return sum(1 for a in tied if ans_correct[a]) / len(tied)
+
+
+def maj_at_k_subsets(extracted: Sequence[Optional[Hashable]], correct: Sequence[bool], k: int) -> float:
+    """Exact mean of :func:`_vote` over all ``C(n, k)`` k-subsets of the samples, without enumerating them.
+
+    With ``m_a`` samples of answer ``a`` and ``m_0`` abstentions, answer ``j`` wins a subset with
+    ``v`` votes, tied with ``t`` other answers, in
+    ``C(m_j, v) · [x^(k-v) y^t] C_0(x) · Π_{i≠j} (Σ_{u<v} C(m_i, u) x^u + C(m_i, v) x^v y)``
+    subsets (``C_0(x) = Σ_u C(m_0, u) x^u``: abstentions never vote), each scoring ``1/(1+t)``.
+    Summed over the correct answers j and ``v = 1..min(m_j, k)``, divided by ``C(n, k)``.
+    Cost: O(k · Σ_i min(m_i, k)) array operations per correct answer; float64 (exact counts up to 2^53).
+    """
+    n = len(extracted)
+    counts: Counter = Counter(a for a in extracted if a is not None)
+    ok: dict = {}
+    for a, c in zip(extracted, correct):
+        if a is not None:
+            ok[a] = ok.get(a, True) and bool(c)
+    m0 = n - sum(counts.values())
+    labels = list(counts)
+    T = len(labels)  # ties with t <= T - 1 other answers
+    total = 0.0
+    for j in labels:
+        if not ok[j]:
+            continue
+        others = [counts[i] for i in labels if i != j]
+        for v in range(1, min(counts[j], k) + 1):
+            room = k - v  # samples left for abstentions and the other answers
+            poly = np.zeros((room + 1, T))  # poly[s, t]: ways to pick s more samples with t ties at v
+            poly[0, 0] = 1.0
+            if m0:
+                poly = _times(poly, [math.comb(m0, u) for u in range(min(m0, room) + 1)], None)
+            for m in others:
+                below = [math.comb(m, u) for u in range(min(m, v - 1, room) + 1)]
+                tie = math.comb(m, v) if v <= min(m, room) else 0.0
+                poly = _times(poly, below, (v, tie))
+            ties = poly[room]
+            total += math.comb(counts[j], v) * float(np.sum(ties / np.arange(1, T + 1)))
+    return total / math.comb(n, k)
+
+
+def _times(poly: np.ndarray, coef: Sequence[float], tie: Optional[tuple[int, float]]) -> np.ndarray:
+    """poly(x, y) · (Σ_u coef[u] x^u + tie_c · x^v · y), truncated to the array's x degree."""
+    out = np.zeros_like(poly)
+    S = poly.shape[0]
+    for u, c in enumerate(coef):
+        if u >= S:
+            break
+        if c:
+            out[u:] += c * poly[:S - u]
+    if tie is not None and tie[1] and tie[0] < S:
+        v, c = tie
+        out[v:, 1:] += c * poly[:S - v, :-1]
+    return out
 
 
 def accuracy_bin(c: int, n: int) -> int:
@@ -114,8 +216,8 @@ def accuracy_histogram(counts: Sequence[tuple[int, int]]) -> list[int]:
     return hist
 
 
-def answer_entropy(extracted: Sequence[Optional[str]]) -> Optional[float]:
-    """Shannon entropy (bits) of the distribution of unique extracted answers of one problem.
+def answer_entropy(extracted: Sequence[Optional[Hashable]]) -> Optional[float]:
+    """Shannon entropy (bits) of the distribution of unique extracted answers (or answer classes) of one problem.
 
     Abstentions (``None``) are excluded from the distribution. Returns ``None`` when every
     sample abstains (entropy undefined; such problems are left out of means and counted
@@ -145,7 +247,7 @@ def solved(c: int, n: int, extracted: Sequence[Optional[str]], correct: Sequence
     if rule == "majority":
         return 2 * c > n
     if rule == "vote":
-        return maj_at_k(extracted, correct, len(extracted)) == 1.0
+        return _vote(extracted, correct) == 1.0
     raise ValueError(f"unknown solve rule {rule!r}; use one of {', '.join(SOLVE_RULES)}")
 
 

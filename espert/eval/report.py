@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .metrics import (
     ACC_BIN_LABELS,
+    MAJ_METHODS,
     SOLVE_RULES,
     accuracy_bin,
+    answer_classes,
     answer_entropy,
     k_values,
     maj_at_k,
@@ -23,11 +25,18 @@ def _correct_flags(rewards: Sequence[float], threshold: float) -> list[bool]:
     return [r >= threshold - 1e-12 for r in rewards]
 
 
-def model_metrics(records: list[dict], threshold: float = 1.0) -> dict:
+Equivalence = Optional[Callable[[str, str], bool]]
+
+
+def model_metrics(records: list[dict], threshold: float = 1.0, maj_method: str = "subsets",
+                  equivalent: Equivalence = None) -> dict:
     """All single-model metrics for one model's records (sorted by problem index).
 
     pass@k and maj@k are reported for k in :func:`k_values` of the smallest per-problem
-    sample count (so every problem supports every k).
+    sample count (so every problem supports every k).  maj@k and the answer entropy count
+    answers by equivalence class (``equivalent``, the task's own; None: identical strings).
+    ``accuracy`` (correct samples / all samples) equals pass@1 (the mean over problems of c/n)
+    only when every problem has the same n.
     """
     if not records:
         raise ValueError("no problems to evaluate")
@@ -41,19 +50,22 @@ def model_metrics(records: list[dict], threshold: float = 1.0) -> dict:
     abstain = 0
     pass_sums = {k: 0.0 for k in ks}
     maj_sums = {k: 0.0 for k in ks}
+    if maj_method not in MAJ_METHODS:
+        raise ValueError(f"unknown maj@k method {maj_method!r}; use one of {', '.join(MAJ_METHODS)}")
     for r in records:
         ok = _correct_flags(r["rewards"], threshold)
         n, c = len(ok), sum(ok)
+        votes = answer_classes(r["extracted"], equivalent)
         per_c.append(c)
         per_n.append(n)
         per_bin.append(accuracy_bin(c, n))
-        per_h.append(answer_entropy(r["extracted"]))
-        per_maj.append(maj_at_k(r["extracted"], ok, n))
+        per_h.append(answer_entropy(votes))
+        per_maj.append(maj_at_k(votes, ok, n, maj_method))
         all_rewards.extend(r["rewards"])
         abstain += sum(1 for a in r["extracted"] if a is None)
         for k in ks:
             pass_sums[k] += pass_at_k(n, c, k)
-            maj_sums[k] += maj_at_k(r["extracted"], ok, k)
+            maj_sums[k] += maj_at_k(votes, ok, k, maj_method)
     P = len(records)
     hist = [0] * len(ACC_BIN_LABELS)
     for b in per_bin:
@@ -63,7 +75,8 @@ def model_metrics(records: list[dict], threshold: float = 1.0) -> dict:
         "n_samples_per_problem": n_min if min(ns) == max(ns) else {"min": min(ns), "max": max(ns)},
         "n_samples": sum(ns),
         "mean_reward": sum(all_rewards) / len(all_rewards),
-        "accuracy": sum(per_c) / sum(ns),
+        "accuracy": sum(per_c) / sum(ns),  # = pass@1 only at equal n per problem
+        "maj_method": maj_method,
         "pass_at_k": {str(k): pass_sums[k] / P for k in ks},
         "maj_at_k": {str(k): maj_sums[k] / P for k in ks},
         "accuracy_histogram": {"bins": list(ACC_BIN_LABELS), "counts": hist},
@@ -95,7 +108,7 @@ def _check_aligned(base: str, base_recs: list[dict], label: str, recs: list[dict
 
 
 def compare(base: str, base_recs: list[dict], label: str, recs: list[dict], threshold: float,
-            solve_rule: str = "any") -> dict:
+            solve_rule: str = "any", equivalent: Equivalence = None) -> dict:
     """Progressions/regressions of ``label`` against ``base`` plus entropy on those subsets.
 
     A *progression* is a problem the base model does not solve and the tuned model solves;
@@ -110,11 +123,12 @@ def compare(base: str, base_recs: list[dict], label: str, recs: list[dict], thre
     for b, t in zip(base_recs, recs):
         okb = _correct_flags(b["rewards"], threshold)
         okt = _correct_flags(t["rewards"], threshold)
-        sb = solved(sum(okb), len(okb), b["extracted"], okb, solve_rule)
-        st = solved(sum(okt), len(okt), t["extracted"], okt, solve_rule)
+        vb, vt = answer_classes(b["extracted"], equivalent), answer_classes(t["extracted"], equivalent)
+        sb = solved(sum(okb), len(okb), vb, okb, solve_rule)
+        st = solved(sum(okt), len(okt), vt, okt, solve_rule)
         (prog if st and not sb else regr if sb and not st else both if sb else neither).append(b["index"])
-        hb.append(answer_entropy(b["extracted"]))
-        ht.append(answer_entropy(t["extracted"]))
+        hb.append(answer_entropy(vb))
+        ht.append(answer_entropy(vt))
     pos = {r["index"]: i for i, r in enumerate(base_recs)}
 
     def ent(subset: list[int]) -> dict:
@@ -141,10 +155,14 @@ def compare(base: str, base_recs: list[dict], label: str, recs: list[dict], thre
 
 
 def build_report(groups: dict[str, list[dict]], base: Optional[str] = None, threshold: float = 1.0,
-                 solve_rule: str = "any") -> dict:
+                 solve_rule: str = "any", maj_method: str = "subsets", equivalent: Equivalence | str = "task"
+                 ) -> dict:
     """The full report for several models (``groups``: label -> records sorted by index).
 
     ``base`` (default: the first model) is the reference for progressions/regressions.
+    ``maj_method``: ``"subsets"`` (exact average over all k-subsets) or ``"first"`` (first k samples).
+    ``equivalent``: answer equivalence for voting and entropy; ``"task"`` (default) takes the
+    records' task's own (:func:`espert.tasks.rewards.answer_equivalence`), None compares strings.
     """
     if not groups:
         raise ValueError("no models to report on")
@@ -156,19 +174,25 @@ def build_report(groups: dict[str, list[dict]], base: Optional[str] = None, thre
     if base not in groups:
         raise ValueError(f"base model {base!r} not among the evaluated models: {', '.join(labels)}")
     tasks = sorted({str(r.get("task")) for recs in groups.values() for r in recs})
+    if equivalent == "task":
+        from ..tasks.rewards import answer_equivalence
+
+        equivalent = answer_equivalence(tasks[0]) if len(tasks) == 1 else None
     report = {
         "version": REPORT_VERSION,
         "task": tasks[0] if len(tasks) == 1 else tasks,
         "success_threshold": threshold,
         "base": base,
         "solve_rule": solve_rule,
+        "maj_method": maj_method,
         "sampling": {lab: groups[lab][0].get("meta", {}) for lab in labels},
-        "models": {lab: model_metrics(groups[lab], threshold) for lab in labels},
+        "models": {lab: model_metrics(groups[lab], threshold, maj_method, equivalent) for lab in labels},
         "comparisons": {},
     }
     for lab in labels:
         if lab != base:
-            report["comparisons"][lab] = compare(base, groups[base], lab, groups[lab], threshold, solve_rule)
+            report["comparisons"][lab] = compare(base, groups[base], lab, groups[lab], threshold, solve_rule,
+                                                 equivalent)
     return report
 
 

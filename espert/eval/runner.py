@@ -53,9 +53,10 @@ def generate_samples(task: Task, label: str, sampler, n: int, temperature: float
 
 
 def write_outputs(groups: dict[str, list[dict]], out_dir: str, base: Optional[str], threshold: float,
-                  solve_rule: str, plots: bool = True, echo: Callable[[str], None] = print) -> dict:
+                  solve_rule: str, plots: bool = True, echo: Callable[[str], None] = print,
+                  maj_method: str = "subsets") -> dict:
     """Build the report from grouped records and write ``report.json``, ``summary.txt`` and PNGs."""
-    report = build_report(groups, base=base, threshold=threshold, solve_rule=solve_rule)
+    report = build_report(groups, base=base, threshold=threshold, solve_rule=solve_rule, maj_method=maj_method)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, sort_keys=False)

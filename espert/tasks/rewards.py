@@ -66,13 +66,15 @@ def format_number(x: Fraction) -> str:
     return f"{x.numerator}/{x.denominator}"
 
 
-def gsm8k_extract(completion: str, fallback_last_number: bool = True) -> Optional[str]:
+def gsm8k_extract(completion: str, *, fallback_last_number: bool = True) -> Optional[str]:
     """Final numeric answer of a GSM8K-style completion, canonicalized (e.g. ``"1000"``).
 
     The answer is the first number after the *last* ``####`` marker. If there is no
     ``####`` (or no number after it) and ``fallback_last_number`` is true (the default
     for the ``gsm8k`` task), the last number anywhere in the completion is used.
-    Returns ``None`` if no number is found.
+    Returns ``None`` if no number is found.  ``fallback_last_number`` is keyword-only: a second
+    positional argument (a task passing the reference answer to its extractor) must not switch
+    the fallback off.
     """
     if not isinstance(completion, str):
         return None
@@ -112,7 +114,7 @@ def gsm8k_reward(
         gold = gsm8k_gold(a)
         if gold is None:
             raise ValueError(f"GSM8K reference answer has no number: {a!r}")
-        pred = gsm8k_extract(c, fallback_last_number)
+        pred = gsm8k_extract(c, fallback_last_number=fallback_last_number)
         out.append(1.0 if pred is not None and parse_number(pred) == gold else 0.0)
     return out
 
@@ -125,6 +127,12 @@ def gsm8k_reward_strict(completions: Sequence[str], answers: Sequence[str]) -> l
 def gsm8k_extract_strict(completion: str) -> Optional[str]:
     """:func:`gsm8k_extract` without the last-number fallback."""
     return gsm8k_extract(completion, fallback_last_number=False)
+
+
+def gsm8k_equal(a: str, b: str) -> bool:
+    """Numeric equivalence of two extracted GSM8K answers (``"0.5"``, ``"1/2"``, ``"$0.50"`` are equal)."""
+    x, y = parse_number(a), parse_number(b)
+    return a == b if x is None or y is None else x == y
 
 
 # --------------------------------------------------------------------------- MATH
@@ -361,6 +369,27 @@ def countdown_reward(completions: Sequence[str], answers: Sequence[str]) -> list
         target, nums = countdown_gold(a)
         out.append(1.0 if countdown_check(countdown_extract(c), target, nums) else 0.0)
     return out
+
+
+# --------------------------------------------------------------------------- answer equivalence
+
+#: The answer equivalence of each built-in task, used to group extracted answers before majority
+#: voting (maj@k) and for the answer entropy.  Tasks not listed compare extracted strings.
+ANSWER_EQUIVALENCE = {"gsm8k": gsm8k_equal, "gsm8k_strict": gsm8k_equal, "math500": math_equal}
+
+
+def answer_equivalence(task_name: Optional[str]):
+    """``equivalent(a, b) -> bool`` for a task's extracted answers, or ``None`` (string identity).
+
+    GSM8K: exact numeric equality; MATH: :func:`math_equal` (math-verify); others: ``None``.
+    """
+    from .loaders import canonical_task_name
+
+    try:
+        key = canonical_task_name(task_name) if task_name else None
+    except ValueError:
+        return None
+    return ANSWER_EQUIVALENCE.get(key)
 
 
 # --------------------------------------------------------------------------- copy
