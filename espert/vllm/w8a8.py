@@ -295,9 +295,13 @@ class W8A8Center:
             s.restore()
         self._repack()
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float]) -> None:
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+               lr: float | None = None) -> None:
+        from espert.center import check_update_args
+
+        seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)  # before either store moves
         for s in self._stores():
-            s.update(seeds, coeffs)
+            s.update(seeds, coeffs, decay, lr)
         self._repack()
 
     def scale(self, factor: float) -> None:
@@ -308,6 +312,12 @@ class W8A8Center:
         out = {}
         for s in self._stores():
             out.update(s.state_dict())
+        return out
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for s in self._stores():
+            out.update(s.export_state())
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -125,8 +125,9 @@ class ESWorkerExtension:
         model = self._es_model()
         cpu_patch.check_model(model)
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, see espert/vllm/w8a8.py
-            self._es_center = w8a8.W8A8Center(model, include, exclude, master,
-                                              (lambda n: rename.get(n, n)) if rename else None)
+            self._es_center = cpu_patch.RepackingCenter(
+                w8a8.W8A8Center(model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None),
+                model)
             rank, tp = self._es_rank()
             views = self._es_center.views
             return {"rank": rank, "tp_size": tp, "params": [v.name for v in views],
@@ -136,8 +137,9 @@ class ESWorkerExtension:
         device = views[0].tensor.device
         if master not in ("float32", "weights"):
             raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
-        self._es_center = CenterStore(views, master_dtype=torch.float32 if master == "float32" else None,
-                                      pin=device.type == "cuda")
+        center = CenterStore(views, master_dtype=torch.float32 if master == "float32" else None,
+                             pin=device.type == "cuda")
+        self._es_center = cpu_patch.RepackingCenter(center, model)
         rank, tp = self._es_rank()
         return {"rank": rank, "tp_size": tp, "params": [v.name for v in views],
                 "numel": sum(v.numel for v in views), "center_bytes": self._es_center.nbytes, "device": str(device)}
@@ -152,11 +154,11 @@ class ESWorkerExtension:
         self._es_require().restore()
         self._es_sync()
 
-    def es_update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
+    def es_update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+                  lr: float | None = None) -> None:
         """center <- decay·center + Σ coeffs[n]·ε(seeds[n]) on the host master (CPU op), then restore."""
-        from espert.evaluators.base import apply_update
-
-        apply_update(self._es_require(), [int(s) for s in seeds], [float(c) for c in coeffs], float(decay))
+        self._es_require().update([int(s) for s in seeds], [float(c) for c in coeffs], float(decay),
+                                  None if lr is None else float(lr))
         self._es_sync()
 
     def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
@@ -192,6 +194,11 @@ class ESWorkerExtension:
         out = fingerprint(c.views, c.centers)
         out["rank"] = self._es_rank()[0]
         return out
+
+    def es_stats(self) -> dict:
+        """``{"repack_seconds", "repacks"}``: time and count of CPU repacks of edited layers since es_setup."""
+        c = self._es_require()
+        return {"repack_seconds": float(c.repack_seconds), "repacks": int(c.repacks)}
 
     def es_data_ptrs(self) -> dict[str, int]:
         """data_ptr() of every parameter of the vLLM model (must never change: CUDA graphs hold them)."""
