@@ -20,54 +20,7 @@ import time
 import typing
 from typing import Sequence
 
-from espert.es import ESConfig
-
-FIELD_HELP = {
-    "model": "'tiny' (built into RUN/base_model), a local HF model directory, or a Hub id",
-    "tiny_seed": "seed of the tiny model's random initialization",
-    "task": "copy | gsm8k | gsm8k_strict | math500 | countdown",
-    "train_data": "local JSONL with the training problems (default: the task's train split)",
-    "eval_data": "local JSONL with the held-out problems (default: the task's --eval-split)",
-    "eval_split": "split of the held-out problems",
-    "train_size": "problems in the training pool (default: all of the split)",
-    "eval_size": "held-out problems scored at the center (0: none)",
-    "backend": "evaluator backend: torch (transformers) or a registered one such as vllm",
-    "device": "torch device of the live weights: cpu, cuda, cuda:1, ...",
-    "dtype": "live-weight dtype: float32 | bfloat16 | float16 (the ES master is float32)",
-    "chat_template": "wrap prompts in the tokenizer's chat template",
-    "max_new_tokens": "greedy generation budget per prompt",
-    "generation_batch_size": "prompts per generate call",
-    "cpu_threads": "torch CPU threads (0: torch's default; 1 is fastest for the tiny model)",
-    "vllm_engines": "backend vllm: number of engines sharing the population",
-    "vllm_tensor_parallel_size": "backend vllm: tensor-parallel GPUs per engine",
-    "vllm_gpu_memory_utilization": "backend vllm: fraction of GPU memory per engine (default: vLLM's)",
-    "vllm_max_model_len": "backend vllm: max context length (default: the model's)",
-    "quant": "none | int8 | fp8 | gptq | awq: quantize the Linear layers (not lm_head) at load; ES perturbs "
-             "and updates the quantized codes in place (torch backend); exports hold the dequantized weights",
-    "quant_group_size": "int4 group size along the input dimension (-1: one group per row)",
-    "include": "only perturb parameters matching these patterns (glob or name component; default: all)",
-    "exclude": "never perturb parameters matching these patterns (default: none)",
-    "iterations": "ES iterations",
-    "population": "members per iteration (N; N/2 seeds when antithetic)",
-    "antithetic": "mirrored pairs (+eps, -eps) sharing a seed",
-    "sigma": "perturbation scale",
-    "sigma_schedule": "constant | linear | cosine (to --sigma-end)",
-    "sigma_end": "final sigma of a linear/cosine schedule",
-    "alpha": "step size: theta += alpha/N * sum z_n eps_n (not divided by sigma)",
-    "alpha_schedule": "constant | linear | cosine (to --alpha-end)",
-    "alpha_end": "final alpha of a linear/cosine schedule",
-    "normalization": "reward normalization: zscore | rank (centered ranks)",
-    "weight_decay": "center *= 1 - alpha*weight_decay before each update",
-    "prompts_per_iteration": "training prompts per iteration (all members share them)",
-    "seed": "master seed: member seeds and prompt subsets derive from it",
-    "member_errors": "raise | nan: an exception in one member stops the run, or drops that member",
-    "eval_every": "held-out evaluation every N iterations (0: start and end only)",
-    "checkpoint_every": "checkpoint + export every N iterations (0: end only)",
-}
-
-CHOICES = {"dtype": ["float32", "bfloat16", "float16"], "normalization": ["zscore", "rank"],
-           "sigma_schedule": ["constant", "linear", "cosine"], "alpha_schedule": ["constant", "linear", "cosine"],
-           "member_errors": ["raise", "nan"]}
+from espert.config import RENAMED, ESConfig, deprecated, field_choices, field_help, field_type
 
 TRAIN_EPILOG = """examples:
   espert train                                   # main job: tiny model, copy task, CPU, a few minutes
@@ -83,20 +36,12 @@ TRAIN_EPILOG = """examples:
 
 def load_config_file(path: str) -> dict:
     """A flat mapping of ESConfig fields from YAML or TOML (a run's own config.yaml works too)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"config file not found: {path}")
-    if path.endswith((".yaml", ".yml")):
-        import yaml
+    from espert.runs import read_config_file  # syntax errors: one line naming the file and position
 
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f) or {}
-    elif path.endswith(".toml"):
-        import tomllib
-
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    else:
+    if not path.endswith((".yaml", ".yml", ".toml")):
         raise ValueError(f"config file must end in .yaml, .yml or .toml: {path}")
+    doc = read_config_file(path)
+    doc = {} if doc is None else doc
     if isinstance(doc, dict) and "format" in doc and isinstance(doc.get("config"), dict):
         doc = doc["config"]  # a run directory's config.yaml
     if not isinstance(doc, dict):
@@ -105,28 +50,31 @@ def load_config_file(path: str) -> dict:
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ESConfig field: type, choices and help come from the field itself (espert.config)."""
     g = p.add_argument_group("ES config (every ESConfig field; defaults run the main job)")
-    hints = typing.get_type_hints(ESConfig)
+    helps, choices = field_help(), field_choices()
     for f in dataclasses.fields(ESConfig):
-        hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        t = args[0] if args and type(None) in typing.get_args(hint) else hint
+        t = field_type(f.name)
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        help_ = FIELD_HELP.get(f.name, "")
-        if default is not None and "default" not in help_:
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        help_ = helps[f.name]
+        if default not in (None, []) and "default" not in help_:
             help_ += f" (default: {default})"
-        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_)
-        if f.name in CHOICES:
-            g.add_argument(flag, choices=CHOICES[f.name], **kw)
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_.replace("%", "%%"))
+        if f.name in choices:
+            g.add_argument(flag, choices=choices[f.name], **kw)
         elif t is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(t) is list:
-            g.add_argument(flag, nargs="+", metavar="PATTERN", **kw)
+            g.add_argument(flag, nargs="*", metavar="PATTERN" if "exclude" in f.name or f.name == "include" else "NAME",
+                           **kw)
         elif t in (int, float):
             g.add_argument(flag, type=t, metavar=t.__name__.upper(), **kw)
         else:
             g.add_argument(flag, metavar="STR", **kw)
+    for old, new in RENAMED.items():  # deprecated spellings still parse (and say so)
+        g.add_argument("--" + old.replace("_", "-"), dest=f"_renamed_{old}", default=argparse.SUPPRESS,
+                       metavar="STR", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +128,11 @@ def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
     """``(config, overrides)``: file values under flag values; on --resume the run's config is the base."""
     overrides = load_config_file(args.config) if args.config else {}
     names = {f.name for f in dataclasses.fields(ESConfig)}
+    for old, new in RENAMED.items():
+        if hasattr(args, f"_renamed_{old}"):
+            deprecated(f"--{old.replace('_', '-')} is deprecated; use --{new.replace('_', '-')}")
+            setattr(args, new, getattr(args, f"_renamed_{old}"))
+            overrides.pop(old, None)
     overrides.update({k: v for k, v in vars(args).items() if k in names})
     if args.resume:
         from espert.runs import read_run_config
@@ -192,7 +145,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from espert.es import train
+    from espert.trainer import train
 
     cfg, _ = config_from_args(args)
     run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
@@ -224,23 +177,28 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:  # Ctrl-C at any moment, imports included: one line, exit code 130
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("espert: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if args.command in ("train", "replay", "tiny"):
-        from espert.evaluators.torch_model import quiet_transformers
-
-        quiet_transformers()
     try:
+        if args.command in ("train", "replay", "tiny"):
+            from espert.evaluators.torch_model import quiet_transformers
+
+            quiet_transformers()
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"espert {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"espert {args.command}: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -34,12 +34,13 @@ from typing import Callable
 import torch
 import yaml
 
-from espert.es import ESConfig, apply_record
+from espert.config import ESConfig
+from espert.es import apply_record
 
 FORMAT = "espert-run-v1"
 CONFIG, LOG, CENTER, EXPORT, BASE = "config.yaml", "log.jsonl", "center.safetensors", "export", "base_model"
 #: ESConfig fields that may change when a run is resumed (they do not change any weight or reward).
-RESUMABLE_CHANGES = ("iterations", "eval_every", "checkpoint_every")
+RESUMABLE_CHANGES = ("iterations", "eval_every", "checkpoint_every", "device", "trackers", "tracker_project")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 
 

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from espert import runs
-from espert.es import ESConfig, train
+from espert import train
+from espert.config import ESConfig
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from espert import runs
-from espert.es import ESConfig, train
+from espert import train
+from espert.config import ESConfig
 
 SMALL = dict(iterations=6, population=4, prompts_per_iteration=6, train_size=64, eval_size=6, max_new_tokens=5,
              checkpoint_every=2, eval_every=3, sigma=0.05, alpha=0.05, weight_decay=0.01)
@@ -115,7 +116,7 @@ def test_torn_log_line_is_dropped(reference, tmp_path):
     data = open(log, "rb").read().split(b"\n")
     data[2] = data[2][:10]
     open(log, "wb").write(b"\n".join(data))
-    with pytest.raises(ValueError, match="damaged record"):
+    with pytest.raises(ValueError, match="damaged"):
         runs.read_log(log)
 
 

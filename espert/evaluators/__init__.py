@@ -1,63 +1,67 @@
-"""Evaluators: model backends behind one small interface (see :mod:`espert.evaluators.base`).
+"""Evaluators: rollout engines behind one small interface (see :mod:`espert.evaluators.base`).
 
-Backends register a builder ``fn(cfg: ESConfig, model_path: str, score) -> Evaluator`` under a
-name; ``ESConfig.backend`` picks one.  Built in: ``"torch"`` (transformers ``generate``).  The vLLM
-backend (``espert.vllm.evaluator``) registers ``"vllm"`` with :func:`register_evaluator` when it is
-imported, which :func:`build_evaluator` does on first use of ``--backend vllm``.
+``ESConfig.evaluator`` names one.  Each name maps to the import path of its builder
+``fn(cfg: ESConfig, model_path: str, score) -> Evaluator``, imported on first use, so importing
+this package costs nothing and an optional engine (vLLM) is only needed when it is chosen.
+Built in: ``"torch"`` (transformers ``generate``) and ``"vllm"``.  Third parties add theirs with
+:func:`register_evaluator` (a builder or its ``"module:function"`` path).
+
+Names below (``Evaluator``, ``ModelEvaluator``, ``TorchEvaluator``, ...) are loaded on first access.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
-
-from .base import Evaluator, Member, ModelEvaluator, apply_update
-from .torch_model import TorchEvaluator, load_model, model_center, torch_dtype
+import importlib
+from typing import TYPE_CHECKING, Callable, Union
 
 if TYPE_CHECKING:  # pragma: no cover
-    from espert.es import ESConfig
+    from espert.config import ESConfig
 
-Builder = Callable[["ESConfig", str, Callable], Evaluator]
-EVALUATORS: dict[str, Builder] = {}
-#: Backends that live in modules imported on first use (name -> module).
-LAZY_BACKENDS = {"vllm": "espert.vllm.evaluator"}
+    from .base import Evaluator
+
+Builder = Callable[["ESConfig", str, Callable], "Evaluator"]
+#: Evaluator name -> builder, or the ``"module:function"`` path of one (imported on first use).
+EVALUATORS: dict[str, Union[str, Builder]] = {
+    "torch": "espert.evaluators.torch_model:build",
+    "vllm": "espert.vllm.evaluator:build_from_config",
+}
 
 
-def register_evaluator(name: str, builder: Builder) -> None:
-    """Make ``builder`` available as ``ESConfig.backend == name``."""
+def register_evaluator(name: str, builder: Union[str, Builder]) -> None:
+    """Make ``builder`` (a callable or its ``"module:function"`` import path) available as ``ESConfig.evaluator == name``."""
     EVALUATORS[name] = builder
 
 
-def _torch_builder(cfg: "ESConfig", model_path: str, score: Callable) -> TorchEvaluator:
-    model, tok = load_model(model_path, device=cfg.device, dtype=cfg.dtype)
-    if cfg.quant != "none":
-        from espert.quant import quantize_model
-        from espert.quant.evaluator import QuantTorchEvaluator
-
-        quantize_model(model, cfg.quant, group_size=cfg.quant_group_size)
-        return QuantTorchEvaluator(model, tok, score, max_new_tokens=cfg.max_new_tokens,
-                                   batch_size=cfg.generation_batch_size, chat_template=cfg.chat_template,
-                                   member_errors=cfg.member_errors)
-    return TorchEvaluator(model, tok, score, include=cfg.include, exclude=cfg.exclude,
-                          max_new_tokens=cfg.max_new_tokens, batch_size=cfg.generation_batch_size,
-                          chat_template=cfg.chat_template, member_errors=cfg.member_errors)
-
-
-register_evaluator("torch", _torch_builder)
-
-
-def build_evaluator(cfg: "ESConfig", model_path: str, score: Callable) -> Evaluator:
-    """The evaluator named by ``cfg.backend`` for the model at ``model_path`` and reward ``score``."""
-    if cfg.backend not in EVALUATORS and cfg.backend in LAZY_BACKENDS:
-        import importlib
-
+def get_builder(name: str) -> Builder:
+    """The builder registered as ``name``, importing it if needed; ValueError when unknown or not importable."""
+    if name not in EVALUATORS:
+        raise ValueError(f"unknown evaluator {name!r}; known: {sorted(EVALUATORS)} (register_evaluator adds one)")
+    b = EVALUATORS[name]
+    if isinstance(b, str):
+        mod, _, fn = b.partition(":")
         try:
-            importlib.import_module(LAZY_BACKENDS[cfg.backend])
+            b = getattr(importlib.import_module(mod), fn)
         except ImportError as e:
-            raise ValueError(f"evaluator backend {cfg.backend!r} is not available here: {e}") from e
-    if cfg.backend not in EVALUATORS:
-        raise ValueError(f"unknown evaluator backend {cfg.backend!r}; known: {sorted(EVALUATORS)}")
-    return EVALUATORS[cfg.backend](cfg, model_path, score)
+            raise ValueError(f"evaluator {name!r} is not available here: {e}") from e
+        EVALUATORS[name] = b
+    return b
 
 
-__all__ = ["Evaluator", "ModelEvaluator", "Member", "TorchEvaluator", "apply_update", "build_evaluator",
-           "register_evaluator", "EVALUATORS", "load_model", "model_center", "torch_dtype"]
+def build_evaluator(cfg: "ESConfig", model_path: str, score: Callable) -> "Evaluator":
+    """The evaluator named by ``cfg.evaluator`` for the model at ``model_path`` and reward ``score``."""
+    return get_builder(cfg.evaluator)(cfg, model_path, score)
+
+
+_LAZY = {"Evaluator": ".base", "ModelEvaluator": ".base", "Member": ".base", "score_members": ".base",
+         "TorchEvaluator": ".torch_model", "load_model": ".torch_model", "model_center": ".torch_model",
+         "torch_dtype": ".torch_model", "config_center": ".torch_model"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Evaluator", "ModelEvaluator", "Member", "TorchEvaluator", "build_evaluator", "register_evaluator",
+           "get_builder", "EVALUATORS", "load_model", "model_center", "config_center", "torch_dtype"]

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from espert.center import CenterStore
+from espert.center import Center, CenterStore
 from espert.params import torch_param_views
 
 from .base import ModelEvaluator
@@ -45,10 +45,54 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
 
 
 def model_center(model: torch.nn.Module, include: Sequence[str] | None = None,
-                 exclude: Sequence[str] | None = None, pin: bool = False) -> CenterStore:
-    """The float32 host center of a torch model's selected parameters (see ``torch_param_views``)."""
+                 exclude: Sequence[str] | None = None, pin: bool = False, **center_kw) -> CenterStore:
+    """The float32 host center of a torch model's selected parameters (see ``torch_param_views``).
+
+    center_kw: passed to :class:`~espert.center.CenterStore` (noise, optimizer, sigma_scales, no_decay).
+    """
     return CenterStore(torch_param_views(model, include=include, exclude=exclude), master_dtype=torch.float32,
-                       pin=pin)
+                       pin=pin, **center_kw)
+
+
+def rms_scales(views) -> list[float]:
+    """Per-view σ multipliers for ``sigma_mode: rms``: the RMS of each tensor (float64; 1.0 for an all-zero one).
+
+    Computed from the weights as loaded (the base model), never from a trained center, so a
+    resumed run and a replay get the same scales.
+    """
+    out = []
+    for v in views:
+        n = v.tensor.numel()
+        rms = float(torch.linalg.vector_norm(v.tensor, dtype=torch.float64)) / n ** 0.5 if n else 0.0
+        out.append(rms if rms > 0 else 1.0)
+    return out
+
+
+def config_center(model: torch.nn.Module, cfg, pin: bool = False):
+    """The center a run's config asks for: float (include/exclude, noise, optimizer, σ mode, decay
+    exclusions) or, with ``cfg.quant``, the quantized codes (quantizing ``model`` in place).  Training
+    and replay both build it here, so they move the same tensors the same way."""
+    if cfg.quant != "none":
+        from espert.quant import model_quant_center, quantize_model
+
+        if (cfg.noise, cfg.optimizer, cfg.sigma_mode) != ("gaussian", "sgd", "absolute"):
+            raise ValueError(f"quant={cfg.quant!r} supports noise=gaussian, optimizer=sgd and sigma_mode=absolute "
+                             f"(got {cfg.noise}, {cfg.optimizer}, {cfg.sigma_mode})")
+        return model_quant_center(quantize_model(model, cfg.quant, group_size=cfg.quant_group_size), pin=pin)
+    views = torch_param_views(model, include=cfg.include, exclude=cfg.exclude)
+    optimizer = {"name": cfg.optimizer, "beta1": cfg.optimizer_beta1, "beta2": cfg.optimizer_beta2,
+                 "eps": cfg.optimizer_eps}
+    return CenterStore(views, master_dtype=torch.float32, pin=pin, noise=cfg.noise, optimizer=optimizer,
+                       sigma_scales=rms_scales(views) if cfg.sigma_mode == "rms" else None,
+                       no_decay=cfg.weight_decay_exclude)
+
+
+def build(cfg, model_path: str, score: Callable) -> "TorchEvaluator":
+    """The ``"torch"`` evaluator of a run config (registered in :mod:`espert.evaluators`)."""
+    model, tok = load_model(model_path, device=cfg.device, dtype=cfg.dtype)
+    center = config_center(model, cfg, pin=next(model.parameters()).device.type == "cuda")
+    return TorchEvaluator(model, tok, score, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.generation_batch_size,
+               chat_template=cfg.chat_template, member_errors=cfg.member_errors, center=center)
 
 
 class TorchEvaluator(ModelEvaluator):
@@ -59,6 +103,8 @@ class TorchEvaluator(ModelEvaluator):
     list[float]`` (a :class:`espert.tasks.Task`'s ``score``).  include / exclude: which parameters
     ES perturbs (``torch_param_views`` patterns).  max_new_tokens: generation budget per prompt.
     batch_size: prompts per ``generate`` call.  chat_template: wrap prompts as a user message.
+    center: the :class:`~espert.center.Center` of the model's weights (default: the float32
+    :func:`model_center` of the selected parameters; include / exclude are then ignored).
 
     A member's rollout: the tokenized prompts (cached) go through plain greedy ``generate`` (the
     model's stop tokens, nothing else from its generation config) in
@@ -70,11 +116,13 @@ class TorchEvaluator(ModelEvaluator):
     def __init__(self, model, tokenizer, score: Callable[[Sequence[str], Sequence[str]], list[float]],
                  include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
                  max_new_tokens: int = 16, batch_size: int = 64, chat_template: bool = False,
-                 member_errors: str = "raise"):
+                 member_errors: str = "raise", center: Center | None = None):
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
         device = next(model.parameters()).device
-        super().__init__(model_center(model, include, exclude, pin=device.type == "cuda"), member_errors)
+        if center is None:
+            center = model_center(model, include, exclude, pin=device.type == "cuda")
+        super().__init__(center, member_errors)
         self.model, self.tokenizer, self.score = model, tokenizer, score
         self.tokenizer.padding_side = "left"
         self.device = device

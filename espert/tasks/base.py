@@ -152,6 +152,30 @@ class Task:
         )
 
 
+class PromptReward:
+    """A reward ``fn(prompts, completions, answers) -> list[float]`` as a Task's batched reward.
+
+    The task's answers are ``(prompt, answer)`` pairs: evaluators only pass answers along with
+    the completions, so this is how every evaluator (torch, vLLM, a Ray pool) hands the reward
+    the prompt of each completion without knowing about it.  Picklable when ``fn`` is.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "reward")
+
+    def __call__(self, completions: Sequence[str], pairs: Sequence[tuple[str, str]]) -> list[float]:
+        return self.fn([p for p, _ in pairs], list(completions), [a for _, a in pairs])
+
+
+def reward_fn_task(name: str, reward: Callable, prompts: Sequence[str], answers: Sequence[str],
+                   meta: Optional[dict] = None) -> Task:
+    """A :class:`Task` whose reward sees the prompts: ``reward(prompts, completions, answers)``."""
+    prompts = list(prompts)
+    return Task(name=name, prompts=prompts, answers=list(zip(prompts, answers)), reward_fn=PromptReward(reward),
+                meta=dict(meta or {}))
+
+
 def make_task(
     name: str,
     prompts: Sequence[str],

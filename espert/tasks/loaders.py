@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any, Callable, Iterator, Optional
 
-from .base import Task
+from .base import PromptReward, Task, reward_fn_task
 from .copy_task import make_copy_task
 from .rewards import (
     copy_extract,
@@ -209,3 +209,124 @@ def load_task(name: str, split: str = "test", n: Optional[int] = None, path: Opt
     if key == "copy":
         return make_copy_task(n=n, split=split, seed=seed)
     return _load_hub_task(key, split, n)
+
+
+# ---- custom tasks: import paths, user objects and prompt sources ------------------------------------
+
+def import_object(spec: str) -> Any:
+    """The object at an import path ``"package.module:attr.sub"``; ValueError saying why when it cannot be had."""
+    import importlib
+
+    mod, sep, attr = spec.partition(":")
+    if not sep or not mod or not attr:
+        raise ValueError(f"task {spec!r} is neither a known task ({', '.join(known_tasks())}) nor an import path "
+                         f"'package.module:name'")
+    try:
+        obj = importlib.import_module(mod)
+    except Exception as e:  # noqa: BLE001 - any import failure is the same user-facing problem
+        raise ValueError(f"cannot import task {spec!r}: {type(e).__name__}: {e} (is {mod!r} installed or on "
+                         f"PYTHONPATH?)") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"cannot import task {spec!r}: module {mod!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def object_path(obj: Any) -> Optional[str]:
+    """``"module:qualname"`` of a module-level function or class that re-imports to ``obj``; else None."""
+    import sys
+
+    mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not mod or not qual or mod == "__main__" or "<" in qual or mod not in sys.modules:
+        return None
+    cur = sys.modules[mod]
+    for part in qual.split("."):
+        cur = getattr(cur, part, None)
+    return f"{mod}:{qual}" if cur is obj else None
+
+
+def _positional_arity(fn: Callable) -> int:
+    """How many positional arguments ``fn`` takes (99 for ``*args``; -1 when unknown)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return -1
+    n = 0
+    for p in sig.parameters.values():
+        if p.kind == p.VAR_POSITIONAL:
+            return 99
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return n
+
+
+def problems(source: Any, n: Optional[int] = None) -> tuple[list[str], list[str]]:
+    """``(prompts, answers)`` from a prompt source, keeping the first ``n`` (None: all).
+
+    source: a list of prompts (answers ``""``), of ``{"prompt", "answer"}`` dicts or of
+    ``(prompt, answer)`` pairs; a JSONL path of ``{"prompt", "answer"}`` objects; or a
+    ``datasets`` split with ``prompt`` (and optionally ``answer``) columns.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        rows = [row for _, row in iter_jsonl(os.fspath(source), "prompt file")]
+    else:
+        try:
+            rows = list(source)
+        except TypeError:
+            raise ValueError(f"prompts must be a list, a JSONL path or a datasets split, got "
+                             f"{type(source).__name__}") from None
+    rows = rows if n is None else rows[:n]
+    prompts, answers = [], []
+    for i, row in enumerate(rows):
+        if isinstance(row, str):
+            p, a = row, ""
+        elif isinstance(row, dict) and "prompt" in row:
+            p, a = row["prompt"], row.get("answer", "")
+        elif isinstance(row, (tuple, list)) and len(row) == 2:
+            p, a = row
+        else:
+            raise ValueError(f"prompt {i}: expected a string, a {{'prompt', 'answer'}} mapping or a (prompt, answer) "
+                             f"pair, got {row!r:.80}")
+        prompts.append(str(p))
+        answers.append(a if isinstance(a, str) else json.dumps(a))
+    return prompts, answers
+
+
+def custom_task(obj: Any, split: str, n: Optional[int] = None, path: Optional[str] = None,
+                name: Optional[str] = None, problems_from: Any = None) -> Optional[Task]:
+    """A user task for ``split`` from ``obj`` (what a task import path points to), or None.
+
+    obj: a :class:`Task` (its problems serve ``train``; other splits need ``path``); a reward
+    ``fn(prompts, completions, answers) -> list[float]`` (problems from ``path`` or
+    ``problems_from``); or a loader ``fn(split) -> Task``.  path: a JSONL of ``{"prompt",
+    "answer"}`` objects replacing the object's own problems.  Returns None when ``obj`` has no
+    problems for ``split`` (no held-out set).
+    """
+    source = problems_from if problems_from is not None else path
+    if isinstance(obj, Task):
+        if source is not None:
+            ps, ans = problems(source, n)
+            if isinstance(obj.reward_fn, PromptReward):
+                return reward_fn_task(obj.name, obj.reward_fn.fn, ps, ans, obj.meta)
+            return Task(name=obj.name, prompts=ps, answers=ans, reward_fn=obj.reward_fn, extract_fn=obj.extract_fn,
+                        success_threshold=obj.success_threshold, meta=dict(obj.meta))
+        return obj.subset(n) if split == "train" else None
+    if not callable(obj):
+        raise ValueError(f"task {name!r} is a {type(obj).__name__}; expected a Task, a reward "
+                         f"fn(prompts, completions, answers) or a loader fn(split) -> Task")
+    if _positional_arity(obj) >= 3:
+        if source is None:
+            if split == "train":
+                raise ValueError(f"task {name!r} is a reward function; give its problems (train_data: a JSONL of "
+                                 f"{{'prompt', 'answer'}} objects, or prompts= from Python)")
+            return None
+        return reward_fn_task(name or obj.__name__, obj, *problems(source, n))
+    task = obj(split)
+    if task is None:
+        return None
+    if not isinstance(task, Task):
+        raise ValueError(f"task loader {name!r} returned {type(task).__name__} for split {split!r}; expected a Task")
+    return custom_task(task, "train", n, source, name)
