@@ -1,6 +1,11 @@
 // The one kernel every op is made of: w <- round(w + Σ_n c_n ε(seed_n, key, logical index)).
 // perturb is this with one member (c = ±σ); es_update with N members.  The sum is
 // taken in binary32 in member order starting from +0, so every backend agrees bit for bit.
+// A NaN element keeps its own bits (docs/noise.md §3).
+//
+// One call covers a whole list of tensors: a launch plan, one row of PlanEntry per tensor (or per
+// sub-block), built by espert/ops.py as an int64 numpy table whose column order is kPlanFields
+// below (exported to Python by csrc/bindings.cpp, so the two cannot drift).
 #pragma once
 
 #include <cstdint>
@@ -8,26 +13,59 @@
 
 namespace espert {
 
-struct ApplyArgs {
-  void* data;          // first element of the block
-  int dtype;           // DType
-  Block block;
-  const uint64_t* seeds;  // [n]
-  const float* coeffs;    // [n]
-  int64_t n;
-  uint64_t key;
-};
+// Noise families (docs/noise.md §5).  Codes are exported to Python by bindings.cpp.
+enum Family : int { kGaussian = 0, kRademacher = 1, kLowRank = 2 };
+constexpr int kNumDTypes = 3;
+constexpr int kNumFamilies = 3;
 
-// CPU: OpenMP over tiles, AVX-512 when the processor has it (unless ESPERT_CPU_ISA=generic).
-void apply_cpu(const ApplyArgs& args);
+// One row of the launch plan: 18 int64 fields, layout-identical to a row of the numpy table.
+struct PlanEntry {
+  int64_t data;          // address of the block's first element (host or device)
+  int64_t dtype;         // DType
+  int64_t rows, cols, row_stride;
+  uint64_t row_offset, col_offset, logical_cols;
+  uint64_t key;
+  int64_t scale_bits;    // float32 bits of the per-tensor multiplier s: c_eff = fl(c_n · s)
+  int64_t family;        // Family
+  int64_t rank;          // r of lowrank:r (staging row length); 0 otherwise
+  int64_t stage_a;       // lowrank: float32 [members, rows, r]: fl(K_r · A) of the block's rows
+  int64_t stage_b;       // lowrank: float32 [members, r, cols]: Bᵀ of the block's columns
+  int64_t member_begin;  // the entry uses members [member_begin, member_end) of seeds/coeffs
+  int64_t member_end;
+  int64_t units_per_row; // GPU backends: launch units per row (filled by espert/ops.py)
+  int64_t unit_start;    // GPU backends: first unit of this entry in its launch
+  ESPERT_HD Block block() const { return Block{rows, cols, row_stride, row_offset, col_offset, logical_cols}; }
+};
+static_assert(sizeof(PlanEntry) == 18 * sizeof(int64_t), "PlanEntry must match the int64 plan table");
+
+#define ESPERT_PLAN_FIELDS                                                                                  \
+  "data", "dtype", "rows", "cols", "row_stride", "row_offset", "col_offset", "logical_cols", "key",        \
+      "scale_bits", "family", "rank", "stage_a", "stage_b", "member_begin", "member_end", "units_per_row", \
+      "unit_start"
+
+// Checks every entry's codes and geometry (dtype, family, rank, member range, sizes).  Returns
+// nullptr when the plan is valid, else a message naming the first bad entry and field.  Every
+// backend calls it before touching memory: an unknown code is an error, never a silent no-op.
+const char* check_plan(const PlanEntry* plan, int64_t n_entries, int64_t n_members);
+
+// CPU: one OpenMP region over the tiles of all entries; AVX-512 when the processor has it
+// (unless ESPERT_CPU_ISA=generic).  seeds/coeffs are host arrays of n_members.  Throws
+// std::invalid_argument on a bad plan (before any write).
+void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* seeds, const float* coeffs,
+                    int64_t n_members);
 // Whether the CPU kernels take their AVX-512 path: the processor has AVX-512 F/VL/BW/DQ and
 // ESPERT_CPU_ISA is not "generic" (read once).  cpu_isa() names the path: "avx512" or "generic".
 bool use_avx512();
 const char* cpu_isa();
 
 #ifdef ESPERT_WITH_CUDA
-// CUDA: seeds and coeffs are device pointers; `stream` is a cudaStream_t.  Returns a cudaError_t.
-int apply_cuda(const ApplyArgs& args, void* stream);
+// CUDA: launches over the entries [0, n_entries), which must share one dtype and one family
+// (espert/ops.py groups them).  host_plan is the host copy (for the grid size); dev_plan, seeds and
+// coeffs are device pointers; `stream` is a cudaStream_t.  Returns a cudaError_t (0: launched).
+int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64_t n_entries,
+                    const uint64_t* seeds, const float* coeffs, void* stream);
+// Philox groups (4 elements) per CUDA launch unit: one block of 256 threads, 4 groups per thread.
+constexpr int64_t kCudaUnitGroups = 1024;
 #endif
 
 }  // namespace espert

@@ -9,20 +9,6 @@
 namespace py = pybind11;
 using namespace espert;
 
-static ApplyArgs make_args(uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                           uint64_t row_offset, uint64_t col_offset, uint64_t logical_cols, uintptr_t seeds,
-                           uintptr_t coeffs, int64_t n, uint64_t key) {
-  ApplyArgs a;
-  a.data = reinterpret_cast<void*>(data);
-  a.dtype = dtype;
-  a.block = Block{rows, cols, row_stride, row_offset, col_offset, logical_cols};
-  a.seeds = reinterpret_cast<const uint64_t*>(seeds);
-  a.coeffs = reinterpret_cast<const float*>(coeffs);
-  a.n = n;
-  a.key = key;
-  return a;
-}
-
 // Quantized-weight kernels (csrc/quant.h); espert/quant/ops.py validates every argument first.
 static quant::QuantArgs make_qargs(uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld,
                                    uint64_t row_offset, uint64_t col_offset, uint64_t logical_cols,
@@ -57,21 +43,53 @@ static quant::QuantArgs make_qargs(uintptr_t codes, int elem, int layout, int64_
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "espert compiled kernels (CPU, and CUDA when built with nvcc)";
+  // Codes shared with Python (espert/ops.py, kernels/apply.py derive theirs from these).
+  m.attr("DTYPE_CODES") = py::dict(py::arg("float32") = (int)kFloat32, py::arg("float16") = (int)kFloat16,
+                                   py::arg("bfloat16") = (int)kBFloat16);
+  m.attr("FAMILY_CODES") = py::dict(py::arg("gaussian") = (int)kGaussian, py::arg("rademacher") = (int)kRademacher,
+                                    py::arg("lowrank") = (int)kLowRank);
+  m.attr("PLAN_FIELDS") = py::make_tuple(ESPERT_PLAN_FIELDS);
   m.def(
-      "apply_cpu",
-      [](uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride, uint64_t row_offset,
-         uint64_t col_offset, uint64_t logical_cols, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
-        const ApplyArgs a = make_args(data, dtype, rows, cols, row_stride, row_offset, col_offset, logical_cols, seeds,
-                                      coeffs, n, key);
-        py::gil_scoped_release release;
-        apply_cpu(a);
+      "check_plan",
+      [](uintptr_t plan, int64_t n_entries, int64_t n_members) {
+        const char* err = check_plan(reinterpret_cast<const PlanEntry*>(plan), n_entries, n_members);
+        if (err) throw py::value_error(err);
       },
-      "In place: w += sum_n coeffs[n] * eps(seeds[n], key, logical index).  Pointers are host addresses.");
+      "Raise ValueError if a host launch plan has an unknown code or a bad geometry.");
+  m.def(
+      "apply_many_cpu",
+      [](uintptr_t plan, int64_t n_entries, uintptr_t seeds, uintptr_t coeffs, int64_t n_members) {
+        const auto* p = reinterpret_cast<const PlanEntry*>(plan);
+        if (const char* err = check_plan(p, n_entries, n_members)) throw py::value_error(err);
+        py::gil_scoped_release release;
+        apply_many_cpu(p, n_entries, reinterpret_cast<const uint64_t*>(seeds), reinterpret_cast<const float*>(coeffs),
+                       n_members);
+      },
+      "In place, for every entry of the int64 launch plan [n_entries, len(PLAN_FIELDS)]: w += sum_n c_n * eps.  "
+      "One OpenMP region over all entries.  Host pointers.");
   m.def("cpu_isa", &cpu_isa, "The CPU code path in use: 'avx512' or 'generic'.");
   // This module links its own OpenMP runtime (torch bundles another), so torch.set_num_threads does not
   // reach it: espert/ops.py forwards torch's thread count before every CPU call.
   m.def("set_num_threads", [](int n) { omp_set_num_threads(n > 0 ? n : 1); }, "Threads of espert's CPU kernels.");
   m.def("get_num_threads", []() { return omp_get_max_threads(); }, "Threads of espert's CPU kernels.");
+  // Quantized codes (csrc/quant.h), exported once: kernels/quant.py and espert/quant/ops.py derive theirs.
+  {
+    using namespace quant;
+    m.attr("QUANT_ELEM_CODES") = py::dict(py::arg("int8") = (int)kInt8, py::arg("fp8") = (int)kFP8,
+                                          py::arg("int4") = (int)kInt4);
+    m.attr("QUANT_LAYOUT_CODES") = py::dict(py::arg("nk") = (int)kNK, py::arg("kn") = (int)kKN,
+                                            py::arg("gptq") = (int)kGPTQ, py::arg("awq") = (int)kAWQ,
+                                            py::arg("cpu_w4a16") = (int)kCpuW4A16, py::arg("marlin") = (int)kMarlin);
+    // Philox groups per work unit of each layout (Lay<L>::G)
+    m.attr("QUANT_UNIT_GROUPS") = py::dict(py::arg("nk") = Lay<kNK>::G, py::arg("kn") = Lay<kKN>::G,
+                                           py::arg("gptq") = Lay<kGPTQ>::G, py::arg("awq") = Lay<kAWQ>::G,
+                                           py::arg("cpu_w4a16") = Lay<kCpuW4A16>::G, py::arg("marlin") = Lay<kMarlin>::G);
+    m.attr("QUANT_SCALE_KIND_CODES") = py::dict(
+        py::arg("tensor") = (int)kPerTensor, py::arg("channel") = (int)kPerChannel, py::arg("grouped") = (int)kGrouped,
+        py::arg("marlin_grouped") = (int)kMarlinGrouped, py::arg("marlin_channel") = (int)kMarlinChannel);
+    m.attr("QUANT_MODE_CODES") = py::dict(py::arg("perturb") = (int)kPerturb, py::arg("master") = (int)kUpdateMaster,
+                                          py::arg("naive") = (int)kUpdateNaive);
+  }
   m.def(
       "quant_cpu",
       [](uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld, uint64_t row_offset,
@@ -102,17 +120,20 @@ PYBIND11_MODULE(_C, m) {
 #endif
 #ifdef ESPERT_WITH_CUDA
   m.attr("has_cuda") = true;
+  m.attr("CUDA_UNIT_GROUPS") = kCudaUnitGroups;
   m.def(
-      "apply_cuda",
-      [](uintptr_t data, int dtype, int64_t rows, int64_t cols, int64_t row_stride, uint64_t row_offset,
-         uint64_t col_offset, uint64_t logical_cols, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key,
-         uintptr_t stream) {
-        const ApplyArgs a = make_args(data, dtype, rows, cols, row_stride, row_offset, col_offset, logical_cols, seeds,
-                                      coeffs, n, key);
-        const int err = apply_cuda(a, reinterpret_cast<void*>(stream));
+      "apply_many_cuda",
+      [](uintptr_t host_plan, uintptr_t dev_plan, int64_t n_entries, int64_t n_members, uintptr_t seeds,
+         uintptr_t coeffs, uintptr_t stream) {
+        const auto* hp = reinterpret_cast<const PlanEntry*>(host_plan);
+        if (const char* err = check_plan(hp, n_entries, n_members)) throw py::value_error(err);
+        const int err = apply_many_cuda(hp, reinterpret_cast<const PlanEntry*>(dev_plan), n_entries,
+                                        reinterpret_cast<const uint64_t*>(seeds), reinterpret_cast<const float*>(coeffs),
+                                        reinterpret_cast<void*>(stream));
         if (err != 0) throw std::runtime_error("espert CUDA kernel launch failed with cudaError " + std::to_string(err));
       },
-      "Like apply_cpu, with device pointers and a cudaStream_t handle.");
+      "One launch over plan entries sharing a dtype and a family: host plan (for the grid), device plan, seeds, "
+      "coeffs and a cudaStream_t handle.");
 #else
   m.attr("has_cuda") = false;
 #endif

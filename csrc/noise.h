@@ -134,6 +134,27 @@ ESPERT_HD F4 normals4(uint64_t seed, uint64_t key, uint64_t g) {
   return out;
 }
 
+// ---- noise families (docs/noise.md §5) ---------------------------------------
+// rademacher: element i is ±1 from bit (i & 31) of word (i >> 5) & 3 of the Philox call with
+// group h = (i >> 7) | 2^62 (bit 1 -> -1).  Normal groups are i >> 2 < 2^62 and the stochastic-rounding
+// stream sets bit 63, so the three streams never share a counter.
+constexpr uint64_t kRademacherStream = 1ull << 62;
+ESPERT_HD U4 rademacher_words(uint64_t seed, uint64_t key, uint64_t h) {
+  const uint64_t c = h | kRademacherStream;
+  return philox4x32_10((uint32_t)c, (uint32_t)(c >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
+                       (uint32_t)(seed >> 32));
+}
+ESPERT_HD uint32_t u4_word(const U4& x, int w) { return w == 0 ? x.x0 : w == 1 ? x.x1 : w == 2 ? x.x2 : x.x3; }
+
+// lowrank:r: A is the v1 Gaussian of a logical [R, r] matrix under key ^ kLowRankKeyA, Bᵀ that of a
+// logical [r, C] matrix under key ^ kLowRankKeyB ("LOWRANKA", "LOWRANKB" in ASCII), and
+// ε(a, b) = Σ_j fl(fl(K_r · A[a, j]) · Bᵀ[j, b]) summed from +0 in j order, K_r = fl(1 / fl(sqrt(r))).
+constexpr uint64_t kLowRankKeyA = 0x4C4F5752414E4B41ull;
+constexpr uint64_t kLowRankKeyB = 0x4C4F5752414E4B42ull;
+ESPERT_HD float lowrank_scale(int64_t r) { return fdiv(1.0f, fsqrt((float)r)); }
+
+ESPERT_HD bool is_nan(float x) { return (f2u(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+
 // ---- storage formats: exact widening, round-to-nearest-even narrowing -------
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -195,6 +216,15 @@ template <> struct Storage<kBFloat16> {
   static ESPERT_HD float load(uint16_t v) { return bf16_to_f32(v); }
   static ESPERT_HD uint16_t store(float v) { return f32_to_bf16(v); }
 };
+
+// w + d rounded to the storage format; a NaN element keeps its own bits (exact restore needs them,
+// and a hardware add would quiet or canonicalize the NaN).
+template <int DT>
+ESPERT_HD typename Storage<DT>::T add_to(typename Storage<DT>::T w, float d) {
+  const float x = Storage<DT>::load(w);
+  const typename Storage<DT>::T out = Storage<DT>::store(fadd(x, d));
+  return is_nan(x) ? w : out;
+}
 
 // A 2-D block [rows, cols] (row stride `row_stride` elements, unit column stride) inside a
 // logical [R, logical_cols] tensor, starting at (row_offset, col_offset).

@@ -22,6 +22,7 @@ rounding per operation, no fused multiply-add):
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -212,6 +213,91 @@ def sr_uniform(seed: int, key: int, index) -> np.ndarray:
     return (x >> np.uint32(8)).astype(np.float32) * UNIFORM_SCALE
 
 
+
+# ---- noise families (docs/noise.md §5) --------------------------------------------------------
+
+FAMILIES = ("gaussian", "rademacher", "lowrank")
+RADEMACHER_STREAM_BIT = np.uint64(1 << 62)  # normal groups are < 2^62; SR sets bit 63
+LOWRANK_KEY_A = 0x4C4F5752414E4B41  # "LOWRANKA"
+LOWRANK_KEY_B = 0x4C4F5752414E4B42  # "LOWRANKB"
+MAX_RANK = 1024
+
+
+@dataclass(frozen=True)
+class NoiseFamily:
+    """A noise family: ``gaussian`` (spec v1), ``rademacher``, or ``lowrank:r`` (1 <= r <= 1024).
+
+    ``NoiseFamily.parse("lowrank:4")``; ``str()`` gives the spec back.  Torch-free.
+    """
+
+    name: str = "gaussian"
+    rank: int = 0
+
+    @classmethod
+    def parse(cls, spec) -> "NoiseFamily":
+        if isinstance(spec, NoiseFamily):
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"noise family must be a string such as 'gaussian', 'rademacher' or 'lowrank:4', "
+                            f"got {spec!r}")
+        name, _, arg = spec.strip().partition(":")
+        if name in ("gaussian", "rademacher") and not _:
+            return cls(name)
+        if name == "lowrank" and _:
+            if not arg.isdigit() or not 1 <= int(arg) <= MAX_RANK:
+                raise ValueError(f"noise family {spec!r}: the rank of lowrank:r must be an integer in "
+                                 f"[1, {MAX_RANK}], got {arg!r}")
+            return cls("lowrank", int(arg))
+        raise ValueError(f"unknown noise family {spec!r}; known: 'gaussian', 'rademacher', 'lowrank:r' "
+                         f"(r an integer in [1, {MAX_RANK}])")
+
+    def __str__(self) -> str:
+        return f"lowrank:{self.rank}" if self.name == "lowrank" else self.name
+
+
+def rademacher(seed: int, key: int, index) -> np.ndarray:
+    """ε = ±1 (float32) of logical element(s) ``index`` (uint64): bit (i & 31) of word (i >> 5) & 3 of
+    Philox call h = (i >> 7) | 2^62, same key and counter layout as the normals; bit 1 gives -1."""
+    index = np.asarray(index, dtype=np.uint64)
+    words = np.stack(philox_words(seed, key, (index >> np.uint64(7)) | RADEMACHER_STREAM_BIT), axis=-1)
+    w = np.take_along_axis(words, ((index >> np.uint64(5)) & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
+    bit = (w >> (index & np.uint64(31)).astype(np.uint32)) & np.uint32(1)
+    return np.where(bit == 1, _f(-1.0), _f(1.0)).astype(np.float32)
+
+
+def lowrank_scale(rank: int) -> np.float32:
+    """K_r = fl(1 / fl(sqrt(fl(r)))), the binary32 1/√r of lowrank:r."""
+    return ONE / np.sqrt(_f(rank))
+
+
+def lowrank(seed: int, key: int, index, logical_cols: int, rank: int) -> np.ndarray:
+    """ε of lowrank:r at logical element(s) ``index`` of a logical [R, C] matrix (C = logical_cols):
+    ε(a, b) = Σ_j fl(fl(K_r·A[a, j])·Bᵀ[j, b]), summed from +0 in j order, with A[a, j] = ε_v1(seed,
+    key ^ LOWRANK_KEY_A, a·r + j) (a logical [R, r] matrix) and Bᵀ[j, b] = ε_v1(seed, key ^ LOWRANK_KEY_B,
+    j·C + b) (a logical [r, C] matrix).  float32."""
+    index = np.asarray(index, dtype=np.uint64)
+    C, r = np.uint64(logical_cols), np.uint64(rank)
+    a, b = index // C, index % C
+    k = lowrank_scale(rank)
+    t = np.zeros(index.shape, dtype=np.float32)
+    for j in range(rank):
+        aj = k * normal(seed, key ^ LOWRANK_KEY_A, a * r + np.uint64(j))
+        bj = normal(seed, key ^ LOWRANK_KEY_B, np.uint64(j) * C + b)
+        t = t + aj * bj
+    return t
+
+
+def family_noise(family, seed: int, key: int, index, logical_rows: int, logical_cols: int) -> np.ndarray:
+    """ε of any family at logical element(s) ``index`` of a logical [logical_rows, logical_cols] parameter.
+    lowrank on a parameter with one logical row (1-D: norms, biases) is the Gaussian (v1)."""
+    fam = NoiseFamily.parse(family)
+    if fam.name == "rademacher":
+        return rademacher(seed, key, index)
+    if fam.name == "lowrank" and logical_rows > 1:
+        return lowrank(seed, key, index, logical_cols, fam.rank)
+    return normal(seed, key, index)
+
+
 # ---- rounding from binary32 to the storage formats, by integer operations --------------------
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -227,28 +313,41 @@ def bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
 
 
 def apply_update(center: np.ndarray, delta: np.ndarray, dtype: str) -> np.ndarray:
-    """Round float32(center) + delta back to ``dtype`` ('float32', 'float16', 'bfloat16' as uint16 bits)."""
-    if dtype == "bfloat16":
-        return f32_to_bf16_bits(bf16_bits_to_f32(center) + delta)
-    if dtype == "float16":
-        return (center.astype(np.float32) + delta).astype(np.float16)  # numpy rounds to nearest even
-    return center + delta
+    """Round float32(center) + delta back to ``dtype`` ('float32', 'float16', 'bfloat16' as uint16 bits).
+
+    A NaN element of ``center`` keeps its own bits (docs/noise.md §3)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        if dtype == "bfloat16":
+            nan = (np.asarray(center, dtype=np.uint16) & np.uint16(0x7FFF)) > np.uint16(0x7F80)
+            return np.where(nan, center, f32_to_bf16_bits(bf16_bits_to_f32(center) + delta)).astype(np.uint16)
+        if dtype == "float16":
+            out = (center.astype(np.float32) + delta).astype(np.float16)  # numpy rounds to nearest even
+            return np.where(np.isnan(center), center, out)
+        return np.where(np.isnan(center), center, center + delta)
 
 
 def perturb_reference(w: np.ndarray, dtype: str, seed: int, key: int, sigma: float, sign: int = 1,
-                      row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None) -> np.ndarray:
-    """Reference for ``espert.ops.perturb_``: w + (sign*σ)·ε, rounded once to ``dtype``."""
-    eps = normal(seed, key, block_indices(w.shape, row_offset, col_offset, logical_cols))
-    return apply_update(w, _f(sign * sigma) * eps, dtype)
+                      row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None, *,
+                      noise: str = "gaussian", logical_rows: int | None = None, scale: float = 1.0) -> np.ndarray:
+    """Reference for ``espert.ops.perturb_``: w + c·ε with c = fl32(fl32(sign·σ)·scale), rounded once to ``dtype``."""
+    return update_reference(w, dtype, [seed], [sign * sigma], key, row_offset, col_offset, logical_cols,
+                            noise=noise, logical_rows=logical_rows, scale=scale)
 
 
 def update_reference(w: np.ndarray, dtype: str, seeds, coeffs, key: int,
-                     row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None) -> np.ndarray:
-    """Reference for ``espert.ops.es_update_``: w + Σ_n c_n·ε_n, summed in float32 in member order."""
+                     row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None, *,
+                     noise: str = "gaussian", logical_rows: int | None = None, scale: float = 1.0) -> np.ndarray:
+    """Reference for ``espert.ops.es_update_``: w + Σ_n c_n·ε_n, summed in float32 from +0 in member order,
+    c_n = fl32(fl32(coeffs[n])·fl32(scale)).  ``noise``: a family spec (``NoiseFamily.parse``);
+    ``logical_rows`` (default: the block's last row + 1) decides the lowrank 1-row fallback."""
+    fam = NoiseFamily.parse(noise)
     idx = block_indices(w.shape, row_offset, col_offset, logical_cols)
+    rows = 1 if len(w.shape) == 1 else int(np.prod(w.shape[:-1]))
+    C = w.shape[-1] if logical_cols is None else logical_cols
+    R = row_offset + rows if logical_rows is None else logical_rows
     acc = np.zeros(w.shape, dtype=np.float32)
     for s, c in zip(seeds, coeffs):
-        acc = acc + _f(c) * normal(int(s), key, idx)
+        acc = acc + (_f(c) * _f(scale)) * family_noise(fam, int(s), key, idx, R, C)
     return apply_update(w, acc, dtype)
 
 

@@ -9,27 +9,61 @@ tensor's device (``ESPERT_BACKEND`` overrides it):
     cuda    CUDA kernels in espert._C (when the module was built with nvcc)
     triton  Triton kernels in kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
 
-All three compute the same bits: see docs/noise.md.  Quantized weights
+All three compute the same bits: see docs/noise.md.  The multi-tensor ops
+(:func:`es_update_many_`, :func:`perturb_many_`) take a whole list of tensors and build one launch
+plan per call (an int64 table, one row per tensor): one C++ call with one OpenMP region on CPU; on
+CUDA and Triton one host-to-device copy of seeds, coefficients and the table, and one launch per
+(dtype, family) present.  The single-tensor ops are thin wrappers over them.  ``COUNTERS`` /
+:func:`counting` count kernel launches and host-to-device copies.  Quantized weights
 (``espert.quant.QuantWeight``: int8, FP8, int4 GPTQ/AWQ/Marlin) go through the same three ops,
 dispatched by layout to the lattice kernels of ``espert.quant`` (docs/quantized.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from espert import _C
+from espert.noise import LOWRANK_KEY_A, LOWRANK_KEY_B, NoiseFamily, lowrank_scale
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Codes come from the compiled module, the one place they are defined (csrc/noise.h, csrc/apply.h).
+DTYPE_CODES = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
+FAMILY_CODES = dict(_C.FAMILY_CODES)
+PLAN_FIELDS = tuple(_C.PLAN_FIELDS)
+_F = {name: i for i, name in enumerate(PLAN_FIELDS)}
 U64 = 1 << 64
-# Bounded temporaries for restore_: at most this many bytes of the source are converted at once.
+# Bounded temporaries (restore_ conversion, lowrank A/B staging): at most this many bytes at once.
 STAGING_BYTES = 64 << 20
+
+# Kernel launches (a CPU call counts as one) and host-to-device copies made by the op layer.
+COUNTERS = {"launches": 0, "h2d": 0}
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[dict]:
+    """``with ops.counting() as c: ...``: afterwards ``c`` holds the launches and host-to-device copies
+    the ops made inside the block (deltas of :data:`COUNTERS`)."""
+    start = dict(COUNTERS)
+    out = {k: 0 for k in COUNTERS}
+    try:
+        yield out
+    finally:
+        out.update({k: COUNTERS[k] - start[k] for k in COUNTERS})
+
+
+def _as_index(owner: str, name: str, v, optional: bool = False):
+    if v is None and optional:
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{owner}.{name} must be an int, got {v!r} ({type(v).__name__})")
+    return int(v)
 
 
 @dataclass(frozen=True)
@@ -40,12 +74,17 @@ class Block:
     ``[prod(shape[:-1]), shape[-1]]``) is the block at ``(row_offset, col_offset)`` of a logical
     ``[logical_rows, logical_cols]`` matrix; element (i, j) has logical index
     ``(row_offset + i) * logical_cols + col_offset + j`` and receives that element's noise.
+    Fields are ints (numpy integers are converted; floats and bools are refused).
     """
 
     row_offset: int = 0
     col_offset: int = 0
     logical_rows: int | None = None  # None: the block is the whole logical tensor
     logical_cols: int | None = None
+
+    def __post_init__(self):
+        for name in ("row_offset", "col_offset", "logical_rows", "logical_cols"):
+            object.__setattr__(self, name, _as_index("Block", name, getattr(self, name), name.startswith("logical")))
 
 
 @dataclass(frozen=True)
@@ -56,6 +95,7 @@ class _Geometry:
     row_offset: int
     col_offset: int
     logical_cols: int
+    logical_rows: int = 0
 
 
 def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
@@ -81,6 +121,8 @@ def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
         cols = w.shape[-1]
         rows = w.numel() // cols if cols else 0
         row_stride = cols
+    if block is not None and not isinstance(block, Block):
+        raise TypeError(f"block must be an espert.ops.Block or None, got {type(block).__name__}")
     block = block or Block()
     lr = rows if block.logical_rows is None else block.logical_rows
     lc = cols if block.logical_cols is None else block.logical_cols
@@ -90,7 +132,7 @@ def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
             f"block of shape [{rows}, {cols}] at offset ({ro}, {co}) lies outside the logical shape [{lr}, {lc}]")
     if lr * lc >= U64:
         raise ValueError(f"logical shape [{lr}, {lc}] has more than 2^64 elements")
-    return _Geometry(rows, cols, row_stride, ro, co, lc)
+    return _Geometry(rows, cols, row_stride, ro, co, lc, lr)
 
 
 def _quantized(w) -> bool:
@@ -115,13 +157,41 @@ def _check_u64(name: str, v) -> int:
     return v
 
 
+def _check_sigma(sigma) -> float:
+    if isinstance(sigma, (bool, np.bool_)) or not isinstance(sigma, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(sigma) or sigma <= 0:
+        raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
+    s32 = np.float32(sigma)
+    if not np.isfinite(s32) or s32 < np.finfo(np.float32).tiny:
+        raise ValueError(f"sigma {sigma!r} is 0, subnormal or infinite in float32 (the kernels' precision)")
+    return float(sigma)
+
+
+def _check_sign(sign) -> int:
+    if type(sign) is not int or sign not in (1, -1):
+        raise ValueError(f"sign must be the int +1 or -1, got {sign!r} ({type(sign).__name__})")
+    return sign
+
+
 # ---- backends ------------------------------------------------------------------------------
+
+@dataclass
+class _Step:
+    """One kernel pass of a call: ``table`` (int64 [E, len(PLAN_FIELDS)]) run with the call's
+    coefficients, or with ones (``ones``: the lowrank staging fill); ``groups``: [e0, e1) ranges that
+    share a dtype and a family (one GPU launch each); ``zero``: a staging buffer cleared first."""
+    table: np.ndarray
+    ones: bool
+    groups: list
+    zero: torch.Tensor | None = None
+
 
 @dataclass(frozen=True)
 class Backend:
     name: str
     supports: Callable[[torch.Tensor], bool]  # capability gate
-    apply: Callable  # (w, dtype_code, geometry, seeds uint64 ndarray, coeffs float32 ndarray, key) -> None
+    run: Callable  # (device, steps, seeds uint64 [N], coeffs float32 [N]) -> None
+    unit_groups: Callable[[], int] | None = None  # GPU: Philox groups per launch unit (None: CPU tiles itself)
 
 
 def sync_cpu_threads() -> None:
@@ -129,29 +199,69 @@ def sync_cpu_threads() -> None:
     _C.set_num_threads(torch.get_num_threads())
 
 
-def _apply_cpu(w, code, g: _Geometry, seeds: np.ndarray, coeffs: np.ndarray, key: int) -> None:
+def _run_cpu(device, steps: list[_Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
     sync_cpu_threads()
-    _C.apply_cpu(w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols,
-                 seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
+    ones = np.ones(len(coeffs), np.float32)
+    for st in steps:
+        if st.zero is not None:
+            st.zero.zero_()
+        c = ones if st.ones else coeffs
+        COUNTERS["launches"] += 1
+        _C.apply_many_cpu(st.table.ctypes.data, len(st.table), seeds.ctypes.data, c.ctypes.data, len(seeds))
 
 
-def _device_arrays(w, seeds: np.ndarray, coeffs: np.ndarray):
-    # [N]-sized, never proportional to the weight
-    return (torch.from_numpy(seeds.view(np.int64)).to(w.device, non_blocking=False),
-            torch.from_numpy(coeffs).to(w.device, non_blocking=False))
+def _upload(device, steps: list[_Step], seeds: np.ndarray, coeffs: np.ndarray):
+    """Seeds, coefficients, ones and every step's table in ONE host-to-device copy.
+    Returns (seeds int64, coeffs float32, ones float32, [table int64 [E, F]]) device views."""
+    n = len(seeds)
+    half = (n + 1) // 2  # two float32 per int64 slot
+    fl = np.zeros(2 * half, np.float32)
+    fl[:n] = coeffs
+    one = np.zeros(2 * half, np.float32)
+    one[:n] = 1.0
+    parts = [seeds.view(np.int64), fl.view(np.int64), one.view(np.int64)] + [st.table.reshape(-1) for st in steps]
+    host = torch.from_numpy(np.concatenate(parts))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    COUNTERS["h2d"] += 1
+    dev = host.to(device, non_blocking=True)
+    s = dev[:n]
+    c = dev[n:n + half].view(torch.float32)[:n]
+    o = dev[n + half:n + 2 * half].view(torch.float32)[:n]
+    tables, at = [], n + 2 * half
+    for st in steps:
+        tables.append(dev[at:at + st.table.size].view(st.table.shape))
+        at += st.table.size
+    return s, c, o, tables
 
 
-def _apply_cuda(w, code, g: _Geometry, seeds: np.ndarray, coeffs: np.ndarray, key: int) -> None:
-    s, c = _device_arrays(w, seeds, coeffs)
-    _C.apply_cuda(w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols,
-                  s.data_ptr(), c.data_ptr(), len(seeds), key, torch.cuda.current_stream(w.device).cuda_stream)
+def _run_cuda(device, steps: list[_Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        s, c, o, tables = _upload(device, steps, seeds, coeffs)
+        for st, dt in zip(steps, tables):
+            if st.zero is not None:
+                st.zero.zero_()
+            for e0, e1 in st.groups:
+                COUNTERS["launches"] += 1
+                _C.apply_many_cuda(st.table[e0:].ctypes.data, dt[e0].data_ptr(), e1 - e0, len(seeds), s.data_ptr(),
+                                   (o if st.ones else c).data_ptr(), stream)
 
 
-def _apply_triton(w, code, g: _Geometry, seeds: np.ndarray, coeffs: np.ndarray, key: int) -> None:
-    from espert.kernels.apply import apply
+def _run_triton(device, steps: list[_Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
+    from espert.kernels.apply import apply_many
 
-    s, c = _device_arrays(w, seeds, coeffs)
-    apply(w, code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols, s, c, key)
+    for st in steps:  # the codes are checked by C++ here too: one rule for every backend
+        _C.check_plan(st.table.ctypes.data, len(st.table), len(seeds))
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        s, c, o, tables = _upload(device, steps, seeds, coeffs)
+        for st, dt in zip(steps, tables):
+            if st.zero is not None:
+                st.zero.zero_()
+            for e0, e1 in st.groups:
+                COUNTERS["launches"] += 1
+                apply_many(st.table[e0:e1], dt[e0:e1], s, o if st.ones else c)
 
 
 def _triton_ok(w: torch.Tensor) -> bool:
@@ -162,10 +272,17 @@ def _triton_ok(w: torch.Tensor) -> bool:
     return w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _triton_block() -> int:
+    from espert.kernels.apply import DEFAULT_BLOCK
+
+    return DEFAULT_BLOCK
+
+
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _apply_cpu),
-    "cuda": Backend("cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _apply_cuda),
-    "triton": Backend("triton", _triton_ok, _apply_triton),
+    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _run_cpu),
+    "cuda": Backend("cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _run_cuda,
+                    lambda: int(_C.CUDA_UNIT_GROUPS)),
+    "triton": Backend("triton", _triton_ok, _run_triton, _triton_block),
 }
 
 
@@ -196,6 +313,147 @@ def _backend(w: torch.Tensor, name: str | None) -> Backend:
     return b
 
 
+# ---- launch plans ----------------------------------------------------------------------------
+
+_I64 = np.int64
+_ONE_BITS = int(np.float32(1.0).view(np.int32))
+
+
+def _i64(v: int) -> int:
+    """A uint64 value as the int64 with the same bits (the plan table is int64)."""
+    return v - U64 if v >= 1 << 63 else v
+
+
+def _row(data, code, rows, cols, row_stride, ro, co, lc, key, scale_bits, family, rank=0, sa=0, sb=0,
+         mb=0, me=0) -> list:
+    return [data, code, rows, cols, row_stride, _i64(ro), _i64(co), _i64(lc), _i64(key), scale_bits, family, rank,
+            sa, sb, mb, me, 0, 0]
+
+
+def _collapse_rows(t: np.ndarray) -> None:
+    """In place: a Philox-family entry whose rows are contiguous in memory and in the logical matrix
+    (full-width rows, row stride = cols) becomes one long row: fewer row ends, same logical indices."""
+    u = t.view(np.uint64)
+    m = ((t[:, _F["family"]] != FAMILY_CODES["lowrank"]) & (t[:, _F["rows"]] > 1)
+         & (t[:, _F["row_stride"]] == t[:, _F["cols"]]) & (t[:, _F["col_offset"]] == 0)
+         & (u[:, _F["logical_cols"]] == u[:, _F["cols"]]))
+    if not m.any():
+        return
+    start = u[m, _F["row_offset"]] * u[m, _F["logical_cols"]]  # < 2^64: checked by _geometry
+    n = t[m, _F["rows"]] * t[m, _F["cols"]]
+    t[m, _F["rows"]] = 1
+    t[m, _F["cols"]] = n
+    t[m, _F["row_stride"]] = n
+    u[m, _F["row_offset"]] = 0
+    u[m, _F["col_offset"]] = start
+    u[m, _F["logical_cols"]] = start + n.astype(np.uint64)
+
+
+def _finish(t: np.ndarray, unit_groups: int | None) -> tuple[np.ndarray, list]:
+    """Collapse rows, sort by (family, dtype) and, for GPU backends, fill units_per_row / unit_start
+    per launch group.  Returns (table, [(e0, e1)] groups)."""
+    if len(t) == 0:
+        return t, []
+    _collapse_rows(t)
+    t = t[np.lexsort((t[:, _F["dtype"]], t[:, _F["family"]]))]
+    key = t[:, _F["family"]] * 16 + t[:, _F["dtype"]]
+    cuts = [0] + (np.flatnonzero(np.diff(key)) + 1).tolist() + [len(t)]
+    groups = list(zip(cuts[:-1], cuts[1:]))
+    if unit_groups:
+        cols, fam = t[:, _F["cols"]], t[:, _F["family"]]
+        lowrank = fam == FAMILY_CODES["lowrank"]
+        rademacher = fam == FAMILY_CODES["rademacher"]  # units of whole 128-element Philox calls
+        groups_per_row = np.where(lowrank, (cols + 3) // 4, np.where(rademacher, 32 * ((cols + 254) // 128),
+                                                                     (cols + 6) // 4))
+        upr = np.maximum(1, (groups_per_row + unit_groups - 1) // unit_groups)
+        t[:, _F["units_per_row"]] = upr
+        units = np.where(t[:, _F["member_end"]] > t[:, _F["member_begin"]], t[:, _F["rows"]] * upr, 0)
+        for e0, e1 in groups:
+            t[e0:e1, _F["unit_start"]] = np.concatenate([[0], np.cumsum(units[e0:e1])[:-1]])
+    return np.ascontiguousarray(t), groups
+
+
+def _lowrank_pieces(g: _Geometry, w: torch.Tensor, n: int, r: int) -> list[tuple]:
+    """Split a lowrank block into sub-blocks whose A/B staging (n·r·(rows + cols) float32) fits
+    STAGING_BYTES: (data address, rows, cols, row_offset, col_offset) each."""
+    budget = STAGING_BYTES // 4
+    if n * r * (g.rows + g.cols) <= budget:
+        return [(w.data_ptr(), g.rows, g.cols, g.row_offset, g.col_offset)]
+    cc = min(g.cols, max(1, (budget // 2) // (n * r)))
+    rc = min(g.rows, max(1, (budget - n * r * cc) // (n * r)))
+    es, out = w.element_size(), []
+    for i0 in range(0, g.rows, rc):
+        for j0 in range(0, g.cols, cc):
+            out.append((w.data_ptr() + (i0 * g.row_stride + j0) * es, min(rc, g.rows - i0), min(cc, g.cols - j0),
+                        g.row_offset + i0, g.col_offset + j0))
+    return out
+
+
+def _build_steps(checked: list, fam: NoiseFamily, n: int, scale_bits: list, device,
+                 unit_groups: int | None) -> list[_Step]:
+    """The launch plan of one call: the Philox-family entries in one step; lowrank entries in chunks
+    whose staging fits STAGING_BYTES, each a fill step (A and Bᵀ from the v1 Gaussian) + an apply step."""
+    lr_code = FAMILY_CODES["lowrank"]
+    plain, pieces = [], []
+    for (w, key, g, code), sb in zip(checked, scale_bits):
+        if g.rows == 0 or g.cols == 0:
+            continue
+        if fam.name == "lowrank" and g.logical_rows > 1:
+            for data, rows, cols, ro, co in _lowrank_pieces(g, w, n, fam.rank):
+                pieces.append(_row(data, code, rows, cols, g.row_stride, ro, co, g.logical_cols, key, sb, lr_code,
+                                   fam.rank, mb=0, me=n))
+            continue
+        family = FAMILY_CODES["rademacher" if fam.name == "rademacher" else "gaussian"]
+        plain.append(_row(w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset,
+                          g.logical_cols, key, sb, family, mb=0, me=n))
+    steps = []
+    if plain:
+        t, groups = _finish(np.array(plain, dtype=_I64), unit_groups)
+        steps.append(_Step(t, False, groups))
+    if not pieces:
+        return steps
+    r = fam.rank
+    budget = STAGING_BYTES // 4
+    sizes = [n * r * (p[_F["rows"]] + p[_F["cols"]]) for p in pieces]
+    chunks, cur, used = [], [], 0
+    for p, sz in zip(pieces, sizes):
+        if cur and used + sz > budget:
+            chunks.append(cur)
+            cur, used = [], 0
+        cur.append(p)
+        used += sz
+    chunks.append(cur)
+    stage = torch.empty(max(sum(n * r * (p[_F["rows"]] + p[_F["cols"]]) for p in c) for c in chunks),
+                        dtype=torch.float32, device=device)
+    base = stage.data_ptr()
+    k_bits = int(lowrank_scale(r).view(np.int32))
+    f32, gauss = DTYPE_CODES[torch.float32], FAMILY_CODES["gaussian"]
+    members = np.arange(n, dtype=_I64)
+    for chunk in chunks:
+        fills, off = [], 0
+        for p in chunk:
+            rows, cols = p[_F["rows"]], p[_F["cols"]]
+            key = p[_F["key"]] % U64
+            sa, sb = base + 4 * off, base + 4 * (off + n * rows * r)
+            off += n * r * (rows + cols)
+            p[_F["stage_a"]], p[_F["stage_b"]] = sa, sb
+            a = np.array(_row(0, f32, rows, r, r, p[_F["row_offset"]] % U64, 0, r, key ^ LOWRANK_KEY_A, k_bits, gauss),
+                         dtype=_I64)
+            b = np.array(_row(0, f32, r, cols, cols, 0, p[_F["col_offset"]] % U64, p[_F["logical_cols"]] % U64,
+                              key ^ LOWRANK_KEY_B, _ONE_BITS, gauss), dtype=_I64)
+            for proto, start, size in ((a, sa, rows * r), (b, sb, r * cols)):
+                rows_m = np.repeat(proto[None, :], n, axis=0)
+                rows_m[:, _F["data"]] = start + 4 * size * members
+                rows_m[:, _F["member_begin"]] = members
+                rows_m[:, _F["member_end"]] = members + 1
+                fills.append(rows_m)
+        ft, fg = _finish(np.concatenate(fills), unit_groups)
+        steps.append(_Step(ft, True, fg, zero=stage))
+        at, ag = _finish(np.array(chunk, dtype=_I64), unit_groups)
+        steps.append(_Step(at, False, ag))
+    return steps  # the fill steps hold the staging buffer (zero=stage) until the call returns
+
+
 # ---- the ops -------------------------------------------------------------------------------
 
 def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -219,9 +477,89 @@ def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.nda
     return seed_arr, coeff32
 
 
+def _check_items(items, fam: NoiseFamily, n: int, scales, backend: str | None):
+    """Validate every (tensor, key, block) of a multi-tensor call before anything is written.
+    Returns ([(w, key, geometry, dtype code)], [scale bits], Backend, device)."""
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"items must be a sequence of (tensor, key, block) triples, got {type(items).__name__}")
+    items = list(items)
+    if scales is not None:
+        scales = list(scales)
+        if len(scales) != len(items):
+            raise ValueError(f"got {len(scales)} scales for {len(items)} tensors")
+    checked, bits, be, device, seen = [], [], None, None, set()
+    for k, item in enumerate(items):
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise TypeError(f"items[{k}] must be a (tensor, key, block) triple, got {item!r:.80}")
+        w, key, block = item
+        if _quantized(w):
+            raise TypeError(f"items[{k}] is a quantized weight: use es_update_/perturb_ on it")
+        code = _check_weight(w)
+        key = _check_u64(f"items[{k}] key", key)
+        g = _geometry(w, block)
+        if fam.name == "lowrank" and g.logical_rows > 1:
+            if g.logical_rows * fam.rank >= U64 or fam.rank * g.logical_cols >= U64:
+                raise ValueError(f"items[{k}]: {fam} needs logical_rows·r and r·logical_cols below 2^64")
+            if n * fam.rank * 8 > STAGING_BYTES:
+                raise ValueError(f"{fam} with {n} members needs more than {STAGING_BYTES >> 20} MiB of staging "
+                                 f"per row and column; use fewer members per call")
+        b = _backend(w, backend)
+        if be is None:
+            be, device = b, w.device
+        elif b is not be or w.device != device:
+            raise ValueError(f"items[{k}] is on {w.device} with backend {b.name!r}; a call takes tensors of one "
+                             f"device and backend ({device}, {be.name!r})")
+        if w.numel() and (w.data_ptr(), g.rows, g.cols) in seen:
+            raise ValueError(f"items[{k}]: the same tensor appears twice in one call")
+        seen.add((w.data_ptr(), g.rows, g.cols))
+        s = 1.0 if scales is None else scales[k]
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(s) or s <= 0 or not np.float32(s) >= np.finfo(np.float32).tiny \
+                or not np.isfinite(np.float32(s)):
+            raise ValueError(f"scales[{k}] must be a finite number > 0 that is normal in float32, got {s!r}")
+        checked.append((w, key, g, code))
+        bits.append(int(np.float32(s).view(np.int32)))
+    return checked, bits, be, device
+
+
 @torch.no_grad()
+def es_update_many_(items, seeds: Sequence[int], coeffs: Sequence[float], *, noise: str = "gaussian",
+                    scales: Sequence[float] | None = None, backend: str | None = None) -> None:
+    """In place, for every ``(w, key, block)`` of ``items``:
+    ``w <- round(w + Σ_n c_n · ε(seeds[n], key, logical index))``, one pass per element, with
+    ``c_n = fl32(fl32(coeffs[n]) · fl32(scales[t]))`` (scale 1.0, the default, is exact).
+
+    w: float32 / float16 / bfloat16, [rows, cols] (unit inner stride), [n] or contiguous N-D, all on
+    one device; key: int in [0, 2^64); block: :class:`Block` or None.  seeds: N ints in [0, 2^64);
+    coeffs: N finite floats.  noise: ``"gaussian"`` (v1), ``"rademacher"`` or ``"lowrank:r"``
+    (docs/noise.md §5; 1-row parameters take the Gaussian).  Everything is validated before any
+    write; one launch plan serves the whole list (module docstring).
+    """
+    fam = NoiseFamily.parse(noise)
+    seed_arr, coeff32 = check_members(seeds, coeffs)
+    checked, scale_bits, be, device = _check_items(items, fam, len(seed_arr), scales, backend)
+    if not checked or len(seed_arr) == 0:
+        return
+    steps = _build_steps(checked, fam, len(seed_arr), scale_bits, device, be.unit_groups and be.unit_groups())
+    if steps:
+        be.run(device, steps, seed_arr, coeff32)
+    # in-place edits must be visible to autograd, as torch's own in-place ops are
+    torch.autograd.graph.increment_version([w for w, _, _, _ in checked])
+
+
+def perturb_many_(items, seed: int, sigma: float, sign: int = 1, *, noise: str = "gaussian",
+                  scales: Sequence[float] | None = None, backend: str | None = None) -> None:
+    """In place, for every ``(w, key, block)``: ``w <- round(w + c·ε(seed, key, index))`` with
+    ``c = fl32(fl32(sign·σ)·scale)``.  σ: finite, > 0 and normal in float32; sign: the int +1 or -1.
+    See :func:`es_update_many_` for the tensors and ``noise``."""
+    sigma = _check_sigma(sigma)
+    sign = _check_sign(sign)
+    es_update_many_(items, [seed], [sign * sigma], noise=noise, scales=scales, backend=backend)
+
+
 def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], key: int, *,
-               block: Block | None = None, backend: str | None = None, master: torch.Tensor | None = None):
+               block: Block | None = None, backend: str | None = None, master: torch.Tensor | None = None,
+               noise: str = "gaussian"):
     """In place: ``w <- round(w + Σ_n coeffs[n] · ε(seeds[n], key, logical index))``, one pass.
 
     A quantized weight (``espert.quant.QuantWeight``) dispatches to its lattice kernels
@@ -230,7 +568,8 @@ def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], k
     w: float32 / float16 / bfloat16 on cpu or cuda, shape [rows, cols] (unit inner stride), [n] or
     contiguous N-D.  seeds: N ints in [0, 2^64).  coeffs: N finite floats (rounded to float32).
     The sum over members is taken in float32 registers in member order; each element of ``w`` is
-    read and written once, and nothing of size N × w is stored.  Returns ``w``.
+    read and written once, and nothing of size N × w is stored.  ``noise``: see
+    :func:`es_update_many_`, of which this is the one-tensor case.  Returns ``w``.
     """
     if _quantized(w):
         from espert.quant.ops import es_update_q_
@@ -238,34 +577,25 @@ def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], k
         return es_update_q_(w, seeds, coeffs, key, master, block=block, backend=backend)
     if master is not None:
         raise ValueError("master= is only for quantized weights; float weights keep their master in a CenterStore")
-    code = _check_weight(w)
-    g = _geometry(w, block)
-    key = _check_u64("key", key)
-    seed_arr, coeff32 = check_members(seeds, coeffs)
-    b = _backend(w, backend)
-    if len(seed_arr) == 0 or w.numel() == 0:
-        return w
-    b.apply(w, code, g, seed_arr, coeff32, key)
+    es_update_many_([(w, key, block)], seeds, coeffs, noise=noise, backend=backend)
     return w
 
 
 def perturb_(w: torch.Tensor, seed: int, key: int, sigma: float, sign: int = 1, *,
-             block: Block | None = None, backend: str | None = None) -> torch.Tensor:
+             block: Block | None = None, backend: str | None = None, noise: str = "gaussian") -> torch.Tensor:
     """In place: ``w <- round(w + sign·σ·ε(seed, key, logical index))``.  Antithetic pairs use sign ±1.
 
     Same tensor rules as :func:`es_update_` (it is ``es_update_`` with one member and coefficient
-    ``sign·σ``).  σ must be finite and > 0.  Undo it with :func:`restore_`, never by subtracting:
-    rounding makes ``(w + σε) - σε != w`` for a few percent of bf16/fp16 elements.
+    ``sign·σ``).  σ must be finite, > 0 and normal in float32; sign the int +1 or -1.  Undo it
+    with :func:`restore_`, never by subtracting: rounding makes ``(w + σε) - σε != w`` for a few
+    percent of bf16/fp16 elements.
     """
     if _quantized(w):
         from espert.quant.ops import perturb_q_
 
         return perturb_q_(w, seed, key, sigma, sign, block=block, backend=backend)
-    if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) or not math.isfinite(sigma) or sigma <= 0:
-        raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
-    if sign not in (1, -1):
-        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
-    return es_update_(w, [seed], [sign * float(sigma)], key, block=block, backend=backend)
+    perturb_many_([(w, key, block)], seed, sigma, sign, noise=noise, backend=backend)
+    return w
 
 
 # 16-bit float formats: (exponent-all-ones pattern, mantissa mask, shift of the mantissa into binary32, quiet bit)

@@ -1,29 +1,43 @@
-"""Triton backend of espert's one kernel: in-place ``w += Σ_m coeffs[m]·ε(seeds[m], key, idx)``.
+"""Triton backend of espert's one kernel: in-place ``w += Σ_m c_m·ε(seeds[m], key, idx)`` over a
+launch plan (espert/ops.py): one launch per (dtype, noise family) present in a call, whatever the
+number of tensors.  Each program reads its plan entry through a pointer table (binary search over
+``unit_start``; the interpreter supports int64 -> pointer bitcasts too).
 
 Bit-identical to ``espert.noise.update_reference`` and to the C++/CUDA kernels
 (``csrc/noise.h``): Philox4x32-10 in uint32, a Box-Muller built only from correctly
 rounded binary32 + - * / sqrt (``tl.div_rn``, ``tl.sqrt_rn``, launched with
 ``enable_fp_fusion=False`` so no a*b+c becomes an FMA), and storage rounding by integer
-operations.  The float constants are taken from ``espert.noise`` so they cannot drift.
+operations.  The float constants are taken from ``espert.noise`` so they cannot drift; the
+dtype and family codes and the plan's column order come from ``espert._C``.
 
-Layout: program i*blocks_per_row + b handles row i of the block and the BLOCK Philox groups
-g0 + b*BLOCK + [0, BLOCK), where g0 is the group of the row's first logical element.
-Each group's four normals are computed once and interleaved into 4*BLOCK contiguous
-elements, so weight loads and stores are contiguous (masked at the row's ends: a row
-may start and end mid-group).  Members are looped over inside the program with the sum
-kept in registers, so every weight element is read once and written once whatever n is.
+Layout: a program owns one unit: row i of an entry and BLOCK Philox groups (4·BLOCK elements;
+rademacher: BLOCK/32 whole Philox calls of 128 elements; lowrank: 4·BLOCK columns from column 0).
+The members are looped over inside the program with the sum kept in registers, so every weight
+element is read once and written once whatever n is.  Units wholly inside their row (all of them
+but the row ends) load and store without masks.  A NaN element keeps its bits.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from espert import _C
 from espert import noise as _ref
 
-# Storage codes, as in csrc/noise.h.
-FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
+# Storage and family codes and the plan's columns: from the compiled module (csrc/apply.h).
+FLOAT32, FLOAT16, BFLOAT16 = (_C.DTYPE_CODES[n] for n in ("float32", "float16", "bfloat16"))
+GAUSSIAN, RADEMACHER, LOWRANK = (_C.FAMILY_CODES[n] for n in ("gaussian", "rademacher", "lowrank"))
+PLAN_FIELDS = tuple(_C.PLAN_FIELDS)
+NF = tl.constexpr(len(PLAN_FIELDS))
+(F_DATA, F_DTYPE, F_ROWS, F_COLS, F_ROW_STRIDE, F_ROW_OFFSET, F_COL_OFFSET, F_LOGICAL_COLS, F_KEY, F_SCALE,
+ F_FAMILY, F_RANK, F_STAGE_A, F_STAGE_B, F_MEMBER_BEGIN, F_MEMBER_END, F_UNITS_PER_ROW, F_UNIT_START) = (
+    tl.constexpr(PLAN_FIELDS.index(n)) for n in (
+        "data", "dtype", "rows", "cols", "row_stride", "row_offset", "col_offset", "logical_cols", "key",
+        "scale_bits", "family", "rank", "stage_a", "stage_b", "member_begin", "member_end", "units_per_row",
+        "unit_start"))
 
 # fp16 <-> fp32 conversions.  True: `.to()`, i.e. `cvt.f32.f16` / `cvt.rn.f16x2.f32` on GPU
 # (checked in the PTX for sm_90), numpy in the interpreter: exact widening and IEEE
@@ -33,9 +47,6 @@ FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
 # midpoint); on GPU only NaN payloads can differ (the hardware canonicalizes NaNs anyway).
 # Flip to False if the GPU bit-exactness check of fp16 fails.
 FP16_HW_CVT = True
-
-# Columns at or past which column arithmetic switches to int64 (a module constant so tests can force it).
-INT32_LIMIT = 2**31
 
 # Launch shape on GPU (untuned: no GPU yet).  256 groups on 2 warps = 4 groups (16 elements) per
 # thread: ~93-124 registers on sm_90, no spills, and little tail waste on rows like 11008 columns.
@@ -199,9 +210,8 @@ def _f32_to_f16_bits(x):
 
 
 @triton.jit
-def _load_f32(ptrs, mask, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
-    """Load storage elements (fp32, or 16-bit ones through an int16 pointer) widened to float32."""
-    v = tl.load(ptrs, mask=mask)
+def _widen(v, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
+    """Storage elements (fp32, or 16-bit ones as int16 bits) widened to float32, exactly."""
     if DTYPE == 0:
         return v
     elif DTYPE == 1 and F16_HW:
@@ -215,79 +225,193 @@ def _load_f32(ptrs, mask, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
 
 
 @triton.jit
-def _store_f32(ptrs, x, mask, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
-    """Round float32 to the storage format (nearest even) and store."""
+def _narrow(x, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
+    """float32 rounded (nearest even) to the storage format: fp32, or 16-bit as int16 bits."""
     if DTYPE == 0:
-        tl.store(ptrs, x, mask=mask)
+        return x
     elif DTYPE == 1 and F16_HW:
-        tl.store(ptrs, x.to(tl.float16).to(tl.int16, bitcast=True), mask=mask)
+        return x.to(tl.float16).to(tl.int16, bitcast=True)
     else:
         if DTYPE == 1:
             h = _f32_to_f16_bits(x)
         else:
             h = _f32_to_bf16_bits(x)  # not .to(tl.bfloat16): the interpreter truncates
-        tl.store(ptrs, h.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        return h.to(tl.uint16).to(tl.int16, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["row_offset", "col_offset", "logical_cols", "key"])
-def _apply_kernel(w_ptr, seeds_ptr, coeffs_ptr, n, cols, row_stride, row_offset, col_offset, logical_cols, key,
-                  blocks_per_row, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-                  BIG: tl.constexpr, F16_HW: tl.constexpr):
-    # a 1-D grid: CUDA caps grid dims 1 and 2 at 65535, too few for rows or for the blocks of a long row
-    pid = tl.program_id(0)
-    row = pid // blocks_per_row
-    blk = pid % blocks_per_row
-    # logical index of the row's first element, uint64 (offsets may be beyond 2^32)
-    base = (row_offset.to(tl.uint64) + row.to(tl.uint64)) * logical_cols.to(tl.uint64) + col_offset.to(tl.uint64)
-    g = (base >> 2) + blk.to(tl.uint64) * BLOCK + tl.arange(0, BLOCK).to(tl.uint64)  # [BLOCK] groups
-    g_lo = g.to(tl.uint32)
-    g_hi = (g >> 32).to(tl.uint32)
-    k64 = key.to(tl.uint64)
+@triton.jit
+def _load_f32(ptrs, mask, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
+    """Load storage elements (fp32, or 16-bit ones through an int16 pointer) widened to float32."""
+    return _widen(tl.load(ptrs, mask=mask), DTYPE, F16_HW)
+
+
+@triton.jit
+def _store_f32(ptrs, x, mask, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
+    """Round float32 to the storage format (nearest even) and store."""
+    tl.store(ptrs, _narrow(x, DTYPE, F16_HW), mask=mask)
+
+
+@triton.jit
+def _add_store(row_ptr, col0, cols, offs, acc, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
+    """w <- round(w + acc) at columns col0 + offs of a row of ``cols`` elements (offs: int32, acc's
+    shape); a NaN keeps its bits.  Units wholly inside the row go unmasked."""
+    ptrs = row_ptr + col0 + offs
+    if (col0 >= 0) & (col0 + acc.numel <= cols):
+        raw = tl.load(ptrs)
+        x = _widen(raw, DTYPE, F16_HW)
+        tl.store(ptrs, tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW)))
+    else:  # a row end: bounds as int32 scalars clamped to [0, numel]
+        lo = tl.minimum(tl.maximum(-col0, 0), acc.numel).to(tl.int32)
+        hi = tl.minimum(tl.maximum(cols - col0, 0), acc.numel).to(tl.int32)
+        mask = (offs >= lo) & (offs < hi)
+        raw = tl.load(ptrs, mask=mask)
+        x = _widen(raw, DTYPE, F16_HW)
+        tl.store(ptrs, tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW)), mask=mask)
+
+
+@triton.jit
+def _seed_coeff(seeds_ptr, coeffs_ptr, m, scale):
+    seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
+    return seed.to(tl.uint32), (seed >> 32).to(tl.uint32), tl.load(coeffs_ptr + m) * scale
+
+
+@triton.jit
+def _apply_kernel(plan_ptr, n_entries, n_search, seeds_ptr, coeffs_ptr, DTYPE: tl.constexpr,
+                  FAMILY: tl.constexpr, BLOCK: tl.constexpr, F16_HW: tl.constexpr):
+    # a 1-D grid over the units of every entry: CUDA caps grid dims 1 and 2 at 65535
+    u = tl.program_id(0).to(tl.int64)
+    lo = u * 0
+    hi = lo + n_entries - 1
+    for _ in range(n_search):  # the last entry whose unit_start <= u
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(plan_ptr + mid * NF + F_UNIT_START) <= u
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    e = plan_ptr + lo * NF
+    data = tl.load(e + F_DATA)
+    if DTYPE == 0:
+        w_ptr = data.to(tl.pointer_type(tl.float32), bitcast=True)
+    else:  # 16-bit storage travels as int16 bits (see _widen)
+        w_ptr = data.to(tl.pointer_type(tl.int16), bitcast=True)
+    cols = tl.load(e + F_COLS)
+    upr = tl.load(e + F_UNITS_PER_ROW)
+    local = u - tl.load(e + F_UNIT_START)
+    i = local // upr  # once per program
+    blk = local - i * upr
+    # logical index of the row's first element, uint64 (offsets may be beyond 2^63)
+    ro = tl.load(e + F_ROW_OFFSET).to(tl.uint64, bitcast=True)
+    co = tl.load(e + F_COL_OFFSET).to(tl.uint64, bitcast=True)
+    lc = tl.load(e + F_LOGICAL_COLS).to(tl.uint64, bitcast=True)
+    base = (ro + i.to(tl.uint64)) * lc + co
+    k64 = tl.load(e + F_KEY).to(tl.uint64, bitcast=True)
     key_lo = k64.to(tl.uint32)
     key_hi = (k64 >> 32).to(tl.uint32)
+    scale = tl.load(e + F_SCALE).to(tl.int32).to(tl.float32, bitcast=True)
+    mb = tl.load(e + F_MEMBER_BEGIN)
+    me = tl.load(e + F_MEMBER_END)
+    row_ptr = w_ptr + i * tl.load(e + F_ROW_STRIDE)
 
-    # columns (inside the block) of this program's 4*BLOCK elements; lane 0 of the row's first
-    # group sits `base % 4` columns before column 0
-    if BIG:
-        blk = blk.to(tl.int64)  # columns beyond 2^31
-    col = blk * (4 * BLOCK) + tl.arange(0, 4 * BLOCK)
-    if ALIGNED:  # every row starts a group: masks and addresses stay provably aligned
-        mask = col < cols
-    else:
-        col = col - (base & 3).to(col.dtype)
-        mask = (col >= 0) & (col < cols)
-    ptrs = w_ptr + row.to(tl.int64) * row_stride + col
-    x = _load_f32(ptrs, mask, DTYPE, F16_HW)  # issued before the noise math, which hides its latency
+    if FAMILY == 0:  # gaussian: BLOCK groups, lane 0 of the row's first group sits base % 4 columns early
+        col0 = blk * (4 * BLOCK) - (base & 3).to(tl.int64)
+        g = (base >> 2) + blk.to(tl.uint64) * BLOCK + tl.arange(0, BLOCK).to(tl.uint64)
+        g_lo = g.to(tl.uint32)
+        g_hi = (g >> 32).to(tl.uint32)
+        acc0 = tl.zeros([BLOCK], tl.float32)
+        acc1 = tl.zeros([BLOCK], tl.float32)
+        acc2 = tl.zeros([BLOCK], tl.float32)
+        acc3 = tl.zeros([BLOCK], tl.float32)
+        for m in range(mb, me):
+            s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
+            n0, n1, n2, n3 = normals4(s_lo, s_hi, key_lo, key_hi, g_lo, g_hi)
+            acc0 = acc0 + c * n0
+            acc1 = acc1 + c * n1
+            acc2 = acc2 + c * n2
+            acc3 = acc3 + c * n3
+        # lanes in element order: interleave(interleave(a0, a2), interleave(a1, a3)) = a0 a1 a2 a3 a0 a1 ...
+        acc = tl.interleave(tl.interleave(acc0, acc2), tl.interleave(acc1, acc3))
+        _add_store(row_ptr, col0, cols, tl.arange(0, 4 * BLOCK), acc, DTYPE, F16_HW)
+    elif FAMILY == 1:  # rademacher: BLOCK // 32 whole Philox calls of 128 elements
+        NH: tl.constexpr = BLOCK // 32
+        col0 = blk * (4 * BLOCK) - (base & 127).to(tl.int64)
+        h = ((base >> 7) + blk.to(tl.uint64) * NH + tl.arange(0, NH).to(tl.uint64)) | (1 << 62)
+        h_lo = h.to(tl.uint32)[:, None]
+        h_hi = (h >> 32).to(tl.uint32)[:, None]
+        b = tl.arange(0, 128)[None, :]
+        q = b >> 5
+        bit = (b & 31).to(tl.uint32)
+        acc = tl.zeros([NH, 128], tl.float32)
+        for m in range(mb, me):
+            s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
+            x0, x1, x2, x3 = philox4x32_10(h_lo, h_hi, key_lo, key_hi, s_lo, s_hi)
+            word = tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
+            # c·(±1): c with its sign bit flipped by the element's bit, exact
+            flip = ((word >> bit) & 1) << 31
+            acc = acc + (c.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
+        offs = tl.arange(0, NH)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        _add_store(row_ptr, col0, cols, offs, acc, DTYPE, F16_HW)
+    else:  # lowrank: 4·BLOCK columns; ε = Σ_j fl(A'[i, j]·Bᵀ[j, col]) from the staged A' = K_r·A and Bᵀ
+        col0 = blk * (4 * BLOCK)
+        offs = tl.arange(0, 4 * BLOCK)
+        inb = offs < tl.minimum(cols - col0, 4 * BLOCK).to(tl.int32)
+        r = tl.load(e + F_RANK)
+        rows = tl.load(e + F_ROWS)
+        sa = tl.load(e + F_STAGE_A).to(tl.pointer_type(tl.float32), bitcast=True)
+        sb = tl.load(e + F_STAGE_B).to(tl.pointer_type(tl.float32), bitcast=True)
+        acc = tl.zeros([4 * BLOCK], tl.float32)
+        for m in range(mb, me):
+            c = tl.load(coeffs_ptr + m) * scale
+            mm = m - mb
+            a_row = sa + (mm * rows + i) * r
+            b_row = sb + mm * r * cols + col0
+            t = tl.zeros([4 * BLOCK], tl.float32)
+            for j in range(r):
+                t = t + tl.load(a_row + j) * tl.load(b_row + j * cols + offs, mask=inb, other=0.0)
+            acc = acc + c * t
+        _add_store(row_ptr, col0, cols, offs, acc, DTYPE, F16_HW)
 
-    acc0, acc1, acc2, acc3 = member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, BLOCK)
-    # lanes in element order: interleave(interleave(a0, a2), interleave(a1, a3)) = a0 a1 a2 a3 a0 a1 ...
-    acc = tl.interleave(tl.interleave(acc0, acc2), tl.interleave(acc1, acc3))
 
-    _store_f32(ptrs, x + acc, mask, DTYPE, F16_HW)
+def apply_many(table: np.ndarray, table_dev: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, *,
+               block: int = DEFAULT_BLOCK) -> None:
+    """One launch over plan entries that share a dtype and a family (espert/ops.py builds and checks
+    them, with units of ``block`` groups).  table: int64 [E, len(PLAN_FIELDS)] host copy (for the
+    grid); table_dev: the same on the weights' device; seeds: int64 [N] (uint64 bits); coeffs:
+    float32 [N], both on the weights' device.  ``block``: groups per program, a power of two
+    (>= 32 for rademacher), at most 2^18."""
+    assert block & (block - 1) == 0 and 4 * block <= 2**20, "block: a power of two, at most 2^18"
+    if len(table) == 0:
+        return
+    F = {n: i for i, n in enumerate(PLAN_FIELDS)}
+    dtype, family = int(table[0, F["dtype"]]), int(table[0, F["family"]])
+    assert family != RADEMACHER or block >= 32, "rademacher needs block >= 32 (whole Philox calls)"
+    live = table[:, F["member_end"]] > table[:, F["member_begin"]]
+    units = int((table[:, F["unit_start"]] + np.where(live, table[:, F["rows"]] * table[:, F["units_per_row"]], 0)).max())
+    if units == 0:
+        return
+    n_search = max(1, int(len(table) - 1).bit_length())
+    _apply_kernel[(units,)](table_dev, len(table), n_search, seeds, coeffs, DTYPE=dtype, FAMILY=family, BLOCK=block,
+                            F16_HW=FP16_HW_CVT, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def apply(w: torch.Tensor, dtype_code: int, rows: int, cols: int, row_stride: int,
           row_offset: int, col_offset: int, logical_cols: int,
-          seeds: torch.Tensor, coeffs: torch.Tensor, key: int, *, block: int = DEFAULT_BLOCK) -> None:
-    """In place on the block ``w`` ([rows, cols], row stride ``row_stride`` elements, unit column stride):
-    ``w[i, j] <- round(float32(w[i, j]) + Σ_m coeffs[m]·ε(seeds[m], key, (row_offset+i)*logical_cols + col_offset + j))``.
-
-    w: float32 / float16 / bfloat16 (``dtype_code`` 0 / 1 / 2), validated by the caller.
-    seeds: int64 [n] (uint64 bit patterns); coeffs: float32 [n]; both on w's device.
-    key: int in [0, 2^64).  ``block`` (groups per program, a power of two) is a tuning knob.
-    """
-    assert block & (block - 1) == 0 and 4 * block <= 2**20, "block: a power of two, at most 2^18"
+          seeds: torch.Tensor, coeffs: torch.Tensor, key: int, *, block: int = DEFAULT_BLOCK,
+          family: int = GAUSSIAN) -> None:
+    """One tensor, Gaussian or Rademacher (``family``): in place on the block ``w`` ([rows, cols], row
+    stride ``row_stride`` elements, unit column stride), ``w[i, j] <- round(float32(w[i, j]) +
+    Σ_m coeffs[m]·ε(seeds[m], key, (row_offset+i)*logical_cols + col_offset + j))``.  A one-entry
+    plan through :func:`apply_many` (the ops layer validates; tests call this directly).
+    seeds: int64 [n] (uint64 bit patterns); coeffs: float32 [n]; both on w's device."""
     n = seeds.numel()
-    if rows == 0 or cols == 0:
+    if rows == 0 or cols == 0 or n == 0:
         return
-    if w.dtype != torch.float32:  # 16-bit storage travels as int16 bits (see _load_f32)
-        w = w.view(torch.int16)
-    aligned = logical_cols % 4 == 0 and col_offset % 4 == 0  # then every row starts a group
-    groups_per_row = (cols + 3) // 4 if aligned else (cols + 6) // 4  # else a row can start mid-group
-    blocks_per_row = triton.cdiv(groups_per_row, block)
-    big = cols + 4 * block >= INT32_LIMIT
-    grid = (rows * blocks_per_row,)
-    _apply_kernel[grid](w, seeds, coeffs, n, cols, row_stride, row_offset, col_offset, logical_cols, key,
-                        blocks_per_row,
-                        DTYPE=dtype_code, BLOCK=block, ALIGNED=aligned, BIG=big, F16_HW=FP16_HW_CVT,
-                        num_warps=NUM_WARPS, enable_fp_fusion=False)
+    F = {name: i for i, name in enumerate(PLAN_FIELDS)}
+    row = np.zeros(len(PLAN_FIELDS), np.int64)
+    u = row.view(np.uint64)
+    row[F["data"]], row[F["dtype"]], row[F["rows"]], row[F["cols"]] = w.data_ptr(), dtype_code, rows, cols
+    row[F["row_stride"]], row[F["family"]], row[F["member_end"]] = row_stride, family, n
+    u[F["row_offset"]], u[F["col_offset"]], u[F["logical_cols"]], u[F["key"]] = row_offset, col_offset, logical_cols, key
+    row[F["scale_bits"]] = np.float32(1.0).view(np.int32)
+    groups_per_row = 32 * ((cols + 254) // 128) if family == RADEMACHER else (cols + 6) // 4
+    row[F["units_per_row"]] = max(1, -(-groups_per_row // block))
+    table = row[None, :]
+    apply_many(table, torch.from_numpy(table.copy()).to(w.device), seeds, coeffs, block=block)

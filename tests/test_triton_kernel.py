@@ -1,7 +1,7 @@
 """The Triton kernel (kernels/apply.py) against the numpy spec, bit for bit, under the Triton interpreter.
 
 Each interpreted program instance costs milliseconds, so tensors are small and blocks large.
-NaN weights must stay NaN; their payload bits are not compared (GPUs canonicalize NaNs).
+NaN weights keep their exact bits (the kernel selects the input's bits for a NaN element).
 """
 
 import os
@@ -45,14 +45,6 @@ def _bits(a) -> np.ndarray:
     return a.view(np.uint32 if a.itemsize == 4 else np.uint16)
 
 
-def _is_nan(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    if dtype == torch.float32:
-        return bits.view(np.float32) != bits.view(np.float32)
-    if dtype == torch.float16:
-        return np.isnan(bits.view(np.float16))
-    return (bits & 0x7FFF) > 0x7F80
-
-
 def _seeds(seeds) -> torch.Tensor:
     return torch.tensor(np.array(seeds, dtype=np.uint64).view(np.int64))
 
@@ -67,9 +59,7 @@ def check(w: torch.Tensor, seeds, coeffs, key=KEY, row_offset=0, col_offset=0, l
     apply(w, CODES[w.dtype], rows, cols, row_stride, row_offset, col_offset, lc,
           _seeds(seeds), torch.tensor(coeffs), key, block=block)
     got = _bits(w)
-    want_nan = _is_nan(want, w.dtype)
-    assert np.array_equal(_is_nan(got, w.dtype), want_nan), "NaN positions differ"
-    bad = (got != want) & ~want_nan
+    bad = got != want
     assert not bad.any(), f"{bad.sum()} of {bad.size} elements differ, first at {np.argwhere(bad)[0]}"
 
 
@@ -172,13 +162,6 @@ def test_large_offsets(dtype):
     # indices beyond 2^63: uint64 arithmetic, not int64
     check(_weights((2, 21), dtype, seed=8), [3], [-0.3], row_offset=2**40 + 5, col_offset=1,
           logical_cols=2**23 + 1)
-
-
-def test_int64_column_path(monkeypatch):
-    # the int64 column arithmetic used for rows of >= 2^31 elements, forced on a small tensor
-    monkeypatch.setattr(kmod, "INT32_LIMIT", 0)
-    check(_weights((3, 45), torch.bfloat16, seed=9), [11, 12], [0.2, 0.4], row_offset=7, col_offset=3,
-          logical_cols=61, block=8)
 
 
 def _special(dtype) -> torch.Tensor:

@@ -1,7 +1,10 @@
-// CPU kernel: tiles of 16 Philox groups (64 logical elements).  The per-lane math is
-// noise.h inlined into a loop the compiler vectorizes; the same loop is compiled twice,
-// for AVX-512 (with Philox written in intrinsics) and for the baseline ISA, and the path
-// is chosen at run time.  Both produce the same bits (tests/test_ops.py).
+// CPU kernel: one OpenMP region over the tiles of every entry of a launch plan (all tensors of
+// a call).  Tiles: gaussian 16 Philox groups (64 logical elements), rademacher one Philox call
+// (128 elements), lowrank 64 columns.  The per-lane math is noise.h inlined into loops the compiler
+// vectorizes; the same loops are compiled twice, for AVX-512 (with Philox written in intrinsics)
+// and for the baseline ISA, and the path is chosen at run time.  Both produce the same bits
+// (tests/test_ops.py).  Tile positions are computed in column space (int64), never as logical
+// indices, so elements up to logical index 2^64 - 1 are reached.
 // Must be built with -ffp-contract=off (exactness depends on it) and -fno-math-errno (else
 // sqrtf keeps an errno branch and the lane loop does not vectorize); see CMakeLists.txt.
 #include <immintrin.h>
@@ -9,27 +12,19 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "../apply.h"
+#include "normals_avx512.h"
 
 namespace espert {
 namespace {
 
 constexpr int kTileGroups = 16;
 constexpr int kTileElems = 4 * kTileGroups;
-constexpr int64_t kTilesPerTask = 64;  // 4096 elements per OpenMP task
-
-// Geometry of the tiles of one block: tile t of row i starts at group first_group(i) + 16 t.
-struct Tiling {
-  const Block& b;
-  int64_t tiles_per_row;
-  explicit Tiling(const Block& blk) : b(blk) {
-    // a row of `cols` elements starting anywhere inside a group spans at most (cols + 6) / 4 groups
-    const int64_t groups = (blk.cols + 6) / 4;
-    tiles_per_row = (groups + kTileGroups - 1) / kTileGroups;
-  }
-  int64_t count() const { return b.rows * tiles_per_row; }
-};
+constexpr int64_t kTilesPerTask = 64;  // 4096 elements (gaussian) per OpenMP task
 
 #define ESPERT_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq")))
 
@@ -77,18 +72,8 @@ ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)
   if constexpr (kAvx512) {
     alignas(64) uint32_t x[4][16];
     philox_tile_avx512(seed, key, g0, x);
-#pragma GCC ivdep
-    for (int j = 0; j < kTileGroups; ++j) {
-      const float r0 = fsqrt(neg2log_uniform(x[0][j]));
-      const float r1 = fsqrt(neg2log_uniform(x[2][j]));
-      float c, s;
-      sincos_turn(x[1][j], c, s);
-      n0[j] = fmul(r0, c);
-      n1[j] = fmul(r0, s);
-      sincos_turn(x[3][j], c, s);
-      n2[j] = fmul(r1, c);
-      n3[j] = fmul(r1, s);
-    }
+    avx512::normals_tile16(x, n);  // the transform in intrinsics, already in element order
+    return;
   } else {
 #pragma GCC ivdep
     for (int j = 0; j < kTileGroups; ++j) {
@@ -107,64 +92,151 @@ ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)
   }
 }
 
-template <int DT, bool kAvx512>
-ESPERT_HD void run_tiles(const ApplyArgs& a, const Tiling& tiling, int64_t t_begin, int64_t t_end) {
-  using S = Storage<DT>;
-  using T = typename S::T;
-  const Block& b = a.block;
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const int64_t i = t / tiling.tiles_per_row;
-    const int64_t tile = t % tiling.tiles_per_row;
-    const uint64_t base = b.row_base(i);
-    const uint64_t g0 = (base >> 2) + (uint64_t)tile * kTileGroups;
-    const uint64_t e_first = std::max<uint64_t>(base, 4 * g0);
-    const uint64_t e_end = std::min<uint64_t>(base + (uint64_t)b.cols, 4 * g0 + kTileElems);
-    if (e_first >= e_end) continue;
 
-    alignas(64) float acc[kTileElems];
-    for (int k = 0; k < kTileElems; ++k) acc[k] = 0.0f;
-    for (int64_t m = 0; m < a.n; ++m) {
-      const float c = a.coeffs[m];
-      alignas(64) float n[kTileElems];
-      tile_normals<kAvx512>(a.seeds[m], a.key, g0, n);
-      for (int k = 0; k < kTileElems; ++k) acc[k] = fadd(acc[k], fmul(c, n[k]));
-    }
-    T* row = reinterpret_cast<T*>(a.data) + i * b.row_stride;
-    T* w = row + (int64_t)(e_first - base);
-    const float* d = acc + (e_first - 4 * g0);
-    const int64_t len = (int64_t)(e_end - e_first);
+// Tiles per row of an entry, by family (bounds: a row may start anywhere inside a group).
+inline int64_t tiles_per_row(const PlanEntry& e) {
+  switch (e.family) {
+    case kGaussian: return ((e.cols + 6) / 4 + kTileGroups - 1) / kTileGroups;
+    case kRademacher: return (e.cols + 254) / 128;
+    default: return (e.cols + kTileElems - 1) / kTileElems;
+  }
+}
+
+// Stores acc[k - col0] into columns [cf, ce) of a row.
+template <int DT>
+ESPERT_HD void store_row(void* data, int64_t i, int64_t row_stride, int64_t col0, int64_t cf, int64_t ce,
+                         const float* acc) {
+  using T = typename Storage<DT>::T;
+  T* row = reinterpret_cast<T*>(data) + i * row_stride;
 #pragma GCC ivdep
-    for (int64_t k = 0; k < len; ++k) w[k] = S::store(fadd(S::load(w[k]), d[k]));
+  for (int64_t k = cf; k < ce; ++k) row[k] = add_to<DT>(row[k], acc[k - col0]);
+}
+
+template <int DT, bool kAvx512>
+ESPERT_HD void gaussian_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds, const float* coeffs) {
+  const Block b = e.block();
+  const uint64_t base = b.row_base(i);
+  const int64_t col0 = tile * kTileElems - (int64_t)(base & 3);  // column of the tile's first lane
+  const int64_t cf = std::max<int64_t>(0, col0), ce = std::min<int64_t>(e.cols, col0 + kTileElems);
+  if (cf >= ce) return;
+  const uint64_t g0 = (base >> 2) + (uint64_t)tile * kTileGroups;
+  const float scale = u2f((uint32_t)e.scale_bits);
+  alignas(64) float acc[kTileElems];
+  for (int k = 0; k < kTileElems; ++k) acc[k] = 0.0f;
+  for (int64_t m = e.member_begin; m < e.member_end; ++m) {
+    const float c = fmul(coeffs[m], scale);
+    alignas(64) float n[kTileElems];
+    tile_normals<kAvx512>(seeds[m], e.key, g0, n);
+    for (int k = 0; k < kTileElems; ++k) acc[k] = fadd(acc[k], fmul(c, n[k]));
+  }
+  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc);
+}
+
+template <int DT>
+ESPERT_HD void rademacher_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds,
+                               const float* coeffs) {
+  const Block b = e.block();
+  const uint64_t base = b.row_base(i);
+  const int64_t col0 = tile * 128 - (int64_t)(base & 127);
+  const int64_t cf = std::max<int64_t>(0, col0), ce = std::min<int64_t>(e.cols, col0 + 128);
+  if (cf >= ce) return;
+  const uint64_t h = (base >> 7) + (uint64_t)tile;
+  const float scale = u2f((uint32_t)e.scale_bits);
+  alignas(64) float acc[128];
+  for (int k = 0; k < 128; ++k) acc[k] = 0.0f;
+  for (int64_t m = e.member_begin; m < e.member_end; ++m) {
+    const uint32_t c = f2u(fmul(coeffs[m], scale));
+    const U4 x = rademacher_words(seeds[m], e.key, h);
+    const uint32_t words[4] = {x.x0, x.x1, x.x2, x.x3};
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t wq = words[q];
+      // c · (±1) is c with its sign bit flipped by the element's bit: exact, and vectorizes
+#pragma GCC ivdep
+      for (int k = 0; k < 32; ++k) acc[32 * q + k] = fadd(acc[32 * q + k], u2f(c ^ (((wq >> k) & 1u) << 31)));
+    }
+  }
+  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc);
+}
+
+template <int DT>
+ESPERT_HD void lowrank_tile(const PlanEntry& e, int64_t i, int64_t tile, const float* coeffs) {
+  const int64_t col0 = tile * kTileElems;
+  const int64_t len = std::min<int64_t>(kTileElems, e.cols - col0);
+  const int64_t r = e.rank;
+  const float scale = u2f((uint32_t)e.scale_bits);
+  alignas(64) float acc[kTileElems];
+  for (int k = 0; k < kTileElems; ++k) acc[k] = 0.0f;
+  for (int64_t m = e.member_begin; m < e.member_end; ++m) {
+    const float c = fmul(coeffs[m], scale);
+    const int64_t mm = m - e.member_begin;
+    const float* a = reinterpret_cast<const float*>(e.stage_a) + (mm * e.rows + i) * r;
+    const float* bt = reinterpret_cast<const float*>(e.stage_b) + mm * r * e.cols + col0;
+    alignas(64) float t[kTileElems];
+    for (int k = 0; k < kTileElems; ++k) t[k] = 0.0f;
+    for (int64_t j = 0; j < r; ++j) {
+      const float aj = a[j];
+      const float* bj = bt + j * e.cols;
+#pragma GCC ivdep
+      for (int64_t k = 0; k < len; ++k) t[k] = fadd(t[k], fmul(aj, bj[k]));
+    }
+    for (int k = 0; k < kTileElems; ++k) acc[k] = fadd(acc[k], fmul(c, t[k]));
+  }
+  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, col0, col0 + len, acc);
+}
+
+template <int DT, bool kAvx512>
+ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin, int64_t t_end,
+                               const uint64_t* seeds, const float* coeffs) {
+  int64_t i = t_begin / tpr, tile = t_begin % tpr;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    switch (e.family) {
+      case kGaussian: gaussian_tile<DT, kAvx512>(e, i, tile, seeds, coeffs); break;
+      case kRademacher: rademacher_tile<DT>(e, i, tile, seeds, coeffs); break;
+      default: lowrank_tile<DT>(e, i, tile, coeffs); break;
+    }
+    if (++tile == tpr) { tile = 0; ++i; }
   }
 }
 
-template <int DT>
-ESPERT_AVX512 void run_avx512(const ApplyArgs& a, const Tiling& t, int64_t b, int64_t e) {
-  run_tiles<DT, true>(a, t, b, e);
-}
-
-template <int DT>
-void run_generic(const ApplyArgs& a, const Tiling& t, int64_t b, int64_t e) {
-  run_tiles<DT, false>(a, t, b, e);
-}
-
-template <int DT>
-void apply_typed(const ApplyArgs& a) {
-  const Tiling tiling(a.block);
-  const int64_t total = tiling.count();
-  const bool avx = use_avx512();
-  const int64_t ntasks = (total + kTilesPerTask - 1) / kTilesPerTask;
-  // a thread team costs more than a few tasks of work (tiny tensors, busy machines)
-#pragma omp parallel for schedule(static) if (ntasks >= 4)
-  for (int64_t task = 0; task < ntasks; ++task) {
-    const int64_t b = task * kTilesPerTask;
-    const int64_t e = std::min(total, b + kTilesPerTask);
-    if (avx) run_avx512<DT>(a, tiling, b, e);
-    else run_generic<DT>(a, tiling, b, e);
+template <bool kAvx512>
+ESPERT_HD void run_tiles(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
+  switch (e.dtype) {
+    case kFloat32: run_entry_tiles<kFloat32, kAvx512>(e, tpr, b, end, s, c); break;
+    case kFloat16: run_entry_tiles<kFloat16, kAvx512>(e, tpr, b, end, s, c); break;
+    default: run_entry_tiles<kBFloat16, kAvx512>(e, tpr, b, end, s, c); break;
   }
+}
+
+ESPERT_AVX512 void run_avx512(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s,
+                              const float* c) {
+  run_tiles<true>(e, tpr, b, end, s, c);
+}
+
+void run_generic(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
+  run_tiles<false>(e, tpr, b, end, s, c);
 }
 
 }  // namespace
+
+const char* check_plan(const PlanEntry* plan, int64_t n_entries, int64_t n_members) {
+  static thread_local std::string msg;
+  for (int64_t k = 0; k < n_entries; ++k) {
+    const PlanEntry& e = plan[k];
+    const char* bad = nullptr;
+    if (e.dtype < 0 || e.dtype >= kNumDTypes) bad = "unknown dtype code";
+    else if (e.family < 0 || e.family >= kNumFamilies) bad = "unknown noise family code";
+    else if (e.rows < 0 || e.cols < 0 || (e.rows > 1 && e.row_stride < e.cols)) bad = "bad rows/cols/row_stride";
+    else if (e.member_begin < 0 || e.member_end < e.member_begin || e.member_end > n_members) bad = "bad member range";
+    else if (e.rows > 0 && e.cols > 0 && e.data == 0) bad = "null data pointer";
+    else if (e.family == kLowRank && (e.rank < 1 || e.stage_a == 0 || e.stage_b == 0)) bad = "lowrank needs rank >= 1 and staging";
+    if (bad) {
+      msg = std::string("espert launch plan entry ") + std::to_string(k) + ": " + bad + " (dtype " +
+            std::to_string(e.dtype) + ", family " + std::to_string(e.family) + ")";
+      return msg.c_str();
+    }
+  }
+  return nullptr;
+}
 
 bool use_avx512() {
   static const bool yes = [] {
@@ -178,11 +250,33 @@ bool use_avx512() {
 
 const char* cpu_isa() { return use_avx512() ? "avx512" : "generic"; }
 
-void apply_cpu(const ApplyArgs& a) {
-  switch (a.dtype) {
-    case kFloat32: apply_typed<kFloat32>(a); break;
-    case kFloat16: apply_typed<kFloat16>(a); break;
-    case kBFloat16: apply_typed<kBFloat16>(a); break;
+void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* seeds, const float* coeffs,
+                    int64_t n_members) {
+  if (const char* err = check_plan(plan, n_entries, n_members)) throw std::invalid_argument(err);
+  // tile prefix over all entries: tasks of kTilesPerTask tiles may span entries
+  std::vector<int64_t> start(n_entries + 1, 0), tpr(n_entries, 0);
+  for (int64_t k = 0; k < n_entries; ++k) {
+    const PlanEntry& e = plan[k];
+    const bool empty = e.rows == 0 || e.cols == 0 || e.member_end == e.member_begin;
+    tpr[k] = empty ? 1 : tiles_per_row(e);
+    start[k + 1] = start[k] + (empty ? 0 : e.rows * tpr[k]);
+  }
+  const int64_t total = start[n_entries];
+  const int64_t ntasks = (total + kTilesPerTask - 1) / kTilesPerTask;
+  const bool avx = use_avx512();
+  // one thread team for the whole call; a team costs more than a few tasks (tiny calls, busy machines)
+#pragma omp parallel for schedule(dynamic, 1) if (ntasks >= 4)
+  for (int64_t task = 0; task < ntasks; ++task) {
+    int64_t b = task * kTilesPerTask;
+    const int64_t end = std::min(total, b + kTilesPerTask);
+    int64_t k = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
+    while (b < end) {
+      while (start[k + 1] <= b) ++k;  // skip empty entries
+      const int64_t e_end = std::min(end, start[k + 1]);
+      if (avx) run_avx512(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
+      else run_generic(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
+      b = e_end;
+    }
   }
 }
 
