@@ -25,6 +25,8 @@ import shutil
 import sys
 from typing import Iterator, Optional, Sequence
 
+import numpy as np
+
 #: (group, regex) checked in order against the parameter name; the first match wins.
 GROUP_PATTERNS: list[tuple[str, re.Pattern]] = [
     ("norm", re.compile(r"(norm|(^|\.)ln_?[0-9a-z]*\.)", re.I)),
@@ -231,6 +233,7 @@ def compute_drift(base_path: str, ckpt_path: str, taus: Sequence[float] = DEFAUL
     result = {
         "base": base_path,
         "checkpoint": ckpt_path,
+        "warnings": _dtype_warnings(base, ckpt, names),
         "overall": _finish(overall),
         "groups": {g: _finish(groups[g]) for g in GROUPS if g in groups},
         "update_magnitudes": {
@@ -245,6 +248,22 @@ def compute_drift(base_path: str, ckpt_path: str, taus: Sequence[float] = DEFAUL
     if per_tensor:
         result["per_tensor"] = rows_out
     return result
+
+
+_WIDTH = {"F64": 64, "F32": 32, "BF16": 16, "F16": 16, "F8_E4M3": 8, "F8_E5M2": 8}
+
+
+def _dtype_warnings(base: SafetensorsWeights, ckpt: SafetensorsWeights, names: Sequence[str]) -> list[str]:
+    """A warning when checkpoint tensors are stored in a narrower float type than the base's:
+    rounding to that dtype then counts as drift (a bf16 copy of an fp32 base "changes" most weights)."""
+    narrower: dict[tuple[str, str], int] = {}
+    for n in names:
+        b, c = base.dtype_str(n), ckpt.dtype_str(n)
+        if b != c and _WIDTH.get(c, 99) < _WIDTH.get(b, 0):
+            narrower[(b, c)] = narrower.get((b, c), 0) + 1
+    return [f"{cnt} tensor(s) are {c} in the checkpoint but {b} in the base: {c} rounding counts as change "
+            f"(compare against a base in the checkpoint's dtype to see the training drift alone)"
+            for (b, c), cnt in narrower.items()]
 
 
 def _check_output_dir(out_dir: str, inputs: Sequence[str], force: bool) -> None:
@@ -332,7 +351,9 @@ def format_drift_summary(label: str, res: dict) -> str:
     lines = [f"{label}: rel L2 drift {o['rel_l2']:.3e} (|delta| {o['delta_l2']:.3e} / |theta0| {o['base_l2']:.3e}), "
              f"{o['n_changed']}/{o['numel']} weights changed ({100 * o['frac_changed']:.1f}%), "
              f"max |delta| {o['max_abs_update']:.3e}"]
-    lines.append("  per group: " + ", ".join(f"{g} {v['rel_l2']:.2e}" for g, v in res["groups"].items()))
+    lines.append("  per group: " + ", ".join(f"{g} {v['rel_l2']:.2e}" if v["n_changed"] else f"{g} 0 (unchanged)"
+                                         for g, v in res["groups"].items()))
+    lines.extend(f"  warning: {w}" for w in res.get("warnings", []))
     um = res["update_magnitudes"]
     lines.append("  share of changed weights with |delta| <= tau: "
                  + ", ".join(f"{t:g}: {um['share_le_tau'][repr(t)]:.3f}" for t in um["taus"]))
@@ -351,9 +372,19 @@ def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
     width = min(11.0, max(6.0, 0.45 * len(groups) * (1 + len(labels)) + 1.5))
     fig, ax = plt.subplots(figsize=(width, 4), dpi=120)
     w = 0.8 / max(1, len(labels))
+    zero = []  # (x, label) of groups with exactly zero drift: an empty bar would look like missing data
     for i, lab in enumerate(labels):
+        xs = [j + (i - (len(labels) - 1) / 2) * w for j in range(len(groups))]
         vals = [results[lab]["groups"].get(g, {}).get("rel_l2", 0.0) for g in groups]
-        ax.bar([j + (i - (len(labels) - 1) / 2) * w for j in range(len(groups))], vals, width=w, label=lab)
+        bars = ax.bar(xs, vals, width=w, label=lab)
+        zero += [(x, bars.patches[0].get_facecolor()) for x, v, g in zip(xs, vals, groups)
+                 if v == 0 and g in results[lab]["groups"]]
+    for x, color in zero:
+        ax.annotate("0", (x, 0), xycoords=("data", "axes fraction"), xytext=(0, 3), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8, fontweight="bold", color=color)
+    if zero:
+        ax.text(0.99, 0.98, "0 = group unchanged (zero drift)", transform=ax.transAxes, ha="right", va="top",
+                fontsize=7)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, rotation=30, ha="right")
     positive = [r["groups"][g]["rel_l2"] for r in results.values() for g in r["groups"] if r["groups"][g]["rel_l2"] > 0]
@@ -383,8 +414,8 @@ def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``espert analyze`` (shared by the stand-alone and the espert CLI)."""
-    p.add_argument("--base", required=True, help="base model dir or .safetensors file")
-    p.add_argument("--ckpt", nargs="+", required=True, metavar="[LABEL=]PATH", help="checkpoint dir(s)/file(s)")
+    p.add_argument("--base", help="base model dir or .safetensors file (drift)")
+    p.add_argument("--ckpt", nargs="+", metavar="[LABEL=]PATH", help="checkpoint dir(s)/file(s) (drift)")
     p.add_argument("--taus", nargs="+", type=float, default=DEFAULT_TAUS,
                    help="thresholds for the |delta| <= tau shares (default 1e-7 ... 1e-2)")
     p.add_argument("--json", metavar="FILE", help="write the full analysis as JSON")
@@ -409,6 +440,8 @@ def _parse_ckpts(specs: Sequence[str]) -> dict[str, str]:
 def run_analyze(args: argparse.Namespace) -> int:
     """Entry point of ``espert analyze`` (returns a process exit code; 2 on bad input)."""
     try:
+        if not args.base or not args.ckpt:
+            raise ValueError("drift analysis needs --base and --ckpt (or use a sub-command: run, estimator)")
         ckpts = _parse_ckpts(args.ckpt)
         if args.export and len(ckpts) != 1:
             raise ValueError("--export needs exactly one --ckpt")
@@ -421,6 +454,8 @@ def run_analyze(args: argparse.Namespace) -> int:
             res = compute_drift(args.base, path, args.taus, per_tensor=not args.no_per_tensor)
             results[label] = res
             print(format_drift_summary(label, res))
+            for w in res["warnings"]:
+                print(f"espert analyze: warning: {label}: {w}", file=sys.stderr)
         report = {"base": args.base, "checkpoints": results}
         if args.export:
             (label, path), = ckpts.items()
@@ -442,11 +477,174 @@ def run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- estimator diagnostics of a run, and the one-point vs antithetic experiment ----------------------
+
+def run_diagnostics(run_dir: str) -> dict:
+    """Per-iteration estimator diagnostics of a run directory's ``log.jsonl``.
+
+    Recomputed from the logged members and rewards (so older runs work too); FLOPs come from the
+    ``diagnostics`` the loop logged, when present.  Returns ``{"iterations": [...], "rows": [...]}``,
+    one row per iteration with ``corr_pm``, ``kappa``, ``kappa_eval``, ``reward_std``,
+    ``reward_range`` and ``flops_total``, plus ``heldout`` [(t, mean)].
+    """
+    from espert.diagnostics import antithetic_stats, reward_spread
+    from espert.runs import LOG, iteration_records, read_log
+
+    path = os.path.join(run_dir, LOG)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no run log at {path}")
+    records = read_log(path)
+    rows = []
+    for rec in iteration_records(records):
+        a = antithetic_stats(rec["members"], rec["rewards"])
+        sp = reward_spread(rec["rewards"])
+        logged = rec.get("diagnostics") or {}
+        rows.append({"iteration": rec["iteration"], "corr_pm": a["corr_pm"], "kappa": a["kappa"],
+                     "kappa_eval": a["kappa_eval"], "reward_std": sp["std"], "reward_range": sp["range"],
+                     "flops_total": logged.get("flops_total")})
+    if not rows:
+        raise ValueError(f"{path} has no iterations")
+    held = [(r["iteration"], r["mean"]) for r in records if r.get("kind") == "eval"]
+    return {"run_dir": run_dir, "rows": rows, "heldout": held}
+
+
+def _mean(xs) -> Optional[float]:
+    v = [x for x in xs if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def format_run_diagnostics(res: dict) -> str:
+    rows = res["rows"]
+    f = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    half = max(1, len(rows) // 2)
+    lines = [f"{res['run_dir']}: {len(rows)} iterations"]
+    for name, part in (("first half", rows[:half]), ("second half", rows[half:] or rows[:half])):
+        lines.append(f"  {name}: Corr(X+,X-) {f(_mean(r['corr_pm'] for r in part))}, "
+                     f"kappa {f(_mean(r['kappa'] for r in part))}, kappa_eval {f(_mean(r['kappa_eval'] for r in part))}, "
+                     f"reward std {f(_mean(r['reward_std'] for r in part))}")
+    tot = rows[-1]["flops_total"]
+    lines.append(f"  forward FLOPs (cumulative): {'not logged' if tot is None else f'{tot:.3e}'}")
+    return "\n".join(lines)
+
+
+def plot_run_diagnostics(res: dict, out_dir: str) -> str:
+    """``estimator.png``: Corr(X+,X-), kappa, reward spread and held-out reward per iteration
+    (x: cumulative FLOPs when logged, else iterations)."""
+    from espert.eval.plots import pyplot, save_figure
+
+    plt = pyplot()
+    rows = res["rows"]
+    use_flops = all(r["flops_total"] is not None for r in rows)
+    x = [r["flops_total"] if use_flops else r["iteration"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), dpi=120)
+    ax = axes[0]
+    ax.plot(x, [np.nan if r["corr_pm"] is None else r["corr_pm"] for r in rows], label="Corr(X+, X-)")
+    ax.plot(x, [np.nan if r["kappa"] is None else r["kappa"] for r in rows], label="kappa = Var A / V1")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set_title("antithetic estimator")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ax.plot(x, [np.nan if r["reward_std"] is None else r["reward_std"] for r in rows], label="std")
+    ax.plot(x, [np.nan if r["reward_range"] is None else r["reward_range"] for r in rows], label="max - min")
+    ax.set_title("population reward spread")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    it_to_x = {r["iteration"]: xx for r, xx in zip(rows, x)}
+    it_to_x[0] = 0.0 if use_flops else 0
+    held = [(it_to_x[t], m) for t, m in res["heldout"] if t in it_to_x and m is not None]
+    if held:
+        ax.plot([h[0] for h in held], [h[1] for h in held], "o-")
+    ax.set_title("held-out reward")
+    for a in axes:
+        a.set_xlabel("cumulative forward FLOPs" if use_flops else "iteration")
+        a.grid(True, alpha=0.3)
+    os.makedirs(out_dir, exist_ok=True)
+    return save_figure(fig, os.path.join(out_dir, "estimator.png"))
+
+
+def run_run(args: argparse.Namespace) -> int:
+    """``espert analyze run RUN_DIR``: estimator diagnostics of a training run."""
+    try:
+        res = run_diagnostics(args.run_dir)
+        print(format_run_diagnostics(res))
+        if args.json:
+            _write_json(args.json, res)
+        if args.plot_dir:
+            print(f"wrote {plot_run_diagnostics(res, args.plot_dir)}")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"espert analyze run: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_estimator(args: argparse.Namespace) -> int:
+    """``espert analyze estimator``: one-point vs antithetic variance, common vs independent prompts."""
+    try:
+        from espert.diagnostics import estimator_variance
+        from espert.evaluators import TorchEvaluator, load_model
+        from espert.tasks import load_task
+
+        if not os.path.isdir(args.model):
+            raise FileNotFoundError(f"model directory not found: {args.model}")
+        task = load_task(args.task, args.split, n=args.pool, path=args.data)
+        model, tok = load_model(args.model)
+        ev = TorchEvaluator(model, tok, task.score, max_new_tokens=args.max_new_tokens)
+        try:
+            res = estimator_variance(ev, task.prompts, task.answers, args.sigma, args.pairs, args.per_member,
+                                     args.seed)
+        finally:
+            ev.close()
+        f = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
+        for kind in ("common", "independent"):
+            a = res[kind]
+            print(f"{kind:>11} prompts: Corr(X+,X-) {f(a['corr_pm'])}  one-point var {f(a['var_one'])}  "
+                  f"antithetic var {f(a['var_anti'])}  kappa {f(a['kappa'])}  kappa_eval {f(a['kappa_eval'])}")
+        if args.json:
+            _write_json(args.json, res)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"espert analyze estimator: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def add_subcommands(p: argparse.ArgumentParser) -> None:
+    """``espert analyze run`` and ``espert analyze estimator`` (drift stays the flag-only default)."""
+    sub = p.add_subparsers(dest="analyze_command", metavar="SUBCOMMAND")
+    r = sub.add_parser("run", help="estimator diagnostics of a training run (Corr(X+,X-), kappa, spread, FLOPs)")
+    r.add_argument("run_dir", metavar="RUN_DIR")
+    r.add_argument("--plot-dir", metavar="DIR", help="write estimator.png here")
+    r.add_argument("--json", metavar="FILE")
+    r.set_defaults(func=run_run)
+    e = sub.add_parser("estimator", help="one-point vs antithetic variance with common and independent prompts")
+    e.add_argument("--model", required=True, help="local HF model directory")
+    e.add_argument("--task", default="copy")
+    e.add_argument("--data", metavar="JSONL")
+    e.add_argument("--split", default="train")
+    e.add_argument("--pool", type=int, default=256, help="prompts in the pool (default 256)")
+    e.add_argument("--sigma", type=float, default=0.02)
+    e.add_argument("--pairs", type=int, default=16)
+    e.add_argument("--per-member", type=int, default=16, help="prompts per member (default 16)")
+    e.add_argument("--max-new-tokens", type=int, default=8)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--json", metavar="FILE")
+    e.set_defaults(func=run_estimator)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m espert.analyze`` entry point."""
     p = argparse.ArgumentParser(prog="python -m espert.analyze", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run_analyze(p.parse_args(argv))
+    add_subcommands(p)
+    p.set_defaults(func=run_analyze)
+    args = p.parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -141,14 +141,17 @@ def _quiet_transformers() -> None:
 
 def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``analyze`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
-    from ..analyze import add_arguments, run_analyze
+    from ..analyze import add_arguments, add_subcommands, run_analyze
 
     p = subparsers.add_parser(
         "analyze", help="weight drift of checkpoints vs a base model; export magnitude-thresholded checkpoints",
         description="Relative L2 drift overall and per parameter group, update-magnitude distribution, and "
-                    "export of a checkpoint whose small updates (|delta| <= tau) are reset to the base weights.",
+                    "export of a checkpoint whose small updates (|delta| <= tau) are reset to the base weights. "
+                    "Sub-commands: 'run RUN_DIR' (estimator diagnostics of a training run), 'estimator' "
+                    "(one-point vs antithetic variance, common vs independent prompt sets).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
+    add_subcommands(p)
     p.set_defaults(func=run_analyze)
     return p
 

@@ -1,0 +1,179 @@
+"""ES diagnostics (espert.diagnostics) on objectives where their values are known, and the
+``espert analyze run / estimator`` sub-commands and drift warnings built on them."""
+
+import json
+import math
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from espert import diagnostics as dg
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
+from tiny_model import build_tiny_model  # noqa: E402
+
+import espert.analyze as an  # noqa: E402
+
+
+def _pairs(xp, xm):
+    members, rewards = [], []
+    for k, (a, b) in enumerate(zip(xp, xm)):
+        members += [(k, 1), (k, -1)]
+        rewards += [a, b]
+    return members, rewards
+
+
+def test_linear_reward_is_perfectly_anticorrelated():
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(32) * 0.1  # X± = a ± σ g·ε: only an odd part
+    s = dg.antithetic_stats(*_pairs(0.5 + g, 0.5 - g))
+    assert s["pairs"] == 32
+    assert s["corr_pm"] == pytest.approx(-1.0, abs=1e-12)
+    assert s["kappa"] == pytest.approx(1.0) and s["kappa_eval"] == pytest.approx(2.0)
+    assert s["var_even"] == pytest.approx(0.0, abs=1e-20)
+
+
+def test_even_reward_is_cancelled_by_antithetic_pairs():
+    rng = np.random.default_rng(1)
+    c = rng.standard_normal(16) * 0.1  # X± = a + c (curvature / prompt difficulty): only an even part
+    s = dg.antithetic_stats(*_pairs(0.5 + c, 0.5 + c))
+    assert s["corr_pm"] == pytest.approx(1.0) and s["kappa"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_kappa_is_half_of_one_minus_rho_at_equal_variances():
+    rng = np.random.default_rng(2)
+    odd, even = rng.standard_normal(4000), rng.standard_normal(4000)
+    s = dg.antithetic_stats(*_pairs(even + odd, even - odd))
+    # exact identity (population variances): kappa = Var A / (Var A + Var S)
+    assert s["kappa"] == pytest.approx(s["var_anti"] / (s["var_anti"] + s["var_even"]), rel=1e-12)
+    assert s["kappa"] == pytest.approx((1 - s["corr_pm"]) / 2, abs=0.02)
+
+
+def test_antithetic_stats_drops_failed_members_and_small_populations():
+    s = dg.antithetic_stats([(1, 1), (1, -1), (2, 1), (2, -1), (3, 1), (3, -1)],
+                            [0.1, 0.2, float("nan"), 0.3, 0.5, 0.1])
+    assert s["pairs"] == 2
+    assert dg.antithetic_stats([(1, 1), (1, -1)], [0.1, 0.2])["corr_pm"] is None
+    assert dg.antithetic_stats(*_pairs([0.3, 0.3], [0.1, 0.5]))["corr_pm"] is None  # X+ constant
+
+
+def test_js_divergence_known_values():
+    assert dg.js_divergence([{"a": 3}, {"a": 1}]) == 0.0
+    assert dg.js_divergence([{"a": 1}, {"b": 5}]) == pytest.approx(1.0)
+    assert dg.js_divergence([{"a": 1}, {"b": 1}, {"c": 1}, {"d": 1}]) == pytest.approx(2.0)
+    # two members, each 50/50 over {a,b} vs {a,c}: H(mix) = 1.5, mean H = 1 -> 0.5 bit
+    assert dg.js_divergence([{"a": 1, "b": 1}, {"a": 1, "c": 1}]) == pytest.approx(0.5)
+    assert dg.population_js([[["a"], ["x"]], [["b"], ["x"]]]) == pytest.approx(0.5)  # 1 bit, 0 bit
+    with pytest.raises(ValueError, match="same prompts"):
+        dg.population_js([[["a"]], [["a"], ["b"]]])
+
+
+def test_flops_and_iteration_diagnostics():
+    assert dg.forward_flops(83_000, 10) == 2 * 83_000 * 10
+    rec = {"members": [[1, 1], [1, -1], [2, 1], [2, -1]], "rewards": [0.6, 0.4, 0.7, 0.3]}
+    d = dg.iteration_diagnostics(rec, n_params=100, tokens=50, flops_before=1e4)
+    assert d["antithetic"]["corr_pm"] == pytest.approx(-1.0)
+    assert d["spread"]["range"] == pytest.approx(0.4)
+    assert d["flops"] == 1e4 and d["flops_total"] == 2e4
+    assert "flops" not in dg.iteration_diagnostics(rec)
+
+
+class _LinearEvaluator:
+    """A real center (espert's perturb/restore kernels) under a linear reward 0.5 + w·(θ − θ0) + d_prompt."""
+
+    def __init__(self, n=4096, seed=0):
+        from espert.center import CenterStore
+        from espert.evaluators import ModelEvaluator
+        from espert.params import ParamView
+
+        g = torch.Generator().manual_seed(seed)
+        self.theta = torch.randn(n, generator=g) * 0.02
+        self.theta0 = self.theta.clone()
+        self.w = torch.randn(n, generator=g) / n ** 0.5
+        outer = self
+
+        class Ev(ModelEvaluator):
+            def rollout(self, prompts, answers):
+                lin = float(outer.w @ (outer.theta - outer.theta0))
+                return [0.5 + lin + float(a) for a in answers]
+
+        self.ev = Ev(CenterStore([ParamView("lin.weight", self.theta)], master_dtype=torch.float32))
+
+
+def test_estimator_variance_on_a_linear_objective():
+    lin = _LinearEvaluator()
+    prompts = [f"p{i}" for i in range(64)]
+    answers = [str(0.2 * ((i * 37) % 64) / 64) for i in range(64)]  # prompt "difficulty" offsets in [0, 0.2)
+    res = dg.estimator_variance(lin.ev, prompts, answers, sigma=0.01, pairs=12, per_member=8, seed=0)
+    common, indep = res["common"], res["independent"]
+    assert common["corr_pm"] == pytest.approx(-1.0, abs=1e-4)  # shared prompts: the offset cancels exactly
+    assert common["kappa"] == pytest.approx(1.0, abs=1e-4)
+    # independent prompt sets: prompt noise enters the antithetic difference
+    assert indep["corr_pm"] > -0.9 and indep["var_anti"] > 1.5 * common["var_anti"]
+    assert torch.equal(lin.theta, lin.theta0)  # every member restored exactly
+    with pytest.raises(ValueError, match="pairs >= 2"):
+        dg.estimator_variance(lin.ev, prompts, answers, 0.01, pairs=1)
+
+
+# ---- drift: zero-drift groups and dtype warnings ----------------------------------------------------
+
+def test_drift_warns_when_a_bf16_checkpoint_is_compared_to_an_fp32_base(tmp_path, capsys):
+    base = build_tiny_model(str(tmp_path / "base"))
+    ckpt = str(tmp_path / "bf16")
+    shutil.copytree(base, ckpt)
+    sd = load_file(os.path.join(base, "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in sd.items()}, os.path.join(ckpt, "model.safetensors"),
+              metadata={"format": "pt"})
+    res = an.compute_drift(base, ckpt)
+    assert len(res["warnings"]) == 1 and "BF16 rounding counts as change" in res["warnings"][0]
+    assert an.compute_drift(base, base)["warnings"] == []
+    assert an.main(["--base", base, "--ckpt", ckpt]) == 0
+    assert "warning" in capsys.readouterr().err
+
+
+def test_zero_drift_groups_are_marked(tmp_path):
+    base = build_tiny_model(str(tmp_path / "base"))
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(base, ckpt)
+    sd = load_file(os.path.join(base, "model.safetensors"))
+    save_file({k: (v if "norm" in k else v + 1e-3) for k, v in sd.items()}, os.path.join(ckpt, "model.safetensors"),
+              metadata={"format": "pt"})
+    res = an.compute_drift(base, ckpt)
+    assert res["groups"]["norm"]["n_changed"] == 0
+    assert "norm 0 (unchanged)" in an.format_drift_summary("ckpt", res)
+    paths = an.plot_drift({"ckpt": res}, str(tmp_path / "plots"))
+    assert all(os.path.getsize(p) > 0 for p in paths)
+
+
+# ---- espert analyze run -----------------------------------------------------------------------------
+
+def test_analyze_run_on_a_logged_run(tmp_path, capsys):
+    from espert.runs import LOG
+
+    d = tmp_path / "run"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    with open(d / LOG, "w") as f:
+        for t in range(1, 6):
+            g = rng.standard_normal(4) * 0.05
+            members = [[k, s] for k in range(4) for s in (1, -1)]
+            rewards = [float(0.5 + s * g[k]) for k in range(4) for s in (1, -1)]
+            f.write(json.dumps({"kind": "iter", "iteration": t, "members": members, "rewards": rewards,
+                                "reward": {"mean": 0.5}, "seeds": [], "coeffs": [], "decay": 1.0,
+                                "diagnostics": {"flops_total": 1e6 * t}}) + "\n")
+        f.write(json.dumps({"kind": "eval", "iteration": 5, "mean": 0.5, "n": 4}) + "\n")
+    res = an.run_diagnostics(str(d))
+    assert [r["iteration"] for r in res["rows"]] == [1, 2, 3, 4, 5]
+    assert all(r["corr_pm"] == pytest.approx(-1.0) for r in res["rows"])
+    assert res["rows"][-1]["flops_total"] == 5e6
+    assert an.main(["run", str(d), "--plot-dir", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "Corr(X+,X-) -1.000" in out and "5.000e+06" in out
+    assert os.path.getsize(tmp_path / "p" / "estimator.png") > 0
+    assert an.main(["run", str(tmp_path / "nope")]) == 2
+    assert "no run log" in capsys.readouterr().err
