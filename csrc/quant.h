@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "noise.h"
 
@@ -40,6 +41,31 @@ struct QuantArgs {
   int64_t n;
   uint64_t key;
 };
+
+// Why the codes of `a` cannot run, or "" when they can: an unknown element kind, layout, scale kind,
+// scale dtype or mode, or a layout of the other element kind.  quant_cpu and quant_cuda check it first
+// and throw std::invalid_argument, so no code ever falls through to another code's kernel.
+inline std::string check_codes(const QuantArgs& a) {
+  auto bad = [](const char* what, int v) { return std::string("unknown quantized ") + what + " code " + std::to_string(v); };
+  if (a.elem != kInt8 && a.elem != kFP8 && a.elem != kInt4) return bad("element kind", a.elem);
+  const bool byte_layout = a.layout == kNK || a.layout == kKN;
+  const bool int4_layout = a.layout == kGPTQ || a.layout == kAWQ || a.layout == kCpuW4A16 || a.layout == kMarlin;
+  if (!byte_layout && !int4_layout) return bad("layout", a.layout);
+  if ((a.elem == kInt4) != int4_layout)
+    return "quantized layout code " + std::to_string(a.layout) + " does not hold element kind " + std::to_string(a.elem);
+  if (a.scale_kind < kPerTensor || a.scale_kind > kMarlinChannel) return bad("scale kind", a.scale_kind);
+  if (a.scale_dtype != kFloat32 && a.scale_dtype != kFloat16 && a.scale_dtype != kBFloat16)
+    return bad("scale dtype", a.scale_dtype);
+  if (a.mode != kPerturb && a.mode != kUpdateMaster && a.mode != kUpdateNaive) return bad("mode", a.mode);
+  return "";
+}
+
+// Unreachable after check_codes: a kernel that meets an unknown code stops instead of guessing.
+#if defined(__CUDA_ARCH__)
+#define ESPERT_BAD_CODE() __trap()
+#else
+#define ESPERT_BAD_CODE() __builtin_trap()
+#endif
 
 // ---- the stochastic-rounding stream: group g' = g | 2^63, u = (x >> 8) * 2^-24 -----------------
 ESPERT_HD F4 sr_uniforms4(uint64_t seed, uint64_t key, uint64_t g) {
@@ -188,12 +214,14 @@ ESPERT_HD float load_scale(const QuantArgs& a, int64_t n, int64_t k) {
     case kPerChannel: i = n; break;
     case kGrouped: i = (k / a.group) * a.scale_ld + n; break;
     case kMarlinGrouped: i = (k / a.group) * a.scale_ld + marlin_scale_col(n, true); break;
-    default: i = (k / a.group) * a.scale_ld + marlin_scale_col(n, false); break;
+    case kMarlinChannel: i = (k / a.group) * a.scale_ld + marlin_scale_col(n, false); break;
+    default: ESPERT_BAD_CODE(); return 0.0f;
   }
   switch (a.scale_dtype) {
     case kFloat32: return reinterpret_cast<const float*>(a.scales)[i];
     case kFloat16: return f16_to_f32(reinterpret_cast<const uint16_t*>(a.scales)[i]);
-    default: return bf16_to_f32(reinterpret_cast<const uint16_t*>(a.scales)[i]);
+    case kBFloat16: return bf16_to_f32(reinterpret_cast<const uint16_t*>(a.scales)[i]);
+    default: ESPERT_BAD_CODE(); return 0.0f;
   }
 }
 

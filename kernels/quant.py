@@ -15,13 +15,32 @@ import torch
 import triton
 import triton.language as tl
 
+from espert import _C
 from espert.kernels.apply import member_sum, philox4x32_10
 
-# Layout codes (csrc/quant.h) and modes.
-NK, KN, GPTQ, AWQ, CPU_W4A16, MARLIN = 0, 1, 2, 3, 4, 5
-INT8, FP8, INT4 = 0, 1, 2
-PERTURB, MASTER, NAIVE = 0, 1, 2
-UNITS_G = {NK: 1, KN: 1, GPTQ: 2, AWQ: 8, CPU_W4A16: 8, MARLIN: 4}
+# The codes of csrc/quant.h, as espert._C exports them (one definition for C++, CUDA and Triton).
+_ELEM = dict(_C.QUANT_ELEM_CODES)
+_LAYOUT = dict(_C.QUANT_LAYOUT_CODES)
+_KIND = dict(_C.QUANT_SCALE_KIND_CODES)
+_MODE = dict(_C.QUANT_MODE_CODES)
+INT8: tl.constexpr = tl.constexpr(_ELEM["int8"])
+FP8: tl.constexpr = tl.constexpr(_ELEM["fp8"])
+INT4: tl.constexpr = tl.constexpr(_ELEM["int4"])
+NK: tl.constexpr = tl.constexpr(_LAYOUT["nk"])
+KN: tl.constexpr = tl.constexpr(_LAYOUT["kn"])
+GPTQ: tl.constexpr = tl.constexpr(_LAYOUT["gptq"])
+AWQ: tl.constexpr = tl.constexpr(_LAYOUT["awq"])
+CPU_W4A16: tl.constexpr = tl.constexpr(_LAYOUT["cpu_w4a16"])
+MARLIN: tl.constexpr = tl.constexpr(_LAYOUT["marlin"])
+PER_TENSOR: tl.constexpr = tl.constexpr(_KIND["tensor"])
+PER_CHANNEL: tl.constexpr = tl.constexpr(_KIND["channel"])
+GROUPED: tl.constexpr = tl.constexpr(_KIND["grouped"])
+MARLIN_GROUPED: tl.constexpr = tl.constexpr(_KIND["marlin_grouped"])
+MARLIN_CHANNEL: tl.constexpr = tl.constexpr(_KIND["marlin_channel"])
+PERTURB: tl.constexpr = tl.constexpr(_MODE["perturb"])
+MASTER: tl.constexpr = tl.constexpr(_MODE["master"])
+NAIVE: tl.constexpr = tl.constexpr(_MODE["naive"])
+UNITS_G = {_LAYOUT[name]: g for name, g in _C.QUANT_UNIT_GROUPS.items()}
 DEFAULT_BLOCK = 256
 
 
@@ -31,6 +50,20 @@ def _sr_uniforms4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi):
     x0, x1, x2, x3 = philox4x32_10(g_lo, g_hi | 0x80000000, key_lo, key_hi, seed_lo, seed_hi)
     return ((x0 >> 8).to(tl.float32) * 5.9604644775390625e-08, (x1 >> 8).to(tl.float32) * 5.9604644775390625e-08,
             (x2 >> 8).to(tl.float32) * 5.9604644775390625e-08, (x3 >> 8).to(tl.float32) * 5.9604644775390625e-08)
+
+
+@triton.jit
+def _floor(x):
+    """IEEE floor, subnormals included.  tl.floor compiles to cvt.rmi.ftz.f32.f32 on NVIDIA GPUs, which
+    flushes a negative subnormal to -0 (floor 0 instead of -1), unlike C++ floorf and CUDA.  Integer ops:
+    truncate, then step down where a negative x had a fraction; |x| >= 2^23 (and inf, NaN) is integral."""
+    b = x.to(tl.uint32, bitcast=True)
+    mag = b & 0x7FFFFFFF
+    big = mag >= 0x4B000000
+    t = tl.where(big, 0.0, x).to(tl.int32).to(tl.float32)  # trunc toward zero; exact for |x| < 2^23
+    frac = (t.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) != mag
+    r = tl.where(((b >> 31) == 1) & frac, t - 1.0, t)
+    return tl.where(big | (mag == 0), x, r)  # ±0 keeps its sign, like floorf
 
 
 @triton.jit
@@ -56,7 +89,7 @@ def _e4m3_round(y, u, STOCH: tl.constexpr):
     quantum = ((124 + e).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
     q = y * inv
     if STOCH:
-        r = tl.floor(q + u)
+        r = _floor(q + u)
     else:
         r = _rne(q)
     return r * quantum
@@ -76,39 +109,39 @@ def _f32_to_e4m3(x):
 def _edit(code, acc, s, u, mptr, mask, qmin, qmax, ELEM: tl.constexpr, MODE: tl.constexpr):
     """New code (uint32: int8 as its byte, fp8 bits, int4 nibble) of one element per lane (quant.h edit_code)."""
     v = tl.div_rn(acc, s)
-    if ELEM == 1:
+    if ELEM == FP8:
         nan = (code & 0x7F) == 0x7F
-        if MODE == 0:
+        if MODE == PERTURB:
             y = _e4m3_to_f32(code) + v
             new = _f32_to_e4m3(tl.minimum(tl.maximum(_e4m3_round(y, u, True), qmin), qmax))
         else:
-            if MODE == 1:
+            if MODE == MASTER:
                 base = tl.load(mptr, mask=mask, other=0.0)
             else:
                 base = _e4m3_to_f32(code)
             x = tl.minimum(tl.maximum(base + v, qmin), qmax)
-            if MODE == 1:
+            if MODE == MASTER:
                 tl.store(mptr, x, mask=mask & ~nan)
             new = _f32_to_e4m3(_e4m3_round(tl.where(nan, 0.0, x), u, False))
         return tl.where(nan, code, new)
     else:
-        if ELEM == 0:
+        if ELEM == INT8:
             c = ((code ^ 0x80).to(tl.int32) - 128).to(tl.float32)  # the byte as a signed int8
         else:
             c = code.to(tl.float32)
-        if MODE == 0:
-            x = tl.minimum(tl.maximum(c + tl.floor(v + u), qmin), qmax)
+        if MODE == PERTURB:
+            x = tl.minimum(tl.maximum(c + _floor(v + u), qmin), qmax)
         else:
-            if MODE == 1:
+            if MODE == MASTER:
                 base = tl.load(mptr, mask=mask, other=0.0)
             else:
                 base = c
             t = tl.minimum(tl.maximum(base + v, qmin), qmax)
-            if MODE == 1:
+            if MODE == MASTER:
                 tl.store(mptr, t, mask=mask)
             x = _rne(t)
         xi = x.to(tl.int32)
-        if ELEM == 0:
+        if ELEM == INT8:
             return (xi & 0xFF).to(tl.uint32)
         return xi.to(tl.uint32)
 
@@ -116,16 +149,16 @@ def _edit(code, acc, s, u, mptr, mask, qmin, qmax, ELEM: tl.constexpr, MODE: tl.
 @triton.jit
 def _origin(u, j: tl.constexpr, N, K, LAYOUT: tl.constexpr):
     """(n, k0) of group j of units u (quant.h Lay<L>::origin)."""
-    if LAYOUT == 0:
+    if LAYOUT == NK:
         n = u // (K // 4)
         k0 = 4 * (u % (K // 4))
-    elif LAYOUT == 1:
+    elif LAYOUT == KN:
         n = u % N
         k0 = 4 * (u // N)
-    elif LAYOUT == 2:
+    elif LAYOUT == GPTQ:
         n = u % N
         k0 = 8 * (u // N) + 4 * j
-    elif LAYOUT == 3 or LAYOUT == 4:
+    elif LAYOUT == AWQ or LAYOUT == CPU_W4A16:
         n = 8 * (u % (N // 8)) + j
         k0 = 4 * (u // (N // 8))
     else:
@@ -142,16 +175,16 @@ def _origin(u, j: tl.constexpr, N, K, LAYOUT: tl.constexpr):
 @triton.jit
 def _word_of(n, k, ld, LAYOUT: tl.constexpr):
     """Storage element (byte or int32 word) and bit shift of logical (n, k) (quant.h Lay<L>::loc)."""
-    if LAYOUT == 0:
+    if LAYOUT == NK:
         return n * ld + k, 0
-    elif LAYOUT == 1:
+    elif LAYOUT == KN:
         return k * ld + n, 0
-    elif LAYOUT == 2:
+    elif LAYOUT == GPTQ:
         return (k // 8) * ld + n, 4 * (k % 8)
-    elif LAYOUT == 3:
+    elif LAYOUT == AWQ:
         t = n % 8
         return k * ld + n // 8, 4 * (t // 2 + 4 * (t % 2))
-    elif LAYOUT == 4:
+    elif LAYOUT == CPU_W4A16:
         return (n // 16) * ld + 2 * k + (n % 16) // 8, 4 * (n % 8)
     else:
         kk = k % 16
@@ -164,13 +197,13 @@ def _word_of(n, k, ld, LAYOUT: tl.constexpr):
 
 @triton.jit
 def _scale(scales_ptr, n, k, group, scale_ld, mask, KIND: tl.constexpr):
-    if KIND == 0:
+    if KIND == PER_TENSOR:
         i = n * 0
-    elif KIND == 1:
+    elif KIND == PER_CHANNEL:
         i = n
-    elif KIND == 2:
+    elif KIND == GROUPED:
         i = (k // group) * scale_ld + n
-    elif KIND == 3:
+    elif KIND == MARLIN_GROUPED:
         nn = n % 64
         i = (k // group) * scale_ld + (n - nn) + 8 * (nn % 8) + nn // 8
     else:
@@ -193,18 +226,18 @@ def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_me
     key_hi = (k64 >> 32).to(tl.uint32)
     s0 = tl.load(seeds_ptr).to(tl.uint64, bitcast=True)  # member 0: the SR stream's seed (perturb)
     # int4 units own 1, 4 or 2 words: the word of (group 0, lane l) tells where they are
-    if ELEM == 2:
+    if ELEM == INT4:
         n00, k00 = _origin(u, 0, N, K, LAYOUT)
         wa0, _s = _word_of(n00, k00, ld, LAYOUT)
         wa1, _s = _word_of(n00, k00 + 1, ld, LAYOUT)
         wa2, _s = _word_of(n00, k00 + 2, ld, LAYOUT)
-        if LAYOUT == 5:  # Marlin: lanes 0, 1 in one word, lanes 2, 3 in the next
+        if LAYOUT == MARLIN:  # Marlin: lanes 0, 1 in one word, lanes 2, 3 in the next
             wa1 = wa2
         wa3, _s = _word_of(n00, k00 + 3, ld, LAYOUT)
         w0 = tl.load(codes_ptr + wa0, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        if LAYOUT == 3 or LAYOUT == 4 or LAYOUT == 5:
+        if LAYOUT == AWQ or LAYOUT == CPU_W4A16 or LAYOUT == MARLIN:
             w1 = tl.load(codes_ptr + wa1, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        if LAYOUT == 3 or LAYOUT == 4:
+        if LAYOUT == AWQ or LAYOUT == CPU_W4A16:
             w2 = tl.load(codes_ptr + wa2, mask=mask, other=0).to(tl.uint32, bitcast=True)
             w3 = tl.load(codes_ptr + wa3, mask=mask, other=0).to(tl.uint32, bitcast=True)
     for j in tl.static_range(G):
@@ -215,7 +248,7 @@ def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_me
         g_lo = g.to(tl.uint32)
         g_hi = (g >> 32).to(tl.uint32)
         a0, a1, a2, a3 = member_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g_lo, g_hi, BLOCK)
-        if MODE == 0:
+        if MODE == PERTURB:
             u0, u1, u2, u3 = _sr_uniforms4(s0.to(tl.uint32), (s0 >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
         else:
             u0 = a0 * 0.0
@@ -239,11 +272,11 @@ def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_me
             s = _scale(scales_ptr, n, k, group, scale_ld, mask, KIND)
             mptr = master_ptr + n * K + k
             widx, shift = _word_of(n, k, ld, LAYOUT)
-            if ELEM == 2:
+            if ELEM == INT4:
                 # which of the unit's words holds (j, l): GPTQ one; AWQ / CPU W4A16 word l; Marlin l // 2
-                if LAYOUT == 2:
+                if LAYOUT == GPTQ:
                     word = w0
-                elif LAYOUT == 5:
+                elif LAYOUT == MARLIN:
                     if l < 2:
                         word = w0
                     else:
@@ -261,9 +294,9 @@ def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_me
                 code = (word >> sh) & 0xF
                 nc = _edit(code, acc, s, uu, mptr, mask, qmin, qmax, ELEM, MODE)
                 word = (word & ~(tl.full([BLOCK], 0xF, tl.uint32) << sh)) | (nc << sh)
-                if LAYOUT == 2:
+                if LAYOUT == GPTQ:
                     w0 = word
-                elif LAYOUT == 5:
+                elif LAYOUT == MARLIN:
                     if l < 2:
                         w0 = word
                     else:
@@ -281,23 +314,18 @@ def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_me
                 code = tl.load(codes_ptr + widx, mask=mask, other=0).to(tl.uint32)
                 nc = _edit(code, acc, s, uu, mptr, mask, qmin, qmax, ELEM, MODE)
                 tl.store(codes_ptr + widx, nc.to(tl.uint8), mask=mask)
-    if ELEM == 2:
+    if ELEM == INT4:
         tl.store(codes_ptr + wa0, w0.to(tl.int32, bitcast=True), mask=mask)
-        if LAYOUT == 3 or LAYOUT == 4 or LAYOUT == 5:
+        if LAYOUT == AWQ or LAYOUT == CPU_W4A16 or LAYOUT == MARLIN:
             tl.store(codes_ptr + wa1, w1.to(tl.int32, bitcast=True), mask=mask)
-        if LAYOUT == 3 or LAYOUT == 4:
+        if LAYOUT == AWQ or LAYOUT == CPU_W4A16:
             tl.store(codes_ptr + wa2, w2.to(tl.int32, bitcast=True), mask=mask)
             tl.store(codes_ptr + wa3, w3.to(tl.int32, bitcast=True), mask=mask)
 
 
-_ELEM = {"int8": INT8, "fp8": FP8, "int4": INT4}
-_LAYOUT = {"nk": NK, "kn": KN, "gptq": GPTQ, "awq": AWQ, "cpu_w4a16": CPU_W4A16, "marlin": MARLIN}
-_KIND = {"tensor": 0, "channel": 1, "grouped": 2, "marlin_grouped": 3, "marlin_channel": 4}
-
-
-def _units(layout: int, n: int, k: int) -> int:
-    return {NK: n * (k // 4), KN: n * (k // 4), GPTQ: n * (k // 8), AWQ: (n // 8) * (k // 4),
-            CPU_W4A16: (n // 8) * (k // 4), MARLIN: (n // 64) * (k // 16) * 64}[layout]
+def _units(layout: str, n: int, k: int) -> int:
+    return {"nk": n * (k // 4), "kn": n * (k // 4), "gptq": n * (k // 8), "awq": (n // 8) * (k // 4),
+            "cpu_w4a16": (n // 8) * (k // 4), "marlin": (n // 64) * (k // 16) * 64}[layout]
 
 
 def quant_apply(geom, scales: torch.Tensor, master: torch.Tensor | None, mode: int, seeds: torch.Tensor,
@@ -305,11 +333,11 @@ def quant_apply(geom, scales: torch.Tensor, master: torch.Tensor | None, mode: i
     """Run the quantized kernel on a validated geometry (``espert.quant.ops.QGeometry``).
 
     geom.data: the storage (int8 / uint8 bytes or int32 words); scales: float32/16/bf16; master:
-    float32 [N, K] or None; mode 0 perturb / 1 master update / 2 naive update; seeds int64 [n]
+    float32 [N, K] or None; mode: a code of espert._C.QUANT_MODE_CODES; seeds int64 [n]
     (uint64 bit patterns), coeffs float32 [n], on the storage's device (at least one seed for perturb).
     """
     layout = _LAYOUT[geom.layout]
-    units = _units(layout, geom.N, geom.K)
+    units = _units(geom.layout, geom.N, geom.K)
     if units == 0:
         return
     if seeds.numel() == 0:  # the SR seed load needs an element; no member means acc = 0

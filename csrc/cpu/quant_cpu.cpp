@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 
 #include "../apply.h"
 #include "../quant.h"
@@ -111,7 +112,8 @@ void by_mode(const QuantArgs& a) {
   switch (a.mode) {
     case kPerturb: run<E, L, kPerturb>(a); break;
     case kUpdateMaster: run<E, L, kUpdateMaster>(a); break;
-    default: run<E, L, kUpdateNaive>(a); break;
+    case kUpdateNaive: run<E, L, kUpdateNaive>(a); break;
+    default: throw std::invalid_argument(check_codes(a));
   }
 }
 
@@ -122,21 +124,28 @@ void by_layout(const QuantArgs& a) {
       case kGPTQ: by_mode<E, kGPTQ>(a); break;
       case kAWQ: by_mode<E, kAWQ>(a); break;
       case kCpuW4A16: by_mode<E, kCpuW4A16>(a); break;
-      default: by_mode<E, kMarlin>(a); break;
+      case kMarlin: by_mode<E, kMarlin>(a); break;
+      default: throw std::invalid_argument(check_codes(a));
     }
   } else {
-    if (a.layout == kNK) by_mode<E, kNK>(a);
-    else by_mode<E, kKN>(a);
+    switch (a.layout) {
+      case kNK: by_mode<E, kNK>(a); break;
+      case kKN: by_mode<E, kKN>(a); break;
+      default: throw std::invalid_argument(check_codes(a));
+    }
   }
 }
 
 }  // namespace
 
 void quant_cpu(const QuantArgs& a) {
+  const std::string err = check_codes(a);
+  if (!err.empty()) throw std::invalid_argument(err);
   switch (a.elem) {
     case kInt8: by_layout<kInt8>(a); break;
     case kFP8: by_layout<kFP8>(a); break;
-    default: by_layout<kInt4>(a); break;
+    case kInt4: by_layout<kInt4>(a); break;
+    default: throw std::invalid_argument(check_codes(a));
   }
 }
 

@@ -1,0 +1,120 @@
+"""Exact arithmetic in the GPU code, read from the PTX (no GPU needed): the Triton kernels compiled for
+sm_90 by Triton's own compiler, and the CUDA kernels by nvcc.  No fused multiply-add, no approximate
+division or square root, and no flush-to-zero (`.ftz`) anywhere: a flushed subnormal changes a bit that
+the CPU kernel and the numpy references keep.  Plus Triton's exact floor on the values where `.ftz`
+differs, run where Triton runs (interpreter or GPU)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NVCC = shutil.which("nvcc")
+
+# Compiled in a subprocess: TRITON_INTERPRET=1 (set for the whole CI run) makes @triton.jit return
+# interpreted functions, which Triton's compiler cannot take.
+TRITON_QUANT_PTX = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from espert.kernels import quant as q
+
+SIG = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "master_ptr": "*fp32", "seeds_ptr": "*i64", "coeffs_ptr": "*fp32",
+       "n_members": "i32", "units": "i64", "N": "i64", "K": "i64", "ld": "i64", "row_offset": "u64",
+       "col_offset": "u64", "logical_cols": "u64", "group": "i64", "scale_ld": "i64", "qmin": "fp32",
+       "qmax": "fp32", "key": "u64"}
+out = {}
+for case in json.loads(sys.argv[1]):
+    elem, layout, kind, mode = case
+    sig = dict(SIG, codes_ptr="*i32" if elem == "int4" else "*u8")
+    const = dict(ELEM=q._ELEM[elem], LAYOUT=q._LAYOUT[layout], KIND=q._KIND[kind], MODE=q._MODE[mode],
+                 G=q.UNITS_G[q._LAYOUT[layout]], BLOCK=256)
+    sig.update({c: "constexpr" for c in const})
+    out["/".join(case)] = triton.compile(ASTSource(fn=q._quant_kernel, signature=sig, constexprs=const),
+                                         target=GPUTarget("cuda", 90, 32),
+                                         options={"enable_fp_fusion": False}).asm["ptx"]
+print(json.dumps(out))
+"""
+
+QUANT_CASES = [("int8", "nk", "channel", "perturb"), ("fp8", "kn", "tensor", "perturb"),
+               ("int4", "gptq", "grouped", "master"), ("int4", "marlin", "marlin_channel", "naive")]
+
+
+def assert_exact_ptx(name: str, ptx: str) -> None:
+    assert not re.search(r"\bfma\.rn\.f32|\bmad\.f32", ptx), f"{name}: fused multiply-add"
+    assert not re.search(r"\.approx\b", ptx), f"{name}: approximate division or square root"
+    ftz = sorted(set(re.findall(r"\b[\w.]*\.ftz[\w.]*", ptx)))
+    assert not ftz, f"{name}: flush-to-zero instructions {ftz}"
+
+
+def test_triton_quant_kernel_ptx_is_exact():
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", TRITON_QUANT_PTX, json.dumps(QUANT_CASES)], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ptx = json.loads(res.stdout)
+    assert len(ptx) == len(QUANT_CASES)
+    for name, text in ptx.items():
+        assert ".entry" in text
+        assert_exact_ptx(name, text)
+        assert re.search(r"\bdiv\.rn\.f32", text), name
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("source", ["csrc/cuda/apply_cuda.cu", "csrc/cuda/quant_cuda.cu"])
+def test_cuda_kernels_ptx_has_no_flush_to_zero(tmp_path, source):
+    ptx = tmp_path / "k.ptx"
+    res = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-std=c++17", "-O3", "--fmad=false", "-DESPERT_WITH_CUDA",
+                          str(ROOT / source), "-o", str(ptx)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_exact_ptx(source, ptx.read_text())
+
+
+# IEEE floor where flush-to-zero differs (negative subnormals), at the sign of zero, at 2^23, inf, NaN
+FLOOR_INPUTS = np.array([-1e-40, -1.4e-45, 1e-40, -0.0, 0.0, -0.5, 0.5, -1.0, 1.0, -2.5, 2.5, -8388607.5, 8388607.5,
+                         -8388608.0, 8388609.0, -1e30, 1e30, -np.inf, np.inf, np.nan, -0.999999940, 12582911.5],
+                        dtype=np.float32)
+
+
+def _triton_device() -> str | None:
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    return None
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    from espert.kernels.quant import _floor
+
+    @triton.jit
+    def _floor_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        m = o < n
+        tl.store(y_ptr + o, _floor(tl.load(x_ptr + o, mask=m, other=0.0)), mask=m)
+except ImportError:
+    _floor_kernel = None
+
+
+@pytest.mark.skipif(_floor_kernel is None or _triton_device() is None,
+                    reason="Triton needs a GPU or TRITON_INTERPRET=1")
+def test_triton_exact_floor():
+    dev = _triton_device()
+    x = torch.from_numpy(FLOOR_INPUTS).to(dev)
+    y = torch.empty_like(x)
+    _floor_kernel[(1,)](x, y, x.numel(), BLOCK=32, enable_fp_fusion=False)
+    want = np.floor(FLOOR_INPUTS)
+    assert np.array_equal(y.cpu().numpy().view(np.uint32), want.view(np.uint32)), (y.cpu().numpy(), want)

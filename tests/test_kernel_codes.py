@@ -1,0 +1,71 @@
+"""The quantized kernels' enum codes live in csrc/quant.h only: espert._C exports them, Python and
+Triton derive theirs, and the C++ entry points reject a code they do not know (before, an unknown
+element kind, layout or mode fell through a `default:` into another code's kernel)."""
+
+import numpy as np
+import pytest
+
+from espert import _C
+
+EXPORTS = {
+    "QUANT_ELEM_CODES": {"int8", "fp8", "int4"},
+    "QUANT_LAYOUT_CODES": {"nk", "kn", "gptq", "awq", "cpu_w4a16", "marlin"},
+    "QUANT_SCALE_KIND_CODES": {"tensor", "channel", "grouped", "marlin_grouped", "marlin_channel"},
+    "QUANT_MODE_CODES": {"perturb", "master", "naive"},
+}
+
+
+def test_codes_are_exported_once_and_distinct():
+    for name, keys in EXPORTS.items():
+        codes = getattr(_C, name)
+        assert set(codes) == keys, name
+        assert len(set(codes.values())) == len(codes), name
+    assert set(_C.QUANT_UNIT_GROUPS) == EXPORTS["QUANT_LAYOUT_CODES"]
+
+
+def test_python_tables_derive_from_the_exports():
+    from espert.quant import ops as qops
+
+    assert qops.ELEM_CODES == _C.QUANT_ELEM_CODES
+    assert qops.LAYOUT_CODES == _C.QUANT_LAYOUT_CODES
+    assert qops.SCALE_KINDS == _C.QUANT_SCALE_KIND_CODES
+    assert qops.MODES == _C.QUANT_MODE_CODES
+
+
+def test_triton_codes_derive_from_the_exports():
+    pytest.importorskip("triton")
+    from espert.kernels import quant as kq
+
+    assert kq._ELEM == _C.QUANT_ELEM_CODES and kq._LAYOUT == _C.QUANT_LAYOUT_CODES
+    assert kq._KIND == _C.QUANT_SCALE_KIND_CODES and kq._MODE == _C.QUANT_MODE_CODES
+    assert kq.UNITS_G == {_C.QUANT_LAYOUT_CODES[k]: g for k, g in _C.QUANT_UNIT_GROUPS.items()}
+    assert int(kq.FP8) == _C.QUANT_ELEM_CODES["fp8"] and int(kq.MARLIN) == _C.QUANT_LAYOUT_CODES["marlin"]
+
+
+E, L, S, M = _C.QUANT_ELEM_CODES, _C.QUANT_LAYOUT_CODES, _C.QUANT_SCALE_KIND_CODES, _C.QUANT_MODE_CODES
+VALID = dict(elem=E["int8"], layout=L["nk"], scale_dtype=0, scale_kind=S["channel"], mode=M["perturb"])
+BAD = [
+    (dict(elem=7), "element kind code 7"),
+    (dict(elem=-1), "element kind code -1"),
+    (dict(layout=9), "layout code 9"),
+    (dict(elem=E["int4"], layout=L["nk"]), "does not hold element kind"),  # an int8 layout for int4 codes
+    (dict(layout=L["gptq"]), "does not hold element kind"),  # an int4 layout for int8 codes
+    (dict(scale_kind=5), "scale kind code 5"),
+    (dict(scale_dtype=3), "scale dtype code 3"),
+    (dict(mode=3), "mode code 3"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m for _, m in BAD])
+def test_cpu_kernel_rejects_unknown_codes_untouched(change, message):
+    a = dict(VALID, **change)
+    codes = np.arange(256, dtype=np.uint8)  # [4, 64] int8 codes (or [4, 16] int32 words)
+    before = codes.copy()
+    scales = np.full(64, 0.01, np.float32)
+    master = np.zeros(256, np.float32)
+    seeds, coeffs = np.array([5], np.uint64), np.array([1.0], np.float32)
+    with pytest.raises(ValueError, match=message):
+        _C.quant_cpu(codes.ctypes.data, a["elem"], a["layout"], 4, 64, 64, 0, 0, 64, scales.ctypes.data,
+                     a["scale_dtype"], a["scale_kind"], 64, 4, master.ctypes.data, a["mode"], -128.0, 127.0,
+                     seeds.ctypes.data, coeffs.ctypes.data, 1, 3)
+    assert np.array_equal(codes, before)
