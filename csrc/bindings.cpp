@@ -90,24 +90,6 @@ PYBIND11_MODULE(_C, m) {
     m.attr("QUANT_MODE_CODES") = py::dict(py::arg("perturb") = (int)kPerturb, py::arg("master") = (int)kUpdateMaster,
                                           py::arg("naive") = (int)kUpdateNaive);
   }
-  // Quantized codes (csrc/quant.h), exported once: kernels/quant.py and espert/quant/ops.py derive theirs.
-  {
-    using namespace quant;
-    m.attr("QUANT_ELEM_CODES") = py::dict(py::arg("int8") = (int)kInt8, py::arg("fp8") = (int)kFP8,
-                                          py::arg("int4") = (int)kInt4);
-    m.attr("QUANT_LAYOUT_CODES") = py::dict(py::arg("nk") = (int)kNK, py::arg("kn") = (int)kKN,
-                                            py::arg("gptq") = (int)kGPTQ, py::arg("awq") = (int)kAWQ,
-                                            py::arg("cpu_w4a16") = (int)kCpuW4A16, py::arg("marlin") = (int)kMarlin);
-    // Philox groups per work unit of each layout (Lay<L>::G)
-    m.attr("QUANT_UNIT_GROUPS") = py::dict(py::arg("nk") = Lay<kNK>::G, py::arg("kn") = Lay<kKN>::G,
-                                           py::arg("gptq") = Lay<kGPTQ>::G, py::arg("awq") = Lay<kAWQ>::G,
-                                           py::arg("cpu_w4a16") = Lay<kCpuW4A16>::G, py::arg("marlin") = Lay<kMarlin>::G);
-    m.attr("QUANT_SCALE_KIND_CODES") = py::dict(
-        py::arg("tensor") = (int)kPerTensor, py::arg("channel") = (int)kPerChannel, py::arg("grouped") = (int)kGrouped,
-        py::arg("marlin_grouped") = (int)kMarlinGrouped, py::arg("marlin_channel") = (int)kMarlinChannel);
-    m.attr("QUANT_MODE_CODES") = py::dict(py::arg("perturb") = (int)kPerturb, py::arg("master") = (int)kUpdateMaster,
-                                          py::arg("naive") = (int)kUpdateNaive);
-  }
   m.def(
       "quant_cpu",
       [](uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld, uint64_t row_offset,
