@@ -1,113 +1,379 @@
-"""The center store: where the exact center θ lives.
+"""The center: where the exact ES center θ lives, and the one protocol every center implements.
 
-Why a host-side center.  Restoring a bf16/fp16 weight by subtracting regenerated
-noise cannot be exact (several centers round to the same perturbed value: about
-4.6% of bf16 elements at σ=1e-3 on N(0, 0.02) weights), and small updates vanish
-when added to bf16 weights.  Both problems need information beyond the live
-weights.  We keep it in host memory, never on the device:
+Why a host-side center.  Restoring a bf16/fp16 weight by subtracting regenerated noise cannot
+be exact (several centers round to the same perturbed value: about 4.6% of bf16 elements at
+σ=1e-3 on N(0, 0.02) weights), and small updates vanish when added to bf16 weights.  Both
+problems need information beyond the live weights.  We keep it in host memory, never on the
+device:
 
-- ``restore()`` copies the center back into the live weights (round to nearest
-  even, ≤ 64 MiB converted at a time), so it is exact after any number of cycles
-  and the device holds nothing beyond the weights;
-- ``update()`` applies the fused ES update to the center itself, by default a
-  float32 master (4 bytes per parameter of host memory), then restores.  With
-  ``master_dtype=None`` the center is kept in the weights' own dtype (2 bytes per
-  bf16 parameter): still exact restores, but naive bf16 update fidelity.
+- ``restore()`` writes the center back into the live weights, exactly, after any number of
+  cycles; the device holds nothing beyond the weights;
+- ``update()`` applies the fused ES update (through an optional optimizer) to a float32 master
+  and then restores.  With ``master_dtype=None`` the center is kept in the weights' own dtype
+  (2 bytes per bf16 parameter): still exact restores, but naive bf16 update fidelity.
 
-The center is also what checkpoints save and replays rebuild.
+Host memory per parameter (bf16 weights):
+
+    =====================================  ============================
+    master_dtype=None                      2 B (the center itself)
+    float32 master, sgd                    4 B
+    float32 master + momentum              8 B
+    float32 master + adam                  12 B
+    + pinned mirror (CUDA weights)         + 2 B (restore at PCIe line rate)
+    =====================================  ============================
+
+The center is also what checkpoints save (``state_dict``) and replays rebuild.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
 from espert import ops
-from espert.params import ParamView
+from espert.noise import NoiseFamily
+from espert.params import ParamView, matches
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+# Optimizer scratch (the update direction of a chunk) is bounded like restore staging.
+_CHUNK_ELEMS = ops.STAGING_BYTES // 4
 
 
-def check_state(state: dict[str, torch.Tensor], views: Sequence, centers: Sequence[torch.Tensor]) -> None:
-    """Raise unless ``state`` has a tensor of the same shape and dtype as each center, by view name."""
-    for v, c in zip(views, centers):
-        if v.name not in state:
-            raise KeyError(f"checkpoint has no center for {v.name}")
-        s = state[v.name]
-        if s.shape != c.shape or s.dtype != c.dtype:
-            raise ValueError(f"center {v.name}: checkpoint has {s.dtype}{tuple(s.shape)}, "
-                             f"expected {c.dtype}{tuple(c.shape)}")
+@runtime_checkable
+class Center(Protocol):
+    """What evaluators, the ES loop, checkpoints and replay need from a center (float or quantized).
 
-
-class CenterStore:
-    """Exact centers of a list of ParamViews, in host memory.
-
-    views: the live weights (any device).  master_dtype: torch.float32 (default, faithful
-    updates) or None (the weights' dtype).  pin: page-lock the host copies (faster GPU restores).
+    Every method validates all of its arguments before it mutates anything: an error leaves the
+    centers, any optimizer state and the live weights exactly as they were.
     """
 
-    def __init__(self, views: Sequence[ParamView], master_dtype: torch.dtype | None = torch.float32,
-                 pin: bool = False):
-        if master_dtype not in (None, torch.float32):
-            raise ValueError(f"master_dtype must be torch.float32 or None, got {master_dtype}")
-        names = [v.name for v in views]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"duplicate logical parameter names: {dup[:5]}")
-        self.views = list(views)
-        self.centers: list[torch.Tensor] = []
-        for v in self.views:
-            c = torch.empty(v.tensor.shape, dtype=master_dtype or v.tensor.dtype, device="cpu",
-                            pin_memory=pin and torch.cuda.is_available())
-            c.copy_(v.tensor)
-            self.centers.append(c)
+    views: list
 
     @property
     def nbytes(self) -> int:
-        """Host memory held by the centers, in bytes."""
-        return sum(c.numel() * c.element_size() for c in self.centers)
+        """Host memory held (centers, masters, optimizer state, mirrors), in bytes."""
 
     def restore(self) -> None:
         """Write the exact center back into every live weight."""
-        for v, c in zip(self.views, self.centers):
-            ops.restore_(v.tensor, c)
 
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
-        """Live weights <- center + sign·σ·ε(seed), in place (from the restored state)."""
-        for v in self.views:
-            ops.perturb_(v.tensor, seed, v.key, sigma, sign, block=v.block, backend=backend)
+        """Live weights <- center + sign·σ·ε(seed), in place; call it on restored weights only."""
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float]) -> None:
-        """center <- center + Σ_n coeffs[n]·ε(seeds[n]) with the fused op, then restore the live weights.
-
-        Arguments are validated once up front, so an error leaves centers and weights untouched.
-        """
-        ops.check_members(seeds, coeffs)
-        for v, c in zip(self.views, self.centers):
-            ops.es_update_(c, seeds, coeffs, v.key, block=v.block)
-        self.restore()
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+               lr: float | None = None) -> None:
+        """center <- decay·center, then the step Σ_n coeffs[n]·ε(seeds[n]) (through the optimizer);
+        then restore the live weights.  ``lr`` is the iteration's α (used by adam only)."""
 
     def scale(self, factor: float) -> None:
-        """center <- factor · center (float32 elementwise on the host, deterministic), weights not restored.
-
-        Used for weight decay (factor = 1 − α·wd) right before :meth:`update`, which restores.
-        """
-        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
-            raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
-        for c in self.centers:
-            c.mul_(float(factor))
+        """center <- factor·center (weight decay), live weights untouched until the next restore."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Logical name -> center tensor (host).  Blocks of one logical parameter are saved by view name."""
-        return {v.name: c for v, c in zip(self.views, self.centers)}
+        """Everything needed to continue exactly (center and optimizer state), host tensors by name."""
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """The center as checkpoint values by logical name: here the same tensors as :meth:`state_dict`."""
-        return self.state_dict()
+        """The center as float checkpoint values by logical name (what a model export holds)."""
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace the centers (exactly) and restore the live weights.  Checks names, shapes and dtypes first."""
-        check_state(state, self.views, self.centers)
-        for v, c in zip(self.views, self.centers):
-            c.copy_(state[v.name])
+        """Replace the center (and optimizer state) exactly, then restore the live weights."""
+
+
+# ---- shared validation ----------------------------------------------------------------------------
+
+def check_factor(name: str, v) -> float:
+    """A finite float > 0 (decay factors, scale factors); bools and non-numbers are refused."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
+def check_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Raise unless ``state`` holds, for every expected name, a tensor of the same shape and dtype with
+    real data (not on the meta device).  Nothing is copied: call it before mutating anything."""
+    if not isinstance(state, dict):
+        raise TypeError(f"a center state must be a dict of tensors, got {type(state).__name__}")
+    for name, like in expected.items():
+        if name not in state:
+            raise KeyError(f"checkpoint has no center for {name}")
+        s = state[name]
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"center {name}: checkpoint holds {type(s).__name__}, not a tensor")
+        if s.shape != like.shape or s.dtype != like.dtype:
+            raise ValueError(f"center {name}: checkpoint has {s.dtype}{tuple(s.shape)}, "
+                             f"expected {like.dtype}{tuple(like.shape)}")
+        if s.device.type == "meta":
+            raise ValueError(f"center {name}: checkpoint tensor is on the meta device (it holds no data)")
+
+
+def check_update_args(seeds, coeffs, decay, lr) -> tuple[list[int], list[float], float]:
+    """Materialize (iterators are consumed once) and validate the arguments of ``update``."""
+    seeds, coeffs = list(seeds), list(coeffs)
+    ops.check_members(seeds, coeffs)
+    decay = check_factor("decay", decay)
+    if lr is not None:
+        check_factor("lr", lr)
+    return seeds, coeffs, decay
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """How the step Σ c_n ε_n (already scaled by α in the coefficients) moves the float32 master.
+
+    sgd:      θ += d
+    momentum: m = β1·m + d;  θ += m                                (heavy ball, 4 B/param of state)
+    adam:     g = d/lr;  m = β1·m + (1-β1)·g;  v = β2·v + (1-β2)·g²;
+              θ += lr · (m / (1-β1^t)) / (sqrt(v / (1-β2^t)) + eps)   (8 B/param of state)
+
+    Every step is float32 elementwise arithmetic on the host in a fixed order, so it replays
+    bit for bit.
+    """
+
+    name: str = "sgd"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; use one of {OPTIMIZERS}")
+        for k in ("beta1", "beta2"):
+            b = getattr(self, k)
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
+                raise ValueError(f"optimizer {k} must be in [0, 1), got {b!r}")
+        check_factor("optimizer eps", self.eps)
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return {"sgd": (), "momentum": ("m",), "adam": ("m", "v")}[self.name]
+
+    @classmethod
+    def of(cls, spec: "Optimizer | str | dict | None") -> "Optimizer":
+        """An Optimizer from a name, a dict of fields, or an Optimizer (None: sgd)."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, cls):
+            return spec
+        if isinstance(spec, str):
+            return cls(spec)
+        if isinstance(spec, dict):
+            return cls(**spec)
+        raise TypeError(f"optimizer must be a name, a dict or an Optimizer, got {type(spec).__name__}")
+
+
+def _rows_2d(t: torch.Tensor) -> tuple[int, int]:
+    """The [rows, cols] the ops see for a contiguous host tensor (1-D: one row)."""
+    cols = t.shape[-1] if t.dim() else 1
+    return (t.numel() // cols if cols else 0), cols
+
+
+def _chunks(t: torch.Tensor, block: ops.Block | None, limit: int):
+    """Yield (flat slice of ``t`` as [k, cols], Block of that slice in the logical parameter), each of at
+    most ``limit`` elements when rows allow (a single row longer than ``limit`` is split by columns)."""
+    rows, cols = _rows_2d(t)
+    flat = t.view(rows, cols)
+    b = block or ops.Block()
+    lr = rows if b.logical_rows is None else b.logical_rows
+    lc = cols if b.logical_cols is None else b.logical_cols
+    if cols > limit:
+        for i in range(rows):
+            for j in range(0, cols, limit):
+                yield flat[i:i + 1, j:j + limit], ops.Block(b.row_offset + i, b.col_offset + j, lr, lc)
+        return
+    step = max(1, limit // max(1, cols))
+    for i in range(0, rows, step):
+        yield flat[i:i + step], ops.Block(b.row_offset + i, b.col_offset, lr, lc)
+
+
+
+class CenterStore:
+    """Exact centers of a list of ParamViews, in host memory (implements :class:`Center`).
+
+    views: the live weights (any device; every view is validated here, once).
+    master_dtype: torch.float32 (default, faithful updates) or None (the weights' dtype).
+    noise: the noise family (``"gaussian"``, ``"rademacher"``, ``"lowrank:R"``), see docs/noise.md.
+    optimizer: ``"sgd"`` | ``"momentum"`` | ``"adam"`` (or a dict / :class:`Optimizer`); needs the master.
+    sigma_scales: per-view multipliers of σ and of the step (per-tensor σ; default all 1.0).
+    no_decay: name patterns (see :func:`espert.params.matches`) of views that :meth:`scale` leaves alone.
+    mirror: keep a pinned host copy of the center in the weights' dtype and restore from it with
+        asynchronous copies (default: when some weight is on a GPU).  Rebuilt exactly after updates.
+    update_on: where the fused sgd update of the float32 master runs: None (default) on the host, in
+        place; a device (``"cuda"``) streams the master through one ≤ 64 MiB staging buffer there,
+        chunk by chunk (upload, update, download).  Both give the same bits (the kernels agree).
+    pin: page-lock the host tensors (faster GPU transfers).
+    """
+
+    def __init__(self, views: Sequence[ParamView], master_dtype: torch.dtype | None = torch.float32,
+                 pin: bool = False, *, noise: str = "gaussian", optimizer=None,
+                 sigma_scales: Sequence[float] | None = None, no_decay: Sequence[str] = (),
+                 mirror: bool | None = None, update_on: str | torch.device | None = None):
+        if master_dtype not in (None, torch.float32):
+            raise ValueError(f"master_dtype must be torch.float32 or None, got {master_dtype}")
+        self.views = list(views)
+        names = [v.name for v in self.views]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"duplicate logical parameter names: {dup[:5]}")
+        self.noise = str(NoiseFamily.parse(noise))
+        # every view (geometry, dtype, device, key) validated once, before anything is built: a call
+        # with no member validates and writes nothing
+        ops.es_update_many_(self._items([v.tensor for v in self.views]), [], [], noise=self.noise)
+        self.optimizer = Optimizer.of(optimizer)
+        if self.optimizer.name != "sgd" and master_dtype is None:
+            raise ValueError(f"optimizer {self.optimizer.name!r} needs the float32 master (master_dtype=torch.float32)")
+        if sigma_scales is None:
+            self.sigma_scales = None
+        else:
+            sigma_scales = [check_factor(f"sigma_scales[{i}]", s) for i, s in enumerate(sigma_scales)]
+            if len(sigma_scales) != len(self.views):
+                raise ValueError(f"got {len(sigma_scales)} sigma_scales for {len(self.views)} views")
+            self.sigma_scales = sigma_scales
+        self.update_on = None if update_on is None else torch.device(update_on)
+        if self.update_on is not None and master_dtype is None:
+            raise ValueError("update_on needs the float32 master (master_dtype=torch.float32)")
+        self.decays = [not (no_decay and matches(v.name, no_decay)) for v in self.views]
+        pin = pin and torch.cuda.is_available()
+        self.centers: list[torch.Tensor] = []
+        for v in self.views:
+            c = torch.empty(v.tensor.shape, dtype=master_dtype or v.tensor.dtype, device="cpu", pin_memory=pin)
+            ops.cast_exact_(c, v.tensor.to("cpu"))  # widening is exact, NaN payloads included
+            self.centers.append(c)
+        self.state: dict[str, list[torch.Tensor]] = {
+            s: [torch.zeros_like(c) for c in self.centers] for s in self.optimizer.slots}
+        self.step = 0
+        if mirror is None:
+            mirror = master_dtype is not None and any(v.tensor.device.type == "cuda" for v in self.views)
+        self.mirrors: list[torch.Tensor] | None = None
+        if mirror:
+            self.mirrors = [torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device="cpu",
+                                        pin_memory=torch.cuda.is_available()) for v in self.views]
+            self._rebuild_mirrors()
+
+    # -- memory -----------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by centers, optimizer state and mirrors, in bytes."""
+        ts = self.centers + [t for ts in self.state.values() for t in ts] + (self.mirrors or [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def _items(self, tensors: Sequence[torch.Tensor]) -> list[tuple]:
+        return [(t, v.key, v.block) for t, v in zip(tensors, self.views)]
+
+    # -- Center protocol --------------------------------------------------------------------
+    def restore(self) -> None:
+        """Write the exact center back into every live weight (from the pinned mirror when there is one)."""
+        src = self.mirrors if self.mirrors is not None else self.centers
+        for v, c in zip(self.views, src):
+            ops.restore_(v.tensor, c, non_blocking=self.mirrors is not None)
+        if self.mirrors is not None and any(v.tensor.is_cuda for v in self.views):
+            torch.cuda.synchronize()  # the mirror must not change while a copy from it is in flight
+
+    def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
+        """Live weights <- center + sign·σ·s_t·ε(seed) for every view t, in place, in one multi-tensor call
+        (from the restored state; s_t are the ``sigma_scales``)."""
+        ops.perturb_many_(self._items([v.tensor for v in self.views]), seed, sigma, sign, noise=self.noise,
+                      scales=self.sigma_scales, backend=backend)
+
+    def scale(self, factor: float) -> None:
+        """center <- factor · center for the views not matched by ``no_decay`` (float32 elementwise on the
+        host, deterministic); weights are not restored.  The optimizer state is not decayed."""
+        factor = check_factor("scale factor", factor)
+        for c, d in zip(self.centers, self.decays):
+            if d:
+                c.mul_(factor)
+
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+               lr: float | None = None) -> None:
+        """center <- decay·center; then the step d = Σ_n coeffs[n]·s_t·ε(seeds[n]) through the optimizer
+        (sgd: center += d, fused, in one multi-tensor call); then restore the live weights.
+
+        seeds: N ints in [0, 2^64) (any iterable); coeffs: N finite floats (rounded to float32).
+        lr: the iteration's α, required by adam (whose step size it is).  Everything is validated
+        before anything moves.
+        """
+        seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)
+        opt = self.optimizer
+        if opt.name == "adam" and lr is None:
+            raise ValueError("the adam optimizer needs lr (the iteration's alpha)")
+        if decay != 1.0:
+            self.scale(decay)
+        if opt.name == "sgd" and self.update_on is not None:
+            self._staged_update(seeds, coeffs)
+        elif opt.name == "sgd":
+            ops.es_update_many_(self._items(self.centers), seeds, coeffs, noise=self.noise, scales=self.sigma_scales)
+        else:
+            self.step += 1
+            self._optimizer_step(seeds, coeffs, lr)
+        self._rebuild_mirrors()
+        self.restore()
+
+    def _staged_update(self, seeds: list[int], coeffs: list[float]) -> None:
+        """The sgd update on ``update_on``: each ≤ 64 MiB chunk of the master goes up, gets the fused update
+        with its Block, and comes back.  The device holds only the staging buffer."""
+        staging = torch.empty(_CHUNK_ELEMS, dtype=torch.float32, device=self.update_on)
+        for i, v in enumerate(self.views):
+            scale = None if self.sigma_scales is None else [self.sigma_scales[i]]
+            for c, blk in _chunks(self.centers[i], v.block, _CHUNK_ELEMS):
+                s = staging[: c.numel()].view(c.shape)
+                s.copy_(c, non_blocking=True)
+                ops.es_update_many_([(s, v.key, blk)], seeds, coeffs, noise=self.noise, scales=scale)
+                c.copy_(s)
+
+    def _optimizer_step(self, seeds: list[int], coeffs: list[float], lr: float | None) -> None:
+        """Momentum / Adam over bounded chunks: the step d of a chunk is formed by the fused op into a
+        float32 scratch of at most 64 MiB, then the optimizer's elementwise float32 update runs."""
+        opt = self.optimizer
+        for i, v in enumerate(self.views):
+            scale = None if self.sigma_scales is None else [self.sigma_scales[i]]
+            center = self.centers[i]
+            slots = {s: self.state[s][i] for s in opt.slots}
+            for (c, blk), *states in zip(_chunks(center, v.block, _CHUNK_ELEMS),
+                                         *[_chunks(slots[s], v.block, _CHUNK_ELEMS) for s in opt.slots]):
+                d = torch.zeros_like(c)
+                ops.es_update_many_([(d, v.key, blk)], seeds, coeffs, noise=self.noise, scales=scale)
+                if opt.name == "momentum":
+                    m = states[0][0]
+                    m.mul_(opt.beta1).add_(d)
+                    c.add_(m)
+                else:
+                    m, vv = states[0][0], states[1][0]
+                    g = d.div_(lr)
+                    m.mul_(opt.beta1).add_(g, alpha=1 - opt.beta1)
+                    vv.mul_(opt.beta2).addcmul_(g, g, value=1 - opt.beta2)
+                    bc1 = 1 - opt.beta1 ** self.step
+                    bc2 = 1 - opt.beta2 ** self.step
+                    denom = (vv / bc2).sqrt_().add_(opt.eps)
+                    c.addcdiv_(m / bc1, denom, value=lr)
+
+    def _rebuild_mirrors(self) -> None:
+        if self.mirrors is not None:
+            for m, c in zip(self.mirrors, self.centers):
+                ops.restore_(m, c)  # exact round-to-nearest-even, NaN bits kept
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Logical name -> center tensor (host), plus ``optim.<slot>/<name>`` and ``optim.step`` when the
+        optimizer keeps state.  Blocks of one logical parameter are saved under their view names."""
+        out = {v.name: c for v, c in zip(self.views, self.centers)}
+        for s, ts in self.state.items():
+            out.update({f"optim.{s}/{v.name}": t for v, t in zip(self.views, ts)})
+        if self.state:
+            out["optim.step"] = torch.tensor([self.step], dtype=torch.int64)
+        return out
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The center by logical name (the same tensors as the centers in :meth:`state_dict`)."""
+        return {v.name: c for v, c in zip(self.views, self.centers)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the centers and optimizer state exactly, then restore the live weights.  Names, shapes,
+        dtypes and devices of every entry are checked before anything is copied."""
+        expected = self.state_dict()
+        check_state(state, expected)
+        for name, dst in expected.items():
+            if name != "optim.step":
+                dst.copy_(state[name])
+        if "optim.step" in expected:
+            self.step = int(state["optim.step"].reshape(-1)[0])
+        self._rebuild_mirrors()
         self.restore()

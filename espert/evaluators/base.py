@@ -24,7 +24,7 @@ Contract of an :class:`Evaluator` (what the loop relies on):
 ``close()``
     Free the model.
 
-:class:`ModelEvaluator` implements all of it for backends that hold one :class:`CenterStore`
+:class:`ModelEvaluator` implements all of it for backends that hold one :class:`~espert.center.Center`
 and can score the current live weights (``rollout``); a backend only writes ``rollout``.
 """
 
@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from espert.center import CenterStore
+from espert.center import Center
 
 log = logging.getLogger("espert.evaluators")
 
@@ -59,8 +59,10 @@ class Evaluator(abc.ABC):
         """Per-prompt rewards of the (unperturbed) center."""
 
     @abc.abstractmethod
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
-        """``center <- decay·center + Σ coeffs[n]·ε(seeds[n])``, then restore the live weights."""
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+               lr: float | None = None) -> None:
+        """``center <- decay·center``, then the step ``Σ coeffs[n]·ε(seeds[n])`` (through the center's
+        optimizer; ``lr`` is the iteration's α), then restore the live weights."""
 
     @abc.abstractmethod
     def center_state(self) -> dict[str, torch.Tensor]:
@@ -76,23 +78,6 @@ class Evaluator(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model."""
-
-
-def apply_update(center: CenterStore, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0) -> None:
-    """The one place where the center moves: optional decay, then the fused ES update, then restore.
-
-    decay: multiply every center tensor by this float (``1 - α·weight_decay``), in place on the host
-    master, before the update; 1.0 skips it.  Elementwise float32 multiplication on the CPU is
-    deterministic, so this stays bit-replayable.  Arguments are validated before anything moves.
-    """
-    if not (isinstance(decay, (int, float)) and math.isfinite(decay) and decay > 0):
-        raise ValueError(f"decay must be a finite number > 0, got {decay!r}")
-    from espert.ops import check_members
-
-    check_members(seeds, coeffs)
-    if decay != 1.0:
-        center.scale(decay)
-    center.update(seeds, coeffs)  # restores the live weights
 
 
 def score_members(members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str],
@@ -133,7 +118,7 @@ def score_members(members: Sequence[Member], sigma: float, prompts: Sequence[str
 
 
 class ModelEvaluator(Evaluator):
-    """An evaluator over one :class:`CenterStore`: perturb, ``rollout``, restore in ``finally``.
+    """An evaluator over one :class:`~espert.center.Center`: perturb, ``rollout``, restore in ``finally``.
 
     Subclasses implement :meth:`rollout` (per-prompt rewards of the live weights as they are now).
     member_errors: ``"raise"`` (default: an exception in a member's rollout propagates, after the
@@ -141,7 +126,7 @@ class ModelEvaluator(Evaluator):
     drops it from the update).
     """
 
-    def __init__(self, center: CenterStore, member_errors: str = "raise"):
+    def __init__(self, center: Center, member_errors: str = "raise"):
         if member_errors not in ("raise", "nan"):
             raise ValueError(f"member_errors must be 'raise' or 'nan', got {member_errors!r}")
         self.center = center
@@ -158,8 +143,8 @@ class ModelEvaluator(Evaluator):
     def evaluate_center(self, prompts, answers):
         return list(self.rollout(prompts, answers))
 
-    def update(self, seeds, coeffs, decay=1.0):
-        apply_update(self.center, seeds, coeffs, decay)
+    def update(self, seeds, coeffs, decay=1.0, lr=None):
+        self.center.update(seeds, coeffs, decay, lr)
 
     def center_state(self):
         return self.center.state_dict()

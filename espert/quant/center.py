@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
-from espert.center import check_state
+from espert.center import check_factor, check_state, check_update_args
 from espert.params import LogicalParam
-from espert.ops import Block, check_members
+from espert.ops import Block
 
 from .formats import QuantWeight, dequantize, e4m3_bits_to_float, unpack_codes
 from .ops import es_update_q_, perturb_q_, qgeometry, requantize_, restore_q_
@@ -98,24 +98,34 @@ class QuantCenterStore:
             total += sum(m.numel() * 4 for m in self.masters)
         return total
 
+    def _zero_points(self) -> list[torch.Tensor | None]:
+        """Per master, the code-domain zero point it decays towards (None: 0), computed before any mutation."""
+        out = []
+        for v in self.views:
+            if v.qw.fmt in ("int8", "fp8"):
+                out.append(None)
+            elif v.qw.zeros is None:
+                out.append(torch.tensor(8.0))
+            else:  # [K/g, N] -> [N, K] (shape checked by qgeometry in the constructor)
+                g = v.qw.group_size if v.qw.group_size > 0 else v.qw.in_features
+                out.append(v.qw.zeros.to("cpu", torch.float32).t().repeat_interleave(g, dim=1)[:, : v.qw.in_features])
+        return out
+
     def scale(self, factor: float) -> None:
         """Weight decay on the masters: the dequantized value is multiplied by ``factor``.
 
         Codes with a zero point z (int4: ``zeros`` or 8) decay towards z, not towards code 0:
         master <- z + factor·(master − z).  The live codes move at the next :meth:`update`.
+        Everything is computed and checked before the first master changes.
         """
-        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
-            raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
-        for v, m in zip(self.views, self.centers):
-            if v.qw.fmt in ("int8", "fp8"):
-                m.mul_(float(factor))
-                continue
-            if v.qw.zeros is None:
-                z = torch.tensor(8.0)
-            else:  # [K/g, N] -> [N, K]
-                g = v.qw.group_size if v.qw.group_size > 0 else v.qw.in_features
-                z = v.qw.zeros.to("cpu", torch.float32).t().repeat_interleave(g, dim=1)[:, : v.qw.in_features]
-            m.sub_(z).mul_(float(factor)).add_(z)
+        factor = check_factor("scale factor", factor)
+        masters = self.centers
+        zs = self._zero_points()
+        for m, z in zip(masters, zs):
+            if z is None:
+                m.mul_(factor)
+            else:
+                m.sub_(z).mul_(factor).add_(z)
 
     def restore(self) -> None:
         """Copy the exact codes back into every live weight."""
@@ -131,9 +141,14 @@ class QuantCenterStore:
         for v in self.views:
             perturb_q_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend)
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float]) -> None:
-        """center <- center + Σ coeffs[n]·ε(seeds[n]) (fused, on the host), then restore the live weights."""
-        check_members(seeds, coeffs)
+    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
+               lr: float | None = None) -> None:
+        """center <- decay·center (:meth:`scale`), then center + Σ coeffs[n]·ε(seeds[n]) (fused, on the host),
+        then restore the live weights.  Arguments are validated first (any iterable works); ``lr`` is
+        accepted for the :class:`~espert.center.Center` protocol (the quantized center is plain sgd)."""
+        seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)
+        if decay != 1.0:
+            self.scale(decay)
         for i, v in enumerate(self.views):
             m = None if self.masters is None else self.masters[i]
             es_update_q_(self.host[i], seeds, coeffs, v.key, m, block=v.block, backend="cpu")
@@ -151,9 +166,14 @@ class QuantCenterStore:
         return {v.name: t for v, t in zip(self.views, src)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace the centers exactly (codes re-derived from the masters) and restore the live weights."""
+        """Replace the centers exactly (codes re-derived from the masters) and restore the live weights.
+        Names, shapes, dtypes and devices are checked, and masters must be finite, before anything is copied."""
         src = self.masters if self.masters is not None else self.codes
-        check_state(state, self.views, src)
+        check_state(state, {v.name: t for v, t in zip(self.views, src)})
+        if self.masters is not None:
+            for v in self.views:
+                if not bool(torch.isfinite(state[v.name]).all()):
+                    raise ValueError(f"center {v.name}: checkpoint master holds NaN or Inf")
         for i, (v, c) in enumerate(zip(self.views, src)):
             c.copy_(state[v.name])
             if self.masters is not None:

@@ -1,7 +1,7 @@
 """A torch evaluator whose ES center is the quantized weights (QuantLinear layers) of the model.
 
-The ES loop only sees the Evaluator interface; ModelEvaluator only needs a center with
-perturb / restore / update / state_dict / load_state_dict / centers, which QuantCenterStore has.
+The ES loop only sees the Evaluator interface; ModelEvaluator only needs a
+:class:`~espert.center.Center`, which QuantCenterStore implements.
 """
 
 from __future__ import annotations
@@ -16,5 +16,4 @@ class QuantTorchEvaluator(TorchEvaluator):
     and updates the QuantLinear codes (float parameters stay fixed).  master: keep the float32 master."""
 
     def __init__(self, model, tokenizer, score, master: bool = True, **kw):
-        super().__init__(model, tokenizer, score, **kw)
-        self.center = model_quant_center(model, master=master)
+        super().__init__(model, tokenizer, score, center=model_quant_center(model, master=master), **kw)

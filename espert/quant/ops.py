@@ -150,6 +150,14 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
     sf = s.float()
     if not bool(torch.isfinite(sf).all()) or not bool((sf > 0).all()):
         raise _err(qw, "scales must be finite and > 0 (a step of one code must be a finite value step)")
+    z = qw.zeros
+    if z is not None:  # only dequantize reads them, but a transposed [N, K/g] tensor would be silently wrong
+        if elem != "int4":
+            raise _err(qw, "zero points are only defined for int4 formats (int8 / fp8 are symmetric)")
+        if not isinstance(z, torch.Tensor) or z.dtype.is_floating_point or z.dtype == torch.bool:
+            raise _err(qw, f"zeros must be an integer tensor, got {getattr(z, 'dtype', type(z).__name__)}")
+        if tuple(z.shape) != (K // g, N):
+            raise _err(qw, f"zeros must have shape [{K // g}, {N}] ([K/group_size, N], unpacked), got {list(z.shape)}")
     lo, hi = STORAGE_LIMITS[elem]
     qmin, qmax = qw.code_range
     if not (lo <= qmin <= qmax <= hi) or (elem != "fp8" and (qmin != int(qmin) or qmax != int(qmax))):
@@ -178,6 +186,8 @@ def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
                        f"{list(master.shape)} strides {master.stride()}")
     if master.device != qw.qweight.device:
         raise _err(qw, f"master is on {master.device} but qweight is on {qw.qweight.device}")
+    if not bool(torch.isfinite(master).all()):
+        raise _err(qw, "master holds NaN or Inf (a code-domain master must be finite; its code would be undefined)")
 
 
 # ---- backends ------------------------------------------------------------------------------
