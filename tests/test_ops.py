@@ -127,3 +127,97 @@ def test_cpu_kernels_follow_torch_thread_count():
         assert _C.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
+
+
+# ---- multi-tensor ops, counters, NaN bits, index range, autograd -----------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_launches_and_uploads_do_not_grow_with_the_number_of_tensors(backend, rng):
+    """One op call makes the same launches and host-to-device copies for 300 tensors as for one."""
+    n = 300 if backend == "cpu" else 12  # the Triton interpreter runs each program in Python
+    many = [weights((3, 5 + i % 7), torch.bfloat16, rng) for i in range(n)]
+    one = [weights((n, 8), torch.bfloat16, rng)]
+    counts = []
+    for ws in (one, many):
+        items = [(w, noise.param_key(f"p{i}"), None) for i, w in enumerate(ws)]
+        with ops.counting() as c:
+            ops.perturb_many_(items, 7, 1e-3, backend=backend)
+            ops.es_update_many_(items, list(range(4)), [1e-3] * 4, backend=backend)
+        counts.append(dict(c))
+    assert counts[0] == counts[1], counts
+    assert counts[1]["launches"] == 2
+    assert counts[1]["h2d"] == (0 if backend == "cpu" else 2)
+
+
+def test_many_validates_every_tensor_before_writing(rng):
+    good = [weights((4, 8), torch.bfloat16, rng) for _ in range(3)]
+    before = [w.clone() for w in good]
+    bad_block = ops.Block(0, 0, 4, 7)  # the third tensor does not fit its logical shape
+    with pytest.raises(ValueError, match="outside"):
+        ops.perturb_many_([(good[0], 1, None), (good[1], 2, None), (good[2], 3, bad_block)], 5, 1e-2)
+    with pytest.raises(ValueError, match="twice"):
+        ops.perturb_many_([(good[0], 1, None), (good[0], 2, None)], 5, 1e-2)
+    with pytest.raises(ValueError, match="scales"):
+        ops.perturb_many_([(good[0], 1, None)], 5, 1e-2, scales=[1.0, 2.0])
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(good, before))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_elements_keep_their_bits(backend, dtype):
+    """perturb and update store a NaN input's own bits (signaling, quiet, payloads, both signs)."""
+    if dtype == torch.float32:
+        nans = np.array([0x7F800001, 0xFF800001, 0x7FC00000, 0xFFC12345, 0x7FBFFFFF], np.uint32)
+        w = torch.from_numpy(np.resize(nans, 5 * 40).view(np.float32).reshape(5, 40).copy())
+    else:
+        nans = np.array([0x7F81, 0xFF81, 0x7FC0, 0xFFC5, 0x7FFF] if dtype == torch.bfloat16 else
+                        [0x7C01, 0xFC01, 0x7E00, 0xFE05, 0x7FFF], np.uint16)
+        w = torch.from_numpy(np.resize(nans, 5 * 40).view(np.int16).reshape(5, 40).copy()).view(dtype)
+    before = bits(w)
+    ops.perturb_(w, 3, KEY, 0.5, backend=backend)
+    ops.es_update_(w, [1, 2, 3], [0.1, -0.2, 0.3], KEY, backend=backend)
+    np.testing.assert_array_equal(bits(w), before)
+
+
+def test_logical_indices_up_to_2_pow_64_are_reached(rng):
+    """The last 64 logical indices (where tile arithmetic used to overflow) get their noise."""
+    for cols in (5, 64, 130):
+        w = weights((1, cols), torch.float32, rng)
+        _check_update(w, [3, 4], [0.5, -0.25], block=ops.Block(0, 2**64 - 1 - cols, 1, 2**64 - 1))
+
+
+def test_unknown_codes_are_errors_not_no_ops():
+    """Every C++ switch is guarded: a plan with an unknown dtype or family code raises before writing."""
+    from espert import _C
+
+    w = torch.ones(4, 8)
+    F = {n: i for i, n in enumerate(_C.PLAN_FIELDS)}
+    base = np.zeros(len(_C.PLAN_FIELDS), np.int64)
+    base[F["data"]], base[F["rows"]], base[F["cols"]], base[F["row_stride"]] = w.data_ptr(), 4, 8, 8
+    base[F["logical_cols"]], base[F["member_end"]] = 8, 1
+    base[F["scale_bits"]] = np.float32(1.0).view(np.int32)
+    seeds, coeffs = np.array([1], np.uint64), np.array([1.0], np.float32)
+    assert set(_C.DTYPE_CODES) == {"float32", "float16", "bfloat16"}
+    assert ops.DTYPE_CODES[torch.bfloat16] == _C.DTYPE_CODES["bfloat16"]
+    for field, bad in (("dtype", 3), ("dtype", -1), ("family", 3), ("family", 99)):
+        t = base.copy()[None, :]
+        t[0, F[field]] = bad
+        with pytest.raises(ValueError, match="unknown"):
+            _C.apply_many_cpu(t.ctypes.data, 1, seeds.ctypes.data, coeffs.ctypes.data, 1)
+    assert torch.equal(w, torch.ones(4, 8))
+
+
+@pytest.mark.parametrize("op", ["perturb", "update", "many"])
+def test_in_place_ops_bump_the_autograd_version(op):
+    """backward() through a weight edited in place raises torch's in-place error, as torch's own ops do."""
+    p = torch.nn.Parameter(torch.randn(4, 8))
+    y = p.pow(2).sum()  # saves p for backward
+    w = p.detach()  # shares the version counter with p
+    if op == "perturb":
+        ops.perturb_(w, 1, KEY, 1e-2)
+    elif op == "update":
+        ops.es_update_(w, [1, 2], [1e-2, 2e-2], KEY)
+    else:
+        ops.perturb_many_([(w, KEY, None)], 1, 1e-2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
