@@ -480,7 +480,7 @@ def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.nda
 def _check_items(items, fam: NoiseFamily, n: int, scales, backend: str | None):
     """Validate every (tensor, key, block) of a multi-tensor call before anything is written.
     Returns ([(w, key, geometry, dtype code)], [scale bits], Backend, device)."""
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+    if isinstance(items, (str, bytes, torch.Tensor)) or not hasattr(items, "__iter__"):
         raise TypeError(f"items must be a sequence of (tensor, key, block) triples, got {type(items).__name__}")
     items = list(items)
     if scales is not None:

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,22 @@ CASES = [
     ("sigma nan", lambda w: ops.perturb_(w, 1, 2, math.nan), ValueError, "sigma"),
     ("sigma inf", lambda w: ops.perturb_(w, 1, 2, math.inf), ValueError, "sigma"),
     ("sign", lambda w: ops.perturb_(w, 1, 2, 1e-3, sign=2), ValueError, "sign"),
+    ("sign bool", lambda w: ops.perturb_(w, 1, 2, 1e-3, sign=True), ValueError, "sign"),
+    ("sign float", lambda w: ops.perturb_(w, 1, 2, 1e-3, sign=-1.0), ValueError, "sign"),
+    ("sign numpy int", lambda w: ops.perturb_(w, 1, 2, 1e-3, sign=np.int64(1)), ValueError, "sign"),
+    ("sigma 0 in float32", lambda w: ops.perturb_(w, 1, 2, 1e-50), ValueError, "float32"),
+    ("sigma subnormal in float32", lambda w: ops.perturb_(w, 1, 2, 1e-40), ValueError, "subnormal"),
+    ("sigma bool", lambda w: ops.perturb_(w, 1, 2, True), ValueError, "sigma"),
+    ("block float", lambda w: ops.perturb_(w, 1, 2, 1e-3, block=ops.Block(1.0, 0, 10, 16)), TypeError,
+     r"Block.row_offset must be an int"),
+    ("block bool", lambda w: ops.perturb_(w, 1, 2, 1e-3, block=ops.Block(0, 0, True, 16)), TypeError,
+     r"Block.logical_rows must be an int"),
+    ("block not a Block", lambda w: ops.perturb_(w, 1, 2, 1e-3, block=(0, 0, 8, 16)), TypeError, "Block"),
+    ("scale 0", lambda w: ops.perturb_many_([(w, 2, None)], 1, 1e-3, scales=[0.0]), ValueError, r"scales\[0\]"),
+    ("scale nan", lambda w: ops.perturb_many_([(w, 2, None)], 1, 1e-3, scales=[math.nan]), ValueError, "scales"),
+    ("item not a triple", lambda w: ops.perturb_many_([(w, 2)], 1, 1e-3), TypeError, "triple"),
+    ("items not a sequence", lambda w: ops.perturb_many_(w, 1, 1e-3), TypeError, "sequence"),
+    ("noise family", lambda w: ops.perturb_(w, 1, 2, 1e-3, noise="uniform"), ValueError, "unknown noise family"),
     ("seed < 0", lambda w: ops.perturb_(w, -1, 2, 1e-3), ValueError, r"seeds\[0\]"),
     ("seed >= 2^64", lambda w: ops.perturb_(w, 2**64, 2, 1e-3), ValueError, r"seeds\[0\]"),
     ("seed float", lambda w: ops.perturb_(w, 1.5, 2, 1e-3), TypeError, r"seeds\[0\]"),
@@ -89,3 +106,13 @@ def test_param_views_reject_unsupported_dtypes_and_empty_selection():
         torch_param_views(m)
     with pytest.raises(ValueError, match="no parameters selected"):
         torch_param_views(torch.nn.Linear(4, 4), include=["nothing*"])
+
+
+def test_block_fields_accept_numpy_integers():
+    """numpy integers are converted to int (the Triton launch and the plan need Python ints)."""
+    b = ops.Block(np.int64(2), np.uint32(3), np.int32(10), np.int64(20))
+    assert (b.row_offset, b.col_offset, b.logical_rows, b.logical_cols) == (2, 3, 10, 20)
+    assert all(type(v) is int for v in (b.row_offset, b.col_offset, b.logical_rows, b.logical_cols))
+    w = torch.zeros(8, 16)
+    ops.perturb_(w, 1, 2, 1e-3, block=ops.Block(np.int64(2), 0, np.int64(10), 16))
+    assert w.abs().sum() > 0
