@@ -81,6 +81,8 @@ class ESConfig:
     vllm_gpu_memory_utilization: float | None = opt(None, "evaluator vllm: fraction of GPU memory per engine "
                                                           "(default: vLLM's)")
     vllm_max_model_len: int | None = opt(None, "evaluator vllm: max context length (default: the model's)")
+    vllm_rename: list[str] | None = opt(None, "evaluator vllm: 'vllm_name=checkpoint_name' pairs for models whose "
+                                              "parameter names differ from the checkpoint's beyond fusion")
     quant: Quant = opt("none", "quantize the Linear layers (not lm_head) at load; ES perturbs and updates the "
                                "quantized codes in place (torch evaluator); exports hold dequantized weights")
     quant_group_size: int = opt(128, "int4 group size along the input dimension (-1: one group per row)")
