@@ -1,0 +1,92 @@
+"""Optional trackers: nothing is lost when one is missing, offline or failing; log.jsonl is the record."""
+
+import os
+import sys
+import types
+
+import pytest
+
+from espert import runs, train
+from espert.config import ESConfig
+from espert.trainer import iteration_metrics
+
+SMALL = dict(iterations=2, population=4, prompts_per_iteration=4, train_size=16, eval_size=3, max_new_tokens=2,
+             eval_every=1, checkpoint_every=0)
+
+
+def records(d):
+    return runs.read_log(os.path.join(d, runs.LOG))
+
+
+def run(tmp_path, name, **kw):
+    d = str(tmp_path / name)
+    msgs = []
+    train(ESConfig(**{**SMALL, **kw}), d, progress=False, echo=msgs.append)
+    return d, msgs
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("plain") / "run")
+    train(ESConfig(**SMALL), d, progress=False, echo=None)
+    return [{k: v for k, v in r.items() if k not in ("time", "seconds", "eval_seconds", "crc32")}
+            for r in records(d)]
+
+
+def same_log(d, plain):
+    got = [{k: v for k, v in r.items() if k not in ("time", "seconds", "eval_seconds", "crc32")} for r in records(d)]
+    return got == plain
+
+
+def test_missing_packages_only_warn(tmp_path, monkeypatch, plain):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    d, msgs = run(tmp_path, "run", trackers=["wandb", "tensorboard"])
+    assert any("tracker wandb could not start (ModuleNotFoundError" in m for m in msgs)
+    assert any("tracker tensorboard could not start (ModuleNotFoundError" in m for m in msgs)
+    assert same_log(d, plain)
+
+
+class FakeWandb(types.ModuleType):
+    """The slice of the wandb API espert uses, recording calls; ``fail_after`` makes ``log`` raise (offline)."""
+
+    def __init__(self, fail_after=None):
+        super().__init__("wandb")
+        self.calls, self.fail_after, self.finished = [], fail_after, False
+
+    def init(self, **kw):
+        self.init_kw = kw
+        return self
+
+    def log(self, metrics, step):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise ConnectionError("network is unreachable")
+        self.calls.append((step, dict(metrics)))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_a_tracker_gets_the_metrics_of_log_jsonl(tmp_path, monkeypatch, plain):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    d, msgs = run(tmp_path, "run", trackers=["wandb"], tracker_project="proj")
+    assert not msgs and fake.finished and fake.init_kw["project"] == "proj"
+    assert fake.init_kw["config"]["trackers"] == ["wandb"]
+    its = [r for r in records(d) if r["kind"] == "iter"]
+    evals = [r for r in records(d) if r["kind"] == "eval"]
+    want = [(0, {"heldout/mean": evals[0]["mean"]})]
+    for r, e in zip(its, evals[1:]):
+        want += [(r["iteration"], iteration_metrics(r)), (r["iteration"], {"heldout/mean": e["mean"]})]
+    assert fake.calls == want
+    assert {"reward/std", "reward/mean", "step_norm", "sigma", "alpha"} <= set(fake.calls[1][1])
+    assert same_log(d, plain)
+
+
+def test_a_failing_tracker_is_switched_off_and_the_run_goes_on(tmp_path, monkeypatch, plain):
+    fake = FakeWandb(fail_after=1)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    d, msgs = run(tmp_path, "run", trackers=["wandb"])
+    assert len(fake.calls) == 1
+    assert len([m for m in msgs if "tracker wandb failed (ConnectionError" in m]) == 1
+    assert same_log(d, plain)
