@@ -224,11 +224,3 @@ def test_restore_in_finally_when_scoring_fails(ev):
     r = bad.evaluate([(1, 1), (1, -1)], 0.1, ["abc>"], ["abc"])
     assert all(x != x for x in r) and bad.checksum() == c0
     ev.rpc("es_setup")
-
-
-def test_setup_rename_map(ev):
-    info = ev.rpc("es_setup", rename={"lm_head.weight": "output.weight"})[0]
-    try:
-        assert "output.weight" in info["params"] and "lm_head.weight" not in info["params"]
-    finally:
-        ev.rpc("es_setup")

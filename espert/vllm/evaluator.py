@@ -90,6 +90,15 @@ class VLLMEvaluator(Evaluator):
     ``llm.reset_prefix_cache()`` after every weight change (on by default; required when the
     engine has prefix caching on).
 
+    rename: ``{vLLM unfused name: checkpoint name}`` (or ``["vllm_name=checkpoint_name", ...]``) for
+    models whose names differ from the checkpoint's beyond fusion; es_setup checks every logical
+    name and shape against the checkpoint.
+
+    Weights are edited only while the engine is idle: every perturb / restore / update /
+    load_center raises (weights untouched) when the engine has requests in flight, and raises
+    if vLLM then refuses to reset its prefix cache.  An online server must quiesce first (stop
+    admitting requests, drain or abort the running ones), edit, then resume.
+
     ``timings`` accumulates seconds spent in perturb / generate / restore / update.
     """
 
@@ -97,7 +106,7 @@ class VLLMEvaluator(Evaluator):
                  include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
                  max_new_tokens: int = 16, seed: int = 0, chat_template: bool = False,
                  member_errors: str = "raise", reset_prefix_cache: bool = True, master: str = "float32",
-                 llm_kwargs: dict | None = None):
+                 rename: dict[str, str] | Sequence[str] | None = None, llm_kwargs: dict | None = None):
         if member_errors not in ("raise", "nan"):
             raise ValueError(f"member_errors must be 'raise' or 'nan', got {member_errors!r}")
         if max_new_tokens < 1:
@@ -111,7 +120,7 @@ class VLLMEvaluator(Evaluator):
         self.chat_template = chat_template
         try:
             self.info = self.llm.collective_rpc("es_setup", kwargs=dict(include=include, exclude=exclude,
-                                                                         master=master))
+                                                                         master=master, rename=parse_rename(rename)))
         except AttributeError as e:
             raise RuntimeError(f"the engine has no espert worker extension; create it with "
                                f"worker_extension_cls={WORKER_EXTENSION!r} (espert.vllm.make_llm): {e}") from e
@@ -124,15 +133,28 @@ class VLLMEvaluator(Evaluator):
         self.timings = {"perturb": 0.0, "generate": 0.0, "restore": 0.0, "update": 0.0, "members": 0}
         self._cache_key: tuple | None = None
         self._prompts: list = []
+        self._pulled: dict[str, torch.Tensor] | None = None
+        #: Largest piece of the center one RPC carries (center_state, write_center).
+        from espert.vllm.stream import CHUNK_BYTES
+
+        self.chunk_bytes = CHUNK_BYTES
 
     # -- plumbing ----------------------------------------------------------------------------------
     def rpc(self, method: str, *args, **kwargs) -> list:
         """``llm.collective_rpc(method)`` on every worker (TP rank); one result per rank."""
         return self.llm.collective_rpc(method, args=args, kwargs=kwargs or None)
 
+    def _quiesced(self) -> None:
+        """Refuse to edit weights under running requests: their KV and outputs would mix two sets of weights."""
+        if self.llm.llm_engine.has_unfinished_requests():
+            raise RuntimeError("espert: the vLLM engine has requests in flight; weights are edited only when it is "
+                               "idle (quiesce: stop admitting requests and drain or abort them first)")
+
     def _changed(self) -> None:
-        if self.reset_cache:
-            self.llm.reset_prefix_cache()
+        self._pulled = None
+        if self.reset_cache and self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("espert: vLLM refused to reset its prefix cache (requests in flight?): cached KV "
+                               "computed under other weights could be reused; quiesce the engine first")
 
     def _format(self, prompt: str) -> str:
         if not self.chat_template:
@@ -161,10 +183,12 @@ class VLLMEvaluator(Evaluator):
 
     # -- the Evaluator interface -------------------------------------------------------------------
     def perturb(self, seed: int, sigma: float, sign: int = 1) -> None:
+        self._quiesced()
         self.rpc("es_perturb", int(seed), float(sigma), int(sign))
         self._changed()
 
     def restore(self) -> None:
+        self._quiesced()
         self.rpc("es_restore")
         self._changed()
 
@@ -179,15 +203,35 @@ class VLLMEvaluator(Evaluator):
     def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
                lr: float | None = None) -> None:
         t0 = time.perf_counter()
+        self._quiesced()
         self.rpc("es_update", [int(s) for s in seeds], [float(c) for c in coeffs], float(decay),
                  None if lr is None else float(lr))
         self._changed()
         self.timings["update"] += time.perf_counter() - t0
 
     def center_state(self) -> dict[str, torch.Tensor]:
-        from espert.vllm.params import assemble
+        """The center by logical name, streamed from the workers in bounded chunks (:mod:`espert.vllm.stream`).
 
-        return assemble(self.rpc("es_center_state"))
+        The result is also kept until the next weight change, so the :meth:`export_state` that follows
+        in a checkpoint does not pull it again."""
+        from espert.vllm.stream import pull_center
+
+        self._pulled = pull_center(self.rpc, self.chunk_bytes)
+        return self._pulled
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The center: the copy the last :meth:`center_state` pulled when no weight changed since (then
+        forgotten), else a fresh pull."""
+        state = self._pulled if self._pulled is not None else self.center_state()
+        self._pulled = None
+        return state
+
+    def write_center(self, path: str, metadata: dict[str, str] | None = None) -> str:
+        """Stream the center straight into a safetensors file (driver memory: one chunk); returns its sha256.
+        Same bytes as ``espert.runs.write_safetensors(path, center_state(), metadata)``."""
+        from espert.vllm.stream import write_center
+
+        return write_center(self.rpc, path, metadata, self.chunk_bytes)
 
     def live_state(self) -> dict[str, torch.Tensor]:
         """The live weights by logical name (host copies), reassembled over TP ranks."""
@@ -198,6 +242,7 @@ class VLLMEvaluator(Evaluator):
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
         from espert.vllm.params import pack_tensor
 
+        self._quiesced()
         self.rpc("es_load_center", {k: pack_tensor(v.detach().to("cpu", torch.float32)) for k, v in state.items()})
         self._changed()
 
@@ -209,6 +254,19 @@ class VLLMEvaluator(Evaluator):
         if self.llm is not None and self._owns:
             shutdown_llm(self.llm)
         self.llm = None
+
+
+def parse_rename(rename) -> dict[str, str] | None:
+    """``{vLLM name: checkpoint name}`` from a dict or ``["vllm_name=checkpoint_name", ...]`` (the CLI form)."""
+    if rename is None or isinstance(rename, dict):
+        return dict(rename) if rename else None
+    out = {}
+    for item in rename:
+        a, sep, b = str(item).partition("=")
+        if not sep or not a.strip() or not b.strip():
+            raise ValueError(f"vllm_rename entries are 'vllm_name=checkpoint_name', got {item!r}")
+        out[a.strip()] = b.strip()
+    return out or None
 
 
 def shutdown_llm(llm) -> None:
@@ -238,7 +296,8 @@ def build_from_config(cfg, model_path: str, score) -> Evaluator:
         if getattr(cfg, field, None) is not None:
             llm_kwargs[arg] = getattr(cfg, field)
     ev_kwargs = dict(include=cfg.include, exclude=cfg.exclude, max_new_tokens=cfg.max_new_tokens,
-                     seed=cfg.seed, chat_template=cfg.chat_template, member_errors=cfg.member_errors)
+                     seed=cfg.seed, chat_template=cfg.chat_template, member_errors=cfg.member_errors,
+                     rename=parse_rename(getattr(cfg, "vllm_rename", None)))
     if engines > 1:
         from espert.vllm.pool import EnginePool
 

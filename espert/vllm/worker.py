@@ -109,11 +109,14 @@ class ESWorkerExtension:
 
     # -- the RPC surface -------------------------------------------------------------------------
     def es_setup(self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                 master: str = "float32", rename: dict[str, str] | None = None) -> dict:
+                 master: str = "float32", rename: dict[str, str] | None = None, check_names: bool = True) -> dict:
         """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
 
         rename: optional {vLLM unfused name: checkpoint name} for models whose names differ beyond
         packing (a dict, so it survives the RPC); names not in it are kept.
+        check_names: refuse (LayoutError) unless every logical name is a tensor of the model's
+        safetensors checkpoint with the same shape, so noise is keyed by the names a checkpoint
+        (and transformers) uses; skipped when the model has no safetensors files.
 
         Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device"}``.
         Raises (naming the parameter) for layouts it cannot map, and RuntimeError when the
@@ -124,16 +127,22 @@ class ESWorkerExtension:
 
         model = self._es_model()
         cpu_patch.check_model(model)
+        if check_names:
+            check = self._es_check_names
+        else:
+            def check(views):
+                return None
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, see espert/vllm/w8a8.py
-            self._es_center = cpu_patch.RepackingCenter(
-                w8a8.W8A8Center(model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None),
-                model)
+            center = w8a8.W8A8Center(model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None)
+            check(center.views)
+            self._es_center = cpu_patch.RepackingCenter(center, model)
             rank, tp = self._es_rank()
             views = self._es_center.views
             return {"rank": rank, "tp_size": tp, "params": [v.name for v in views],
                     "numel": sum(v.numel for v in views), "center_bytes": self._es_center.nbytes, "device": "cpu"}
         views = vllm_param_views(model, include=include, exclude=exclude,
                                  rename=(lambda n: rename.get(n, n)) if rename else None)
+        check(views)
         device = views[0].tensor.device
         if master not in ("float32", "weights"):
             raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
@@ -143,6 +152,25 @@ class ESWorkerExtension:
         rank, tp = self._es_rank()
         return {"rank": rank, "tp_size": tp, "params": [v.name for v in views],
                 "numel": sum(v.numel for v in views), "center_bytes": self._es_center.nbytes, "device": str(device)}
+
+    def _es_check_names(self, views) -> None:
+        from espert.vllm.params import LayoutError, logical_shape
+        from espert.vllm.stream import checkpoint_shapes
+
+        shapes = checkpoint_shapes(self.vllm_config.model_config.model)
+        if shapes is None:
+            return
+        missing = [v.name for v in views if v.name not in shapes]
+        if missing:
+            raise LayoutError(f"{len(missing)} logical parameter names are not in the checkpoint ({missing[:4]}...): "
+                              f"noise would be keyed by the wrong names.  Map vLLM names to checkpoint names with "
+                              f"rename= (CLI: vllm_rename: ['vllm_name=checkpoint_name', ...]), or exclude them")
+        for v in views:
+            want = shapes[v.name]
+            got = logical_shape(v.tensor.shape, v.block)
+            if tuple(got) != tuple(want):
+                raise LayoutError(f"{v.name}: the live logical tensor is {tuple(got)}, the checkpoint's is "
+                                  f"{tuple(want)}; check rename= / vllm_rename")
 
     def es_perturb(self, seed: int, sigma: float, sign: int = 1) -> None:
         """Live weights <- center + sign·σ·ε(seed) (from the restored state), in place."""
@@ -162,11 +190,33 @@ class ESWorkerExtension:
         self._es_sync()
 
     def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
-        """This rank's center pieces ``(logical name, float32 tensor, block tuple)``; see params.assemble."""
+        """This rank's center pieces ``(logical name, packed tensor, block tuple)`` in one message; see
+        params.assemble.  Small models and tests; checkpoints stream with :meth:`es_center_chunk`."""
         from espert.vllm.params import block_to_tuple, pack_tensor
 
         c = self._es_require()
         return [(v.name, pack_tensor(t), block_to_tuple(v.block)) for v, t in zip(c.views, c.centers)]
+
+    def es_center_layout(self) -> list[tuple[str, list, tuple | None, str]]:
+        """``(logical name, local shape, block tuple, dtype name)`` of this rank's center pieces."""
+        from espert.vllm.params import block_to_tuple
+
+        c = self._es_require()
+        return [(v.name, list(t.shape), block_to_tuple(v.block), str(t.dtype).removeprefix("torch."))
+                for v, t in zip(c.views, c.centers)]
+
+    def es_center_chunk(self, k: int, chunk_bytes: int) -> tuple[int, int, int, bytes] | None:
+        """The k-th chunk of this rank's center, ``(piece index, flat start, stop, raw bytes)`` of at most
+        ``chunk_bytes`` bytes, or None past the end (see :mod:`espert.vllm.stream`)."""
+        from espert.vllm.stream import chunk_plan
+
+        centers = self._es_require().centers
+        plan = chunk_plan([t.numel() for t in centers], [t.element_size() for t in centers], int(chunk_bytes))
+        for j, (i, a, b) in enumerate(plan):
+            if j == k:
+                t = centers[i].reshape(-1)[a:b]
+                return i, a, b, t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy().tobytes()
+        return None
 
     def es_live_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
         """This rank's live weight pieces (copies, on the host), for tests and diagnostics."""

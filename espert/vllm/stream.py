@@ -1,0 +1,197 @@
+"""The center out of vLLM's workers in bounded chunks: straight into a safetensors file, or into logical tensors.
+
+A center can be tens of GB (a 7 B model's float32 master is 28 GB).  Sending it as one RPC result
+costs the blob plus 2–3 driver-side copies.  Here every TP rank cuts its center pieces into chunks
+of at most ``chunk_bytes`` (flat element ranges of one local tensor), and the driver asks for the
+k-th chunk of every rank in one ``collective_rpc("es_center_chunk", k, chunk_bytes)``; each answer
+is ``(view index, start, stop, raw bytes)`` or None when that rank is done.
+
+- :func:`write_center` writes each chunk at its place in a preallocated safetensors file (a block of
+  a TP-sharded tensor lands as row segments at computed offsets), then hashes the file by reading it
+  back in chunks: the driver never holds more than one chunk of the center.  The bytes are exactly
+  those of :func:`espert.runs.write_safetensors` for the same tensors and metadata (sorted header,
+  tensors ordered by element size then name), so checkpoint hashes do not depend on the route.
+- :func:`pull_center` fills preallocated logical tensors chunk by chunk (one copy: the result).
+
+Pieces replicated over ranks (k/v heads when tp > kv heads) are written by each rank that holds
+them; :func:`pull_center` checks that they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from typing import Callable
+
+import torch
+
+from espert.vllm.params import logical_shape, tuple_to_block
+
+#: Default chunk: 64 MiB.
+CHUNK_BYTES = 64 << 20
+
+_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def chunk_plan(numels: list[int], esizes: list[int], chunk_bytes: int):
+    """Yield ``(view index, start, stop)`` flat element ranges of at most ``chunk_bytes`` bytes, in order."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    for i, (n, e) in enumerate(zip(numels, esizes)):
+        per = max(1, chunk_bytes // e)
+        for a in range(0, n, per):
+            yield i, a, min(n, a + per)
+
+
+def _layouts(rpc: Callable) -> list[list[tuple]]:
+    """Per rank: ``[(name, local shape, block tuple, dtype name)]``."""
+    return rpc("es_center_layout")
+
+
+def _logical(layouts) -> dict[str, tuple[tuple[int, ...], str]]:
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for rank in layouts:
+        for name, shape, bt, dt in rank:
+            ls = logical_shape(shape, tuple_to_block(bt))
+            if out.setdefault(name, (ls, dt)) != (ls, dt):
+                raise ValueError(f"{name}: ranks disagree on the logical tensor ({out[name]} vs {(ls, dt)})")
+    return out
+
+
+def _segments(shape, bt, logical, a: int, b: int):
+    """``(logical flat offset, local flat start, local flat stop)`` runs covering local elements [a, b)."""
+    block = tuple_to_block(bt)
+    cols = int(shape[-1]) if len(shape) else 1
+    if block is None or block.logical_rows is None:
+        yield a, a, b
+        return
+    ro, co = (0, block.col_offset) if len(shape) == 1 else (block.row_offset, block.col_offset)
+    lcols = int(logical[-1])
+    if co == 0 and cols == lcols:  # whole rows: one contiguous run
+        yield ro * lcols + a, a, b
+        return
+    i = a
+    while i < b:
+        r, c = divmod(i, cols)
+        j = min(b, (r + 1) * cols)
+        yield (ro + r) * lcols + co + c, i, j
+        i = j
+
+
+def _chunks(rpc: Callable, chunk_bytes: int):
+    k = 0
+    while True:
+        got = rpc("es_center_chunk", k, int(chunk_bytes))
+        if all(g is None for g in got):
+            return
+        yield got
+        k += 1
+
+
+def write_center(rpc: Callable, path: str, metadata: dict[str, str] | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> str:
+    """Stream the workers' center into a safetensors file at ``path``; returns its sha256.
+
+    rpc: ``VLLMEvaluator.rpc``.  metadata: the header's ``__metadata__`` (string values).
+    Peak extra driver memory: one chunk (plus the header).
+    """
+    layouts = _layouts(rpc)
+    logical = _logical(layouts)
+    order = sorted(logical, key=lambda n: (-_DT[logical[n][1]].itemsize, n))
+    header: dict = {"__metadata__": dict(sorted((metadata or {}).items()))} if metadata else {}
+    off, base = 0, {}
+    for name in order:
+        shape, dt = logical[name]
+        n = _DT[dt].itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": _ST[dt], "shape": list(shape), "data_offsets": [off, off + n]}
+        base[name] = off
+        off += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    start = 8 + len(head)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        f.truncate(start + off)
+        for got in _chunks(rpc, chunk_bytes):
+            for rank, g in enumerate(got):
+                if g is None:
+                    continue
+                i, a, b, raw = g
+                name, shape, bt, dt = layouts[rank][i]
+                e = _DT[dt].itemsize
+                view = memoryview(raw)
+                for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
+                    f.seek(start + base[name] + lo * e)
+                    f.write(view[(s0 - a) * e:(s1 - a) * e])
+            del got
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            buf = f.read(min(chunk_bytes, 1 << 24) or 1)
+            if not buf:
+                break
+            h.update(buf)
+    return h.hexdigest()
+
+
+def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torch.Tensor]:
+    """The workers' center as logical tensors (host), filled chunk by chunk; replicated pieces must agree."""
+    layouts = _layouts(rpc)
+    logical = _logical(layouts)
+    out = {n: torch.empty(s, dtype=_DT[dt]) for n, (s, dt) in logical.items()}
+    seen = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.bool) for n, (s, _) in logical.items()}
+    for got in _chunks(rpc, chunk_bytes):
+        for rank, g in enumerate(got):
+            if g is None:
+                continue
+            i, a, b, raw = g
+            name, shape, bt, dt = layouts[rank][i]
+            src = torch.frombuffer(bytearray(raw), dtype=_DT[dt]) if b > a else torch.empty(0, dtype=_DT[dt])
+            flat, cov = out[name].view(-1), seen[name]
+            for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
+                piece, dst = src[s0 - a:s1 - a], flat[lo:lo + (s1 - s0)]
+                done = cov[lo:lo + (s1 - s0)]
+                if done.any() and not torch.equal(_bits(dst[done]), _bits(piece[done])):
+                    raise ValueError(f"{name}: replicated pieces differ between ranks")
+                dst.copy_(piece)
+                done.fill_(True)
+    for name, c in seen.items():
+        if not bool(c.all()):
+            raise ValueError(f"{name}: {int((~c).sum())} logical elements are not covered by any rank")
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
+    """``{tensor name: shape}`` from the headers of a checkpoint's ``*.safetensors`` files (no tensor is read).
+
+    model: a local directory, or a Hub id already in the local cache.  None when no safetensors
+    checkpoint is found (then names cannot be checked).
+    """
+    d = model if os.path.isdir(model) else None
+    if d is None:
+        try:
+            from huggingface_hub import snapshot_download
+
+            d = snapshot_download(model, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached / not a Hub id: nothing to check against
+            return None
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with open(os.path.join(d, f), "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            head = json.loads(fh.read(n))
+        for k, v in head.items():
+            if k != "__metadata__":
+                shapes[k] = tuple(v["shape"])
+    return shapes
