@@ -2,7 +2,6 @@
 ``espert analyze run / estimator`` sub-commands and drift warnings built on them."""
 
 import json
-import math
 import os
 import shutil
 import sys
