@@ -186,3 +186,32 @@ def test_optimizers_resume_and_replay_bit_identically(opt, tmp_path):
     assert same_center(a, b)
     res = runs.replay(a, str(tmp_path / "replay"), echo=None)
     assert res["matches_checkpoint"] is True
+
+
+def test_version1_run_directories_resume_and_replay(tmp_path, capsys):
+    """A run directory from before config.py (key 'backend', no new fields) resumes and replays exactly."""
+    import yaml
+
+    from espert import config as C
+    from espert.cli import main
+
+    legacy = dict(prompt_sampler="python_random", weight_decay_exclude=[], reward_std_floor=0.0)
+    kw = {**SMALL, "weight_decay": 0.1, **legacy}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train(ESConfig(**kw), a, progress=False, echo=None)
+    train(ESConfig(**{**kw, "iterations": 2}), b, progress=False, echo=None)
+    path = os.path.join(b, runs.CONFIG)
+    doc = yaml.safe_load(open(path, encoding="utf-8"))
+    cfg = doc["config"]
+    cfg["backend"] = cfg.pop("evaluator")
+    doc["config"] = {k: v for k, v in cfg.items() if k in C.V1_FIELDS}
+    assert set(doc["config"]) == C.V1_FIELDS
+    open(path, "w", encoding="utf-8").write(yaml.safe_dump(doc, sort_keys=False))
+    lines = open(os.path.join(b, runs.LOG), encoding="utf-8").read().splitlines(keepends=True)
+    open(os.path.join(b, runs.LOG), "w", encoding="utf-8").write("".join(ln for ln in lines if '"task"' not in ln))
+    capsys.readouterr()
+    assert main(["train", "--run-dir", b, "--resume", "--iterations", "3", "--no-progress"]) == 0
+    assert "config key 'backend' is deprecated" in capsys.readouterr().err
+    assert same_center(a, b)
+    assert [r["prompt_indices"] for r in its(a)] == [r["prompt_indices"] for r in its(b)]
+    assert runs.replay(b, str(tmp_path / "replay"), echo=None)["matches_checkpoint"] is True
