@@ -9,6 +9,10 @@
 namespace py = pybind11;
 using namespace espert;
 
+namespace espert {
+void register_cast(py::module_& m);  // csrc/cpu/cast_cpu.cpp: exact float32 -> bf16/fp16 for restore_
+}
+
 // Quantized-weight kernels (csrc/quant.h); espert/quant/ops.py validates every argument first.
 static quant::QuantArgs make_qargs(uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld,
                                    uint64_t row_offset, uint64_t col_offset, uint64_t logical_cols,
@@ -42,6 +46,7 @@ static quant::QuantArgs make_qargs(uintptr_t codes, int elem, int layout, int64_
 }
 
 PYBIND11_MODULE(_C, m) {
+  register_cast(m);
   m.doc() = "espert compiled kernels (CPU, and CUDA when built with nvcc)";
   // Codes shared with Python (espert/ops.py, kernels/apply.py derive theirs from these).
   m.attr("DTYPE_CODES") = py::dict(py::arg("float32") = (int)kFloat32, py::arg("float16") = (int)kFloat16,

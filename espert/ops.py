@@ -664,12 +664,22 @@ def restore_(w: torch.Tensor, center: torch.Tensor, *, non_blocking: bool = Fals
     dst = w.as_strided((g.rows, g.cols), (g.row_stride, 1))  # a view: the one geometry all ops use
     src = center.view(g.rows, g.cols)
     step = max(1, STAGING_BYTES // max(1, g.cols * src.element_size()))
+    host_narrow = src.dtype != w.dtype and src.device.type == "cpu"
+    staging = None
+    if host_narrow:
+        sync_cpu_threads()
+        if w.device.type != "cpu":  # narrow on the host into bounded staging, then one transfer per chunk
+            staging = torch.empty(min(g.rows, step) * g.cols, dtype=w.dtype, pin_memory=torch.cuda.is_available())
     for i in range(0, g.rows, step):
         d, s = dst[i:i + step], src[i:i + step]
         if s.dtype == d.dtype:
             d.copy_(s, non_blocking=non_blocking)
-        elif s.device == d.device:
-            cast_exact_(d, s)
-        else:  # convert next to the source (bounded staging), then one transfer
-            d.copy_(cast_exact_(torch.empty(s.shape, dtype=d.dtype, device=s.device), s))
+        elif host_narrow and staging is None:  # one pass, no temporaries, NaN bits kept
+            _C.narrow_f32_cpu(s.data_ptr(), d.data_ptr(), DTYPE_CODES[d.dtype], d.shape[0], g.cols, g.row_stride)
+        elif host_narrow:
+            h = staging[: s.numel()]
+            _C.narrow_f32_cpu(s.data_ptr(), h.data_ptr(), DTYPE_CODES[d.dtype], s.shape[0], g.cols, g.cols)
+            d.copy_(h.view(s.shape))
+        else:  # a device-side source: torch ops on that device
+            cast_exact_(d, s) if s.device == d.device else d.copy_(cast_exact_(torch.empty_like(s, dtype=d.dtype), s))
     return w

@@ -65,3 +65,20 @@ def test_restore_in_bounded_chunks_matches_a_cast(monkeypatch):
     w = torch.empty(37, 29, dtype=torch.bfloat16)
     ops.restore_(w, center)
     assert torch.equal(w, center.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", list(NANS))
+def test_host_narrowing_kernel_equals_cast_exact(dtype):
+    """restore_'s one-pass C++ narrowing (strided rows, every special value) equals cast_exact_."""
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(7, 300, generator=gen) * 0.02
+    flat = src.view(-1)
+    specials = [0.0, -0.0, 1e-40, -3e-39, 6e-8, -5.9e-8, 65504.0, 65520.0, -70000.0, 3.4e38, float("inf"),
+                -float("inf"), float("nan")]
+    flat[: len(specials)] = torch.tensor(specials)
+    flat.view(torch.int32)[20:24] = torch.tensor([0x7F800001, -0x007FFFFF, 0x7FC12345, 0x7F812000], dtype=torch.int32)
+    big = torch.zeros(7, 310, dtype=dtype)
+    ops.restore_(big[:, 5:305], src)
+    expect = ops.cast_exact_(torch.empty(7, 300, dtype=dtype), src)
+    assert torch.equal(big[:, 5:305].contiguous().view(torch.int16), expect.view(torch.int16))
+    assert big[:, :5].abs().sum() == 0 and big[:, 305:].abs().sum() == 0
