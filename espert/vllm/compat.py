@@ -1,0 +1,241 @@
+"""A drop-in for ES-at-Scale's vLLM worker extension, with espert underneath.
+
+ES-at-Scale (github.com/VsonicV/es-at-scale) drives each vLLM engine through a worker extension
+whose methods its trainer calls with ``collective_rpc``.  Change one string::
+
+    worker_extension_cls="espert.vllm.compat.ESAtScaleWorkerExtension"
+
+and the trainer runs unchanged.  Same method names, arguments and meaning; underneath:
+
+- noise keyed by (seed, logical parameter name, logical element): every tensor draws its own ε.
+  ES-at-Scale seeds one generator per parameter with the same seed, so equally shaped tensors of
+  different layers get identical noise (their issue #46);
+- restore is exact (a copy of the float32 host center), whatever the seed and σ it is given;
+- the center is a float32 master in host memory; updates are applied to it with espert's fused
+  kernel (one pass over the weights for all seeds) and then restored into the live weights;
+- ``broadcast_all_weights`` reaches the same weights on every engine exactly, by sending the
+  update (seeds and coefficients, a few bytes) and each engine's checksum instead of the weights;
+  an engine that still differs afterwards receives engine ``src``'s whole center.
+
+Where the meaning differs (docs/vllm.md lists these):
+
+- ``restore_self_weights(seed, sigma)`` ignores its arguments (the restore is exact);
+- ``perturb_self_weights`` perturbs from the center: a second perturb without a restore in between
+  raises instead of stacking two perturbations;
+- ``update_weights_from_seeds`` applies the step (α/N)·Σ cᵢ·εᵢ with the coefficient α/N·cᵢ rounded
+  once to float32 per seed (ES-at-Scale accumulates Σ cᵢ·εᵢ, then multiplies by α/N); the noise
+  itself is espert's, not ``torch.randn`` with a per-tensor generator, so numbers differ from
+  ES-at-Scale's for the same seeds by design;
+- ``save_self_weights_to_disk(path)`` writes the float32 center by checkpoint (logical) name as
+  safetensors at ``path`` with the suffix ``.safetensors`` *and* a ``torch.save`` of the same tensor
+  dict at ``path`` (their format, loadable with ``torch.load(weights_only=True)``);
+  ``load_weights_from_disk(path)`` prefers the ``.safetensors`` beside ``path`` and never unpickles
+  arbitrary objects (``weights_only=True``).  A ``.pth`` written by ES-at-Scale itself (vLLM's fused
+  parameter names) is loaded too, at tensor parallel size 1;
+- ``init_inter_engine_group`` builds a TCP-store group (``StatelessProcessGroup``), not NCCL, so it
+  works on CPU engines too; only metadata, seeds and checksums cross it (and a whole center only
+  for an engine that diverged).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from espert.vllm.worker import EXACT_FIELDS, ESWorkerExtension
+
+
+def _st_path(path: str) -> str:
+    root, ext = os.path.splitext(path)
+    return path if ext == ".safetensors" else root + ".safetensors"
+
+
+class ESAtScaleWorkerExtension(ESWorkerExtension):
+    """ES-at-Scale's worker-extension methods over espert's center (see the module docstring).
+
+    The center is snapshotted from the live weights at the first call that needs it (or at
+    :meth:`save_self_initial_weights`).  espert's own ``es_*`` methods stay available.
+    """
+
+    # -- state --------------------------------------------------------------------------------
+    def _compat(self):
+        if getattr(self, "_es_center", None) is None:
+            self.es_setup()
+            self._compat_perturbed = False
+            self._compat_pending = []
+        if not hasattr(self, "_compat_pending"):  # es_setup was called directly
+            self._compat_perturbed, self._compat_pending = False, []
+        return self._es_center
+
+    # -- ES-at-Scale's surface -----------------------------------------------------------------
+    def save_self_initial_weights(self) -> bool:
+        """Snapshot the current weights as the float32 host center (their: a CPU copy of the weights)."""
+        self._es_center = None
+        self._compat()
+        return True
+
+    def perturb_self_weights(self, seed: int, noise_scale: float, negate: bool = False) -> bool:
+        """Live weights <- center ± noise_scale·ε(seed) (minus when negate), in place."""
+        center = self._compat()
+        if self._compat_perturbed:
+            raise RuntimeError("perturb_self_weights called twice without restore_self_weights: espert perturbs "
+                               "from the exact center and does not stack perturbations; restore first")
+        center.perturb(int(seed), float(noise_scale), -1 if negate else 1)
+        self._compat_perturbed = True
+        self._es_sync()
+        return True
+
+    def restore_self_weights(self, seed: int | None = None, sigma: float | None = None) -> bool:
+        """Live weights <- the exact center.  seed and sigma are accepted and ignored (nothing is subtracted)."""
+        self._compat().restore()
+        self._compat_perturbed = False
+        self._es_sync()
+        return True
+
+    def update_weights_from_seeds(self, seeds: Sequence[int], coeffs: Sequence[float], alpha: float,
+                                  population_size: int) -> bool:
+        """center <- center + (alpha/population_size)·Σ coeffs[i]·ε(seeds[i]) (float32 master), then restore."""
+        center = self._compat()
+        if isinstance(population_size, bool) or not isinstance(population_size, int) or population_size < 1:
+            raise ValueError(f"population_size must be an int >= 1, got {population_size!r}")
+        scale = float(alpha) / float(population_size)
+        seeds = [int(s) for s in seeds]
+        scaled = [scale * float(c) for c in coeffs]
+        center.update(seeds, scaled)
+        self._compat_perturbed = False
+        self._compat_pending.append((seeds, scaled))
+        self._es_sync()
+        return True
+
+    def init_inter_engine_group(self, master_address: str, master_port: int, engine_idx: int,
+                                num_engines: int) -> bool:
+        """Join the group of engines (one group per TP rank, on port master_port + tp_rank, as ES-at-Scale)."""
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        self._compat()
+        tp_rank, _ = self._es_rank()
+        self._compat_group = StatelessProcessGroup.create(host=master_address, port=int(master_port) + tp_rank,
+                                                          rank=int(engine_idx), world_size=int(num_engines))
+        return True
+
+    def broadcast_all_weights(self, src_rank: int) -> bool:
+        """Every engine ends with engine ``src_rank``'s center and weights, bit for bit.
+
+        src sends the updates it applied since the last broadcast and its checksum; the others apply
+        the same updates (espert's update is deterministic) and compare checksums; any engine that
+        still differs then loads src's whole center.  Call it on every engine, as ES-at-Scale does.
+        """
+        center = self._compat()
+        group = getattr(self, "_compat_group", None)
+        if group is None:
+            raise RuntimeError("broadcast_all_weights needs init_inter_engine_group first")
+        src = int(src_rank)
+        mine = group.rank == src
+        msg = group.broadcast_obj((self._compat_pending, self._exact()) if mine else None, src=src)
+        if not mine:
+            if self._compat_pending:  # this engine moved on its own: only a full copy can fix it
+                ok = False
+            else:
+                for seeds, coeffs in msg[0]:
+                    center.update(seeds, coeffs)
+                ok = self._exact() == msg[1]
+        else:
+            ok = True
+        flags = group.all_gather_obj(ok)
+        if not all(flags):
+            full = group.broadcast_obj(self.es_center_state() if mine else None, src=src)
+            if not ok:
+                self._load_pieces(full)
+                if self._exact() != msg[1]:
+                    raise RuntimeError("broadcast_all_weights: this engine still differs from the source engine "
+                                       "after loading its center")
+        self._compat_pending = []
+        self._compat_perturbed = False
+        self._es_sync()
+        return True
+
+    def save_self_weights_to_disk(self, filepath: str) -> bool:
+        """Write the float32 center by checkpoint name: safetensors beside ``filepath`` and ``torch.save`` at it."""
+        from espert.vllm.stream import pull_center
+
+        self._compat()
+        rank, tp = self._es_rank()
+        if tp > 1:
+            import torch.distributed as dist
+            from vllm.distributed import get_tp_group
+
+            ranks: list = [None] * tp
+            dist.all_gather_object(ranks, self.es_center_state(), group=get_tp_group().cpu_group)
+            if rank != 0:
+                return True
+            from espert.vllm.params import assemble
+
+            state = assemble(ranks)
+        else:
+            state = pull_center(lambda m, *a: [getattr(self, m)(*a)])
+        from espert.runs import write_safetensors
+
+        d = os.path.dirname(os.path.abspath(filepath))
+        os.makedirs(d, exist_ok=True)
+        write_safetensors(_st_path(filepath), state, {"format": "pt"})
+        if _st_path(filepath) != filepath:
+            torch.save(state, filepath)
+        return True
+
+    def load_weights_from_disk(self, filepath: str) -> bool:
+        """Load a center saved by :meth:`save_self_weights_to_disk` (or an ES-at-Scale ``.pth``) exactly."""
+        center = self._compat()
+        st = _st_path(filepath)
+        if os.path.exists(st):
+            from safetensors.torch import load_file
+
+            state = load_file(st)
+        elif os.path.exists(filepath):
+            state = torch.load(filepath, map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"no checkpoint at {filepath} (nor {st})")
+        names = {v.name for v in center.views}
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{filepath}: not a dict of tensors")
+        if names <= set(state):
+            self.es_load_center({k: state[k] for k in names})
+        else:
+            self._load_vllm_named(state, filepath)
+        self._compat_perturbed = False
+        self._compat_pending = []
+        return True
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _exact(self) -> dict:
+        out = self.es_checksum()
+        return {k: out[k] for k in EXACT_FIELDS}
+
+    def _load_pieces(self, pieces) -> None:
+        from espert.vllm.params import unpack_tensor
+
+        c = self._es_center
+        c.load_state_dict({name: unpack_tensor(t) for name, t, _ in pieces})
+
+    def _load_vllm_named(self, state: dict, filepath: str) -> None:
+        """ES-at-Scale's own .pth: vLLM parameter names, the engine's dtype, one TP=1 copy."""
+        params = dict(self._es_model().named_parameters())
+        if not set(params) <= set(state):
+            missing = sorted(set(params) - set(state))[:4]
+            raise KeyError(f"{filepath}: neither espert's checkpoint names nor this engine's vLLM parameter names "
+                           f"(missing {missing}...)")
+        _, tp = self._es_rank()
+        if tp != 1:
+            raise ValueError(f"{filepath}: ES-at-Scale .pth checkpoints hold TP=1 tensors; this engine has "
+                             f"tensor_parallel_size={tp}")
+        for n, p in params.items():
+            if tuple(state[n].shape) != tuple(p.shape):
+                raise ValueError(f"{filepath}: {n} has shape {tuple(state[n].shape)}, the engine's is "
+                                 f"{tuple(p.shape)}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.data.copy_(state[n].to(p.dtype))
+        self._es_center = None  # re-snapshot the center from the loaded weights
+        self._compat()
+        self._es_center.restore()  # marks the packed copies stale (vLLM-CPU)
