@@ -519,16 +519,17 @@ def model_ref(cfg: ESConfig) -> str:
     return os.path.abspath(cfg.model) if os.path.isdir(cfg.model) else cfg.model
 
 
-def check_inputs(cfg: ESConfig) -> None:
+def check_inputs(cfg: ESConfig, ref: str) -> None:
     """Everything a run needs that can be checked before its directory is written: the device, the data
-    files, the base model (resolved now: a Hub id is downloaded, or fails fast)."""
+    files, the base model ``ref`` (as :func:`model_ref` gives it; resolved now: a Hub id is downloaded,
+    or fails fast)."""
     check_device(cfg.device)
     for name in ("train_data", "eval_data"):
         p = getattr(cfg, name)
         if p is not None and not os.path.exists(p):
             raise FileNotFoundError(f"{name} not found: {p}")
-    if cfg.model != "tiny":
-        resolve_model_dir(cfg.model)
+    if ref != BASE:
+        resolve_model_dir(ref)
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -667,7 +668,7 @@ class Run:
                 raise ValueError(f"config mismatch on resume of {run_dir}: {lines}. Resume with the run's own "
                                  f"config (only {', '.join(RESUMABLE_CHANGES)} may change; iterations only with "
                                  f"constant schedules), or start a new run directory.")
-            check_inputs(cfg)
+            check_inputs(cfg, doc["base_model"])
             run = cls(run_dir, cfg, doc, echo)
             run._ensure_base()
             if diff:
@@ -684,10 +685,10 @@ class Run:
             raise FileExistsError(f"{run_dir} exists and is not a directory")
         if os.path.isdir(run_dir) and os.listdir(run_dir) and not _abandoned_setup(run_dir):
             raise FileExistsError(f"{run_dir} is not empty and holds no espert run; choose another --run-dir")
-        check_inputs(cfg)
+        ref = model_ref(cfg)
+        check_inputs(cfg, ref)
         from espert import __version__
 
-        ref = model_ref(cfg)
         doc = {"format": FORMAT, "espert_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "base_model": ref, "base_fingerprint": None, "task": cfg.task, "config": cfg.to_dict()}
         parent, name = os.path.split(os.path.abspath(run_dir))

@@ -258,6 +258,17 @@ def test_unchanged_base_is_not_hashed_again(local_model_run, monkeypatch):
     assert [os.path.basename(p) for p in calls] == ["model.safetensors"]
 
 
+def test_resume_from_another_directory_with_a_relative_model_path(tiny_dir, tmp_path, monkeypatch):
+    shutil.copytree(tiny_dir, tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    cfg = ESConfig(**{**SMALL, "model": "model", "iterations": 1, "eval_size": 0})
+    train(cfg, "run", progress=False, echo=None)
+    assert runs.read_run_config("run")["base_model"] == str(tmp_path / "model")
+    os.makedirs("elsewhere")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    train(None, "../run", resume=True, progress=False, echo=None)  # the run's absolute base path is used
+
+
 def make_old_style(run_dir):
     """Turn a run directory into what espert wrote before this change: a size-only base fingerprint, no
     checksums in the log, no checkpoint records."""
