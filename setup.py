@@ -53,6 +53,8 @@ setup(
         "triton": ["triton>=3.4"],
         "eval": ["transformers", "tokenizers", "matplotlib", "math-verify", "datasets"],
         "vllm": ["vllm"],
+        # python -m espert.compare: ES vs GRPO (trl.GRPOTrainer); trl needs accelerate
+        "compare": ["trl>=1.16", "accelerate", "transformers", "tokenizers", "matplotlib", "math-verify", "datasets"],
         "dev": ["pytest", "pytest-benchmark", "pybind11>=2.12", "ninja", "cmake>=3.18", "scipy"],
     },
     entry_points={"console_scripts": ["espert=espert.cli:main"]},

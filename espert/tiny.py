@@ -1,7 +1,12 @@
 """A tiny causal LM and a character-level tokenizer, built locally (no downloads).
 
-The main job (``espert train`` with no arguments) trains this model from random
-initialization with ES on the built-in ``copy`` task.  The directory written by
+The main job (``espert train`` with no arguments) first pretrains this model briefly on a built-in
+corpus (:func:`pretrain`: next-character prediction on ``"cafe>cafe"`` lines over the copy task's
+*train* strings, about 300 steps, well under a minute on one core), then post-trains it with ES on
+the built-in ``copy`` task.  Brief pretraining plateaus at a model that can already do a little
+(greedy held-out copy reward about 0.7, a share of exact copies when sampling) but slips by a
+position on many strings: the situation of the seed papers, where post-training starts from a
+model that has the behaviour and has to make it reliable.  The directory written by
 :func:`build_tiny_model` is a standard Hugging Face model directory::
 
     config.json  generation_config.json  model.safetensors
@@ -74,11 +79,60 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
                                    unk_token="<unk>", padding_side="left", clean_up_tokenization_spaces=False)
 
 
-def build_tiny_model(save_dir: str, seed: int = 0, spec: TinySpec | None = None):
-    """Write a random Llama-architecture tiny model + tokenizer to ``save_dir``; returns the model (float32, CPU).
+def pretrain_corpus(n: int, seed: int = 0) -> list[str]:
+    """``n`` lines ``"{s}>{s}"``, ``s`` unique strings of the copy task's *train* pool (never a held-out
+    string).  Deterministic in ``seed``."""
+    from espert.tasks.copy_task import COPY_SEP, generate_copy_strings
 
-    Deterministic in ``(seed, spec)``.  ``save_dir`` is created; existing files in it are overwritten.
-    Also writes ``espert_tiny.json`` recording the seed and spec.
+    return [s + COPY_SEP + s for s in generate_copy_strings(n, seed, heldout=False)]
+
+
+def pretrain(model, tokenizer, steps: int, seed: int = 0, batch_size: int = 64, lr: float = 1e-2) -> list[float]:
+    """Next-character training of ``model`` in place on :func:`pretrain_corpus` (AdamW, cosine decay).
+
+    Each line is ``<s> text </s>``; the loss is the mean cross-entropy over all characters and the
+    end token.  Deterministic in ``seed`` for a fixed torch build and thread count.  Returns the
+    loss of every step.
+    """
+    import torch
+
+    if steps <= 0:
+        return []
+    lines = pretrain_corpus(min(4096, steps * batch_size), seed)
+    enc = [tokenizer(t).input_ids + [tokenizer.eos_token_id] for t in lines]
+    L = max(len(e) for e in enc)
+    ids = torch.full((len(enc), L), tokenizer.pad_token_id, dtype=torch.long)
+    for i, e in enumerate(enc):
+        ids[i, :len(e)] = torch.tensor(e)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    model.train()
+    model.requires_grad_(True)
+    losses = []
+    for _ in range(steps):
+        batch = ids[torch.randint(0, len(ids), (batch_size,), generator=gen)]
+        mask = batch != tokenizer.pad_token_id
+        labels = batch.masked_fill(~mask, -100)
+        loss = model(input_ids=batch, attention_mask=mask.long(), labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    model.requires_grad_(False)
+    return losses
+
+
+def build_tiny_model(save_dir: str, seed: int = 0, spec: TinySpec | None = None, pretrain_steps: int = 0):
+    """Write a Llama-architecture tiny model + tokenizer to ``save_dir``; returns the model (float32, CPU).
+
+    ``pretrain_steps`` = 0: random initialization.  Otherwise the model is then pretrained for that
+    many steps with :func:`pretrain` (seeded with ``seed``).  Deterministic in ``(seed, spec,
+    pretrain_steps)`` (pretraining: for a fixed torch build and thread count).  ``save_dir`` is
+    created; existing files in it are overwritten.  Also writes ``espert_tiny.json`` recording the
+    seed, spec and pretraining (steps, final loss).
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -100,11 +154,14 @@ def build_tiny_model(save_dir: str, seed: int = 0, spec: TinySpec | None = None)
         model = LlamaForCausalLM(config).to(torch.float32).eval()
     finally:
         torch.random.set_rng_state(state)
+    losses = pretrain(model, tok, pretrain_steps, seed=seed)
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id, do_sample=False)
     model.save_pretrained(save_dir, safe_serialization=True)
     tok.save_pretrained(save_dir)
     with open(os.path.join(save_dir, "espert_tiny.json"), "w", encoding="utf-8") as f:
-        json.dump({"seed": seed, "spec": asdict(spec)}, f, indent=2)
+        json.dump({"seed": seed, "spec": asdict(spec),
+                   "pretrain": {"steps": pretrain_steps, "corpus": "copy lines over the copy train pool",
+                                "final_loss": losses[-1] if losses else None}}, f, indent=2)
         f.write("\n")
     return model

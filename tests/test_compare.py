@@ -1,0 +1,36 @@
+"""ES vs GRPO end to end (espert.compare), the fast variant: same base, task, reward and rollout budget."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("trl", reason="the ES-vs-GRPO comparison needs TRL (pip install 'espert[compare]')")
+
+from espert.compare import CompareConfig, main  # noqa: E402
+
+
+def test_compare_fast_variant_end_to_end(tmp_path):
+    out = str(tmp_path / "cmp")
+    assert main(["--out", out, "--fast"]) == 0
+    doc = json.load(open(os.path.join(out, "compare.json")))
+    cc = CompareConfig.fast()
+    es, grpo = doc["budgets"]["ES"], doc["budgets"]["GRPO"]
+    # the same rollout budget, counted the same way for both methods
+    assert es["rollouts"] == grpo["rollouts"] == cc.es_rollouts() == cc.grpo_steps() * cc.num_generations * cc.prompts_per_step
+    for b in (es, grpo):
+        assert 0 < b["generated_tokens"] <= b["rollouts"] * cc.max_new_tokens
+        assert b["rollout_forward_flops"] == 2.0 * doc["n_params"] * (b["prompt_tokens"] + b["generated_tokens"])
+    assert set(doc["eval"]) == {"base", "es", "grpo"}
+    for m in doc["eval"].values():
+        assert m["n_samples_per_problem"] == cc.n and m["n_problems"] == cc.eval_size
+        assert set(m["pass_at_k"]) == set(m["maj_at_k"]) == {"1", "2", "4", "8"}
+        assert sum(m["accuracy_histogram"]["counts"]) == cc.eval_size
+    assert set(doc["comparisons"]) == {"es", "grpo"}
+    # both fine-tuned models moved away from the base, and the analysis says by how much
+    assert doc["drift"]["es"]["overall"]["rel_l2"] > 0 and doc["drift"]["grpo"]["overall"]["rel_l2"] > 0
+    for f in ("report.md", "eval/pass_at_k.png", "eval/accuracy_hist.png", "eval/progressions.png",
+              "eval/drift_groups.png", "es/model.safetensors", "grpo/model.safetensors"):
+        assert os.path.getsize(os.path.join(out, f)) > 0, f
+    text = open(os.path.join(out, "report.md")).read()
+    assert "| ES | " in text and "| GRPO | " in text and "progressions" in text
