@@ -39,6 +39,8 @@ FAMILY_CODES = dict(_C.FAMILY_CODES)
 PLAN_FIELDS = tuple(_C.PLAN_FIELDS)
 _F = {name: i for i, name in enumerate(PLAN_FIELDS)}
 U64 = 1 << 64
+_ONE_BITS = int(np.float32(1.0).view(np.int32))
+_TINY32 = np.finfo(np.float32).tiny
 # Bounded temporaries (restore_ conversion, lowrank A/B staging): at most this many bytes at once.
 STAGING_BYTES = 64 << 20
 
@@ -121,9 +123,10 @@ def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
         cols = w.shape[-1]
         rows = w.numel() // cols if cols else 0
         row_stride = cols
-    if block is not None and not isinstance(block, Block):
+    if block is None:
+        return _Geometry(rows, cols, row_stride, 0, 0, cols, rows)
+    if not isinstance(block, Block):
         raise TypeError(f"block must be an espert.ops.Block or None, got {type(block).__name__}")
-    block = block or Block()
     lr = rows if block.logical_rows is None else block.logical_rows
     lc = cols if block.logical_cols is None else block.logical_cols
     ro, co = block.row_offset, block.col_offset
@@ -135,9 +138,32 @@ def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
     return _Geometry(rows, cols, row_stride, ro, co, lc, lr)
 
 
-def _quantized(w) -> bool:
-    """A quantized weight (codes + scales in a storage layout): ops dispatch to espert.quant's kernels."""
-    return type(w).__name__ == "QuantWeight" and type(w).__module__.startswith("espert.quant")
+@dataclass(frozen=True)
+class WeightType:
+    """The op implementations of a non-tensor weight type (e.g. ``espert.quant.QuantWeight``).
+
+    perturb(w, seed, key, sigma, sign, *, block, backend, noise); update(w, seeds, coeffs, key, *, block,
+    backend, master, noise); restore(w, center).  Registered with :func:`register_weight_type`.
+    """
+
+    perturb: Callable
+    update: Callable
+    restore: Callable
+
+
+_WEIGHT_TYPES: dict[type, WeightType] = {}
+
+
+def register_weight_type(cls: type, impl: WeightType) -> None:
+    """Make perturb_ / es_update_ / restore_ accept instances of ``cls`` (subclasses included)."""
+    _WEIGHT_TYPES[cls] = impl
+
+
+def _weight_type(w) -> WeightType | None:
+    """The registered implementation for ``w``'s type, or None for plain float tensors."""
+    if isinstance(w, torch.Tensor):
+        return None
+    return next((_WEIGHT_TYPES[c] for c in type(w).__mro__ if c in _WEIGHT_TYPES), None)
 
 
 def _check_weight(w: torch.Tensor) -> int:
@@ -162,7 +188,7 @@ def _check_sigma(sigma) -> float:
             or not math.isfinite(sigma) or sigma <= 0:
         raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
     s32 = np.float32(sigma)
-    if not np.isfinite(s32) or s32 < np.finfo(np.float32).tiny:
+    if not np.isfinite(s32) or s32 < _TINY32:
         raise ValueError(f"sigma {sigma!r} is 0, subnormal or infinite in float32 (the kernels' precision)")
     return float(sigma)
 
@@ -188,10 +214,15 @@ class _Step:
 
 @dataclass(frozen=True)
 class Backend:
+    """A kernel backend: one entry serves every weight type.  ``run`` executes float launch plans;
+    ``quant`` (filled in by :mod:`espert.quant.ops`) runs the quantized lattice kernels; either may be
+    None where the backend has no such kernels (``reference`` is quantized-only)."""
+
     name: str
-    supports: Callable[[torch.Tensor], bool]  # capability gate
-    run: Callable  # (device, steps, seeds uint64 [N], coeffs float32 [N]) -> None
+    supports: Callable[[torch.Tensor], bool]  # capability gate, on the (storage) tensor
+    run: Callable | None  # (device, steps, seeds uint64 [N], coeffs float32 [N]) -> None
     unit_groups: Callable[[], int] | None = None  # GPU: Philox groups per launch unit (None: CPU tiles itself)
+    quant: Callable | None = None  # (qw, geometry, master, mode, seeds, coeffs, key) -> None
 
 
 def sync_cpu_threads() -> None:
@@ -286,6 +317,16 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
+def register_quant_runner(name: str, quant: Callable, supports: Callable[[torch.Tensor], bool] | None = None) -> None:
+    """Attach the quantized kernels of backend ``name`` (a new backend needs ``supports``)."""
+    from dataclasses import replace
+
+    if name in BACKENDS:
+        BACKENDS[name] = replace(BACKENDS[name], quant=quant)
+    else:
+        BACKENDS[name] = Backend(name, supports, None, quant=quant)
+
+
 def default_backend(w: torch.Tensor) -> str:
     """The backend used for ``w`` when none is named: ESPERT_BACKEND, else cpu / cuda / triton by device."""
     forced = os.environ.get("ESPERT_BACKEND")
@@ -298,25 +339,30 @@ def default_backend(w: torch.Tensor) -> str:
     raise ValueError(f"unsupported device {w.device}: espert ops run on cpu and cuda tensors")
 
 
-def available_backends(w: torch.Tensor) -> list[str]:
-    """Names of the backends whose capability gate accepts ``w``."""
-    return [name for name, b in BACKENDS.items() if b.supports(w)]
+def available_backends(w: torch.Tensor, kind: str = "run") -> list[str]:
+    """Names of the backends whose capability gate accepts ``w`` and that have ``kind`` kernels
+    (``"run"``: float, ``"quant"``: quantized)."""
+    return [name for name, b in BACKENDS.items() if getattr(b, kind) is not None and b.supports(w)]
 
 
-def _backend(w: torch.Tensor, name: str | None) -> Backend:
+def _backend(w: torch.Tensor, name: str | None, kind: str = "run") -> Backend:
+    """The backend named (or the default, ``ESPERT_BACKEND`` first) for storage tensor ``w``."""
     name = name or default_backend(w)
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; known: {sorted(BACKENDS)}")
     b = BACKENDS[name]
+    if getattr(b, kind) is None:
+        what = "float" if kind == "run" else "quantized"
+        raise ValueError(f"backend {name!r} has no {what} kernels; available: {available_backends(w, kind)}")
     if not b.supports(w):
-        raise ValueError(f"backend {name!r} cannot run on a {w.device} tensor here; available: {available_backends(w)}")
+        raise ValueError(f"backend {name!r} cannot run on a {w.device} tensor here; "
+                         f"available: {available_backends(w, kind)}")
     return b
 
 
 # ---- launch plans ----------------------------------------------------------------------------
 
 _I64 = np.int64
-_ONE_BITS = int(np.float32(1.0).view(np.int32))
 
 
 def _i64(v: int) -> int:
@@ -403,12 +449,20 @@ def _build_steps(checked: list, fam: NoiseFamily, n: int, scale_bits: list, devi
                 pieces.append(_row(data, code, rows, cols, g.row_stride, ro, co, g.logical_cols, key, sb, lr_code,
                                    fam.rank, mb=0, me=n))
             continue
-        family = FAMILY_CODES["rademacher" if fam.name == "rademacher" else "gaussian"]
-        plain.append(_row(w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset,
-                          g.logical_cols, key, sb, family, mb=0, me=n))
+        plain.append((w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols,
+                      key, sb))
     steps = []
-    if plain:
-        t, groups = _finish(np.array(plain, dtype=_I64), unit_groups)
+    if plain:  # column by column: the uint64 fields go in through a uint64 view of the table
+        t = np.zeros((len(plain), len(PLAN_FIELDS)), _I64)
+        cols = list(zip(*plain))
+        for name, col in zip(("data", "dtype", "rows", "cols", "row_stride"), cols[:5]):
+            t[:, _F[name]] = col
+        for name, col in zip(("row_offset", "col_offset", "logical_cols", "key"), cols[5:9]):
+            t.view(np.uint64)[:, _F[name]] = np.array(col, dtype=np.uint64)
+        t[:, _F["scale_bits"]] = cols[9]
+        t[:, _F["family"]] = FAMILY_CODES["rademacher" if fam.name == "rademacher" else "gaussian"]
+        t[:, _F["member_end"]] = n
+        t, groups = _finish(t, unit_groups)
         steps.append(_Step(t, False, groups))
     if not pieces:
         return steps
@@ -492,8 +546,8 @@ def _check_items(items, fam: NoiseFamily, n: int, scales, backend: str | None):
         if not isinstance(item, (tuple, list)) or len(item) != 3:
             raise TypeError(f"items[{k}] must be a (tensor, key, block) triple, got {item!r:.80}")
         w, key, block = item
-        if _quantized(w):
-            raise TypeError(f"items[{k}] is a quantized weight: use es_update_/perturb_ on it")
+        if _weight_type(w) is not None:
+            raise TypeError(f"items[{k}] is a {type(w).__name__}: use es_update_/perturb_ on it")
         code = _check_weight(w)
         key = _check_u64(f"items[{k}] key", key)
         g = _geometry(w, block)
@@ -503,21 +557,21 @@ def _check_items(items, fam: NoiseFamily, n: int, scales, backend: str | None):
             if n * fam.rank * 8 > STAGING_BYTES:
                 raise ValueError(f"{fam} with {n} members needs more than {STAGING_BYTES >> 20} MiB of staging "
                                  f"per row and column; use fewer members per call")
-        b = _backend(w, backend)
         if be is None:
-            be, device = b, w.device
-        elif b is not be or w.device != device:
-            raise ValueError(f"items[{k}] is on {w.device} with backend {b.name!r}; a call takes tensors of one "
-                             f"device and backend ({device}, {be.name!r})")
+            be, device = _backend(w, backend), w.device
+        elif w.device != device:  # one device per call, so one backend
+            raise ValueError(f"items[{k}] is on {w.device}; a call takes tensors of one device ({device})")
         if w.numel() and (w.data_ptr(), g.rows, g.cols) in seen:
             raise ValueError(f"items[{k}]: the same tensor appears twice in one call")
         seen.add((w.data_ptr(), g.rows, g.cols))
-        s = 1.0 if scales is None else scales[k]
-        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(s) or s <= 0 or not np.float32(s) >= np.finfo(np.float32).tiny \
-                or not np.isfinite(np.float32(s)):
-            raise ValueError(f"scales[{k}] must be a finite number > 0 that is normal in float32, got {s!r}")
         checked.append((w, key, g, code))
+        if scales is None:
+            bits.append(_ONE_BITS)
+            continue
+        s = scales[k]
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(s) or s <= 0 or not np.float32(s) >= _TINY32 or not np.isfinite(np.float32(s)):
+            raise ValueError(f"scales[{k}] must be a finite number > 0 that is normal in float32, got {s!r}")
         bits.append(int(np.float32(s).view(np.int32)))
     return checked, bits, be, device
 
@@ -562,8 +616,9 @@ def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], k
                noise: str = "gaussian"):
     """In place: ``w <- round(w + Σ_n coeffs[n] · ε(seeds[n], key, logical index))``, one pass.
 
-    A quantized weight (``espert.quant.QuantWeight``) dispatches to its lattice kernels
-    (``espert.quant.es_update_q_``; ``master`` is its optional float32 code-domain master).
+    A registered weight type (:func:`register_weight_type`; ``espert.quant.QuantWeight``) dispatches
+    to its own implementation (quantized: the lattice kernels, ``master`` its optional float32
+    code-domain master).
 
     w: float32 / float16 / bfloat16 on cpu or cuda, shape [rows, cols] (unit inner stride), [n] or
     contiguous N-D.  seeds: N ints in [0, 2^64).  coeffs: N finite floats (rounded to float32).
@@ -571,10 +626,9 @@ def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], k
     read and written once, and nothing of size N × w is stored.  ``noise``: see
     :func:`es_update_many_`, of which this is the one-tensor case.  Returns ``w``.
     """
-    if _quantized(w):
-        from espert.quant.ops import es_update_q_
-
-        return es_update_q_(w, seeds, coeffs, key, master, block=block, backend=backend)
+    impl = _weight_type(w)
+    if impl is not None:
+        return impl.update(w, seeds, coeffs, key, block=block, backend=backend, master=master, noise=noise)
     if master is not None:
         raise ValueError("master= is only for quantized weights; float weights keep their master in a CenterStore")
     es_update_many_([(w, key, block)], seeds, coeffs, noise=noise, backend=backend)
@@ -590,10 +644,9 @@ def perturb_(w: torch.Tensor, seed: int, key: int, sigma: float, sign: int = 1, 
     with :func:`restore_`, never by subtracting: rounding makes ``(w + σε) - σε != w`` for a few
     percent of bf16/fp16 elements.
     """
-    if _quantized(w):
-        from espert.quant.ops import perturb_q_
-
-        return perturb_q_(w, seed, key, sigma, sign, block=block, backend=backend)
+    impl = _weight_type(w)
+    if impl is not None:
+        return impl.perturb(w, seed, key, sigma, sign, block=block, backend=backend, noise=noise)
     perturb_many_([(w, key, block)], seed, sigma, sign, noise=noise, backend=backend)
     return w
 
@@ -643,10 +696,9 @@ def restore_(w: torch.Tensor, center: torch.Tensor, *, non_blocking: bool = Fals
     non_blocking: same-dtype copies from pinned host memory are left asynchronous (the caller
     synchronizes).  Returns ``w``.
     """
-    if _quantized(w):
-        from espert.quant.ops import restore_q_
-
-        return restore_q_(w, center)
+    impl = _weight_type(w)
+    if impl is not None:
+        return impl.restore(w, center)
     _check_weight(w)
     if not isinstance(center, torch.Tensor):
         raise TypeError(f"center must be a torch.Tensor, got {type(center).__name__}")
