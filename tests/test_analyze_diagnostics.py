@@ -176,3 +176,20 @@ def test_analyze_run_on_a_logged_run(tmp_path, capsys):
     assert os.path.getsize(tmp_path / "p" / "estimator.png") > 0
     assert an.main(["run", str(tmp_path / "nope")]) == 2
     assert "no run log" in capsys.readouterr().err
+
+
+def test_training_logs_per_iteration_diagnostics(tmp_path):
+    from espert.config import ESConfig
+    from espert.runs import LOG, iteration_records, read_log
+    from espert.trainer import train
+
+    d = str(tmp_path / "run")
+    train(ESConfig(iterations=2, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0), d,
+          progress=False, echo=None)
+    recs = iteration_records(read_log(os.path.join(d, LOG)))
+    assert len(recs) == 2
+    for rec in recs:
+        diag = rec["diagnostics"]
+        assert diag == json.loads(json.dumps(dg.iteration_diagnostics(rec)))  # what the log holds is recomputable
+        assert diag["antithetic"]["pairs"] == 2 and diag["spread"]["n"] == 4
+    assert [r["iteration"] for r in an.run_diagnostics(d)["rows"]] == [1, 2]
