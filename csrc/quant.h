@@ -174,7 +174,7 @@ template <> struct Lay<kCpuW4A16> : Units8Cols {
     return Loc{(n >> 4) * ld + 2 * k + ((n & 15) >> 3), 4 * (int)(n & 7)};
   }
 };
-// Marlin int32 [K/16, 2N] (research.md §7).  A unit is the two words th = 4x+2y, 4x+2y+1 of one warp
+// Marlin int32 [K/16, 2N] (the map in docs/quantized.md).  A unit is the two words th = 4x+2y, 4x+2y+1 of one warp
 // in a 16x64 tile: n in {16w + x, 16w + 8 + x}, k in 4y..4y+3 and 4y+8..4y+11 = 4 groups.
 template <> struct Lay<kMarlin> {
   static constexpr int G = 4;

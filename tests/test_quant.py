@@ -56,7 +56,7 @@ def test_int4_pack_unpack_roundtrip(fmt):
 
 
 def test_marlin_closed_form_matches_the_vllm_repack():
-    """research.md's index map is the same bijection as vLLM's marlin_permute_weights + pack."""
+    """The index map of docs/quantized.md is the same bijection as vLLM's marlin_permute_weights + pack."""
     rng = np.random.default_rng(1)
     k, n = 64, 256
     codes_kn = rng.integers(0, 16, size=(k, n))
@@ -76,7 +76,7 @@ def test_marlin_scale_permutations_match_vllm():
 
 
 def test_awq_and_cpu_layout_formulas():
-    """AWQ nibble order [0, 2, 4, 6, 1, 3, 5, 7] and research.md's CPU W4A16 formula, element by element."""
+    """AWQ nibble order [0, 2, 4, 6, 1, 3, 5, 7] and the CPU W4A16 formula of docs/quantized.md, element by element."""
     rng = np.random.default_rng(2)
     codes = rng.integers(0, 16, size=(32, 16)).astype(np.int32)
     awq = F.pack_int4("awq", codes).view(np.uint32)

@@ -15,7 +15,7 @@ and stores the codes in one of these layouts (``QuantWeight.fmt``):
     awq         int32 [K, N/8]:   code(n, k) = qw[k, n//8] >> 4·AWQ_REV[n%8] & 0xF
                 (AWQ packs columns in the order [0, 2, 4, 6, 1, 3, 5, 7])
     cpu_w4a16   int32 [N/16, 2K]: code(n, k) = qw[n//16, 2k + (n%16)//8] >> 4·(n%8) & 0xF
-                (vLLM's CPU W4A16 runtime layout, research.md §7)
+                (vLLM's CPU W4A16 runtime layout, docs/quantized.md "Formats and layouts")
     marlin      int32 [K/16, 2N]: vLLM's GPTQ-Marlin runtime layout (:func:`marlin_index`); scales
                 are column-permuted (:func:`marlin_scale_col`)
 
@@ -104,12 +104,12 @@ def storage_shape(fmt: str, n: int, k: int) -> tuple[int, int]:
     return {"gptq": (k // 8, n), "awq": (k, n // 8), "cpu_w4a16": (n // 16, 2 * k), "marlin": (k // 16, 2 * n)}[fmt]
 
 
-# ---- Marlin (vLLM GPTQ-Marlin runtime layout, research.md §7) ---------------------------------
+# ---- Marlin (vLLM GPTQ-Marlin runtime layout, docs/quantized.md) ------------------------------
 
 def marlin_index(k, n):
     """(row, col, shift) of logical W^T(k, n) in the Marlin int32 [K/16, 2N] tensor (closed form).
 
-    From research.md §7 (checked against vLLM's marlin_permute_weights by :func:`marlin_pack_vllm`).
+    The map of docs/quantized.md (checked against vLLM's marlin_permute_weights by :func:`marlin_pack_vllm`).
     Works on ints or integer numpy arrays.
     """
     kt, kk = np.divmod(k, 16)

