@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from espert.quant import dequantize, es_update_q_, perturb_q_, quantize_weight
+from espert import ops
+from espert.quant import dequantize, quantize_weight
 from espert.quant.center import initial_master
 from espert.quant.formats import logical_scales, logical_zeros, pack_codes_
 
@@ -37,13 +38,14 @@ def _rec(benchmark, qw, kind):
 
 def test_perturb_espert(benchmark, qw):
     _rec(benchmark, qw, "perturb")
-    benchmark.pedantic(perturb_q_, args=(qw, 1, KEY, 1e-3), rounds=3, warmup_rounds=1)
+    benchmark.pedantic(ops.perturb_, args=(qw, 1, KEY, 1e-3), rounds=3, warmup_rounds=1)
 
 
 def test_update_n8_espert(benchmark, qw):
     master = initial_master(qw)
     _rec(benchmark, qw, "update N=8")
-    benchmark.pedantic(es_update_q_, args=(qw, list(range(8)), [1e-5] * 8, KEY, master), rounds=2, warmup_rounds=0)
+    benchmark.pedantic(ops.es_update_, args=(qw, list(range(8)), [1e-5] * 8, KEY), kwargs={"master": master},
+                       rounds=2, warmup_rounds=0)
 
 
 def _naive(qw, n_members):

@@ -142,7 +142,8 @@ Q_CASES = [("int8", {}), ("int8", {"per_tensor": True}), ("fp8", {}), ("fp8", {"
 @pytest.mark.parametrize("mode", ["perturb", "master", "naive"])
 @pytest.mark.parametrize("fmt,kw", Q_CASES, ids=[f"{f}-{'-'.join(map(str, k.values()))}" for f, k in Q_CASES])
 def test_gpu_quantized_match_cpu(backend, mode, fmt, kw):
-    from espert.quant import es_update_q_, perturb_q_, quantize_weight
+    from espert import ops
+    from espert.quant import quantize_weight
     from espert.quant.center import initial_master
 
     kw = dict(kw)
@@ -153,9 +154,9 @@ def test_gpu_quantized_match_cpu(backend, mode, fmt, kw):
     def run(qw, be):
         master = initial_master(qw) if mode == "master" else None
         if mode == "perturb":
-            perturb_q_(qw, 5, KEY, 2e-3, -1, backend=be)
+            ops.perturb_(qw, 5, KEY, 2e-3, -1, backend=be)
         else:
-            es_update_q_(qw, [1, 2**64 - 1, 3], [3e-3, -2e-3, 1e-3], KEY, master, backend=be)
+            ops.es_update_(qw, [1, 2**64 - 1, 3], [3e-3, -2e-3, 1e-3], KEY, master=master, backend=be)
         return qw, master
 
     want, m_want = run(base.clone(), "cpu")

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from espert import noise
+from espert import noise, ops
 from espert.ops import Block
 from espert.quant import (FORMATS, INT4_FORMATS, QuantCenterStore, QuantParamView, QuantWeight, dequantize,
-                          es_update_q_, perturb_q_, quantize_weight, restore_q_, unpack_codes)
+                          quantize_weight, unpack_codes)
 from espert.quant import diagnostics as D
 from espert.quant import formats as F
 from espert.quant.center import initial_master
@@ -38,9 +38,9 @@ def run(qw, mode, backend, block=None):
     """Apply one op (perturb / master / naive) with ``backend``; returns (qw, master)."""
     master = initial_master(qw) if mode == "master" else None
     if mode == "perturb":
-        perturb_q_(qw, 5, KEY, 2e-3, -1, block=block, backend=backend)
+        ops.perturb_(qw, 5, KEY, 2e-3, -1, block=block, backend=backend)
     else:
-        es_update_q_(qw, [1, 2**64 - 1, 3], [3e-3, -2e-3, 1e-3], KEY, master, block=block, backend=backend)
+        ops.es_update_(qw, [1, 2**64 - 1, 3], [3e-3, -2e-3, 1e-3], KEY, master=master, block=block, backend=backend)
     return qw, master
 
 
@@ -153,7 +153,7 @@ def test_same_noise_in_every_layout():
             s = torch.from_numpy(F.marlin_permute_scales(scales.numpy(), False))
         qw = QuantWeight(fmt, torch.zeros(F.storage_shape(fmt, 128, 64), dtype=torch.int32), s, 128, 64, -1)
         F.pack_codes_(qw, codes)
-        perturb_q_(qw, 11, KEY, 5e-3)
+        ops.perturb_(qw, 11, KEY, 5e-3)
         outs.append(unpack_codes(qw))
     assert all(torch.equal(o, outs[0]) for o in outs) and not torch.equal(outs[0], codes)
 
@@ -164,7 +164,7 @@ def test_shards_compose_to_the_whole(fmt):
     n, k = 128, 128
     whole = qweight(fmt, n, k, group=-1)
     ref_codes = unpack_codes(whole)
-    perturb_q_(whole, 9, KEY, 3e-3)
+    ops.perturb_(whole, 9, KEY, 3e-3)
     for r0, r1, c0, c1 in ((0, 64, 0, 64), (64, 128, 64, 128)):
         part = quantize_weight(dequantize(qweight(fmt, n, k, group=-1))[r0:r1, c0:c1], fmt, -1)
         F.pack_codes_(part, ref_codes[r0:r1, c0:c1])
@@ -174,8 +174,8 @@ def test_shards_compose_to_the_whole(fmt):
         cmp = quantize_weight(torch.zeros(n, k), fmt, -1)
         F.pack_codes_(cmp, ref_codes)
         cmp.scales = torch.ones_like(cmp.scales) * 0.004
-        perturb_q_(cmp, 9, KEY, 3e-3)
-        perturb_q_(part, 9, KEY, 3e-3, block=Block(r0, c0, n, k))
+        ops.perturb_(cmp, 9, KEY, 3e-3)
+        ops.perturb_(part, 9, KEY, 3e-3, block=Block(r0, c0, n, k))
         assert torch.equal(unpack_codes(part), unpack_codes(cmp)[r0:r1, c0:c1]), (r0, c0)
         del full
 
@@ -224,8 +224,8 @@ def test_ops_allocate_nothing_proportional_to_the_weight(fmt):
     qw = qweight(fmt, 1024, 1024, group=128)
     master = initial_master(qw)
     codes = qw.qweight.clone()
-    calls = [lambda: perturb_q_(qw, 1, KEY, 1e-3), lambda: es_update_q_(qw, list(range(8)), [1e-4] * 8, KEY, master),
-             lambda: restore_q_(qw, codes)]
+    calls = [lambda: ops.perturb_(qw, 1, KEY, 1e-3), lambda: ops.es_update_(qw, list(range(8)), [1e-4] * 8, KEY, master=master),
+             lambda: ops.restore_(qw, codes)]
     # only scale-sized temporaries (validation of the scales: N or K/g·N elements), never weight-sized
     peak = max(_max_cpu_allocation(c) for c in calls)
     assert peak <= 4 * qw.scales.numel() + 4096, peak
@@ -257,9 +257,9 @@ def test_clear_errors_and_weights_untouched(case):
     _, qw, msg = case
     before = qw.qweight.clone()
     with pytest.raises((ValueError, TypeError), match=re.escape(msg)):
-        perturb_q_(qw, 1, KEY, 1e-2)
+        ops.perturb_(qw, 1, KEY, 1e-2)
     with pytest.raises((ValueError, TypeError), match=re.escape(msg)):
-        es_update_q_(qw, [1], [1e-2], KEY)
+        ops.es_update_(qw, [1], [1e-2], KEY)
     assert torch.equal(qw.qweight, before)
 
 
@@ -268,17 +268,17 @@ def test_bad_master_block_and_members_leave_everything_untouched():
     master = initial_master(qw)
     before, m_before = qw.qweight.clone(), master.clone()
     with pytest.raises(ValueError, match="master must be a contiguous"):
-        es_update_q_(qw, [1], [1e-2], KEY, master.t())
+        ops.es_update_(qw, [1], [1e-2], KEY, master=master.t())
     with pytest.raises(ValueError, match="float32"):
-        es_update_q_(qw, [1], [1e-2], KEY, master.double())
+        ops.es_update_(qw, [1], [1e-2], KEY, master=master.double())
     with pytest.raises(ValueError, match="finite"):
-        es_update_q_(qw, [1, 2], [1e-2, float("nan")], KEY, master)
+        ops.es_update_(qw, [1, 2], [1e-2, float("nan")], KEY, master=master)
     with pytest.raises(ValueError, match="outside the logical shape"):
-        perturb_q_(qw, 1, KEY, 1e-2, block=Block(1, 0, 128, 64))
+        ops.perturb_(qw, 1, KEY, 1e-2, block=Block(1, 0, 128, 64))
     with pytest.raises(ValueError, match="sigma"):
-        perturb_q_(qw, 1, KEY, 0.0)
+        ops.perturb_(qw, 1, KEY, 0.0)
     with pytest.raises(ValueError, match="restore source"):
-        restore_q_(qw, qw.qweight[:1].clone())
+        ops.restore_(qw, qw.qweight[:1].clone())
     assert torch.equal(qw.qweight, before) and torch.equal(master, m_before)
 
 
@@ -342,13 +342,13 @@ def test_quant_cpu_isa_paths_agree():
     import subprocess
     import sys
 
-    script = ("import torch; from espert import _C; from espert.quant import quantize_weight, perturb_q_, es_update_q_\n"
+    script = ("import torch; from espert import _C; from espert.quant import quantize_weight; from espert import ops\n"
               "w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02\n"
               "out = []\n"
               "for fmt in ('int8', 'fp8', 'gptq', 'awq', 'marlin'):\n"
               "    qw = quantize_weight(w, fmt, group_size=128)\n"
-              "    perturb_q_(qw, 3, 77, 0.01, -1, backend='cpu')\n"
-              "    es_update_q_(qw, [1, 2], [0.01, -0.02], 77, backend='cpu')\n"
+              "    ops.perturb_(qw, 3, 77, 0.01, -1, backend='cpu')\n"
+              "    ops.es_update_(qw, [1, 2], [0.01, -0.02], 77, backend='cpu')\n"
               "    out.append(qw.qweight.contiguous().view(torch.uint8).numpy().tobytes().hex())\n"
               "print(_C.cpu_isa(), ''.join(out))")
     outs = {}

@@ -21,21 +21,49 @@ def test_scale_multiplies_the_dequantized_master(fmt):
 
 
 def test_the_one_op_surface_dispatches_quantized_layouts():
-    """espert.ops.perturb_ / es_update_ / restore_ take a QuantWeight and use the lattice kernels."""
+    """espert.ops.perturb_ / es_update_ / restore_ take a QuantWeight and use the lattice kernels (checked
+    against the numpy reference backend of the same registry)."""
     from espert import ops
-    from espert.quant import es_update_q_, perturb_q_
 
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.02
     a, b = quantize_weight(w, "gptq", group_size=64), quantize_weight(w, "gptq", group_size=64)
     center = a.qweight.clone()
     ops.perturb_(a, 5, 9, 0.02, -1)
-    perturb_q_(b, 5, 9, 0.02, -1)
+    ops.perturb_(b, 5, 9, 0.02, -1, backend="reference")
     assert torch.equal(a.qweight, b.qweight) and not torch.equal(a.qweight, center)
     ops.restore_(a, center)
     assert torch.equal(a.qweight, center)
     ops.es_update_(a, [1, 2], [0.01, -0.01], 9)
     c = quantize_weight(w, "gptq", group_size=64)
-    es_update_q_(c, [1, 2], [0.01, -0.01], 9)
+    ops.es_update_(c, [1, 2], [0.01, -0.01], 9, backend="reference")
     assert torch.equal(a.qweight, c.qweight)
     with pytest.raises(ValueError, match="master= is only for quantized"):
         ops.es_update_(torch.zeros(4), [1], [0.1], 9, master=torch.zeros(4))
+
+
+def test_one_backend_registry_serves_float_and_quantized_weights(monkeypatch):
+    """One registry (ops.BACKENDS) and one environment variable (ESPERT_BACKEND) for every weight type."""
+    from espert import ops
+
+    qw = quantize_weight(torch.randn(16, 64) * 0.02, "int8")
+    assert "reference" in ops.available_backends(qw.qweight, "quant")
+    assert "reference" not in ops.available_backends(torch.zeros(4))
+    monkeypatch.setenv("ESPERT_BACKEND", "reference")
+    before = qw.qweight.clone()
+    ops.perturb_(qw, 1, 2, 0.05)  # runs on the reference backend
+    assert not torch.equal(before, qw.qweight)
+    with pytest.raises(ValueError, match="no float kernels"):
+        ops.perturb_(torch.zeros(4), 1, 2, 0.05)
+    monkeypatch.setenv("ESPERT_BACKEND", "nope")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        ops.perturb_(qw, 1, 2, 0.05)
+
+
+def test_quantized_weights_refuse_other_noise_families():
+    from espert import ops
+
+    qw = quantize_weight(torch.randn(16, 64) * 0.02, "int8")
+    before = qw.qweight.clone()
+    with pytest.raises(ValueError, match="gaussian noise only"):
+        ops.perturb_(qw, 1, 2, 0.05, noise="rademacher")
+    assert torch.equal(before, qw.qweight)

@@ -4,7 +4,7 @@
   stashed) and generates;
 - perturbing the int8 codes changes the logprobs; restore gives identical tokens/logprobs and
   bit-identical codes;
-- the codes inside vLLM equal ``espert.quant.perturb_q_`` applied to the checkpoint codes outside
+- the codes inside vLLM equal ``espert.ops.perturb_`` applied to the checkpoint codes outside
   vLLM (bitwise), and every rebuilt oneDNN handler computes with them: its output equals the int8
   reference of the perturbed codes (relative error < 1e-5) and not that of the original codes;
 - 3 ES iterations through ``VLLMEvaluator`` move the masters and codes exactly as
@@ -21,8 +21,9 @@ vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from espert import ops as espert_ops  # noqa: E402
 from espert.noise import param_key  # noqa: E402
-from espert.quant import QuantCenterStore, QuantParamView, QuantWeight, perturb_q_  # noqa: E402
+from espert.quant import QuantCenterStore, QuantParamView, QuantWeight  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -127,7 +128,7 @@ def test_perturb_changes_outputs_restore_is_exact(ev, model):
         ev.rpc("es_setup")
 
 
-def test_codes_equal_perturb_q_outside_and_handlers_use_them(ev, model):
+def test_codes_equal_perturb_outside_and_handlers_use_them(ev, model):
     seed, sigma, sign = 2**64 - 7, 0.02, -1
 
     def keep_orig(worker):
@@ -139,7 +140,7 @@ def test_codes_equal_perturb_q_outside_and_handlers_use_them(ev, model):
     outside = {}
     for name, qw in model[1].items():
         q = QuantWeight("int8", qw.qweight.clone(), qw.scales.clone(), qw.out_features, qw.in_features)
-        perturb_q_(q, seed, param_key(name), sigma, sign)
+        espert_ops.perturb_(q, seed, param_key(name), sigma, sign)
         outside[name] = q.qweight
     ev.rpc("es_setup", include=PROJ)
     try:

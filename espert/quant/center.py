@@ -26,7 +26,9 @@ from espert.params import LogicalParam
 from espert.ops import Block
 
 from .formats import QuantWeight, dequantize, e4m3_bits_to_float, unpack_codes
-from .ops import es_update_q_, perturb_q_, qgeometry, requantize_, restore_q_
+from espert import ops
+
+from .ops import qgeometry, requantize_
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class QuantCenterStore:
     def restore(self) -> None:
         """Copy the exact codes back into every live weight."""
         for v, c in zip(self.views, self.codes):
-            restore_q_(v.qw, c)
+            ops.restore_(v.qw, c)
 
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
         """Live codes <- center perturbed by sign·σ·ε(seed) with stochastic rounding (from the restored state)."""
@@ -139,7 +141,7 @@ class QuantCenterStore:
         if sign not in (1, -1):
             raise ValueError(f"sign must be +1 or -1, got {sign!r}")
         for v in self.views:
-            perturb_q_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend)
+            ops.perturb_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend)
 
     def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
                lr: float | None = None) -> None:
@@ -151,7 +153,7 @@ class QuantCenterStore:
             self.scale(decay)
         for i, v in enumerate(self.views):
             m = None if self.masters is None else self.masters[i]
-            es_update_q_(self.host[i], seeds, coeffs, v.key, m, block=v.block, backend="cpu")
+            ops.es_update_(self.host[i], seeds, coeffs, v.key, master=m, block=v.block, backend="cpu")
         self.restore()
 
     def export_state(self) -> dict[str, torch.Tensor]:

@@ -76,9 +76,9 @@ def perturbation_stats(fmt: str, sigma: float, sign: int = 1, seed: int = 7, **k
     n, k = qw.shape
     theta0 = dequantize(qw).double()
     p = qw.clone()
-    from .ops import perturb_q_
+    from espert import ops
 
-    perturb_q_(p, seed, KEY, sigma, sign)
+    ops.perturb_(p, seed, KEY, sigma, sign)
     delta = dequantize(p).double() - theta0
     eps = _eps(seed, n, k).double()
     q = quantum(qw)

@@ -20,26 +20,25 @@ master untouched.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from espert import _C, noise
+from espert import _C, noise, ops
 from espert.ops import STAGING_BYTES, U64, Block, _check_u64, check_members, sync_cpu_threads
 
 from . import reference as ref
 from .formats import FORMATS, SCALE_DTYPES, QuantWeight, marlin_grouped, nk_view, storage_shape
 
-ELEM_CODES = {"int8": 0, "fp8": 1, "int4": 2}
-LAYOUT_CODES = {"nk": 0, "kn": 1, "gptq": 2, "awq": 3, "cpu_w4a16": 4, "marlin": 5}
-SCALE_KINDS = {"tensor": 0, "channel": 1, "grouped": 2, "marlin_grouped": 3, "marlin_channel": 4}
-SCALE_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-MODES = {"perturb": 0, "master": 1, "naive": 2}
+# The codes the kernels switch on are defined once, in C++ (csrc/quant.h), and exported by _C.
+ELEM_CODES = dict(_C.QUANT_ELEM_CODES)
+LAYOUT_CODES = dict(_C.QUANT_LAYOUT_CODES)
+SCALE_KINDS = dict(_C.QUANT_SCALE_KIND_CODES)
+SCALE_DTYPE_CODES = ops.DTYPE_CODES
+MODES = dict(_C.QUANT_MODE_CODES)
 STORAGE_LIMITS = {"int8": (-128, 127), "fp8": (-448.0, 448.0), "int4": (0, 15)}
-QUANT_BACKENDS = ("reference", "cpu", "cuda", "triton")
 
 
 @dataclass(frozen=True)
@@ -186,7 +185,9 @@ def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
                        f"{list(master.shape)} strides {master.stride()}")
     if master.device != qw.qweight.device:
         raise _err(qw, f"master is on {master.device} but qweight is on {qw.qweight.device}")
-    if not bool(torch.isfinite(master).all()):
+    # a sum is NaN/Inf whenever an element is (masters are small code-domain values: no overflow), and,
+    # unlike an elementwise mask, allocates nothing proportional to the weight
+    if not math.isfinite(float(master.sum())) and not bool(torch.isfinite(master).all()):
         raise _err(qw, "master holds NaN or Inf (a code-domain master must be finite; its code would be undefined)")
 
 
@@ -237,48 +238,35 @@ def _run_reference(qw, g, master, mode, seeds, coeffs, key):
     pack_codes_(qw, torch.from_numpy(new))
 
 
-_RUNNERS = {"reference": _run_reference, "cpu": _run_cpu, "cuda": _run_cuda, "triton": _run_triton}
+# one backend registry for every weight type (espert.ops.BACKENDS; ESPERT_BACKEND picks the default)
+for _name, _run in (("cpu", _run_cpu), ("cuda", _run_cuda), ("triton", _run_triton)):
+    ops.register_quant_runner(_name, _run)
+ops.register_quant_runner("reference", _run_reference, supports=lambda t: t.device.type == "cpu")
 
 
-def available_backends(qw: QuantWeight) -> list[str]:
-    dev = qw.qweight.device
-    out = ["reference"] if dev.type == "cpu" else []
-    if dev.type == "cpu":
-        out.append("cpu")
-    if dev.type == "cuda" and _C.has_cuda:
-        out.append("cuda")
-    try:
-        import triton  # noqa: F401
-        if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-            out.append("triton")
-    except ImportError:
-        pass
-    return out
-
-
-def _backend(qw: QuantWeight, name: str | None) -> str:
-    dev = qw.qweight.device
-    if name is None:
-        name = os.environ.get("ESPERT_QUANT_BACKEND") or (
-            "cpu" if dev.type == "cpu" else ("cuda" if dev.type == "cuda" and _C.has_cuda else "triton"))
-    if name not in _RUNNERS:
-        raise ValueError(f"unknown quantized backend {name!r}; known: {list(_RUNNERS)}")
-    if name not in available_backends(qw):
-        raise ValueError(f"backend {name!r} cannot run on a {dev} tensor here; available: {available_backends(qw)}")
-    return name
+def _runner(qw: QuantWeight, name: str | None):
+    return ops._backend(qw.qweight, name, "quant").quant
 
 
 # ---- the ops -------------------------------------------------------------------------------
 
+def _gaussian_only(noise_family: str) -> None:
+    if str(noise.NoiseFamily.parse(noise_family)) != "gaussian":
+        raise ValueError(f"quantized weights take gaussian noise only (their lattice kernels implement spec v1), "
+                         f"got noise={noise_family!r}")
+
+
 @torch.no_grad()
-def perturb_q_(qw: QuantWeight, seed: int, key: int, sigma: float, sign: int = 1, *, block: Block | None = None,
-               backend: str | None = None) -> QuantWeight:
+def perturb_q(qw: QuantWeight, seed: int, key: int, sigma: float, sign: int = 1, *, block: Block | None = None,
+              backend: str | None = None, noise: str = "gaussian") -> QuantWeight:
     """In place: codes ← clamp(code + floor(sign·σ·ε/s + u)) (int8 / int4) or the e4m3 code nearest
     below/above e4m3(code) + sign·σ·ε/s, chosen stochastically (fp8).  u = sr_uniform(seed, key, i).
 
     The dequantized step is unbiased: E[Δθ] = sign·σ·ε (before clamping).  Undo with
-    :func:`restore_q_` (exact copy of the stored codes), never by a second perturb.  Returns ``qw``.
+    ``espert.ops.restore_`` (exact copy of the stored codes), never by a second perturb.  Returns ``qw``.
+    Reached through ``espert.ops.perturb_``.
     """
+    _gaussian_only(noise)
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) or not math.isfinite(sigma) \
             or sigma <= 0:
         raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
@@ -287,40 +275,39 @@ def perturb_q_(qw: QuantWeight, seed: int, key: int, sigma: float, sign: int = 1
     g = qgeometry(qw, block)
     key = _check_u64("key", key)
     seeds, coeffs = check_members([seed], [sign * float(sigma)])
-    name = _backend(qw, backend)
-    _RUNNERS[name](qw, g, None, "perturb", seeds, coeffs, key)
+    _runner(qw, backend)(qw, g, None, "perturb", seeds, coeffs, key)
     return qw
 
 
 @torch.no_grad()
-def es_update_q_(qw: QuantWeight, seeds: Sequence[int], coeffs: Sequence[float], key: int,
-                 master: torch.Tensor | None = None, *, block: Block | None = None,
-                 backend: str | None = None) -> QuantWeight:
+def es_update_q(qw: QuantWeight, seeds: Sequence[int], coeffs: Sequence[float], key: int, *,
+                master: torch.Tensor | None = None, block: Block | None = None, backend: str | None = None,
+                noise: str = "gaussian") -> QuantWeight:
     """The fused ES update of a quantized weight, in place: θ ← θ + Σ_n coeffs[n]·ε(seeds[n]).
 
     With ``master`` (float32 [N, K], the code-domain value: int code + residual, or fp8 value / s):
     master ← clamp(master + Σ c ε / s), codes ← round-to-nearest-even(master) — small steps
     accumulate in the master.  Without: codes ← round(code + Σ c ε / s) (naive; small steps vanish).
     All members' noise is regenerated per element in registers; each code (word) is read and written
-    once.  Returns ``qw``.
+    once.  Returns ``qw``.  Reached through ``espert.ops.es_update_``.
     """
+    _gaussian_only(noise)
     g = qgeometry(qw, block)
     _check_master(qw, master)
     key = _check_u64("key", key)
     seed_arr, coeff32 = check_members(seeds, coeffs)
-    name = _backend(qw, backend)
-    _RUNNERS[name](qw, g, master, "master" if master is not None else "naive", seed_arr, coeff32, key)
+    _runner(qw, backend)(qw, g, master, "master" if master is not None else "naive", seed_arr, coeff32, key)
     return qw
 
 
 @torch.no_grad()
 def requantize_(qw: QuantWeight, master: torch.Tensor, *, backend: str | None = None) -> QuantWeight:
     """codes ← round-to-nearest-even(clamp(master)) (the update with no member): after loading a master."""
-    return es_update_q_(qw, [], [], 0, master, backend=backend)
+    return es_update_q(qw, [], [], 0, master=master, backend=backend)
 
 
 @torch.no_grad()
-def restore_q_(qw: QuantWeight, codes: torch.Tensor) -> QuantWeight:
+def restore_q(qw: QuantWeight, codes: torch.Tensor) -> QuantWeight:
     """In place: the storage ← ``codes`` (same shape and dtype, any device), an exact copy, in row
     chunks of at most 64 MiB (no device allocation beyond what ``copy_`` stages)."""
     q = qw.qweight
@@ -334,3 +321,7 @@ def restore_q_(qw: QuantWeight, codes: torch.Tensor) -> QuantWeight:
     for i in range(0, rows_dst.shape[0], step):
         rows_dst[i:i + step].copy_(rows_src[i:i + step])
     return qw
+
+
+# the one op surface: espert.ops.perturb_ / es_update_ / restore_ dispatch QuantWeight here
+ops.register_weight_type(QuantWeight, ops.WeightType(perturb=perturb_q, update=es_update_q, restore=restore_q))
