@@ -735,3 +735,83 @@ def restore_(w: torch.Tensor, center: torch.Tensor, *, non_blocking: bool = Fals
         else:  # a device-side source: torch ops on that device
             cast_exact_(d, s) if s.device == d.device else d.copy_(cast_exact_(torch.empty_like(s, dtype=d.dtype), s))
     return w
+
+
+# ---- torch.library: the same ops as torch operators ------------------------------------------
+# torch.compile (fullgraph), CUDA graphs and the profiler see ``torch.ops.espert.*``; the torch-free
+# compiled module stays underneath.  The schemas mark the mutated weights (``Tensor(a!)[]``), as
+# vLLM's op schemas do, so functionalization knows the weights change in place.  Integers in
+# schemas are int64: uint64 seeds and keys travel as their two's-complement bits.  Blocks travel
+# flattened, four ints per tensor (row_offset, col_offset, logical_rows, logical_cols), -1 for None.
+
+def _from_i64(v: int) -> int:
+    return int(v) & (U64 - 1)
+
+
+def as_int64(v: int) -> int:
+    """A uint64 seed or key as the int64 with the same bits (what ``torch.ops.espert`` schemas take)."""
+    v = _check_u64("seed/key", v)
+    return v - U64 if v >= 1 << 63 else v
+
+
+def _unflatten(ws, keys, blocks) -> list:
+    if len(keys) != len(ws) or len(blocks) != 4 * len(ws):
+        raise ValueError(f"got {len(ws)} tensors, {len(keys)} keys and {len(blocks)} block ints (4 per tensor)")
+    out = []
+    for i, w in enumerate(ws):
+        b = blocks[4 * i:4 * i + 4]
+        block = None if all(x == -1 for x in b) else Block(b[0], b[1], None if b[2] == -1 else b[2],
+                                                             None if b[3] == -1 else b[3])
+        out.append((w, _from_i64(keys[i]), block))
+    return out
+
+
+@torch.library.custom_op("espert::es_update_", mutates_args=("ws",))
+def _es_update_op(ws: list[torch.Tensor], keys: list[int], blocks: list[int], seeds: torch.Tensor,
+                  coeffs: torch.Tensor, scales: list[float] | None = None, noise: str = "gaussian") -> None:
+    """``torch.ops.espert.es_update_``: :func:`es_update_many_` as a torch operator.
+    seeds: int64 [N] (uint64 bits) and coeffs: float32 [N], host tensors, uploaded once per call."""
+    if seeds.device.type != "cpu" or coeffs.device.type != "cpu":
+        raise ValueError("seeds and coeffs must be host tensors (the op uploads them once per call)")
+    es_update_many_(_unflatten(ws, keys, blocks), [_from_i64(s) for s in seeds.tolist()], coeffs.tolist(),
+                    noise=noise, scales=scales)
+
+
+@_es_update_op.register_fake
+def _(ws, keys, blocks, seeds, coeffs, scales=None, noise="gaussian") -> None:
+    return None
+
+
+@torch.library.custom_op("espert::perturb_", mutates_args=("ws",))
+def _perturb_op(ws: list[torch.Tensor], keys: list[int], blocks: list[int], seed: int, sigma: float,
+                sign: int = 1, scales: list[float] | None = None, noise: str = "gaussian") -> None:
+    """``torch.ops.espert.perturb_``: :func:`perturb_many_` as a torch operator (one member: scalars)."""
+    perturb_many_(_unflatten(ws, keys, blocks), _from_i64(seed), sigma, sign, noise=noise, scales=scales)
+
+
+@_perturb_op.register_fake
+def _(ws, keys, blocks, seed, sigma, sign=1, scales=None, noise="gaussian") -> None:
+    return None
+
+
+@torch.library.custom_op("espert::restore_", mutates_args=("w",))
+def _restore_op(w: torch.Tensor, center: torch.Tensor) -> None:
+    """``torch.ops.espert.restore_``: :func:`restore_` as a torch operator."""
+    restore_(w, center)
+
+
+@_restore_op.register_fake
+def _(w, center) -> None:
+    return None
+
+
+def op_args(items) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """``(ws, keys, blocks)`` for the ``torch.ops.espert`` operators from ``(tensor, key, block)`` items."""
+    ws, keys, blocks = [], [], []
+    for w, key, block in items:
+        ws.append(w)
+        keys.append(as_int64(key))
+        b = block or Block()
+        blocks += [b.row_offset, b.col_offset, -1 if b.logical_rows is None else b.logical_rows,
+                   -1 if b.logical_cols is None else b.logical_cols]
+    return ws, keys, blocks
