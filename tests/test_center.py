@@ -257,3 +257,20 @@ def test_staged_update_pipeline_gives_the_same_bits(monkeypatch):
     for store in (host, staged):
         store.update(SEEDS, COEFFS, decay=0.99)
     assert all(torch.equal(a, b) for a, b in zip(host.centers, staged.centers))
+
+
+def test_launches_and_transfers_per_perturb_do_not_grow_with_the_number_of_tensors():
+    """One multi-tensor call per CenterStore.perturb / update: counted in the op layer."""
+    def counts(n_tensors):
+        gen = torch.Generator().manual_seed(1)
+        views = [ParamView(f"l{i}.weight", (torch.randn(4, 8, generator=gen) * 0.02).to(torch.bfloat16))
+                 for i in range(n_tensors)]
+        store = CenterStore(views)
+        with ops.counting() as c:
+            store.perturb(1, 1e-3)
+            store.restore()
+            store.update(SEEDS, COEFFS)
+        return dict(c)
+
+    few, many = counts(3), counts(300)
+    assert few == many and few["launches"] == 2, (few, many)
