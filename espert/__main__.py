@@ -2,6 +2,10 @@
 
 import sys
 
-from espert.cli import main
+try:
+    from espert.cli import main
+except KeyboardInterrupt:  # Ctrl-C while Python imports: one line, as in main()
+    print("espert: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

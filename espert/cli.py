@@ -30,6 +30,8 @@ TRAIN_EPILOG = """examples:
   espert train --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --device cuda --dtype bfloat16 \\
       --sigma 0.001 --alpha 0.0005 --population 30 --prompts-per-iteration 200 --max-new-tokens 512 \\
       --chat-template --eval-size 200 --iterations 500
+  espert train --task mypkg.rewards:my_reward --train-data train.jsonl --eval-data heldout.jsonl
+                                                 # your own reward fn(prompts, completions, answers)
   espert replay runs/quick                       # rebuild the final weights from base model + log
 """
 

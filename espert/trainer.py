@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from espert.config import ESConfig
+from espert.diagnostics import iteration_diagnostics
 from espert.es import es_step, prompt_indices
 
 #: How the task of a run was given (logged in its ``task`` record).
@@ -229,11 +230,10 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
         if start > T:
             raise ValueError(f"{run_dir} already logged {start} iterations, more than iterations={T}")
         trackers = Trackers(cfg.trackers, run.path, cfg.tracker_project, cfg.to_dict(), say)
-        last_eval = run.last_eval()
-        done = run.finish_iteration(evaluator, eval_task, start, hook)  # iteration 0, or what a kill cut short
-        if done is not None:
-            last_eval = done
-            trackers.log({"heldout/mean": done["mean"]}, start)
+        # iteration `start`'s evaluation and checkpoint, if a kill cut them off (or the base model's, at 0)
+        ev = run.finish_iteration(evaluator, eval_task, start, hook)
+        if ev is not None:
+            trackers.log({"heldout/mean": ev["mean"]}, start)
         bar = _progress(progress, T, start)
         for t in range(start + 1, T + 1):
             idx = prompt_indices(cfg, t, len(train_task))
@@ -241,6 +241,7 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
             def write_ahead(rec: dict) -> None:
                 rec["prompt_indices"] = idx
                 rec["time"] = time.time()
+                rec["diagnostics"] = iteration_diagnostics(rec)  # Corr(X+,X-), kappa, reward spread
                 run.append(rec)
                 if hook:
                     hook(rec["iteration"], "logged")
@@ -252,16 +253,11 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
             trackers.log(iteration_metrics(rec), t)
             if rec["skipped"]:
                 say(f"[espert] iteration {t}: every member failed; update skipped")
-            evaluated = False
-            if eval_task is not None and (t == T or (cfg.eval_every and t % cfg.eval_every == 0)):
-                last_eval, evaluated = run.evaluate_heldout(evaluator, eval_task, t), True
-            if t < T and cfg.checkpoint_every and t % cfg.checkpoint_every == 0:
-                run.checkpoint(evaluator, t)
-                if hook:
-                    hook(t, "checkpointed")
-            if evaluated:
-                trackers.log({"heldout/mean": last_eval["mean"]}, t)
+            ev = run.finish_iteration(evaluator, eval_task, t, hook)  # held-out evaluation and checkpoint when due
+            if ev is not None:
+                trackers.log({"heldout/mean": ev["mean"]}, t)
             if bar is not None:
+                last_eval = run.last_eval()
                 post = {"r_mean": rec["reward"]["mean"], "r_std": rec["reward"]["std"]}
                 if last_eval is not None:
                     post["heldout"] = last_eval["mean"]
@@ -270,10 +266,7 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
                 bar.update(1)
         if bar is not None:
             bar.close()
-        # the end state: final held-out score and checkpoint (also when a crash hit right after the last update)
-        if eval_task is not None and (last_eval is None or last_eval["iteration"] != T):
-            trackers.log({"heldout/mean": run.evaluate_heldout(evaluator, eval_task, T)["mean"]}, T)
-        if run.checkpoint_iteration() != T:
+        if run.checkpoint_iteration() != T:  # e.g. iterations: 0 (finish_iteration checkpoints t >= 1)
             run.checkpoint(evaluator, T)
             if hook:
                 hook(T, "checkpointed")

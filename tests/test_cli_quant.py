@@ -52,6 +52,6 @@ def test_quant_config_errors():
     with pytest.raises(ValueError, match="quant must be"):
         ESConfig(quant="int3")
     with pytest.raises(ValueError, match="vLLM loads quantized"):
-        ESConfig(quant="int8", backend="vllm")
+        ESConfig(quant="int8", evaluator="vllm")
     with pytest.raises(ValueError, match="include/exclude"):
         ESConfig(quant="int8", exclude=["norm"])
