@@ -48,7 +48,7 @@ class CompareConfig:
     temperature: float = 1.0
     max_new_tokens: int = 8
     # ES
-    iterations: int = 100
+    iterations: int = 60
     population: int = 32
     prompts_per_iteration: int = 16
     sigma: float = 0.02
