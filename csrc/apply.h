@@ -54,7 +54,8 @@ const char* check_plan(const PlanEntry* plan, int64_t n_entries, int64_t n_membe
 void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* seeds, const float* coeffs,
                     int64_t n_members);
 // Whether the CPU kernels take their AVX-512 path: the processor has AVX-512 F/VL/BW/DQ and
-// ESPERT_CPU_ISA is not "generic" (read once).  cpu_isa() names the path: "avx512" or "generic".
+// ESPERT_CPU_ISA is not "generic" (read once).  cpu_isa() names the path of the float kernels:
+// "avx512", "avx2" (the generic loops compiled for AVX2) or "generic".
 bool use_avx512();
 const char* cpu_isa();
 

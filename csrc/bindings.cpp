@@ -72,7 +72,7 @@ PYBIND11_MODULE(_C, m) {
       },
       "In place, for every entry of the int64 launch plan [n_entries, len(PLAN_FIELDS)]: w += sum_n c_n * eps.  "
       "One OpenMP region over all entries.  Host pointers.");
-  m.def("cpu_isa", &cpu_isa, "The CPU code path in use: 'avx512' or 'generic'.");
+  m.def("cpu_isa", &cpu_isa, "The float kernels' CPU code path: 'avx512', 'avx2' or 'generic'.");
   // This module links its own OpenMP runtime (torch bundles another), so torch.set_num_threads does not
   // reach it: espert/ops.py forwards torch's thread count before every CPU call.
   m.def("set_num_threads", [](int n) { omp_set_num_threads(n > 0 ? n : 1); }, "Threads of espert's CPU kernels.");
