@@ -160,7 +160,7 @@ def noise_energy(evaluator) -> float | None:
     views = getattr(center, "views", None)
     if views is not None:
         scales = getattr(center, "sigma_scales", None) or [1.0] * len(views)
-        return float(sum(v.tensor.numel() * s * s for v, s in zip(views, scales)))
+        return float(sum(v.numel * s * s for v, s in zip(views, scales)))  # quantized: in code units
     try:
         return float(sum(t.numel() for t in evaluator.export_state().values()))
     except Exception:  # noqa: BLE001 - a metric only; the run does not depend on it
