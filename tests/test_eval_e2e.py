@@ -119,3 +119,22 @@ def test_parser_functions_attach_to_any_subparsers():
     assert args.n == 8 and args.temperature == 0.6 and args.top_p == 0.95
     args = parser.parse_args(["analyze", "--base", "b", "--ckpt", "c", "--export", "o", "--threshold", "1e-4"])
     assert callable(args.func) and args.threshold == 1e-4
+
+
+def test_evaluate_run_reports_base_against_the_final_export(tmp_path):
+    from espert.config import ESConfig
+    from espert.eval.runner import evaluate_run
+    from espert.trainer import train
+
+    d = str(tmp_path / "run")
+    train(ESConfig(iterations=1, population=2, prompts_per_iteration=2, eval_size=2, checkpoint_every=0), d,
+          progress=False, echo=None)
+    lines = []
+    rep = evaluate_run(d, n=4, limit=3, echo=lines.append)
+    assert list(rep["models"]) == ["base", "es"] and rep["models"]["es"]["n_problems"] == 3
+    assert set(rep["models"]["base"]["pass_at_k"]) == {"1", "2", "4"}
+    assert "es vs base" in lines[0]
+    for f in ("report.json", "summary.txt", "pass_at_k.png", "samples_base.jsonl", "samples_es.jsonl"):
+        assert os.path.getsize(os.path.join(d, "eval", f)) > 0
+    with pytest.raises(FileNotFoundError, match="not an espert run"):
+        evaluate_run(str(tmp_path))

@@ -83,3 +83,43 @@ def load_sample_files(paths: Sequence[str], task_name: Optional[str] = None, res
         for recs in groups.values():
             rescore(recs, task_name)
     return groups
+
+
+def evaluate_run(run_dir: str, n: int = 16, limit: int = 64, temperature: float = 1.0, seed: int = 0,
+                 out_dir: Optional[str] = None, task: Optional[Task] = None, plots: bool = True,
+                 echo: Callable[[str], None] = print) -> dict:
+    """pass@k / maj@k report of a training run's base model against its final export.
+
+    Samples ``n`` completions (``temperature``, top-p 1) for the first ``limit`` held-out problems
+    of the run's task (its ``eval_split`` / ``eval_data``; a custom task must be given as ``task``)
+    from ``RUN/base_model`` (or the run's base reference) labelled ``base`` and from ``RUN/export``
+    labelled ``es``, and writes ``report.json``, ``summary.txt``, the samples and the plots to
+    ``out_dir`` (default ``RUN/eval``).  Returns the report.
+    """
+    from ..runs import BASE, EXPORT, read_run_config
+    from ..tasks import load_task
+    from .samplers import TransformersSampler
+    from .samples import save_samples
+
+    doc = read_run_config(run_dir)
+    cfg = doc["config"]
+    base = os.path.join(run_dir, BASE) if doc["base_model"] == BASE else doc["base_model"]
+    export = os.path.join(run_dir, EXPORT)
+    if not os.path.isdir(export):
+        raise FileNotFoundError(f"{run_dir} has no final export ({EXPORT}/): train it to the end first")
+    if task is None:
+        if ":" in str(cfg["task"]):
+            raise ValueError(f"run task {cfg['task']!r} is a custom task: pass it as task=")
+        task = load_task(cfg["task"], cfg.get("eval_split", "test"), n=limit, path=cfg.get("eval_data"))
+    task = task.subset(limit)
+    out_dir = out_dir or os.path.join(run_dir, "eval")
+    os.makedirs(out_dir, exist_ok=True)
+    groups = {}
+    for label, path in (("base", base), ("es", export)):
+        sampler = TransformersSampler(path, device="cpu", batch_size=256, chat_template=bool(cfg.get("chat_template")))
+        recs = generate_samples(task, label, sampler, n, temperature, 1.0, int(cfg["max_new_tokens"]), seed,
+                                extra_meta={"model_path": path})
+        save_samples(os.path.join(out_dir, f"samples_{label}.jsonl"), recs)
+        groups[label] = recs
+    return write_outputs(groups, out_dir, base="base", threshold=task.success_threshold, solve_rule="any",
+                         plots=plots, echo=echo)
