@@ -312,5 +312,22 @@ def config_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["ESConfig", "NORMALIZATIONS", "SCHEDULES", "RENAMED", "LEGACY_DEFAULTS", "config_table",
+TABLE_START, TABLE_END = "<!-- config-table:start -->\n", "<!-- config-table:end -->"
+
+
+def write_config_table(path: str = "docs/training.md") -> None:
+    """Replace the table between the config-table markers of ``path`` by :func:`config_table`
+    (``python -m espert.config`` does this for docs/training.md after a field changes)."""
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    i, j = doc.index(TABLE_START) + len(TABLE_START), doc.index(TABLE_END)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(doc[:i] + config_table() + doc[j:])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    write_config_table(sys.argv[1] if len(sys.argv) > 1 else "docs/training.md")
+
+
+__all__ = ["ESConfig", "NORMALIZATIONS", "SCHEDULES", "RENAMED", "LEGACY_DEFAULTS", "config_table", "write_config_table",
            "field_help", "field_choices", "field_type"]

@@ -21,8 +21,7 @@ def test_docs_table_is_the_generated_one():
         doc = f.read()
     m = re.search(r"<!-- config-table:start -->\n(.*?)<!-- config-table:end -->", doc, re.S)
     assert m, "docs/training.md lost its config-table markers"
-    assert m.group(1) == C.config_table(), ("docs/training.md's config table is stale; regenerate it with "
-                                           "espert.config.config_table()")
+    assert m.group(1) == C.config_table(), "docs/training.md's config table is stale: run `python -m espert.config`"
     # every field has a row, with its help text
     for f in dataclasses.fields(ESConfig):
         assert f"| `{f.name}` |" in m.group(1)
