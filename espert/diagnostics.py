@@ -243,3 +243,33 @@ def estimator_variance(evaluator, prompts, answers, sigma: float, pairs: int = 1
         ri.extend(evaluator.evaluate([m], sigma, [prompts[i] for i in idx], [answers[i] for i in idx]))
     return {"sigma": sigma, "pairs": pairs, "per_member": per_member,
             "common": antithetic_stats(members, rc), "independent": antithetic_stats(members, ri)}
+
+
+class IterationMeter:
+    """Per-iteration diagnostics for the training loop, with cumulative forward FLOPs.
+
+    FLOPs need the evaluator's processed-token counter (``tokens_processed``: prompt plus generated
+    tokens of every rollout so far, kept by the torch evaluator) and the model's parameter count;
+    evaluators without them log no FLOPs.  ``records``: the run's earlier ``iter`` records, so a
+    resumed run continues the cumulative sum.
+    """
+
+    def __init__(self, evaluator, records=()):
+        model = getattr(evaluator, "model", None)
+        self.evaluator = evaluator
+        self.n_params = sum(p.numel() for p in model.parameters()) if model is not None else None
+        self.tokens_seen = None
+        last = [r.get("diagnostics") or {} for r in records]
+        self.flops_total = float(last[-1].get("flops_total") or 0.0) if last else 0.0
+
+    def start(self) -> None:
+        """Mark the start of an iteration's rollouts (held-out evaluations in between do not count)."""
+        self.tokens_seen = getattr(self.evaluator, "tokens_processed", None)
+
+    def __call__(self, rec: dict) -> dict:
+        """:func:`iteration_diagnostics` of ``rec`` with the tokens processed since :meth:`start`."""
+        now = getattr(self.evaluator, "tokens_processed", None)
+        tokens = None if now is None or self.tokens_seen is None else now - self.tokens_seen
+        out = iteration_diagnostics(rec, self.n_params, tokens, self.flops_total)
+        self.flops_total = out.get("flops_total", self.flops_total)
+        return out

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 from espert.config import ESConfig
-from espert.diagnostics import iteration_diagnostics
+from espert.diagnostics import IterationMeter
 from espert.es import es_step, prompt_indices
 
 #: How the task of a run was given (logged in its ``task`` record).
@@ -225,6 +225,7 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
 
         evaluator = build_evaluator(cfg, run.base_path, train_task.score)
         energy = noise_energy(evaluator)
+        meter = IterationMeter(evaluator, run.iterations())
         start = run.restore(evaluator)
         T = cfg.iterations
         if start > T:
@@ -241,11 +242,12 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
             def write_ahead(rec: dict) -> None:
                 rec["prompt_indices"] = idx
                 rec["time"] = time.time()
-                rec["diagnostics"] = iteration_diagnostics(rec)  # Corr(X+,X-), kappa, reward spread
+                rec["diagnostics"] = meter(rec)  # Corr(X+,X-), kappa, reward spread, cumulative FLOPs
                 run.append(rec)
                 if hook:
                     hook(rec["iteration"], "logged")
 
+            meter.start()
             rec = es_step(evaluator, cfg, t, [train_task.prompts[i] for i in idx],
                           [train_task.answers[i] for i in idx], write_ahead, noise_energy=energy)
             if hook:

@@ -188,8 +188,21 @@ def test_training_logs_per_iteration_diagnostics(tmp_path):
           progress=False, echo=None)
     recs = iteration_records(read_log(os.path.join(d, LOG)))
     assert len(recs) == 2
+    n_params = 83_648  # the tiny model
+    total = 0.0
     for rec in recs:
         diag = rec["diagnostics"]
-        assert diag == json.loads(json.dumps(dg.iteration_diagnostics(rec)))  # what the log holds is recomputable
+        want = dg.iteration_diagnostics(rec, n_params, diag["tokens"], total)
+        assert diag == json.loads(json.dumps(want))  # what the log holds is recomputable
         assert diag["antithetic"]["pairs"] == 2 and diag["spread"]["n"] == 4
-    assert [r["iteration"] for r in an.run_diagnostics(d)["rows"]] == [1, 2]
+        # 4 members x 4 prompts: prompts of 6-8 tokens (<s>, 4-6 letters, '>') plus 1-8 generated tokens each
+        assert 16 * 7 <= diag["tokens"] <= 16 * (8 + 8)
+        total += diag["flops"]
+        assert diag["flops_total"] == total
+    rows = an.run_diagnostics(d)["rows"]
+    assert [r["iteration"] for r in rows] == [1, 2] and rows[-1]["flops_total"] == total
+    # a resumed run continues the cumulative count
+    train(ESConfig(iterations=3, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0), d,
+          resume=True, progress=False, echo=None)
+    third = iteration_records(read_log(os.path.join(d, LOG)))[2]["diagnostics"]
+    assert third["flops_total"] == pytest.approx(total + third["flops"], rel=1e-12)

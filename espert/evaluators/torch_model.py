@@ -142,6 +142,7 @@ class TorchEvaluator(ModelEvaluator):
         model.generation_config = gc
         self.generation_config = gc
         self._cache_key: tuple | None = None
+        self.tokens_processed = 0
         self._batches: list[dict[str, torch.Tensor]] = []
 
     def _format(self, prompt: str) -> str:
@@ -167,7 +168,10 @@ class TorchEvaluator(ModelEvaluator):
         out: list[str] = []
         for enc in self._encoded(prompts):
             seqs = self.model.generate(**enc, generation_config=self.generation_config)
-            out.extend(self.tokenizer.batch_decode(seqs[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+            new = seqs[:, enc["input_ids"].shape[1]:]
+            # forward-FLOP accounting (espert.diagnostics): prompt tokens + generated tokens before padding
+            self.tokens_processed += int(enc["attention_mask"].sum()) + int((new != self.tokenizer.pad_token_id).sum())
+            out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
         return out
 
     def rollout(self, prompts, answers):
