@@ -38,9 +38,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ALLOWED: dict[tuple[str, str], str] = {
     ("espert.vllm.compat", "espert.runs"): "ES-at-Scale checkpoints use runs.write_safetensors (byte-deterministic "
                                            "files); moving that writer below the evaluators removes this",
-    ("espert.vllm.pool", "espert.vllm.evaluator"): "each Ray actor builds its engine's evaluator (issue 10 §1 names "
-                                                   "this cycle; the vLLM layer removes it)",
-    ("espert.vllm.evaluator", "espert.vllm.pool"): "several engines: the evaluator builder returns a pool",
     ("espert.tasks.rewards", "espert.tasks.loaders"): "answer_equivalence resolves task aliases, which live with the "
                                                       "loaders (moving ALIASES next to the rewards removes it)",
 }

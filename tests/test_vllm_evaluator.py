@@ -3,7 +3,7 @@
 - greedy fp32 decoding: the vLLM and torch evaluators give identical completions and rewards for
   the same seeds on the same tiny model and prompts;
 - a few ES iterations through vLLM raise the reward of the center on the ``copy`` task;
-- the ``vllm`` backend is registered with the ES loop's evaluator registry.
+- the ``vllm`` evaluator is registered with the ES loop's evaluator registry.
 """
 
 import os
@@ -77,7 +77,7 @@ def test_es_training_through_vllm_raises_reward(ev):
 
 
 def test_backend_registered():
-    import espert.vllm.evaluator  # noqa: F401
-    from espert.evaluators import EVALUATORS
+    from espert.evaluators import get_builder
+    from espert.vllm.pool import build_from_config
 
-    assert "vllm" in EVALUATORS
+    assert get_builder("vllm") is build_from_config

@@ -288,3 +288,29 @@ class EnginePool(Evaluator):
             ray.kill(self.actors[e])
         self.alive = []
         time.sleep(0)
+
+
+# ---- the ES loop's evaluator registry (espert.evaluators: "vllm" -> this builder) ----------------------
+
+def build_from_config(cfg, model_path: str, score) -> Evaluator:
+    """``evaluator: vllm``: one engine (``cfg.vllm_engines`` <= 1) or an :class:`EnginePool`.
+
+    Reads optional config fields when present (``vllm_tensor_parallel_size``, ``vllm_engines``,
+    ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``, ``vllm_rename``); defaults otherwise.
+    A malformed ``vllm_rename`` is refused before any engine starts.
+    """
+    from espert.vllm.evaluator import VLLMEvaluator, parse_rename
+
+    rename = parse_rename(getattr(cfg, "vllm_rename", None))
+    engines = int(getattr(cfg, "vllm_engines", 1) or 1)
+    llm_kwargs = dict(dtype=cfg.dtype, tensor_parallel_size=int(getattr(cfg, "vllm_tensor_parallel_size", 1) or 1))
+    for field, arg in (("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
+                       ("vllm_max_model_len", "max_model_len")):
+        if getattr(cfg, field, None) is not None:
+            llm_kwargs[arg] = getattr(cfg, field)
+    ev_kwargs = dict(include=cfg.include, exclude=cfg.exclude, max_new_tokens=cfg.max_new_tokens,
+                     seed=cfg.seed, chat_template=cfg.chat_template, member_errors=cfg.member_errors,
+                     rename=rename)
+    if engines > 1:
+        return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)
+    return VLLMEvaluator(model_path, score, llm_kwargs=llm_kwargs, **ev_kwargs)
