@@ -37,8 +37,10 @@ Tracker = Literal["wandb", "tensorboard"]
 
 NORMALIZATIONS: tuple[str, ...] = typing.get_args(Normalization)
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
-#: Noise families (the parser of record is espert.noise; this is the torch-free syntax check).
+#: Noise families: the syntax of espert.noise.NoiseFamily.parse, checked here without importing the
+#: noise layer (tests/test_es_config.py keeps the two in agreement).
 NOISE_RE = re.compile(r"^(gaussian|rademacher|lowrank:[1-9][0-9]*)$")
+NOISE_MAX_RANK = 1024
 #: A task given as an import path: ``package.module:attribute``.
 TASK_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 #: Default weight-decay exclusions: norm gains and biases (AdamW practice).
@@ -172,8 +174,8 @@ class ESConfig:
                  f"{name}_end must be finite and {'>= 0' if name == 'alpha' else '> 0'}, got {end}")
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay must be >= 0")
         need(self.alpha * self.weight_decay < 1, "alpha·weight_decay must be < 1")
-        need(NOISE_RE.match(self.noise) is not None,
-             f"noise must be gaussian, rademacher or lowrank:R (R >= 1), got {self.noise!r}")
+        need(NOISE_RE.match(self.noise) is not None and int(self.noise.partition(":")[2] or 1) <= NOISE_MAX_RANK,
+             f"noise must be gaussian, rademacher or lowrank:R (1 <= R <= {NOISE_MAX_RANK}), got {self.noise!r}")
         for k in ("optimizer_beta1", "optimizer_beta2"):
             need(0 <= getattr(self, k) < 1, f"{k} must be in [0, 1), got {getattr(self, k)}")
         need(math.isfinite(self.optimizer_eps) and self.optimizer_eps > 0, "optimizer_eps must be > 0")

@@ -73,6 +73,25 @@ def test_literal_fields_are_validated_with_a_clear_message():
         ESConfig(task="mypkg.rewards:")
 
 
+def test_noise_syntax_agrees_with_the_noise_layer():
+    from espert.noise import MAX_RANK, NoiseFamily
+
+    assert C.NOISE_MAX_RANK == MAX_RANK
+    for spec in ("gaussian", "rademacher", "lowrank:1", "lowrank:64", f"lowrank:{MAX_RANK}", f"lowrank:{MAX_RANK + 1}",
+                 "lowrank:0", "lowrank:", "lowrank", "gaussian:2", "uniform", "lowrank:x", " gaussian"):
+        try:
+            NoiseFamily.parse(spec)
+            ok = spec == spec.strip()  # the config takes no surrounding spaces
+        except ValueError:
+            ok = False
+        try:
+            ESConfig(noise=spec)
+            mine = True
+        except ValueError:
+            mine = False
+        assert mine == ok, spec
+
+
 def test_backend_is_now_evaluator_with_a_deprecation_message(capsys, tmp_path):
     cfg = ESConfig.from_dict({"backend": "vllm"})
     assert cfg.evaluator == "vllm"
