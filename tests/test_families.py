@@ -216,3 +216,10 @@ def test_estimator_cosine_with_the_gradient(fam, objective):
     # measured (N=1000, D=64): 0.956-0.977 for every family and objective (docs/noise.md §5)
     print(f"{fam} {objective} cosine {cos:.3f}")
     assert cos > 0.9
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_long_rows_cross_many_cpu_tiles(fam, rng):
+    """Rows of several thousand elements starting mid-call (CPU tiles: 64 or 1024 elements)."""
+    big = weights((4, 5000), torch.float32, rng)
+    _check(big[:, 3:4700], [1, 2], [1e-2, -1e-2], fam, block=ops.Block(2, 77, 9, 4911))

@@ -1,6 +1,6 @@
 // CPU kernel: one OpenMP region over the tiles of every entry of a launch plan (all tensors of
-// a call).  Tiles: gaussian 16 Philox groups (64 logical elements), rademacher one Philox call
-// (128 elements), lowrank 64 columns.  The per-lane math is noise.h inlined into loops the compiler
+// a call).  Tiles: gaussian 16 Philox groups (64 logical elements), rademacher 8 Philox calls
+// (1024 elements), lowrank 64 columns.  The per-lane math is noise.h inlined into loops the compiler
 // vectorizes; the same loops are compiled twice, for AVX-512 (with Philox written in intrinsics)
 // and for the baseline ISA, and the path is chosen at run time.  Both produce the same bits
 // (tests/test_ops.py).  Tile positions are computed in column space (int64), never as logical
@@ -25,6 +25,8 @@ namespace {
 constexpr int kTileGroups = 16;
 constexpr int kTileElems = 4 * kTileGroups;
 constexpr int64_t kTilesPerTask = 64;  // 4096 elements (gaussian) per OpenMP task
+constexpr int kRadTileCalls = 8;       // rademacher tiles: 8 Philox calls of 128 elements
+constexpr int kRadTileElems = 128 * kRadTileCalls;
 
 #define ESPERT_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq")))
 
@@ -97,7 +99,7 @@ ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)
 inline int64_t tiles_per_row(const PlanEntry& e) {
   switch (e.family) {
     case kGaussian: return ((e.cols + 6) / 4 + kTileGroups - 1) / kTileGroups;
-    case kRademacher: return (e.cols + 254) / 128;
+    case kRademacher: return (e.cols + 127 + kRadTileElems - 1) / kRadTileElems;
     default: return (e.cols + kTileElems - 1) / kTileElems;
   }
 }
@@ -137,23 +139,32 @@ ESPERT_HD void rademacher_tile(const PlanEntry& e, int64_t i, int64_t tile, cons
                                const float* coeffs) {
   const Block b = e.block();
   const uint64_t base = b.row_base(i);
-  const int64_t col0 = tile * 128 - (int64_t)(base & 127);
-  const int64_t cf = std::max<int64_t>(0, col0), ce = std::min<int64_t>(e.cols, col0 + 128);
+  const int64_t col0 = tile * kRadTileElems - (int64_t)(base & 127);
+  const int64_t cf = std::max<int64_t>(0, col0), ce = std::min<int64_t>(e.cols, col0 + kRadTileElems);
   if (cf >= ce) return;
-  const uint64_t h = (base >> 7) + (uint64_t)tile;
+  const uint64_t h0 = (base >> 7) + (uint64_t)tile * kRadTileCalls;
   const float scale = u2f((uint32_t)e.scale_bits);
-  alignas(64) float acc[128];
-  for (int k = 0; k < 128; ++k) acc[k] = 0.0f;
+  alignas(64) float acc[kRadTileElems];
+  for (int k = 0; k < kRadTileElems; ++k) acc[k] = 0.0f;
   for (int64_t m = e.member_begin; m < e.member_end; ++m) {
     const uint32_t c = f2u(fmul(coeffs[m], scale));
-    const U4 x = rademacher_words(seeds[m], e.key, h);
-    const uint32_t words[4] = {x.x0, x.x1, x.x2, x.x3};
-    for (int q = 0; q < 4; ++q) {
-      const uint32_t wq = words[q];
-      // c · (±1) is c with its sign bit flipped by the element's bit: exact, and vectorizes
+    alignas(64) uint32_t words[4][kRadTileCalls];
 #pragma GCC ivdep
-      for (int k = 0; k < 32; ++k) acc[32 * q + k] = fadd(acc[32 * q + k], u2f(c ^ (((wq >> k) & 1u) << 31)));
+    for (int t = 0; t < kRadTileCalls; ++t) {  // the calls' Philox rounds vectorize across t
+      const U4 x = rademacher_words(seeds[m], e.key, h0 + (uint64_t)t);
+      words[0][t] = x.x0;
+      words[1][t] = x.x1;
+      words[2][t] = x.x2;
+      words[3][t] = x.x3;
     }
+    for (int t = 0; t < kRadTileCalls; ++t)
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t wq = words[q][t];
+        float* a = acc + 128 * t + 32 * q;
+        // c · (±1) is c with its sign bit flipped by the element's bit: exact, and vectorizes
+#pragma GCC ivdep
+        for (int k = 0; k < 32; ++k) a[k] = fadd(a[k], u2f(c ^ (((wq >> k) & 1u) << 31)));
+      }
   }
   store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc);
 }
