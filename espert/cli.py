@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_eval_parser(sub)
         add_analyze_parser(sub)
+        from espert.compare import add_compare_parser
+
+        add_compare_parser(sub)
     return parser
 
 
@@ -160,6 +163,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         echo(f"[espert] held-out mean reward: {curve}")
     if summary["export"]:
         echo(f"[espert] final weights (HF format): {summary['export']}")
+    if summary["export"] and cfg.model == "tiny" and ":" not in cfg.task:  # the main job closes with a report
+        from espert.eval.runner import evaluate_run
+
+        echo("[espert] base vs ES, 16 samples (temperature 1) on 64 held-out problems:")
+        evaluate_run(run_dir, n=16, limit=64, echo=echo)
+        echo(f"[espert] report and plots: {os.path.join(run_dir, 'eval')}")
     return 0
 
 

@@ -7,12 +7,13 @@ import pytest
 
 pytest.importorskip("trl", reason="the ES-vs-GRPO comparison needs TRL (pip install 'espert[compare]')")
 
-from espert.compare import CompareConfig, main  # noqa: E402
+from espert.cli import main  # noqa: E402
+from espert.compare import CompareConfig  # noqa: E402
 
 
 def test_compare_fast_variant_end_to_end(tmp_path):
     out = str(tmp_path / "cmp")
-    assert main(["--out", out, "--fast"]) == 0
+    assert main(["compare", "--out", out, "--fast"]) == 0
     doc = json.load(open(os.path.join(out, "compare.json")))
     cc = CompareConfig.fast()
     es, grpo = doc["budgets"]["ES"], doc["budgets"]["GRPO"]

@@ -138,3 +138,16 @@ def test_evaluate_run_reports_base_against_the_final_export(tmp_path):
         assert os.path.getsize(os.path.join(d, "eval", f)) > 0
     with pytest.raises(FileNotFoundError, match="not an espert run"):
         evaluate_run(str(tmp_path))
+
+
+def test_main_job_cli_closes_with_the_base_vs_es_report(tmp_path, capsys):
+    from espert.cli import main
+
+    d = str(tmp_path / "run")
+    assert main(["train", "--iterations", "1", "--population", "2", "--prompts-per-iteration", "2",
+                 "--eval-size", "2", "--checkpoint-every", "0", "--run-dir", d, "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "base vs ES" in err and "pass@16" in err and "es vs base" in err
+    rep = json.load(open(os.path.join(d, "eval", "report.json")))
+    assert list(rep["models"]) == ["base", "es"] and rep["models"]["es"]["n_problems"] == 64
+    assert os.path.getsize(os.path.join(d, "eval", "pass_at_k.png")) > 0
