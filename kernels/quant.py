@@ -11,6 +11,8 @@ once (no two programs, nor two lanes, ever write the same word).  Launch with
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -348,8 +350,10 @@ def quant_apply(geom, scales: torch.Tensor, master: torch.Tensor | None, mode: i
     data = geom.data.view(torch.uint8) if geom.elem == "int8" else geom.data
     m = master if master is not None else data  # never read unless mode 1
     grid = (triton.cdiv(units, block),)
-    _quant_kernel[grid](data, scales, m, seeds, coeffs, coeffs_n, units, geom.N, geom.K, geom.ld,
-                        geom.row_offset, geom.col_offset, geom.logical_cols, geom.group, geom.scale_ld,
-                        geom.qmin, geom.qmax, key,
-                        ELEM=_ELEM[geom.elem], LAYOUT=layout, KIND=_KIND[geom.scale_kind], MODE=mode,
-                        G=UNITS_G[layout], BLOCK=block, enable_fp_fusion=False)
+    # Triton launches on the current CUDA device: make it the storage's
+    with torch.cuda.device(data.device) if data.is_cuda else contextlib.nullcontext():
+        _quant_kernel[grid](data, scales, m, seeds, coeffs, coeffs_n, units, geom.N, geom.K, geom.ld,
+                            geom.row_offset, geom.col_offset, geom.logical_cols, geom.group, geom.scale_ld,
+                            geom.qmin, geom.qmax, key,
+                            ELEM=_ELEM[geom.elem], LAYOUT=layout, KIND=_KIND[geom.scale_kind], MODE=mode,
+                            G=UNITS_G[layout], BLOCK=block, enable_fp_fusion=False)
