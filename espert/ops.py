@@ -5,7 +5,7 @@ bad call raises and leaves the weights untouched.  Backends are registered in
 ``BACKENDS`` with a capability gate; ``backend=None`` picks the default for the
 tensor's device (``ESPERT_BACKEND`` overrides it):
 
-    cpu     C++ kernels in espert._C (AVX-512 or generic, chosen at run time)
+    cpu     C++ kernels in espert._C (AVX-512, AVX2 or generic, chosen at run time)
     cuda    CUDA kernels in espert._C (when the module was built with nvcc)
     triton  Triton kernels in kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
 
