@@ -158,6 +158,23 @@ def test_bad_task_inputs_are_refused_before_anything_is_written(tmp_path):
     assert not os.path.exists(d)
 
 
+def test_object_kinds_by_signature():
+    """Three positional arguments: reward(prompts, completions, answers); two: batched reward(completions,
+    answers); one: loader(split)."""
+    import custom_rewards
+    from espert.tasks.loaders import custom_task
+
+    t = custom_task(custom_rewards.first_letter, "train", problems_from=["ab>", "ba>"])
+    assert t.score(["a", "a"], t.answers) == [1.0, 0.0]
+    t = custom_task(custom_rewards.has_b, "train", problems_from=["ab>", "ba>"])
+    assert t.score(["b", "a"], t.answers) == [1.0, 0.0] and t.name == "has_b"
+    assert custom_task(custom_rewards.has_b, "test") is None  # no held-out problems given
+    t = custom_task(custom_rewards.letters, "test", n=5)
+    assert len(t) == 5 and t.prompts[0] == custom_rewards.letters("test").prompts[0]
+    with pytest.raises(ValueError, match="returned str for split 'train'"):
+        custom_task(lambda split: "oops", "train", name="oops")
+
+
 def test_prompt_sources(tmp_path):
     from espert.tasks.loaders import problems
 

@@ -300,8 +300,8 @@ def custom_task(obj: Any, split: str, n: Optional[int] = None, path: Optional[st
     """A user task for ``split`` from ``obj`` (what a task import path points to), or None.
 
     obj: a :class:`Task` (its problems serve ``train``; other splits need ``path``); a reward
-    ``fn(prompts, completions, answers) -> list[float]`` (problems from ``path`` or
-    ``problems_from``); or a loader ``fn(split) -> Task``.  path: a JSONL of ``{"prompt",
+    ``fn(prompts, completions, answers) -> list[float]`` or a batched ``fn(completions, answers)``
+    (problems from ``path`` or ``problems_from``); or a loader ``fn(split) -> Task`` (one argument).  path: a JSONL of ``{"prompt",
     "answer"}`` objects replacing the object's own problems.  Returns None when ``obj`` has no
     problems for ``split`` (no held-out set).
     """
@@ -317,13 +317,18 @@ def custom_task(obj: Any, split: str, n: Optional[int] = None, path: Optional[st
     if not callable(obj):
         raise ValueError(f"task {name!r} is a {type(obj).__name__}; expected a Task, a reward "
                          f"fn(prompts, completions, answers) or a loader fn(split) -> Task")
-    if _positional_arity(obj) >= 3:
+    arity = _positional_arity(obj)
+    if arity >= 2:  # a reward: fn(prompts, completions, answers), or batched fn(completions, answers)
         if source is None:
             if split == "train":
                 raise ValueError(f"task {name!r} is a reward function; give its problems (train_data: a JSONL of "
                                  f"{{'prompt', 'answer'}} objects, or prompts= from Python)")
             return None
-        return reward_fn_task(name or obj.__name__, obj, *problems(source, n))
+        ps, ans = problems(source, n)
+        name = name or getattr(obj, "__name__", "reward")
+        if arity >= 3:
+            return reward_fn_task(name, obj, ps, ans)
+        return Task(name=name, prompts=ps, answers=ans, reward_fn=obj)
     task = obj(split)
     if task is None:
         return None
