@@ -205,13 +205,13 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
     # -- ceilings: device copy and pinned host-to-device bandwidth ------------------------------
     src = torch.empty(numel, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    copy_s = t.median(lambda: dst.copy_(src), reps)
+    copy_s = t.median(lambda: dst.copy_(src), reps)  # noqa: F821 - runs before the del below
     copy_bw = 2 * wbytes / copy_s
     del src, dst
     h2d_n = min(wbytes, 1 << 30)
     host = torch.empty(h2d_n, dtype=torch.uint8, pin_memory=device == "cuda")
     devbuf = torch.empty(h2d_n, dtype=torch.uint8, device=device)
-    h2d_s = t.median(lambda: devbuf.copy_(host, non_blocking=True), reps)
+    h2d_s = t.median(lambda: devbuf.copy_(host, non_blocking=True), reps)  # noqa: F821 - runs before the del below
     h2d_bw = h2d_n / h2d_s
     del host, devbuf
     report["ceilings"] = {"device_copy_GBps": copy_bw / 1e9, "device_copy_ms": copy_s * 1e3,
@@ -252,8 +252,8 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
     st.update(restore_ms=rs * 1e3, restore_GBps=wbytes / rs / 1e9, restore_vs_pinned_h2d=(wbytes / rs) / h2d_bw)
 
     def member():
-        store.perturb(3, SIGMA, 1)
-        store.restore()
+        store.perturb(3, SIGMA, 1)  # noqa: F821 - runs before the del below
+        store.restore()  # noqa: F821
 
     with ops.counting() as c:
         member()
