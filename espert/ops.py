@@ -484,26 +484,38 @@ def _build_steps(checked: list, fam: NoiseFamily, n: int, scale_bits: list, devi
     f32, gauss = DTYPE_CODES[torch.float32], FAMILY_CODES["gaussian"]
     members = np.arange(n, dtype=_I64)
     for chunk in chunks:
-        fills, off = [], 0
-        for p in chunk:
-            rows, cols = p[_F["rows"]], p[_F["cols"]]
-            key = p[_F["key"]] % U64
-            sa, sb = base + 4 * off, base + 4 * (off + n * rows * r)
-            off += n * r * (rows + cols)
-            p[_F["stage_a"]], p[_F["stage_b"]] = sa, sb
-            a = np.array(_row(0, f32, rows, r, r, p[_F["row_offset"]] % U64, 0, r, key ^ LOWRANK_KEY_A, k_bits, gauss),
-                         dtype=_I64)
-            b = np.array(_row(0, f32, r, cols, cols, 0, p[_F["col_offset"]] % U64, p[_F["logical_cols"]] % U64,
-                              key ^ LOWRANK_KEY_B, _ONE_BITS, gauss), dtype=_I64)
-            for proto, start, size in ((a, sa, rows * r), (b, sb, r * cols)):
-                rows_m = np.repeat(proto[None, :], n, axis=0)
-                rows_m[:, _F["data"]] = start + 4 * size * members
-                rows_m[:, _F["member_begin"]] = members
-                rows_m[:, _F["member_end"]] = members + 1
-                fills.append(rows_m)
+        t = np.array(chunk, dtype=_I64)
+        u = t.view(np.uint64)
+        rows, cols = t[:, _F["rows"]], t[:, _F["cols"]]
+        size = n * r * (rows + cols)
+        sa = base + 4 * (np.cumsum(size) - size)  # [N, rows, r] A' then [N, r, cols] Bᵀ per piece
+        sb = sa + 4 * n * rows * r
+        t[:, _F["stage_a"]], t[:, _F["stage_b"]] = sa, sb
+        # fill entries, piece-major then member: A' (K_r·ε_v1 of [R, r]) and Bᵀ (ε_v1 of [r, C])
+        fills = []
+        for is_a in (True, False):
+            f = np.zeros((len(t), n, len(PLAN_FIELDS)), _I64)
+            fu = f.view(np.uint64)
+            f[..., _F["dtype"]], f[..., _F["family"]] = f32, gauss
+            f[..., _F["member_begin"]], f[..., _F["member_end"]] = members, members + 1
+            if is_a:
+                f[..., _F["data"]] = (sa[:, None] + 4 * rows[:, None] * r * members)
+                f[..., _F["rows"]], f[..., _F["cols"]], f[..., _F["row_stride"]] = rows[:, None], r, r
+                fu[..., _F["row_offset"]] = u[:, _F["row_offset"], None]
+                fu[..., _F["logical_cols"]] = r
+                fu[..., _F["key"]] = u[:, _F["key"], None] ^ np.uint64(LOWRANK_KEY_A)
+                f[..., _F["scale_bits"]] = k_bits
+            else:
+                f[..., _F["data"]] = (sb[:, None] + 4 * r * cols[:, None] * members)
+                f[..., _F["rows"]], f[..., _F["cols"]], f[..., _F["row_stride"]] = r, cols[:, None], cols[:, None]
+                fu[..., _F["col_offset"]] = u[:, _F["col_offset"], None]
+                fu[..., _F["logical_cols"]] = u[:, _F["logical_cols"], None]
+                fu[..., _F["key"]] = u[:, _F["key"], None] ^ np.uint64(LOWRANK_KEY_B)
+                f[..., _F["scale_bits"]] = _ONE_BITS
+            fills.append(f.reshape(-1, len(PLAN_FIELDS)))
         ft, fg = _finish(np.concatenate(fills), unit_groups)
         steps.append(_Step(ft, True, fg, zero=stage))
-        at, ag = _finish(np.array(chunk, dtype=_I64), unit_groups)
+        at, ag = _finish(t, unit_groups)
         steps.append(_Step(at, False, ag))
     return steps  # the fill steps hold the staging buffer (zero=stage) until the call returns
 

@@ -1,6 +1,6 @@
 // CPU kernel: one OpenMP region over the tiles of every entry of a launch plan (all tensors of
 // a call).  Tiles: gaussian 16 Philox groups (64 logical elements), rademacher 8 Philox calls
-// (1024 elements), lowrank 64 columns.  The per-lane math is noise.h inlined into loops the compiler
+// (1024 elements), lowrank 256 columns.  The per-lane math is noise.h inlined into loops the compiler
 // vectorizes; the same loops are compiled twice, for AVX-512 (with Philox written in intrinsics)
 // and for the baseline ISA, and the path is chosen at run time.  Both produce the same bits
 // (tests/test_ops.py).  Tile positions are computed in column space (int64), never as logical
@@ -27,6 +27,7 @@ constexpr int kTileElems = 4 * kTileGroups;
 constexpr int64_t kTilesPerTask = 64;  // 4096 elements (gaussian) per OpenMP task
 constexpr int kRadTileCalls = 8;       // rademacher tiles: 8 Philox calls of 128 elements
 constexpr int kRadTileElems = 128 * kRadTileCalls;
+constexpr int kLowRankCols = 256;      // lowrank tiles: 256 columns (no Philox: bigger tiles, less overhead)
 
 #define ESPERT_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq")))
 
@@ -100,7 +101,7 @@ inline int64_t tiles_per_row(const PlanEntry& e) {
   switch (e.family) {
     case kGaussian: return ((e.cols + 6) / 4 + kTileGroups - 1) / kTileGroups;
     case kRademacher: return (e.cols + 127 + kRadTileElems - 1) / kRadTileElems;
-    default: return (e.cols + kTileElems - 1) / kTileElems;
+    default: return (e.cols + kLowRankCols - 1) / kLowRankCols;
   }
 }
 
@@ -171,26 +172,26 @@ ESPERT_HD void rademacher_tile(const PlanEntry& e, int64_t i, int64_t tile, cons
 
 template <int DT>
 ESPERT_HD void lowrank_tile(const PlanEntry& e, int64_t i, int64_t tile, const float* coeffs) {
-  const int64_t col0 = tile * kTileElems;
-  const int64_t len = std::min<int64_t>(kTileElems, e.cols - col0);
+  const int64_t col0 = tile * kLowRankCols;
+  const int64_t len = std::min<int64_t>(kLowRankCols, e.cols - col0);
   const int64_t r = e.rank;
   const float scale = u2f((uint32_t)e.scale_bits);
-  alignas(64) float acc[kTileElems];
-  for (int k = 0; k < kTileElems; ++k) acc[k] = 0.0f;
+  alignas(64) float acc[kLowRankCols];
+  for (int k = 0; k < kLowRankCols; ++k) acc[k] = 0.0f;
   for (int64_t m = e.member_begin; m < e.member_end; ++m) {
     const float c = fmul(coeffs[m], scale);
     const int64_t mm = m - e.member_begin;
     const float* a = reinterpret_cast<const float*>(e.stage_a) + (mm * e.rows + i) * r;
     const float* bt = reinterpret_cast<const float*>(e.stage_b) + mm * r * e.cols + col0;
-    alignas(64) float t[kTileElems];
-    for (int k = 0; k < kTileElems; ++k) t[k] = 0.0f;
+    alignas(64) float t[kLowRankCols];
+    for (int k = 0; k < kLowRankCols; ++k) t[k] = 0.0f;
     for (int64_t j = 0; j < r; ++j) {
       const float aj = a[j];
       const float* bj = bt + j * e.cols;
 #pragma GCC ivdep
       for (int64_t k = 0; k < len; ++k) t[k] = fadd(t[k], fmul(aj, bj[k]));
     }
-    for (int k = 0; k < kTileElems; ++k) acc[k] = fadd(acc[k], fmul(c, t[k]));
+    for (int k = 0; k < kLowRankCols; ++k) acc[k] = fadd(acc[k], fmul(c, t[k]));
   }
   store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, col0, col0 + len, acc);
 }
