@@ -12,8 +12,9 @@ Two vLLM facts this module handles (docs/vllm.md):
   cached prefix is stale.  :func:`make_llm` creates engines with ``enable_prefix_caching=False``,
   and the evaluator also calls ``llm.reset_prefix_cache()`` after every weight change (so an
   engine passed in with caching on is still correct).
-- **CPU prepacking**: see :mod:`espert.vllm.cpu_patch`; :func:`make_llm` installs the patch and
-  ``es_setup`` refuses a model whose weights were prepacked.
+- **CPU prepacking**: see :mod:`espert.vllm.cpu_patch`; :func:`make_llm` installs the repack hook
+  (vLLM's packed GEMMs stay on, edited layers repack at their next forward) and ``es_setup``
+  refuses a model packed without it.
 
 Prompts are tokenized by the model's Hugging Face tokenizer (as the torch evaluator does) and
 sent as token ids; completions are the new token ids decoded with special tokens skipped.  So
