@@ -264,10 +264,10 @@ class CenterStore:
     def restore(self) -> None:
         """Write the exact center back into every live weight (from the pinned mirror when there is one)."""
         src = self.mirrors if self.mirrors is not None else self.centers
+        # asynchronous from the pinned mirror: stream-ordered for the GPU work that follows (and
+        # capturable in a CUDA graph); the mirror is only rewritten after a synchronize (_rebuild_mirrors)
         for v, c in zip(self.views, src):
             ops.restore_(v.tensor, c, non_blocking=self.mirrors is not None)
-        if self.mirrors is not None and any(v.tensor.is_cuda for v in self.views):
-            torch.cuda.synchronize()  # the mirror must not change while a copy from it is in flight
 
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
         """Live weights <- center + sign·σ·s_t·ε(seed) for every view t, in place, in one multi-tensor call
@@ -348,6 +348,8 @@ class CenterStore:
 
     def _rebuild_mirrors(self) -> None:
         if self.mirrors is not None:
+            if any(v.tensor.is_cuda for v in self.views):
+                torch.cuda.synchronize()  # no copy from the old mirror may still be in flight
             for m, c in zip(self.mirrors, self.centers):
                 ops.restore_(m, c)  # exact round-to-nearest-even, NaN bits kept
 
