@@ -20,8 +20,8 @@ constexpr int kNumFamilies = 3;
 
 // One row of the launch plan: 18 int64 fields, layout-identical to a row of the numpy table.
 struct PlanEntry {
-  int64_t data;          // address of the block's first element (host or device)
-  int64_t dtype;         // DType
+  int64_t data;   // address of the block's first element (host or device)
+  int64_t dtype;  // DType
   int64_t rows, cols, row_stride;
   uint64_t row_offset, col_offset, logical_cols;
   uint64_t key;
@@ -32,16 +32,15 @@ struct PlanEntry {
   int64_t stage_b;       // lowrank: float32 [members, r, cols]: Bᵀ of the block's columns
   int64_t member_begin;  // the entry uses members [member_begin, member_end) of seeds/coeffs
   int64_t member_end;
-  int64_t units_per_row; // GPU backends: launch units per row (filled by espert/ops.py)
-  int64_t unit_start;    // GPU backends: first unit of this entry in its launch
+  int64_t units_per_row;  // GPU backends: launch units per row (filled by espert/ops.py)
+  int64_t unit_start;     // GPU backends: first unit of this entry in its launch
   ESPERT_HD Block block() const { return Block{rows, cols, row_stride, row_offset, col_offset, logical_cols}; }
 };
 static_assert(sizeof(PlanEntry) == 18 * sizeof(int64_t), "PlanEntry must match the int64 plan table");
 
-#define ESPERT_PLAN_FIELDS                                                                                  \
-  "data", "dtype", "rows", "cols", "row_stride", "row_offset", "col_offset", "logical_cols", "key",        \
-      "scale_bits", "family", "rank", "stage_a", "stage_b", "member_begin", "member_end", "units_per_row", \
-      "unit_start"
+#define ESPERT_PLAN_FIELDS                                                                                        \
+  "data", "dtype", "rows", "cols", "row_stride", "row_offset", "col_offset", "logical_cols", "key", "scale_bits", \
+      "family", "rank", "stage_a", "stage_b", "member_begin", "member_end", "units_per_row", "unit_start"
 
 // Checks every entry's codes and geometry (dtype, family, rank, member range, sizes).  Returns
 // nullptr when the plan is valid, else a message naming the first bad entry and field.  Every
@@ -63,8 +62,8 @@ const char* cpu_isa();
 // CUDA: launches over the entries [0, n_entries), which must share one dtype and one family
 // (espert/ops.py groups them).  host_plan is the host copy (for the grid size); dev_plan, seeds and
 // coeffs are device pointers; `stream` is a cudaStream_t.  Returns a cudaError_t (0: launched).
-int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64_t n_entries,
-                    const uint64_t* seeds, const float* coeffs, void* stream);
+int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64_t n_entries, const uint64_t* seeds,
+                    const float* coeffs, void* stream);
 // Philox groups (4 elements) per CUDA launch unit: one block of 256 threads, 4 groups per thread.
 constexpr int64_t kCudaUnitGroups = 1024;
 #endif

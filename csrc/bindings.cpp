@@ -15,10 +15,10 @@ void register_cast(py::module_& m);  // csrc/cpu/cast_cpu.cpp: exact float32 -> 
 
 // Quantized-weight kernels (csrc/quant.h); espert/quant/ops.py validates every argument first.
 static quant::QuantArgs make_qargs(uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld,
-                                   uint64_t row_offset, uint64_t col_offset, uint64_t logical_cols,
-                                   uintptr_t scales, int scale_dtype, int scale_kind, int64_t group,
-                                   int64_t scale_ld, uintptr_t master, int mode, float qmin, float qmax,
-                                   uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
+                                   uint64_t row_offset, uint64_t col_offset, uint64_t logical_cols, uintptr_t scales,
+                                   int scale_dtype, int scale_kind, int64_t group, int64_t scale_ld, uintptr_t master,
+                                   int mode, float qmin, float qmax, uintptr_t seeds, uintptr_t coeffs, int64_t n,
+                                   uint64_t key) {
   quant::QuantArgs a;
   a.codes = reinterpret_cast<void*>(codes);
   a.elem = elem;
@@ -80,15 +80,15 @@ PYBIND11_MODULE(_C, m) {
   // Quantized codes (csrc/quant.h), exported once: kernels/quant.py and espert/quant/ops.py derive theirs.
   {
     using namespace quant;
-    m.attr("QUANT_ELEM_CODES") = py::dict(py::arg("int8") = (int)kInt8, py::arg("fp8") = (int)kFP8,
-                                          py::arg("int4") = (int)kInt4);
-    m.attr("QUANT_LAYOUT_CODES") = py::dict(py::arg("nk") = (int)kNK, py::arg("kn") = (int)kKN,
-                                            py::arg("gptq") = (int)kGPTQ, py::arg("awq") = (int)kAWQ,
-                                            py::arg("cpu_w4a16") = (int)kCpuW4A16, py::arg("marlin") = (int)kMarlin);
+    m.attr("QUANT_ELEM_CODES") =
+        py::dict(py::arg("int8") = (int)kInt8, py::arg("fp8") = (int)kFP8, py::arg("int4") = (int)kInt4);
+    m.attr("QUANT_LAYOUT_CODES") =
+        py::dict(py::arg("nk") = (int)kNK, py::arg("kn") = (int)kKN, py::arg("gptq") = (int)kGPTQ,
+                 py::arg("awq") = (int)kAWQ, py::arg("cpu_w4a16") = (int)kCpuW4A16, py::arg("marlin") = (int)kMarlin);
     // Philox groups per work unit of each layout (Lay<L>::G)
-    m.attr("QUANT_UNIT_GROUPS") = py::dict(py::arg("nk") = Lay<kNK>::G, py::arg("kn") = Lay<kKN>::G,
-                                           py::arg("gptq") = Lay<kGPTQ>::G, py::arg("awq") = Lay<kAWQ>::G,
-                                           py::arg("cpu_w4a16") = Lay<kCpuW4A16>::G, py::arg("marlin") = Lay<kMarlin>::G);
+    m.attr("QUANT_UNIT_GROUPS") = py::dict(
+        py::arg("nk") = Lay<kNK>::G, py::arg("kn") = Lay<kKN>::G, py::arg("gptq") = Lay<kGPTQ>::G,
+        py::arg("awq") = Lay<kAWQ>::G, py::arg("cpu_w4a16") = Lay<kCpuW4A16>::G, py::arg("marlin") = Lay<kMarlin>::G);
     m.attr("QUANT_SCALE_KIND_CODES") = py::dict(
         py::arg("tensor") = (int)kPerTensor, py::arg("channel") = (int)kPerChannel, py::arg("grouped") = (int)kGrouped,
         py::arg("marlin_grouped") = (int)kMarlinGrouped, py::arg("marlin_channel") = (int)kMarlinChannel);
@@ -101,9 +101,9 @@ PYBIND11_MODULE(_C, m) {
          uint64_t col_offset, uint64_t logical_cols, uintptr_t scales, int scale_dtype, int scale_kind, int64_t group,
          int64_t scale_ld, uintptr_t master, int mode, float qmin, float qmax, uintptr_t seeds, uintptr_t coeffs,
          int64_t n, uint64_t key) {
-        const quant::QuantArgs a = make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols,
-                                              scales, scale_dtype, scale_kind, group, scale_ld, master, mode, qmin,
-                                              qmax, seeds, coeffs, n, key);
+        const quant::QuantArgs a =
+            make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols, scales, scale_dtype,
+                       scale_kind, group, scale_ld, master, mode, qmin, qmax, seeds, coeffs, n, key);
         py::gil_scoped_release release;
         quant::quant_cpu(a);
       },
@@ -115,9 +115,9 @@ PYBIND11_MODULE(_C, m) {
          uint64_t col_offset, uint64_t logical_cols, uintptr_t scales, int scale_dtype, int scale_kind, int64_t group,
          int64_t scale_ld, uintptr_t master, int mode, float qmin, float qmax, uintptr_t seeds, uintptr_t coeffs,
          int64_t n, uint64_t key, uintptr_t stream) {
-        const quant::QuantArgs a = make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols,
-                                              scales, scale_dtype, scale_kind, group, scale_ld, master, mode, qmin,
-                                              qmax, seeds, coeffs, n, key);
+        const quant::QuantArgs a =
+            make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols, scales, scale_dtype,
+                       scale_kind, group, scale_ld, master, mode, qmin, qmax, seeds, coeffs, n, key);
         const int err = quant::quant_cuda(a, reinterpret_cast<void*>(stream));
         if (err != 0) throw std::runtime_error("espert quant CUDA kernel failed with cudaError " + std::to_string(err));
       },
@@ -133,9 +133,10 @@ PYBIND11_MODULE(_C, m) {
         const auto* hp = reinterpret_cast<const PlanEntry*>(host_plan);
         if (const char* err = check_plan(hp, n_entries, n_members)) throw py::value_error(err);
         const int err = apply_many_cuda(hp, reinterpret_cast<const PlanEntry*>(dev_plan), n_entries,
-                                        reinterpret_cast<const uint64_t*>(seeds), reinterpret_cast<const float*>(coeffs),
-                                        reinterpret_cast<void*>(stream));
-        if (err != 0) throw std::runtime_error("espert CUDA kernel launch failed with cudaError " + std::to_string(err));
+                                        reinterpret_cast<const uint64_t*>(seeds),
+                                        reinterpret_cast<const float*>(coeffs), reinterpret_cast<void*>(stream));
+        if (err != 0)
+          throw std::runtime_error("espert CUDA kernel launch failed with cudaError " + std::to_string(err));
       },
       "One launch over plan entries sharing a dtype and a family: host plan (for the grid), device plan, seeds, "
       "coeffs and a cudaStream_t handle.");

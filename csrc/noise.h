@@ -37,12 +37,22 @@ ESPERT_HD float fsub(float a, float b) { return a - b; }
 ESPERT_HD float fmul(float a, float b) { return a * b; }
 ESPERT_HD float fdiv(float a, float b) { return a / b; }
 ESPERT_HD float fsqrt(float a) { return __builtin_sqrtf(a); }
-ESPERT_HD uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-ESPERT_HD float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+ESPERT_HD uint32_t f2u(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+ESPERT_HD float u2f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 #endif
 
 // ---- Philox4x32-10 ----------------------------------------------------------
-struct U4 { uint32_t x0, x1, x2, x3; };
+struct U4 {
+  uint32_t x0, x1, x2, x3;
+};
 
 ESPERT_HD U4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
   ESPERT_UNROLL
@@ -74,10 +84,10 @@ ESPERT_HD float neg2log_uniform(uint32_t x) {
   const float m = u2f(mb);
   const float s = fdiv(fsub(m, 1.0f), fadd(m, 1.0f));
   const float t = fmul(s, s);
-  float q = u2f(0x3DE38E39u);               // 1/9
-  q = fadd(fmul(q, t), u2f(0x3E124925u));   // 1/7
-  q = fadd(fmul(q, t), u2f(0x3E4CCCCDu));   // 1/5
-  q = fadd(fmul(q, t), u2f(0x3EAAAAABu));   // 1/3
+  float q = u2f(0x3DE38E39u);              // 1/9
+  q = fadd(fmul(q, t), u2f(0x3E124925u));  // 1/7
+  q = fadd(fmul(q, t), u2f(0x3E4CCCCDu));  // 1/5
+  q = fadd(fmul(q, t), u2f(0x3EAAAAABu));  // 1/3
   q = fmul(q, t);
   const float s2 = fmul(s, 2.0f);
   const float log_m = fadd(s2, fmul(s2, q));
@@ -94,16 +104,16 @@ ESPERT_HD void sincos_turn(uint32_t y, float& c_out, float& s_out) {
   quad &= 3;
   const float a = fmul((float)r, u2f(0x34C90FDBu));  // 2π / 2^24
   const float z = fmul(a, a);
-  float p = u2f(0x3638EF1Du);                // 1/9!
-  p = fadd(fmul(p, z), u2f(0xB9500D01u));    // -1/7!
-  p = fadd(fmul(p, z), u2f(0x3C088889u));    // 1/5!
-  p = fadd(fmul(p, z), u2f(0xBE2AAAABu));    // -1/3!
+  float p = u2f(0x3638EF1Du);              // 1/9!
+  p = fadd(fmul(p, z), u2f(0xB9500D01u));  // -1/7!
+  p = fadd(fmul(p, z), u2f(0x3C088889u));  // 1/5!
+  p = fadd(fmul(p, z), u2f(0xBE2AAAABu));  // -1/3!
   const float sin_a = fadd(a, fmul(fmul(a, z), p));
-  p = u2f(0xB493F27Eu);                      // -1/10!
-  p = fadd(fmul(p, z), u2f(0x37D00D01u));    // 1/8!
-  p = fadd(fmul(p, z), u2f(0xBAB60B61u));    // -1/6!
-  p = fadd(fmul(p, z), u2f(0x3D2AAAABu));    // 1/4!
-  p = fadd(fmul(p, z), -0.5f);               // -1/2!
+  p = u2f(0xB493F27Eu);                    // -1/10!
+  p = fadd(fmul(p, z), u2f(0x37D00D01u));  // 1/8!
+  p = fadd(fmul(p, z), u2f(0xBAB60B61u));  // -1/6!
+  p = fadd(fmul(p, z), u2f(0x3D2AAAABu));  // 1/4!
+  p = fadd(fmul(p, z), -0.5f);             // -1/2!
   const float cos_a = fadd(1.0f, fmul(z, p));
   const bool swap = (quad & 1) != 0;
   float c = swap ? sin_a : cos_a;
@@ -115,12 +125,14 @@ ESPERT_HD void sincos_turn(uint32_t y, float& c_out, float& s_out) {
   s_out = s;
 }
 
-struct F4 { float n0, n1, n2, n3; };
+struct F4 {
+  float n0, n1, n2, n3;
+};
 
 // The four normals of group g (logical elements 4g .. 4g+3) for (seed, key).
 ESPERT_HD F4 normals4(uint64_t seed, uint64_t key, uint64_t g) {
-  const U4 x = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32),
-                             (uint32_t)seed, (uint32_t)(seed >> 32));
+  const U4 x = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
+                             (uint32_t)(seed >> 32));
   F4 out;
   const float r0 = fsqrt(neg2log_uniform(x.x0));
   const float r1 = fsqrt(neg2log_uniform(x.x2));
@@ -171,7 +183,7 @@ ESPERT_HD float f16_to_f32(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   const uint32_t ex = (h >> 10) & 0x1Fu;
   const uint32_t man = h & 0x3FFu;
-  if (ex == 0x1Fu) return u2f(sign | 0x7F800000u | (man << 13));   // inf / nan
+  if (ex == 0x1Fu) return u2f(sign | 0x7F800000u | (man << 13));      // inf / nan
   if (ex != 0) return u2f(sign | ((ex + 112u) << 23) | (man << 13));  // normal
   // zero or subnormal: man * 2^-24, exact in binary32
   const float mag = fmul((float)man, u2f(0x33800000u));
@@ -183,8 +195,8 @@ ESPERT_HD uint16_t f32_to_f16(float f) {
   const uint32_t sign = (b >> 16) & 0x8000u;
   const uint32_t a = b & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // nan, quiet
-  if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);  // rounds to >= 65520: inf
-  if (a >= 0x38800000u) {  // normal half: rebias and round the 13 dropped bits to nearest even
+  if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);                        // rounds to >= 65520: inf
+  if (a >= 0x38800000u) {                // normal half: rebias and round the 13 dropped bits to nearest even
     const uint32_t v = a - 0x38000000u;  // exponent 127 -> 15
     return (uint16_t)(sign | ((v + 0xFFFu + ((v >> 13) & 1u)) >> 13));
   }
@@ -200,18 +212,22 @@ ESPERT_HD uint16_t f32_to_f16(float f) {
   return (uint16_t)(sign | q);
 }
 
-template <int DT> struct Storage;
-template <> struct Storage<kFloat32> {
+template <int DT>
+struct Storage;
+template <>
+struct Storage<kFloat32> {
   using T = float;
   static ESPERT_HD float load(float v) { return v; }
   static ESPERT_HD float store(float v) { return v; }
 };
-template <> struct Storage<kFloat16> {
+template <>
+struct Storage<kFloat16> {
   using T = uint16_t;
   static ESPERT_HD float load(uint16_t v) { return f16_to_f32(v); }
   static ESPERT_HD uint16_t store(float v) { return f32_to_f16(v); }
 };
-template <> struct Storage<kBFloat16> {
+template <>
+struct Storage<kBFloat16> {
   using T = uint16_t;
   static ESPERT_HD float load(uint16_t v) { return bf16_to_f32(v); }
   static ESPERT_HD uint16_t store(float v) { return f32_to_bf16(v); }

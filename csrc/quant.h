@@ -24,12 +24,12 @@ enum ScaleKind : int { kPerTensor = 0, kPerChannel = 1, kGrouped = 2, kMarlinGro
 enum Mode : int { kPerturb = 0, kUpdateMaster = 1, kUpdateNaive = 2 };
 
 struct QuantArgs {
-  void* codes;            // storage: int8 / uint8 bytes (8-bit layouts), int32 words (int4 layouts)
-  int elem, layout;       // Elem, Layout
-  int64_t N, K;           // logical shape [N_out, K_in] of this block
-  int64_t ld;             // storage row stride in storage elements (bytes or int32 words)
+  void* codes;       // storage: int8 / uint8 bytes (8-bit layouts), int32 words (int4 layouts)
+  int elem, layout;  // Elem, Layout
+  int64_t N, K;      // logical shape [N_out, K_in] of this block
+  int64_t ld;        // storage row stride in storage elements (bytes or int32 words)
   uint64_t row_offset, col_offset, logical_cols;  // the block inside the logical parameter
-  const void* scales;     // float32 / float16 / bfloat16 (DType of noise.h)
+  const void* scales;                             // float32 / float16 / bfloat16 (DType of noise.h)
   int scale_dtype, scale_kind;
   int64_t group;          // group size along K (K for one group)
   int64_t scale_ld;       // row stride of grouped scales (elements)
@@ -46,13 +46,16 @@ struct QuantArgs {
 // scale dtype or mode, or a layout of the other element kind.  quant_cpu and quant_cuda check it first
 // and throw std::invalid_argument, so no code ever falls through to another code's kernel.
 inline std::string check_codes(const QuantArgs& a) {
-  auto bad = [](const char* what, int v) { return std::string("unknown quantized ") + what + " code " + std::to_string(v); };
+  auto bad = [](const char* what, int v) {
+    return std::string("unknown quantized ") + what + " code " + std::to_string(v);
+  };
   if (a.elem != kInt8 && a.elem != kFP8 && a.elem != kInt4) return bad("element kind", a.elem);
   const bool byte_layout = a.layout == kNK || a.layout == kKN;
   const bool int4_layout = a.layout == kGPTQ || a.layout == kAWQ || a.layout == kCpuW4A16 || a.layout == kMarlin;
   if (!byte_layout && !int4_layout) return bad("layout", a.layout);
   if ((a.elem == kInt4) != int4_layout)
-    return "quantized layout code " + std::to_string(a.layout) + " does not hold element kind " + std::to_string(a.elem);
+    return "quantized layout code " + std::to_string(a.layout) + " does not hold element kind " +
+           std::to_string(a.elem);
   if (a.scale_kind < kPerTensor || a.scale_kind > kMarlinChannel) return bad("scale kind", a.scale_kind);
   if (a.scale_dtype != kFloat32 && a.scale_dtype != kFloat16 && a.scale_dtype != kBFloat16)
     return bad("scale dtype", a.scale_dtype);
@@ -70,8 +73,8 @@ inline std::string check_codes(const QuantArgs& a) {
 // ---- the stochastic-rounding stream: group g' = g | 2^63, u = (x >> 8) * 2^-24 -----------------
 ESPERT_HD F4 sr_uniforms4(uint64_t seed, uint64_t key, uint64_t g) {
   const uint64_t gp = g | (1ull << 63);
-  const U4 x = philox4x32_10((uint32_t)gp, (uint32_t)(gp >> 32), (uint32_t)key, (uint32_t)(key >> 32),
-                             (uint32_t)seed, (uint32_t)(seed >> 32));
+  const U4 x = philox4x32_10((uint32_t)gp, (uint32_t)(gp >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
+                             (uint32_t)(seed >> 32));
   const float sc = u2f(0x33800000u);  // 2^-24
   return F4{fmul((float)(x.x0 >> 8), sc), fmul((float)(x.x1 >> 8), sc), fmul((float)(x.x2 >> 8), sc),
             fmul((float)(x.x3 >> 8), sc)};
@@ -121,34 +124,44 @@ ESPERT_HD uint32_t f32_to_e4m3(float x) {
 }
 
 // ---- layouts: units and the storage location of logical element (n, k) ------------------------
-struct Loc { int64_t word; int shift; };
+struct Loc {
+  int64_t word;
+  int shift;
+};
 
-template <int L> struct Lay;
+template <int L>
+struct Lay;
 
 // int8 / fp8 [N, K] row-major (row stride ld): a unit is one group
-template <> struct Lay<kNK> {
+template <>
+struct Lay<kNK> {
   static constexpr int G = 1;
   static ESPERT_HD int64_t units(int64_t N, int64_t K) { return N * (K / 4); }
   static ESPERT_HD void origin(int64_t u, int, int64_t, int64_t K, int64_t& n, int64_t& k0) {
-    n = u / (K / 4); k0 = 4 * (u % (K / 4));
+    n = u / (K / 4);
+    k0 = 4 * (u % (K / 4));
   }
   static ESPERT_HD Loc loc(int64_t n, int64_t k, int64_t ld) { return Loc{n * ld + k, 0}; }
 };
 // int8 / fp8 [K, N] row-major: consecutive units are consecutive n (coalesced on GPU)
-template <> struct Lay<kKN> {
+template <>
+struct Lay<kKN> {
   static constexpr int G = 1;
   static ESPERT_HD int64_t units(int64_t N, int64_t K) { return N * (K / 4); }
   static ESPERT_HD void origin(int64_t u, int, int64_t N, int64_t, int64_t& n, int64_t& k0) {
-    n = u % N; k0 = 4 * (u / N);
+    n = u % N;
+    k0 = 4 * (u / N);
   }
   static ESPERT_HD Loc loc(int64_t n, int64_t k, int64_t ld) { return Loc{k * ld + n, 0}; }
 };
 // GPTQ int32 [K/8, N]: a unit is one word = 8 consecutive k of one n = 2 groups
-template <> struct Lay<kGPTQ> {
+template <>
+struct Lay<kGPTQ> {
   static constexpr int G = 2;
   static ESPERT_HD int64_t units(int64_t N, int64_t K) { return N * (K / 8); }
   static ESPERT_HD void origin(int64_t u, int j, int64_t N, int64_t, int64_t& n, int64_t& k0) {
-    n = u % N; k0 = 8 * (u / N) + 4 * j;
+    n = u % N;
+    k0 = 8 * (u / N) + 4 * j;
   }
   static ESPERT_HD Loc loc(int64_t n, int64_t k, int64_t ld) { return Loc{(k >> 3) * ld + n, 4 * (int)(k & 7)}; }
 };
@@ -157,11 +170,13 @@ struct Units8Cols {
   static constexpr int G = 8;
   static ESPERT_HD int64_t units(int64_t N, int64_t K) { return (N / 8) * (K / 4); }
   static ESPERT_HD void origin(int64_t u, int j, int64_t N, int64_t, int64_t& n, int64_t& k0) {
-    n = 8 * (u % (N / 8)) + j; k0 = 4 * (u / (N / 8));
+    n = 8 * (u % (N / 8)) + j;
+    k0 = 4 * (u / (N / 8));
   }
 };
 // AWQ int32 [K, N/8] (nibble order 0 2 4 6 1 3 5 7): a unit is the 4 words k0..k0+3 of 8 columns
-template <> struct Lay<kAWQ> : Units8Cols {
+template <>
+struct Lay<kAWQ> : Units8Cols {
   static ESPERT_HD Loc loc(int64_t n, int64_t k, int64_t ld) {
     const int t = (int)(n & 7);
     const int nib = (t >> 1) + 4 * (t & 1);  // AWQ_REV = [0, 4, 1, 5, 2, 6, 3, 7]
@@ -169,14 +184,16 @@ template <> struct Lay<kAWQ> : Units8Cols {
   }
 };
 // vLLM CPU W4A16 int32 [N/16, 2K]: code(n, k) in word (n/16, 2k + (n%16)/8), nibble n%8
-template <> struct Lay<kCpuW4A16> : Units8Cols {
+template <>
+struct Lay<kCpuW4A16> : Units8Cols {
   static ESPERT_HD Loc loc(int64_t n, int64_t k, int64_t ld) {
     return Loc{(n >> 4) * ld + 2 * k + ((n & 15) >> 3), 4 * (int)(n & 7)};
   }
 };
 // Marlin int32 [K/16, 2N] (the map in docs/quantized.md).  A unit is the two words th = 4x+2y, 4x+2y+1 of one warp
 // in a 16x64 tile: n in {16w + x, 16w + 8 + x}, k in 4y..4y+3 and 4y+8..4y+11 = 4 groups.
-template <> struct Lay<kMarlin> {
+template <>
+struct Lay<kMarlin> {
   static constexpr int G = 4;
   static ESPERT_HD int64_t units(int64_t N, int64_t K) { return (N / 64) * (K / 16) * 64; }
   static ESPERT_HD void origin(int64_t u, int j, int64_t N, int64_t, int64_t& n, int64_t& k0) {
@@ -210,18 +227,35 @@ ESPERT_HD int64_t marlin_scale_col(int64_t n, bool grouped) {
 ESPERT_HD float load_scale(const QuantArgs& a, int64_t n, int64_t k) {
   int64_t i;
   switch (a.scale_kind) {
-    case kPerTensor: i = 0; break;
-    case kPerChannel: i = n; break;
-    case kGrouped: i = (k / a.group) * a.scale_ld + n; break;
-    case kMarlinGrouped: i = (k / a.group) * a.scale_ld + marlin_scale_col(n, true); break;
-    case kMarlinChannel: i = (k / a.group) * a.scale_ld + marlin_scale_col(n, false); break;
-    default: ESPERT_BAD_CODE(); return 0.0f;
+    case kPerTensor:
+      i = 0;
+      break;
+    case kPerChannel:
+      i = n;
+      break;
+    case kGrouped:
+      i = (k / a.group) * a.scale_ld + n;
+      break;
+    case kMarlinGrouped:
+      i = (k / a.group) * a.scale_ld + marlin_scale_col(n, true);
+      break;
+    case kMarlinChannel:
+      i = (k / a.group) * a.scale_ld + marlin_scale_col(n, false);
+      break;
+    default:
+      ESPERT_BAD_CODE();
+      return 0.0f;
   }
   switch (a.scale_dtype) {
-    case kFloat32: return reinterpret_cast<const float*>(a.scales)[i];
-    case kFloat16: return f16_to_f32(reinterpret_cast<const uint16_t*>(a.scales)[i]);
-    case kBFloat16: return bf16_to_f32(reinterpret_cast<const uint16_t*>(a.scales)[i]);
-    default: ESPERT_BAD_CODE(); return 0.0f;
+    case kFloat32:
+      return reinterpret_cast<const float*>(a.scales)[i];
+    case kFloat16:
+      return f16_to_f32(reinterpret_cast<const uint16_t*>(a.scales)[i]);
+    case kBFloat16:
+      return bf16_to_f32(reinterpret_cast<const uint16_t*>(a.scales)[i]);
+    default:
+      ESPERT_BAD_CODE();
+      return 0.0f;
   }
 }
 

@@ -27,7 +27,7 @@ constexpr int kTileElems = 4 * kTileGroups;
 constexpr int64_t kTilesPerTask = 64;  // 4096 elements (gaussian) per OpenMP task
 constexpr int kRadTileCalls = 8;       // rademacher tiles: 8 Philox calls of 128 elements
 constexpr int kRadTileElems = 128 * kRadTileCalls;
-constexpr int kLowRankCols = 256;      // lowrank tiles: 256 columns (no Philox: bigger tiles, less overhead)
+constexpr int kLowRankCols = 256;  // lowrank tiles: 256 columns (no Philox: bigger tiles, less overhead)
 
 #define ESPERT_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq")))
 
@@ -95,13 +95,15 @@ ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)
   }
 }
 
-
 // Tiles per row of an entry, by family (bounds: a row may start anywhere inside a group).
 inline int64_t tiles_per_row(const PlanEntry& e) {
   switch (e.family) {
-    case kGaussian: return ((e.cols + 6) / 4 + kTileGroups - 1) / kTileGroups;
-    case kRademacher: return (e.cols + 127 + kRadTileElems - 1) / kRadTileElems;
-    default: return (e.cols + kLowRankCols - 1) / kLowRankCols;
+    case kGaussian:
+      return ((e.cols + 6) / 4 + kTileGroups - 1) / kTileGroups;
+    case kRademacher:
+      return (e.cols + 127 + kRadTileElems - 1) / kRadTileElems;
+    default:
+      return (e.cols + kLowRankCols - 1) / kLowRankCols;
   }
 }
 
@@ -162,7 +164,7 @@ ESPERT_HD void rademacher_tile(const PlanEntry& e, int64_t i, int64_t tile, cons
       for (int q = 0; q < 4; ++q) {
         const uint32_t wq = words[q][t];
         float* a = acc + 128 * t + 32 * q;
-        // c · (±1) is c with its sign bit flipped by the element's bit: exact, and vectorizes
+      // c · (±1) is c with its sign bit flipped by the element's bit: exact, and vectorizes
 #pragma GCC ivdep
         for (int k = 0; k < 32; ++k) a[k] = fadd(a[k], u2f(c ^ (((wq >> k) & 1u) << 31)));
       }
@@ -197,25 +199,40 @@ ESPERT_HD void lowrank_tile(const PlanEntry& e, int64_t i, int64_t tile, const f
 }
 
 template <int DT, bool kAvx512>
-ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin, int64_t t_end,
-                               const uint64_t* seeds, const float* coeffs) {
+ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin, int64_t t_end, const uint64_t* seeds,
+                               const float* coeffs) {
   int64_t i = t_begin / tpr, tile = t_begin % tpr;
   for (int64_t t = t_begin; t < t_end; ++t) {
     switch (e.family) {
-      case kGaussian: gaussian_tile<DT, kAvx512>(e, i, tile, seeds, coeffs); break;
-      case kRademacher: rademacher_tile<DT>(e, i, tile, seeds, coeffs); break;
-      default: lowrank_tile<DT>(e, i, tile, coeffs); break;
+      case kGaussian:
+        gaussian_tile<DT, kAvx512>(e, i, tile, seeds, coeffs);
+        break;
+      case kRademacher:
+        rademacher_tile<DT>(e, i, tile, seeds, coeffs);
+        break;
+      default:
+        lowrank_tile<DT>(e, i, tile, coeffs);
+        break;
     }
-    if (++tile == tpr) { tile = 0; ++i; }
+    if (++tile == tpr) {
+      tile = 0;
+      ++i;
+    }
   }
 }
 
 template <bool kAvx512>
 ESPERT_HD void run_tiles(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
   switch (e.dtype) {
-    case kFloat32: run_entry_tiles<kFloat32, kAvx512>(e, tpr, b, end, s, c); break;
-    case kFloat16: run_entry_tiles<kFloat16, kAvx512>(e, tpr, b, end, s, c); break;
-    default: run_entry_tiles<kBFloat16, kAvx512>(e, tpr, b, end, s, c); break;
+    case kFloat32:
+      run_entry_tiles<kFloat32, kAvx512>(e, tpr, b, end, s, c);
+      break;
+    case kFloat16:
+      run_entry_tiles<kFloat16, kAvx512>(e, tpr, b, end, s, c);
+      break;
+    default:
+      run_entry_tiles<kBFloat16, kAvx512>(e, tpr, b, end, s, c);
+      break;
   }
 }
 
@@ -251,12 +268,18 @@ const char* check_plan(const PlanEntry* plan, int64_t n_entries, int64_t n_membe
   for (int64_t k = 0; k < n_entries; ++k) {
     const PlanEntry& e = plan[k];
     const char* bad = nullptr;
-    if (e.dtype < 0 || e.dtype >= kNumDTypes) bad = "unknown dtype code";
-    else if (e.family < 0 || e.family >= kNumFamilies) bad = "unknown noise family code";
-    else if (e.rows < 0 || e.cols < 0 || (e.rows > 1 && e.row_stride < e.cols)) bad = "bad rows/cols/row_stride";
-    else if (e.member_begin < 0 || e.member_end < e.member_begin || e.member_end > n_members) bad = "bad member range";
-    else if (e.rows > 0 && e.cols > 0 && e.data == 0) bad = "null data pointer";
-    else if (e.family == kLowRank && (e.rank < 1 || e.stage_a == 0 || e.stage_b == 0)) bad = "lowrank needs rank >= 1 and staging";
+    if (e.dtype < 0 || e.dtype >= kNumDTypes)
+      bad = "unknown dtype code";
+    else if (e.family < 0 || e.family >= kNumFamilies)
+      bad = "unknown noise family code";
+    else if (e.rows < 0 || e.cols < 0 || (e.rows > 1 && e.row_stride < e.cols))
+      bad = "bad rows/cols/row_stride";
+    else if (e.member_begin < 0 || e.member_end < e.member_begin || e.member_end > n_members)
+      bad = "bad member range";
+    else if (e.rows > 0 && e.cols > 0 && e.data == 0)
+      bad = "null data pointer";
+    else if (e.family == kLowRank && (e.rank < 1 || e.stage_a == 0 || e.stage_b == 0))
+      bad = "lowrank needs rank >= 1 and staging";
     if (bad) {
       msg = std::string("espert launch plan entry ") + std::to_string(k) + ": " + bad + " (dtype " +
             std::to_string(e.dtype) + ", family " + std::to_string(e.family) + ")";
@@ -301,9 +324,12 @@ void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* se
     while (b < end) {
       while (start[k + 1] <= b) ++k;  // skip empty entries
       const int64_t e_end = std::min(end, start[k + 1]);
-      if (avx) run_avx512(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
-      else if (avx2) run_avx2(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
-      else run_generic(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
+      if (avx)
+        run_avx512(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
+      else if (avx2)
+        run_avx2(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
+      else
+        run_generic(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
       b = e_end;
     }
   }

@@ -52,8 +52,12 @@ void register_cast(pybind11::module_& m) {
         uint16_t* d = reinterpret_cast<uint16_t*>(dst);
         pybind11::gil_scoped_release release;
         switch (dtype) {
-          case kBFloat16: narrow_rows<narrow_bf16>(s, d, rows, cols, ld); break;
-          case kFloat16: narrow_rows<narrow_f16>(s, d, rows, cols, ld); break;
+          case kBFloat16:
+            narrow_rows<narrow_bf16>(s, d, rows, cols, ld);
+            break;
+          case kFloat16:
+            narrow_rows<narrow_f16>(s, d, rows, cols, ld);
+            break;
           default: {
             pybind11::gil_scoped_acquire acquire;
             throw pybind11::value_error("narrow_f32_cpu: dtype code must be float16 or bfloat16, got " +

@@ -49,37 +49,37 @@ ESPERT_AVX512_FN __m512 radius16(__m512i x) {
   const __m512 one = f32(0x3F800000u);
   const __m512 s = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one));
   const __m512 t = _mm512_mul_ps(s, s);
-  __m512 q = f32(0x3DE38E39u);                                // 1/9
-  q = _mm512_add_ps(_mm512_mul_ps(q, t), f32(0x3E124925u));   // 1/7
-  q = _mm512_add_ps(_mm512_mul_ps(q, t), f32(0x3E4CCCCDu));   // 1/5
-  q = _mm512_add_ps(_mm512_mul_ps(q, t), f32(0x3EAAAAABu));   // 1/3
+  __m512 q = f32(0x3DE38E39u);                               // 1/9
+  q = _mm512_add_ps(_mm512_mul_ps(q, t), f32(0x3E124925u));  // 1/7
+  q = _mm512_add_ps(_mm512_mul_ps(q, t), f32(0x3E4CCCCDu));  // 1/5
+  q = _mm512_add_ps(_mm512_mul_ps(q, t), f32(0x3EAAAAABu));  // 1/3
   q = _mm512_mul_ps(q, t);
-  const __m512 s2 = _mm512_mul_ps(s, f32(0x40000000u));       // 2 s
+  const __m512 s2 = _mm512_mul_ps(s, f32(0x40000000u));  // 2 s
   const __m512 log_m = _mm512_add_ps(s2, _mm512_mul_ps(s2, q));
   const __m512 ef = _mm512_cvtepi32_ps(e);
-  const __m512 ln_u = _mm512_add_ps(_mm512_mul_ps(ef, f32(0x3F317200u)),                       // LN2_HI
+  const __m512 ln_u = _mm512_add_ps(_mm512_mul_ps(ef, f32(0x3F317200u)),                         // LN2_HI
                                     _mm512_add_ps(_mm512_mul_ps(ef, f32(0x35BFBE8Eu)), log_m));  // LN2_LO
-  return _mm512_sqrt_ps(_mm512_mul_ps(ln_u, f32(0xC0000000u)));  // * -2
+  return _mm512_sqrt_ps(_mm512_mul_ps(ln_u, f32(0xC0000000u)));                                  // * -2
 }
 
 // (cos θ, sin θ) for θ = 2π (y >> 8) / 2^24: noise.h sincos_turn.
 ESPERT_AVX512_FN void sincos16(__m512i y, __m512& c_out, __m512& s_out) {
-  const __m512i t = _mm512_srli_epi32(y, 8);                                    // 0 .. 2^24-1
-  __m512i quad = _mm512_srli_epi32(_mm512_add_epi32(t, i32(1u << 21)), 22);     // 0 .. 4 (t >= 0)
-  const __m512i r = _mm512_sub_epi32(t, _mm512_slli_epi32(quad, 22));           // -2^21 .. 2^21-1
+  const __m512i t = _mm512_srli_epi32(y, 8);                                 // 0 .. 2^24-1
+  __m512i quad = _mm512_srli_epi32(_mm512_add_epi32(t, i32(1u << 21)), 22);  // 0 .. 4 (t >= 0)
+  const __m512i r = _mm512_sub_epi32(t, _mm512_slli_epi32(quad, 22));        // -2^21 .. 2^21-1
   quad = _mm512_and_si512(quad, i32(3));
-  const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(r), f32(0x34C90FDBu));    // 2π / 2^24
+  const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(r), f32(0x34C90FDBu));  // 2π / 2^24
   const __m512 z = _mm512_mul_ps(a, a);
-  __m512 p = f32(0x3638EF1Du);                                // 1/9!
-  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0xB9500D01u));   // -1/7!
-  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0x3C088889u));   // 1/5!
-  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0xBE2AAAABu));   // -1/3!
+  __m512 p = f32(0x3638EF1Du);                               // 1/9!
+  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0xB9500D01u));  // -1/7!
+  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0x3C088889u));  // 1/5!
+  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0xBE2AAAABu));  // -1/3!
   const __m512 sin_a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_mul_ps(a, z), p));
-  p = f32(0xB493F27Eu);                                       // -1/10!
-  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0x37D00D01u));   // 1/8!
-  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0xBAB60B61u));   // -1/6!
-  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0x3D2AAAABu));   // 1/4!
-  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0xBF000000u));   // -1/2!
+  p = f32(0xB493F27Eu);                                      // -1/10!
+  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0x37D00D01u));  // 1/8!
+  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0xBAB60B61u));  // -1/6!
+  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0x3D2AAAABu));  // 1/4!
+  p = _mm512_add_ps(_mm512_mul_ps(p, z), f32(0xBF000000u));  // -1/2!
   const __m512 cos_a = _mm512_add_ps(f32(0x3F800000u), _mm512_mul_ps(z, p));
   // rotate by quad quarter turns: swap on odd quadrants; negate c on 1, 2 and s on 2, 3 (sign bit)
   const __mmask16 swap = _mm512_test_epi32_mask(quad, i32(1));

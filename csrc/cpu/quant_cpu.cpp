@@ -102,18 +102,27 @@ void run(const QuantArgs& a) {
 #pragma omp parallel for schedule(static) if (tasks >= 4)  // a thread team costs more than a few tasks
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t b = t * per_task, e = std::min(units, b + per_task);
-    if (avx) run_avx512<E, L, MODE>(a, b, e);
-    else run_generic<E, L, MODE>(a, b, e);
+    if (avx)
+      run_avx512<E, L, MODE>(a, b, e);
+    else
+      run_generic<E, L, MODE>(a, b, e);
   }
 }
 
 template <int E, int L>
 void by_mode(const QuantArgs& a) {
   switch (a.mode) {
-    case kPerturb: run<E, L, kPerturb>(a); break;
-    case kUpdateMaster: run<E, L, kUpdateMaster>(a); break;
-    case kUpdateNaive: run<E, L, kUpdateNaive>(a); break;
-    default: throw std::invalid_argument(check_codes(a));
+    case kPerturb:
+      run<E, L, kPerturb>(a);
+      break;
+    case kUpdateMaster:
+      run<E, L, kUpdateMaster>(a);
+      break;
+    case kUpdateNaive:
+      run<E, L, kUpdateNaive>(a);
+      break;
+    default:
+      throw std::invalid_argument(check_codes(a));
   }
 }
 
@@ -121,17 +130,31 @@ template <int E>
 void by_layout(const QuantArgs& a) {
   if constexpr (E == kInt4) {
     switch (a.layout) {
-      case kGPTQ: by_mode<E, kGPTQ>(a); break;
-      case kAWQ: by_mode<E, kAWQ>(a); break;
-      case kCpuW4A16: by_mode<E, kCpuW4A16>(a); break;
-      case kMarlin: by_mode<E, kMarlin>(a); break;
-      default: throw std::invalid_argument(check_codes(a));
+      case kGPTQ:
+        by_mode<E, kGPTQ>(a);
+        break;
+      case kAWQ:
+        by_mode<E, kAWQ>(a);
+        break;
+      case kCpuW4A16:
+        by_mode<E, kCpuW4A16>(a);
+        break;
+      case kMarlin:
+        by_mode<E, kMarlin>(a);
+        break;
+      default:
+        throw std::invalid_argument(check_codes(a));
     }
   } else {
     switch (a.layout) {
-      case kNK: by_mode<E, kNK>(a); break;
-      case kKN: by_mode<E, kKN>(a); break;
-      default: throw std::invalid_argument(check_codes(a));
+      case kNK:
+        by_mode<E, kNK>(a);
+        break;
+      case kKN:
+        by_mode<E, kKN>(a);
+        break;
+      default:
+        throw std::invalid_argument(check_codes(a));
     }
   }
 }
@@ -142,10 +165,17 @@ void quant_cpu(const QuantArgs& a) {
   const std::string err = check_codes(a);
   if (!err.empty()) throw std::invalid_argument(err);
   switch (a.elem) {
-    case kInt8: by_layout<kInt8>(a); break;
-    case kFP8: by_layout<kFP8>(a); break;
-    case kInt4: by_layout<kInt4>(a); break;
-    default: throw std::invalid_argument(check_codes(a));
+    case kInt8:
+      by_layout<kInt8>(a);
+      break;
+    case kFP8:
+      by_layout<kFP8>(a);
+      break;
+    case kInt4:
+      by_layout<kInt4>(a);
+      break;
+    default:
+      throw std::invalid_argument(check_codes(a));
   }
 }
 

@@ -16,22 +16,34 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kGroupsPerThread = kCudaUnitGroups / kThreads;
 
-template <int DT> struct Vec4;
-template <> struct Vec4<kFloat32> {
+template <int DT>
+struct Vec4;
+template <>
+struct Vec4<kFloat32> {
   using V = float4;
-  static __device__ __forceinline__ void split(const V& v, float (&x)[4]) { x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w; }
+  static __device__ __forceinline__ void split(const V& v, float (&x)[4]) {
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+  }
   static __device__ __forceinline__ V join(const float (&x)[4]) { return make_float4(x[0], x[1], x[2], x[3]); }
 };
-template <> struct Vec4<kFloat16> {
+template <>
+struct Vec4<kFloat16> {
   using V = uint2;  // four 16-bit words
   static __device__ __forceinline__ void split(const V& v, uint16_t (&x)[4]) {
-    x[0] = (uint16_t)v.x; x[1] = (uint16_t)(v.x >> 16); x[2] = (uint16_t)v.y; x[3] = (uint16_t)(v.y >> 16);
+    x[0] = (uint16_t)v.x;
+    x[1] = (uint16_t)(v.x >> 16);
+    x[2] = (uint16_t)v.y;
+    x[3] = (uint16_t)(v.y >> 16);
   }
   static __device__ __forceinline__ V join(const uint16_t (&x)[4]) {
     return make_uint2((uint32_t)x[0] | ((uint32_t)x[1] << 16), (uint32_t)x[2] | ((uint32_t)x[3] << 16));
   }
 };
-template <> struct Vec4<kBFloat16> : Vec4<kFloat16> {};
+template <>
+struct Vec4<kBFloat16> : Vec4<kFloat16> {};
 
 // Σ over the entry's members of c_eff · ε for the four lanes of one group.
 template <int FAM>
@@ -86,8 +98,10 @@ __global__ void apply_kernel(const PlanEntry* __restrict__ plan, int64_t n_entri
     int64_t lo = 0, hi = n_entries - 1;  // the last entry whose unit_start <= u
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) >> 1;
-      if (plan[mid].unit_start <= u) lo = mid;
-      else hi = mid - 1;
+      if (plan[mid].unit_start <= u)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     const PlanEntry e = plan[lo];
     const int64_t local = u - e.unit_start;
@@ -121,12 +135,18 @@ __global__ void apply_kernel(const PlanEntry* __restrict__ plan, int64_t n_entri
 }
 
 template <int DT>
-void launch(int family, const PlanEntry* plan, int64_t n, int64_t units, const uint64_t* s, const float* c,
-            int blocks, cudaStream_t st) {
+void launch(int family, const PlanEntry* plan, int64_t n, int64_t units, const uint64_t* s, const float* c, int blocks,
+            cudaStream_t st) {
   switch (family) {
-    case kGaussian: apply_kernel<DT, kGaussian><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c); break;
-    case kRademacher: apply_kernel<DT, kRademacher><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c); break;
-    case kLowRank: apply_kernel<DT, kLowRank><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c); break;
+    case kGaussian:
+      apply_kernel<DT, kGaussian><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c);
+      break;
+    case kRademacher:
+      apply_kernel<DT, kRademacher><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c);
+      break;
+    case kLowRank:
+      apply_kernel<DT, kLowRank><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c);
+      break;
   }
 }
 
@@ -146,9 +166,15 @@ int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64
   const int blocks = (int)(units < (int64_t)1 << 30 ? units : (int64_t)1 << 30);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   switch (dtype) {
-    case kFloat32: launch<kFloat32>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st); break;
-    case kFloat16: launch<kFloat16>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st); break;
-    case kBFloat16: launch<kBFloat16>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st); break;
+    case kFloat32:
+      launch<kFloat32>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st);
+      break;
+    case kFloat16:
+      launch<kFloat16>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st);
+      break;
+    case kBFloat16:
+      launch<kBFloat16>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st);
+      break;
   }
   return (int)cudaGetLastError();
 }

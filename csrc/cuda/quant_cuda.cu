@@ -32,10 +32,17 @@ void launch(const QuantArgs& a, cudaStream_t s) {
 template <int E, int L>
 void by_mode(const QuantArgs& a, cudaStream_t s) {
   switch (a.mode) {
-    case kPerturb: launch<E, L, kPerturb>(a, s); break;
-    case kUpdateMaster: launch<E, L, kUpdateMaster>(a, s); break;
-    case kUpdateNaive: launch<E, L, kUpdateNaive>(a, s); break;
-    default: throw std::invalid_argument(check_codes(a));
+    case kPerturb:
+      launch<E, L, kPerturb>(a, s);
+      break;
+    case kUpdateMaster:
+      launch<E, L, kUpdateMaster>(a, s);
+      break;
+    case kUpdateNaive:
+      launch<E, L, kUpdateNaive>(a, s);
+      break;
+    default:
+      throw std::invalid_argument(check_codes(a));
   }
 }
 
@@ -43,17 +50,31 @@ template <int E>
 void by_layout(const QuantArgs& a, cudaStream_t s) {
   if constexpr (E == kInt4) {
     switch (a.layout) {
-      case kGPTQ: by_mode<E, kGPTQ>(a, s); break;
-      case kAWQ: by_mode<E, kAWQ>(a, s); break;
-      case kCpuW4A16: by_mode<E, kCpuW4A16>(a, s); break;
-      case kMarlin: by_mode<E, kMarlin>(a, s); break;
-      default: throw std::invalid_argument(check_codes(a));
+      case kGPTQ:
+        by_mode<E, kGPTQ>(a, s);
+        break;
+      case kAWQ:
+        by_mode<E, kAWQ>(a, s);
+        break;
+      case kCpuW4A16:
+        by_mode<E, kCpuW4A16>(a, s);
+        break;
+      case kMarlin:
+        by_mode<E, kMarlin>(a, s);
+        break;
+      default:
+        throw std::invalid_argument(check_codes(a));
     }
   } else {
     switch (a.layout) {
-      case kNK: by_mode<E, kNK>(a, s); break;
-      case kKN: by_mode<E, kKN>(a, s); break;
-      default: throw std::invalid_argument(check_codes(a));
+      case kNK:
+        by_mode<E, kNK>(a, s);
+        break;
+      case kKN:
+        by_mode<E, kKN>(a, s);
+        break;
+      default:
+        throw std::invalid_argument(check_codes(a));
     }
   }
 }
@@ -65,10 +86,17 @@ int quant_cuda(const QuantArgs& a, void* stream) {
   if (!err.empty()) throw std::invalid_argument(err);  // before any launch
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   switch (a.elem) {
-    case kInt8: by_layout<kInt8>(a, s); break;
-    case kFP8: by_layout<kFP8>(a, s); break;
-    case kInt4: by_layout<kInt4>(a, s); break;
-    default: throw std::invalid_argument(check_codes(a));
+    case kInt8:
+      by_layout<kInt8>(a, s);
+      break;
+    case kFP8:
+      by_layout<kFP8>(a, s);
+      break;
+    case kInt4:
+      by_layout<kInt4>(a, s);
+      break;
+    default:
+      throw std::invalid_argument(check_codes(a));
   }
   return (int)cudaGetLastError();
 }
