@@ -29,7 +29,8 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             "-DCMAKE_BUILD_TYPE=Release",
-            "-G", "Ninja",
+            "-G",
+            "Ninja",
         ]
         if os.environ.get("ESPERT_CUDA", "1") == "0":
             args.append("-DESPERT_CUDA=OFF")

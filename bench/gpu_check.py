@@ -45,13 +45,20 @@ def model_shapes(hidden: int, inter: int, layers: int, kv: int, vocab: int) -> l
     out = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", (hidden, hidden)), (p + "self_attn.q_proj.bias", (hidden,)),
-                (p + "self_attn.k_proj.weight", (kv, hidden)), (p + "self_attn.k_proj.bias", (kv,)),
-                (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.v_proj.bias", (kv,)),
-                (p + "self_attn.o_proj.weight", (hidden, hidden)),
-                (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
-                (p + "mlp.down_proj.weight", (hidden, inter)),
-                (p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))]
+        out += [
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.q_proj.bias", (hidden,)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.k_proj.bias", (kv,)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.bias", (kv,)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+        ]
     return out + [("model.norm.weight", (hidden,))]
 
 
@@ -93,8 +100,12 @@ def junit_summary(paths: list[str]) -> dict:
         root = ET.parse(p).getroot()
         suites = [root] if root.tag == "testsuite" else list(root)
         agg = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-        agg["failed"] = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
-                         if c.find("failure") is not None or c.find("error") is not None][:20]
+        agg["failed"] = [
+            f"{c.get('classname')}::{c.get('name')}"
+            for s in suites
+            for c in s.iter("testcase")
+            if c.find("failure") is not None or c.find("error") is not None
+        ][:20]
         out[Path(p).name] = agg
     return out
 
@@ -159,8 +170,9 @@ def graph_checks(device: str, dtype=torch.bfloat16) -> dict:
         r = capture(step, device)
         if r.get("ok") is not False:
             same_out = torch.equal(out.view(torch.int16), want.view(torch.int16))
-            restored = all(torch.equal(p.data.view(torch.int16), c.view(torch.int16))
-                           for p, c in zip(model.parameters(), centers))
+            restored = all(
+                torch.equal(p.data.view(torch.int16), c.view(torch.int16)) for p, c in zip(model.parameters(), centers)
+            )
             r.update(replay_matches_eager=bool(same_out), restored_exactly=bool(restored))
         r.pop("graph", None)
         res[name] = r
@@ -180,12 +192,16 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
         backends = ["cpu"]
     report: dict = {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"CPU dry run ({platform.processor()})",
-        "torch": torch.__version__, "python": platform.python_version(), "has_cuda": bool(_C.has_cuda),
-        "cpu_isa": _C.cpu_isa(), "model": "Qwen2.5-1.5B-shaped" if not dry else "tiny Qwen2-shaped (dry run)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "has_cuda": bool(_C.has_cuda),
+        "cpu_isa": _C.cpu_isa(),
+        "model": "Qwen2.5-1.5B-shaped" if not dry else "tiny Qwen2-shaped (dry run)",
         "tests": junit_summary(junit),
     }
     try:
         import triton
+
         report["triton"] = triton.__version__
     except ImportError:
         report["triton"] = None
@@ -214,8 +230,11 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
     h2d_s = t.median(lambda: devbuf.copy_(host, non_blocking=True), reps)  # noqa: F821 - runs before the del below
     h2d_bw = h2d_n / h2d_s
     del host, devbuf
-    report["ceilings"] = {"device_copy_GBps": copy_bw / 1e9, "device_copy_ms": copy_s * 1e3,
-                          "pinned_h2d_GBps": h2d_bw / 1e9}
+    report["ceilings"] = {
+        "device_copy_GBps": copy_bw / 1e9,
+        "device_copy_ms": copy_s * 1e3,
+        "pinned_h2d_GBps": h2d_bw / 1e9,
+    }
 
     # -- kernels on the device weights, per backend ---------------------------------------------
     seeds32, coeffs32 = list(range(1, 33)), [1e-5] * 32
@@ -228,8 +247,14 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
             r["perturb_launches"], r["perturb_h2d"] = c["launches"], c["h2d"]
             p = t.median(lambda: ops.perturb_many_(items, 1, SIGMA, backend=be), reps)
             u = t.median(lambda: ops.es_update_many_(items, seeds32, coeffs32, backend=be), max(1, reps // 2))
-            r.update(perturb_ms=p * 1e3, perturb_GBps=2 * wbytes / p / 1e9, perturb_vs_copy=copy_s / p,
-                     update_n32_ms=u * 1e3, update_n32_in_perturbs=u / p, update_n32_vs_copy=copy_s / u)
+            r.update(
+                perturb_ms=p * 1e3,
+                perturb_GBps=2 * wbytes / p / 1e9,
+                perturb_vs_copy=copy_s / p,
+                update_n32_ms=u * 1e3,
+                update_n32_in_perturbs=u / p,
+                update_n32_vs_copy=copy_s / u,
+            )
         except Exception as e:
             r["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
@@ -240,9 +265,12 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
     sig = inspect.signature(CenterStore).parameters
     t0 = time.perf_counter()
     store = CenterStore(views, pin=device == "cuda")
-    report["store"] = {"build_s": time.perf_counter() - t0, "host_bytes": store.nbytes,
-                       "host_bytes_per_param": store.nbytes / numel,
-                       "pinned_mirror": getattr(store, "mirrors", None) is not None}
+    report["store"] = {
+        "build_s": time.perf_counter() - t0,
+        "host_bytes": store.nbytes,
+        "host_bytes_per_param": store.nbytes / numel,
+        "pinned_mirror": getattr(store, "mirrors", None) is not None,
+    }
     base_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
     if device == "cuda":
         torch.cuda.synchronize()
@@ -282,33 +310,45 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
 
 def markdown(r: dict) -> str:
     gb = 1e9
-    lines = [f"GPU check: {r['device']}; torch {r['torch']}, triton {r['triton']}, espert._C has_cuda={r['has_cuda']}; "
-             f"{r['model']}: {r['tensors']} bf16 tensors, {r['parameters']:,} parameters "
-             f"({r['weight_bytes'] / gb:.3f} GB).", "",
-             f"Ceilings (measured): device copy {r['ceilings']['device_copy_GBps']:.0f} GB/s (read + write), "
-             f"pinned host-to-device {r['ceilings']['pinned_h2d_GBps']:.1f} GB/s.", "",
-             "| backend | perturb ms | perturb GB/s | vs copy | update N=32 ms | in perturbs | launches / h2d per call |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"GPU check: {r['device']}; torch {r['torch']}, triton {r['triton']}, espert._C has_cuda={r['has_cuda']}; "
+        f"{r['model']}: {r['tensors']} bf16 tensors, {r['parameters']:,} parameters "
+        f"({r['weight_bytes'] / gb:.3f} GB).",
+        "",
+        f"Ceilings (measured): device copy {r['ceilings']['device_copy_GBps']:.0f} GB/s (read + write), "
+        f"pinned host-to-device {r['ceilings']['pinned_h2d_GBps']:.1f} GB/s.",
+        "",
+        "| backend | perturb ms | perturb GB/s | vs copy | update N=32 ms | in perturbs | launches / h2d per call |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for be, b in r["backends"].items():
         if "error" in b:
             lines.append(f"| {be} | error: {b['error'][:120]} | | | | | |")
             continue
-        lines.append(f"| {be} | {b['perturb_ms']:.2f} | {b['perturb_GBps']:.0f} | {100 * b['perturb_vs_copy']:.0f}% | "
-                     f"{b['update_n32_ms']:.1f} | {b['update_n32_in_perturbs']:.1f} | "
-                     f"{b['perturb_launches']} / {b['perturb_h2d']} |")
+        lines.append(
+            f"| {be} | {b['perturb_ms']:.2f} | {b['perturb_GBps']:.0f} | {100 * b['perturb_vs_copy']:.0f}% | "
+            f"{b['update_n32_ms']:.1f} | {b['update_n32_in_perturbs']:.1f} | "
+            f"{b['perturb_launches']} / {b['perturb_h2d']} |"
+        )
     s = r["store"]
-    lines += ["", "| CenterStore | value |", "|---|---|",
-              f"| host memory | {s['host_bytes'] / gb:.2f} GB ({s['host_bytes_per_param']:.1f} B/param), "
-              f"pinned mirror: {s['pinned_mirror']} |",
-              f"| restore | {s['restore_ms']:.1f} ms, {s['restore_GBps']:.1f} GB/s = "
-              f"{100 * s['restore_vs_pinned_h2d']:.0f}% of pinned h2d |",
-              f"| per-member overhead (perturb + restore) | {s['member_ms']:.1f} ms; {s['member_launches']} launches, "
-              f"{s['member_h2d']} host-to-device copies |",
-              f"| update N=32 (host master) | {s['update_n32_host_s']:.2f} s |"]
+    lines += [
+        "",
+        "| CenterStore | value |",
+        "|---|---|",
+        f"| host memory | {s['host_bytes'] / gb:.2f} GB ({s['host_bytes_per_param']:.1f} B/param), "
+        f"pinned mirror: {s['pinned_mirror']} |",
+        f"| restore | {s['restore_ms']:.1f} ms, {s['restore_GBps']:.1f} GB/s = "
+        f"{100 * s['restore_vs_pinned_h2d']:.0f}% of pinned h2d |",
+        f"| per-member overhead (perturb + restore) | {s['member_ms']:.1f} ms; {s['member_launches']} launches, "
+        f"{s['member_h2d']} host-to-device copies |",
+        f"| update N=32 (host master) | {s['update_n32_host_s']:.2f} s |",
+    ]
     if "update_n32_staged_gpu_s" in s:
         lines.append(f"| update N=32 (staged on the GPU) | {s['update_n32_staged_gpu_s']:.2f} s |")
     if "max_memory_beyond_weights_bytes" in s:
-        lines.append(f"| max device memory beyond the weights | {s['max_memory_beyond_weights_bytes'] / 2**20:.1f} MiB |")
+        lines.append(
+            f"| max device memory beyond the weights | {s['max_memory_beyond_weights_bytes'] / 2**20:.1f} MiB |"
+        )
     lines += ["", "| CUDA graph capture | result |", "|---|---|"]
     for name, g in r["cuda_graph"].items():
         res = {True: "captured and replayed", False: f"failed: {g.get('error')}", None: g.get("note")}[g["ok"]]

@@ -1,12 +1,12 @@
 """CPU: espert's fused kernels against the naive torch way and a plain copy, in one run.
 
-    pytest bench/test_bench_cpu.py --benchmark-json=bench/cpu.json && python bench/table.py bench/cpu.json
+pytest bench/test_bench_cpu.py --benchmark-json=bench/cpu.json && python bench/table.py bench/cpu.json
 """
 
 import pytest
 import torch
-
 from conftest import record
+
 from espert import ops
 
 SIGMA = 1e-3
@@ -27,8 +27,7 @@ def test_perturb_espert(benchmark, cpu_weights):
 def test_perturb_naive_torch(benchmark, cpu_weights):
     """What existing tools do: a full-size noise tensor per parameter, then add_."""
     record(benchmark, cpu_weights, 2 * cpu_weights.nbytes, "perturb")
-    benchmark.pedantic(lambda: cpu_weights.add_(torch.randn_like(cpu_weights), alpha=SIGMA), rounds=3,
-                       warmup_rounds=1)
+    benchmark.pedantic(lambda: cpu_weights.add_(torch.randn_like(cpu_weights), alpha=SIGMA), rounds=3, warmup_rounds=1)
 
 
 def test_restore_espert(benchmark, cpu_weights):
@@ -40,8 +39,7 @@ def test_restore_espert(benchmark, cpu_weights):
 @pytest.mark.parametrize("n", [8, 32])
 def test_update_espert(benchmark, cpu_weights, n):
     record(benchmark, cpu_weights, 2 * cpu_weights.nbytes, f"update N={n}")
-    benchmark.pedantic(ops.es_update_, args=(cpu_weights, list(range(n)), [1e-5] * n, KEY), rounds=2,
-                       warmup_rounds=0)
+    benchmark.pedantic(ops.es_update_, args=(cpu_weights, list(range(n)), [1e-5] * n, KEY), rounds=2, warmup_rounds=0)
 
 
 def test_update_naive_torch_n8(benchmark, cpu_weights):

@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import bench_tensor, record
+
 from espert import _C, ops
 
 CUDA = torch.cuda.is_available()
@@ -25,8 +25,11 @@ if CUDA:
     BACKENDS = ["triton"] + (["cuda"] if _C.has_cuda else [])
 else:
     BACKENDS = ["cpu"]
-ROUNDS = {"copy": 20, "perturb": 20, "naive": 10, "update": 5} if CUDA else dict.fromkeys(
-    ("copy", "perturb", "naive", "update"), 1)
+ROUNDS = (
+    {"copy": 20, "perturb": 20, "naive": 10, "update": 5}
+    if CUDA
+    else dict.fromkeys(("copy", "perturb", "naive", "update"), 1)
+)
 KEY = 7
 
 
@@ -40,6 +43,7 @@ def _synced(fn, *args, **kwargs):
         fn(*args, **kwargs)
         if CUDA:
             torch.cuda.synchronize()
+
     return run
 
 
@@ -68,5 +72,6 @@ def test_perturb_naive_torch(benchmark, gpu_weights):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_update_n32(benchmark, gpu_weights, backend):
     record(benchmark, gpu_weights, 2 * gpu_weights.nbytes, "update N=32")
-    _pedantic(benchmark, "update",
-              _synced(ops.es_update_, gpu_weights, list(range(32)), [1e-5] * 32, KEY, backend=backend))
+    _pedantic(
+        benchmark, "update", _synced(ops.es_update_, gpu_weights, list(range(32)), [1e-5] * 32, KEY, backend=backend)
+    )

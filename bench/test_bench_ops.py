@@ -25,14 +25,30 @@ from espert import noise, ops
 SIGMA = 1e-3
 FAMILIES = ["gaussian", "rademacher", "lowrank:1", "lowrank:4"]
 GOALS = {  # (kind, goal, "min" fraction of copy speed | "max" perturbs per update)
-    "perturb gaussian": (0.30, "min"), "perturb rademacher": (0.80, "min"), "perturb lowrank:1": (0.70, "min"),
-    "update N=32 gaussian": (15, "max"), "update N=32 rademacher": (4, "max"), "update N=32 lowrank:4": (4, "max"),
+    "perturb gaussian": (0.30, "min"),
+    "perturb rademacher": (0.80, "min"),
+    "perturb lowrank:1": (0.70, "min"),
+    "update N=32 gaussian": (15, "max"),
+    "update N=32 rademacher": (4, "max"),
+    "update N=32 lowrank:4": (4, "max"),
 }
 
 
 def model_shapes(hidden: int = 384, inter: int = 2048, kv: int = 64, layers: int = 24) -> list[tuple]:
-    per_layer = [(hidden, hidden), (hidden,), (kv, hidden), (kv,), (kv, hidden), (kv,), (hidden, hidden),
-                 (inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+    per_layer = [
+        (hidden, hidden),
+        (hidden,),
+        (kv, hidden),
+        (kv,),
+        (kv, hidden),
+        (kv,),
+        (hidden, hidden),
+        (inter, hidden),
+        (inter, hidden),
+        (hidden, inter),
+        (hidden,),
+        (hidden,),
+    ]
     return per_layer * layers + [(hidden,)]
 
 
@@ -95,8 +111,13 @@ def test_update_n32(benchmark, model, fam):
     ws, keys = model
     items = list(zip(ws, keys, [None] * len(ws)))
     _info(benchmark, ws, f"update N=32 {fam}")
-    benchmark.pedantic(ops.es_update_many_, args=(items, list(range(32)), [1e-5] * 32), kwargs={"noise": fam},
-                       rounds=1, warmup_rounds=0)
+    benchmark.pedantic(
+        ops.es_update_many_,
+        args=(items, list(range(32)), [1e-5] * 32),
+        kwargs={"noise": fam},
+        rounds=1,
+        warmup_rounds=0,
+    )
 
 
 def table(path: str) -> str:

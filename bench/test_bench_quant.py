@@ -32,8 +32,9 @@ def qw(request):
 
 def _rec(benchmark, qw, kind):
     # record() wants a tensor for the element count: the logical weight count is what matters here
-    benchmark.extra_info.update(elements=qw.out_features * qw.in_features, bytes=2 * qw.nbytes,
-                                kind=f"{kind} {qw.fmt}", device="cpu")
+    benchmark.extra_info.update(
+        elements=qw.out_features * qw.in_features, bytes=2 * qw.nbytes, kind=f"{kind} {qw.fmt}", device="cpu"
+    )
 
 
 def test_perturb_espert(benchmark, qw):
@@ -44,8 +45,9 @@ def test_perturb_espert(benchmark, qw):
 def test_update_n8_espert(benchmark, qw):
     master = initial_master(qw)
     _rec(benchmark, qw, "update N=8")
-    benchmark.pedantic(ops.es_update_, args=(qw, list(range(8)), [1e-5] * 8, KEY), kwargs={"master": master},
-                       rounds=2, warmup_rounds=0)
+    benchmark.pedantic(
+        ops.es_update_, args=(qw, list(range(8)), [1e-5] * 8, KEY), kwargs={"master": master}, rounds=2, warmup_rounds=0
+    )
 
 
 def _naive(qw, n_members):

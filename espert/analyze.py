@@ -31,15 +31,25 @@ import numpy as np
 GROUP_PATTERNS: list[tuple[str, re.Pattern]] = [
     ("norm", re.compile(r"(norm|(^|\.)ln_?[0-9a-z]*\.)", re.I)),
     ("lm_head", re.compile(r"(^|\.)(lm_head|embed_out)(\.|$)")),
-    ("embeddings", re.compile(r"(embed_tokens|embed_positions|word_embeddings|position_embeddings|"
-                              r"token_type_embeddings|tok_embeddings|(^|\.)wte\.|(^|\.)wpe\.)")),
+    (
+        "embeddings",
+        re.compile(
+            r"(embed_tokens|embed_positions|word_embeddings|position_embeddings|"
+            r"token_type_embeddings|tok_embeddings|(^|\.)wte\.|(^|\.)wpe\.)"
+        ),
+    ),
     ("attn_qkv", re.compile(r"(qkv_proj|query_key_value|c_attn|Wqkv|(^|\.)qkv\.)")),
     ("attn_q", re.compile(r"(q_proj|(^|\.)query\.|(^|\.)wq\.)")),
     ("attn_k", re.compile(r"(k_proj|(^|\.)key\.|(^|\.)wk\.)")),
     ("attn_v", re.compile(r"(v_proj|(^|\.)value\.|(^|\.)wv\.)")),
     ("attn_o", re.compile(r"(o_proj|out_proj|(^|\.)wo\.|attn\.c_proj|attention\.dense|attention\.output\.dense)")),
-    ("mlp", re.compile(r"(mlp|feed_forward|ffn|gate_proj|up_proj|down_proj|(^|\.)fc[12]\.|c_fc|"
-                       r"(^|\.)w[123]\.|experts|intermediate\.dense|output\.dense)")),
+    (
+        "mlp",
+        re.compile(
+            r"(mlp|feed_forward|ffn|gate_proj|up_proj|down_proj|(^|\.)fc[12]\.|c_fc|"
+            r"(^|\.)w[123]\.|experts|intermediate\.dense|output\.dense)"
+        ),
+    ),
 ]
 GROUPS = ["embeddings", "attn_q", "attn_k", "attn_v", "attn_o", "attn_qkv", "mlp", "norm", "lm_head", "other"]
 
@@ -91,8 +101,10 @@ class SafetensorsWeights:
             if len(found) != 1:
                 other = [x for x in os.listdir(path) if x.endswith((".bin", ".pt", ".pth"))]
                 hint = " (found non-safetensors weights %s; re-save with save_pretrained)" % other if other else ""
-                raise FileNotFoundError(f"{path}: expected model.safetensors, {WEIGHT_INDEX} or one *.safetensors "
-                                        f"file, found {found or 'none'}{hint}")
+                raise FileNotFoundError(
+                    f"{path}: expected model.safetensors, {WEIGHT_INDEX} or one *.safetensors "
+                    f"file, found {found or 'none'}{hint}"
+                )
             files = [os.path.join(path, found[0])]
         self.files = files
         self._handles = {}
@@ -131,7 +143,7 @@ class SafetensorsWeights:
             return
         sl = self._handles[self.location[name]].get_slice(name)
         for a in range(0, shp[0], rows):
-            yield sl[a:a + rows]
+            yield sl[a : a + rows]
 
 
 def _rows_per_chunk(shape: Sequence[int]) -> int:
@@ -154,8 +166,10 @@ def _check_compatible(base: SafetensorsWeights, ckpt: SafetensorsWeights) -> lis
     names = ckpt.names()
     for n in names:
         if base.shape(n) != ckpt.shape(n):
-            raise ValueError(f"tensor {n!r}: shape {list(ckpt.shape(n))} in checkpoint {ckpt.path} "
-                             f"but {list(base.shape(n))} in base {base.path}")
+            raise ValueError(
+                f"tensor {n!r}: shape {list(ckpt.shape(n))} in checkpoint {ckpt.path} "
+                f"but {list(base.shape(n))} in base {base.path}"
+            )
     return names
 
 
@@ -177,8 +191,9 @@ def _finish(acc: dict) -> dict:
     }
 
 
-def compute_drift(base_path: str, ckpt_path: str, taus: Sequence[float] = DEFAULT_TAUS,
-                  per_tensor: bool = True) -> dict:
+def compute_drift(
+    base_path: str, ckpt_path: str, taus: Sequence[float] = DEFAULT_TAUS, per_tensor: bool = True
+) -> dict:
     """Drift and update-magnitude statistics of one checkpoint against the base.
 
     Returns a dict with ``overall`` and ``groups`` (each: ``rel_l2``, ``delta_l2``,
@@ -213,8 +228,13 @@ def compute_drift(base_path: str, ckpt_path: str, taus: Sequence[float] = DEFAUL
             changed = absd > 0
             nch = int(changed.sum())
             vals = absd[changed]
-            stats = {"base_sq": float((b64 * b64).sum()), "delta_sq": float((d * d).sum()), "numel": d.numel(),
-                     "n_changed": nch, "max_abs": float(vals.max()) if nch else 0.0}
+            stats = {
+                "base_sq": float((b64 * b64).sum()),
+                "delta_sq": float((d * d).sum()),
+                "numel": d.numel(),
+                "n_changed": nch,
+                "max_abs": float(vals.max()) if nch else 0.0,
+            }
             for acc in (overall, acc_g, acc_t):
                 for k in ("base_sq", "delta_sq", "numel", "n_changed"):
                     acc[k] += stats[k]
@@ -222,8 +242,9 @@ def compute_drift(base_path: str, ckpt_path: str, taus: Sequence[float] = DEFAUL
             if nch:
                 for i, t in enumerate(taus):
                     le_tau[i] += int((vals <= t).sum())
-                hist += torch.bincount(torch.bucketize(torch.log10(vals), edges, right=True),
-                                       minlength=len(HIST_EDGES) + 1)
+                hist += torch.bincount(
+                    torch.bucketize(torch.log10(vals), edges, right=True), minlength=len(HIST_EDGES) + 1
+                )
             del b64, d, absd, changed, vals
         if per_tensor:
             row = _finish(acc_t)
@@ -240,9 +261,12 @@ def compute_drift(base_path: str, ckpt_path: str, taus: Sequence[float] = DEFAUL
             "taus": taus,
             "n_le_tau": {repr(t): le_tau[i] for i, t in enumerate(taus)},
             "share_le_tau": {repr(t): (le_tau[i] / n_changed if n_changed else 0.0) for i, t in enumerate(taus)},
-            "histogram": {"log10_edges": HIST_EDGES, "counts": hist.tolist(),
-                          "note": "bin 0: |delta| < 1e-10; bin i: edges[i-1] <= log10|delta| < edges[i]; "
-                                  "last: >= 10; only changed weights"},
+            "histogram": {
+                "log10_edges": HIST_EDGES,
+                "counts": hist.tolist(),
+                "note": "bin 0: |delta| < 1e-10; bin i: edges[i-1] <= log10|delta| < edges[i]; "
+                "last: >= 10; only changed weights",
+            },
         },
     }
     if per_tensor:
@@ -261,9 +285,11 @@ def _dtype_warnings(base: SafetensorsWeights, ckpt: SafetensorsWeights, names: S
         b, c = base.dtype_str(n), ckpt.dtype_str(n)
         if b != c and _WIDTH.get(c, 99) < _WIDTH.get(b, 0):
             narrower[(b, c)] = narrower.get((b, c), 0) + 1
-    return [f"{cnt} tensor(s) are {c} in the checkpoint but {b} in the base: {c} rounding counts as change "
-            f"(compare against a base in the checkpoint's dtype to see the training drift alone)"
-            for (b, c), cnt in narrower.items()]
+    return [
+        f"{cnt} tensor(s) are {c} in the checkpoint but {b} in the base: {c} rounding counts as change "
+        f"(compare against a base in the checkpoint's dtype to see the training drift alone)"
+        for (b, c), cnt in narrower.items()
+    ]
 
 
 def _check_output_dir(out_dir: str, inputs: Sequence[str], force: bool) -> None:
@@ -348,15 +374,23 @@ def export_thresholded(base_path: str, ckpt_path: str, out_dir: str, tau: float,
 def format_drift_summary(label: str, res: dict) -> str:
     """A few readable lines for one checkpoint's drift result."""
     o = res["overall"]
-    lines = [f"{label}: rel L2 drift {o['rel_l2']:.3e} (|delta| {o['delta_l2']:.3e} / |theta0| {o['base_l2']:.3e}), "
-             f"{o['n_changed']}/{o['numel']} weights changed ({100 * o['frac_changed']:.1f}%), "
-             f"max |delta| {o['max_abs_update']:.3e}"]
-    lines.append("  per group: " + ", ".join(f"{g} {v['rel_l2']:.2e}" if v["n_changed"] else f"{g} 0 (unchanged)"
-                                         for g, v in res["groups"].items()))
+    lines = [
+        f"{label}: rel L2 drift {o['rel_l2']:.3e} (|delta| {o['delta_l2']:.3e} / |theta0| {o['base_l2']:.3e}), "
+        f"{o['n_changed']}/{o['numel']} weights changed ({100 * o['frac_changed']:.1f}%), "
+        f"max |delta| {o['max_abs_update']:.3e}"
+    ]
+    lines.append(
+        "  per group: "
+        + ", ".join(
+            f"{g} {v['rel_l2']:.2e}" if v["n_changed"] else f"{g} 0 (unchanged)" for g, v in res["groups"].items()
+        )
+    )
     lines.extend(f"  warning: {w}" for w in res.get("warnings", []))
     um = res["update_magnitudes"]
-    lines.append("  share of changed weights with |delta| <= tau: "
-                 + ", ".join(f"{t:g}: {um['share_le_tau'][repr(t)]:.3f}" for t in um["taus"]))
+    lines.append(
+        "  share of changed weights with |delta| <= tau: "
+        + ", ".join(f"{t:g}: {um['share_le_tau'][repr(t)]:.3f}" for t in um["taus"])
+    )
     return "\n".join(lines)
 
 
@@ -377,14 +411,28 @@ def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
         xs = [j + (i - (len(labels) - 1) / 2) * w for j in range(len(groups))]
         vals = [results[lab]["groups"].get(g, {}).get("rel_l2", 0.0) for g in groups]
         bars = ax.bar(xs, vals, width=w, label=lab)
-        zero += [(x, bars.patches[0].get_facecolor()) for x, v, g in zip(xs, vals, groups)
-                 if v == 0 and g in results[lab]["groups"]]
+        zero += [
+            (x, bars.patches[0].get_facecolor())
+            for x, v, g in zip(xs, vals, groups)
+            if v == 0 and g in results[lab]["groups"]
+        ]
     for x, color in zero:
-        ax.annotate("0", (x, 0), xycoords=("data", "axes fraction"), xytext=(0, 3), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=8, fontweight="bold", color=color)
+        ax.annotate(
+            "0",
+            (x, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            fontweight="bold",
+            color=color,
+        )
     if zero:
-        ax.text(0.99, 0.98, "0 = group unchanged (zero drift)", transform=ax.transAxes, ha="right", va="top",
-                fontsize=7)
+        ax.text(
+            0.99, 0.98, "0 = group unchanged (zero drift)", transform=ax.transAxes, ha="right", va="top", fontsize=7
+        )
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, rotation=30, ha="right")
     positive = [r["groups"][g]["rel_l2"] for r in results.values() for g in r["groups"] if r["groups"][g]["rel_l2"] > 0]
@@ -416,8 +464,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``espert analyze`` (shared by the stand-alone and the espert CLI)."""
     p.add_argument("--base", help="base model dir or .safetensors file (drift)")
     p.add_argument("--ckpt", nargs="+", metavar="[LABEL=]PATH", help="checkpoint dir(s)/file(s) (drift)")
-    p.add_argument("--taus", nargs="+", type=float, default=DEFAULT_TAUS,
-                   help="thresholds for the |delta| <= tau shares (default 1e-7 ... 1e-2)")
+    p.add_argument(
+        "--taus",
+        nargs="+",
+        type=float,
+        default=DEFAULT_TAUS,
+        help="thresholds for the |delta| <= tau shares (default 1e-7 ... 1e-2)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the full analysis as JSON")
     p.add_argument("--plot-dir", metavar="DIR", help="write drift_groups.png and update_hist.png here")
     p.add_argument("--no-per-tensor", action="store_true", help="leave per-tensor rows out of the JSON")
@@ -458,11 +511,13 @@ def run_analyze(args: argparse.Namespace) -> int:
                 print(f"espert analyze: warning: {label}: {w}", file=sys.stderr)
         report = {"base": args.base, "checkpoints": results}
         if args.export:
-            (label, path), = ckpts.items()
+            ((label, path),) = ckpts.items()
             ex = export_thresholded(args.base, path, args.export, args.threshold, force=args.force)
             report["export"] = ex
-            print(f"exported {label} with |delta| <= {args.threshold:g} reset to base -> {args.export} "
-                  f"({ex['n_reset']} of {ex['n_changed']} changed weights reset, {ex['n_kept']} kept)")
+            print(
+                f"exported {label} with |delta| <= {args.threshold:g} reset to base -> {args.export} "
+                f"({ex['n_reset']} of {ex['n_changed']} changed weights reset, {ex['n_kept']} kept)"
+            )
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w", encoding="utf-8") as f:
@@ -478,6 +533,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 # ---- estimator diagnostics of a run, and the one-point vs antithetic experiment ----------------------
+
 
 def run_diagnostics(run_dir: str) -> dict:
     """Per-iteration estimator diagnostics of a run directory's ``log.jsonl``.
@@ -499,9 +555,17 @@ def run_diagnostics(run_dir: str) -> dict:
         a = antithetic_stats(rec["members"], rec["rewards"])
         sp = reward_spread(rec["rewards"])
         logged = rec.get("diagnostics") or {}
-        rows.append({"iteration": rec["iteration"], "corr_pm": a["corr_pm"], "kappa": a["kappa"],
-                     "kappa_eval": a["kappa_eval"], "reward_std": sp["std"], "reward_range": sp["range"],
-                     "flops_total": logged.get("flops_total")})
+        rows.append(
+            {
+                "iteration": rec["iteration"],
+                "corr_pm": a["corr_pm"],
+                "kappa": a["kappa"],
+                "kappa_eval": a["kappa_eval"],
+                "reward_std": sp["std"],
+                "reward_range": sp["range"],
+                "flops_total": logged.get("flops_total"),
+            }
+        )
     if not rows:
         raise ValueError(f"{path} has no iterations")
     held = [(r["iteration"], r["mean"]) for r in records if r.get("kind") == "eval"]
@@ -519,9 +583,11 @@ def format_run_diagnostics(res: dict) -> str:
     half = max(1, len(rows) // 2)
     lines = [f"{res['run_dir']}: {len(rows)} iterations"]
     for name, part in (("first half", rows[:half]), ("second half", rows[half:] or rows[:half])):
-        lines.append(f"  {name}: Corr(X+,X-) {f(_mean(r['corr_pm'] for r in part))}, "
-                     f"kappa {f(_mean(r['kappa'] for r in part))}, kappa_eval {f(_mean(r['kappa_eval'] for r in part))}, "
-                     f"reward std {f(_mean(r['reward_std'] for r in part))}")
+        lines.append(
+            f"  {name}: Corr(X+,X-) {f(_mean(r['corr_pm'] for r in part))}, "
+            f"kappa {f(_mean(r['kappa'] for r in part))}, kappa_eval {f(_mean(r['kappa_eval'] for r in part))}, "
+            f"reward std {f(_mean(r['reward_std'] for r in part))}"
+        )
     tot = rows[-1]["flops_total"]
     lines.append(f"  forward FLOPs (cumulative): {'not logged' if tot is None else f'{tot:.3e}'}")
     return "\n".join(lines)
@@ -590,15 +656,16 @@ def run_estimator(args: argparse.Namespace) -> int:
         model, tok = load_model(args.model)
         ev = TorchEvaluator(model, tok, task.score, max_new_tokens=args.max_new_tokens)
         try:
-            res = estimator_variance(ev, task.prompts, task.answers, args.sigma, args.pairs, args.per_member,
-                                     args.seed)
+            res = estimator_variance(ev, task.prompts, task.answers, args.sigma, args.pairs, args.per_member, args.seed)
         finally:
             ev.close()
         f = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
         for kind in ("common", "independent"):
             a = res[kind]
-            print(f"{kind:>11} prompts: Corr(X+,X-) {f(a['corr_pm'])}  one-point var {f(a['var_one'])}  "
-                  f"antithetic var {f(a['var_anti'])}  kappa {f(a['kappa'])}  kappa_eval {f(a['kappa_eval'])}")
+            print(
+                f"{kind:>11} prompts: Corr(X+,X-) {f(a['corr_pm'])}  one-point var {f(a['var_one'])}  "
+                f"antithetic var {f(a['var_anti'])}  kappa {f(a['kappa'])}  kappa_eval {f(a['kappa_eval'])}"
+            )
         if args.json:
             _write_json(args.json, res)
     except (FileNotFoundError, ValueError) as e:

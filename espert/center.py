@@ -62,8 +62,9 @@ class Center(Protocol):
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
         """Live weights <- center + sign·σ·ε(seed), in place; call it on restored weights only."""
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-               lr: float | None = None) -> None:
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         """center <- decay·center, then the step Σ_n coeffs[n]·ε(seeds[n]) (through the optimizer);
         then restore the live weights.  ``lr`` is the iteration's α (used by adam only)."""
 
@@ -81,6 +82,7 @@ class Center(Protocol):
 
 
 # ---- shared validation ----------------------------------------------------------------------------
+
 
 def check_factor(name: str, v) -> float:
     """A finite float > 0 (decay factors, scale factors); bools and non-numbers are refused."""
@@ -101,8 +103,9 @@ def check_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"center {name}: checkpoint holds {type(s).__name__}, not a tensor")
         if s.shape != like.shape or s.dtype != like.dtype:
-            raise ValueError(f"center {name}: checkpoint has {s.dtype}{tuple(s.shape)}, "
-                             f"expected {like.dtype}{tuple(like.shape)}")
+            raise ValueError(
+                f"center {name}: checkpoint has {s.dtype}{tuple(s.shape)}, expected {like.dtype}{tuple(like.shape)}"
+            )
         if s.device.type == "meta":
             raise ValueError(f"center {name}: checkpoint tensor is on the meta device (it holds no data)")
 
@@ -179,12 +182,11 @@ def _chunks(t: torch.Tensor, block: ops.Block | None, limit: int):
     if cols > limit:
         for i in range(rows):
             for j in range(0, cols, limit):
-                yield flat[i:i + 1, j:j + limit], ops.Block(b.row_offset + i, b.col_offset + j, lr, lc)
+                yield flat[i : i + 1, j : j + limit], ops.Block(b.row_offset + i, b.col_offset + j, lr, lc)
         return
     step = max(1, limit // max(1, cols))
     for i in range(0, rows, step):
-        yield flat[i:i + step], ops.Block(b.row_offset + i, b.col_offset, lr, lc)
-
+        yield flat[i : i + step], ops.Block(b.row_offset + i, b.col_offset, lr, lc)
 
 
 class CenterStore:
@@ -204,10 +206,19 @@ class CenterStore:
     pin: page-lock the host tensors (faster GPU transfers).
     """
 
-    def __init__(self, views: Sequence[ParamView], master_dtype: torch.dtype | None = torch.float32,
-                 pin: bool = False, *, noise: str = "gaussian", optimizer=None,
-                 sigma_scales: Sequence[float] | None = None, no_decay: Sequence[str] = (),
-                 mirror: bool | None = None, update_on: str | torch.device | None = None):
+    def __init__(
+        self,
+        views: Sequence[ParamView],
+        master_dtype: torch.dtype | None = torch.float32,
+        pin: bool = False,
+        *,
+        noise: str = "gaussian",
+        optimizer=None,
+        sigma_scales: Sequence[float] | None = None,
+        no_decay: Sequence[str] = (),
+        mirror: bool | None = None,
+        update_on: str | torch.device | None = None,
+    ):
         if master_dtype not in (None, torch.float32):
             raise ValueError(f"master_dtype must be torch.float32 or None, got {master_dtype}")
         self.views = list(views)
@@ -240,14 +251,17 @@ class CenterStore:
             ops.cast_exact_(c, v.tensor.to("cpu"))  # widening is exact, NaN payloads included
             self.centers.append(c)
         self.state: dict[str, list[torch.Tensor]] = {
-            s: [torch.zeros_like(c) for c in self.centers] for s in self.optimizer.slots}
+            s: [torch.zeros_like(c) for c in self.centers] for s in self.optimizer.slots
+        }
         self.step = 0
         if mirror is None:
             mirror = master_dtype is not None and any(v.tensor.device.type == "cuda" for v in self.views)
         self.mirrors: list[torch.Tensor] | None = None
         if mirror:
-            self.mirrors = [torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device="cpu",
-                                        pin_memory=torch.cuda.is_available()) for v in self.views]
+            self.mirrors = [
+                torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+                for v in self.views
+            ]
             self._rebuild_mirrors()
 
     # -- memory -----------------------------------------------------------------------------
@@ -272,8 +286,15 @@ class CenterStore:
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
         """Live weights <- center + sign·σ·s_t·ε(seed) for every view t, in place, in one multi-tensor call
         (from the restored state; s_t are the ``sigma_scales``)."""
-        ops.perturb_many_(self._items([v.tensor for v in self.views]), seed, sigma, sign, noise=self.noise,
-                      scales=self.sigma_scales, backend=backend)
+        ops.perturb_many_(
+            self._items([v.tensor for v in self.views]),
+            seed,
+            sigma,
+            sign,
+            noise=self.noise,
+            scales=self.sigma_scales,
+            backend=backend,
+        )
 
     def scale(self, factor: float) -> None:
         """center <- factor · center for the views not matched by ``no_decay`` (float32 elementwise on the
@@ -283,8 +304,9 @@ class CenterStore:
             if d:
                 c.mul_(factor)
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-               lr: float | None = None) -> None:
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         """center <- decay·center; then the step d = Σ_n coeffs[n]·s_t·ε(seeds[n]) through the optimizer
         (sgd: center += d, fused, in one multi-tensor call); then restore the live weights.
 
@@ -328,8 +350,9 @@ class CenterStore:
             scale = None if self.sigma_scales is None else [self.sigma_scales[i]]
             center = self.centers[i]
             slots = {s: self.state[s][i] for s in opt.slots}
-            for (c, blk), *states in zip(_chunks(center, v.block, _CHUNK_ELEMS),
-                                         *[_chunks(slots[s], v.block, _CHUNK_ELEMS) for s in opt.slots]):
+            for (c, blk), *states in zip(
+                _chunks(center, v.block, _CHUNK_ELEMS), *[_chunks(slots[s], v.block, _CHUNK_ELEMS) for s in opt.slots]
+            ):
                 d = torch.zeros_like(c)
                 ops.es_update_many_([(d, v.key, blk)], seeds, coeffs, noise=self.noise, scales=scale)
                 if opt.name == "momentum":
@@ -341,8 +364,8 @@ class CenterStore:
                     g = d.div_(lr)
                     m.mul_(opt.beta1).add_(g, alpha=1 - opt.beta1)
                     vv.mul_(opt.beta2).addcmul_(g, g, value=1 - opt.beta2)
-                    bc1 = 1 - opt.beta1 ** self.step
-                    bc2 = 1 - opt.beta2 ** self.step
+                    bc1 = 1 - opt.beta1**self.step
+                    bc2 = 1 - opt.beta2**self.step
                     denom = (vv / bc2).sqrt_().add_(opt.eps)
                     c.addcdiv_(m / bc1, denom, value=lr)
 

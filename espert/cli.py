@@ -68,31 +68,43 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         elif t is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(t) is list:
-            g.add_argument(flag, nargs="*", metavar="PATTERN" if "exclude" in f.name or f.name == "include" else "NAME",
-                           **kw)
+            g.add_argument(
+                flag, nargs="*", metavar="PATTERN" if "exclude" in f.name or f.name == "include" else "NAME", **kw
+            )
         elif t in (int, float):
             g.add_argument(flag, type=t, metavar=t.__name__.upper(), **kw)
         else:
             g.add_argument(flag, metavar="STR", **kw)
     for old, new in RENAMED.items():  # deprecated spellings still parse (and say so)
-        g.add_argument("--" + old.replace("_", "-"), dest=f"_renamed_{old}", default=argparse.SUPPRESS,
-                       metavar="STR", help=argparse.SUPPRESS)
+        g.add_argument(
+            "--" + old.replace("_", "-"),
+            dest=f"_renamed_{old}",
+            default=argparse.SUPPRESS,
+            metavar="STR",
+            help=argparse.SUPPRESS,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from espert import __version__
 
     parser = argparse.ArgumentParser(
-        prog="espert", description="espert: evolution strategies for LLMs with fused, exactly restorable "
-                                   "counter-based noise. Run 'espert COMMAND --help' for details.")
+        prog="espert",
+        description="espert: evolution strategies for LLMs with fused, exactly restorable "
+        "counter-based noise. Run 'espert COMMAND --help' for details.",
+    )
     parser.add_argument("--version", action="version", version=f"espert {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    tr = sub.add_parser("train", help="train with ES (defaults: the tiny-model main job on CPU)",
-                        description="Train a model with evolution strategies. Writes a run directory "
-                                    "(config.yaml, log.jsonl, center.safetensors, export/) that resumes and "
-                                    "replays bit-exactly.", epilog=TRAIN_EPILOG,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr = sub.add_parser(
+        "train",
+        help="train with ES (defaults: the tiny-model main job on CPU)",
+        description="Train a model with evolution strategies. Writes a run directory "
+        "(config.yaml, log.jsonl, center.safetensors, export/) that resumes and "
+        "replays bit-exactly.",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     tr.add_argument("--config", metavar="FILE", help="YAML or TOML file of ESConfig fields")
     tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
     tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
@@ -100,18 +112,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(tr)
     tr.set_defaults(func=cmd_train)
 
-    rp = sub.add_parser("replay", help="rebuild a run's weights from its base model and log alone",
-                        description="Apply every logged update to the base model's float32 center on the CPU, "
-                                    "write OUT/center.safetensors and OUT/export/ (HF format), and compare with "
-                                    "the run's checkpoint.")
+    rp = sub.add_parser(
+        "replay",
+        help="rebuild a run's weights from its base model and log alone",
+        description="Apply every logged update to the base model's float32 center on the CPU, "
+        "write OUT/center.safetensors and OUT/export/ (HF format), and compare with "
+        "the run's checkpoint.",
+    )
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/replay)")
     rp.add_argument("--upto", type=int, metavar="T", help="stop after iteration T (default: the last logged)")
     rp.set_defaults(func=cmd_replay)
 
-    tn = sub.add_parser("tiny", help="build the tiny random model + char tokenizer into a directory",
-                        description="Write the main job's tiny Llama-architecture model (random init) and its "
-                                    "character tokenizer as a standard HF model directory.")
+    tn = sub.add_parser(
+        "tiny",
+        help="build the tiny random model + char tokenizer into a directory",
+        description="Write the main job's tiny Llama-architecture model (random init) and its "
+        "character tokenizer as a standard HF model directory.",
+    )
     tn.add_argument("out_dir", metavar="OUT_DIR")
     tn.add_argument("--seed", type=int, default=0)
     tn.set_defaults(func=cmd_tiny)

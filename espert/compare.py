@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+
 #: What the two methods are compared on (model, task, budget).  Defaults: the full run.
 @dataclass
 class CompareConfig:
@@ -63,8 +64,9 @@ class CompareConfig:
 
     @classmethod
     def fast(cls) -> "CompareConfig":
-        return cls(pretrain_steps=150, train_size=128, eval_size=16, n=8, iterations=6, population=8,
-                   prompts_per_iteration=8)
+        return cls(
+            pretrain_steps=150, train_size=128, eval_size=16, n=8, iterations=6, population=8, prompts_per_iteration=8
+        )
 
     def es_rollouts(self) -> int:
         return self.iterations * self.population * self.prompts_per_iteration
@@ -108,9 +110,17 @@ def run_es(base_dir: str, out_dir: str, cc: CompareConfig, echo=print) -> dict:
         budget["generated_tokens"] += count(completions)
         return train.score(completions, answers)
 
-    cfg = ESConfig(model=base_dir, iterations=cc.iterations, population=cc.population,
-                   prompts_per_iteration=cc.prompts_per_iteration, sigma=cc.sigma, alpha=cc.alpha, seed=cc.seed,
-                   max_new_tokens=cc.max_new_tokens, eval_size=0)
+    cfg = ESConfig(
+        model=base_dir,
+        iterations=cc.iterations,
+        population=cc.population,
+        prompts_per_iteration=cc.prompts_per_iteration,
+        sigma=cc.sigma,
+        alpha=cc.alpha,
+        seed=cc.seed,
+        max_new_tokens=cc.max_new_tokens,
+        eval_size=0,
+    )
     ev = TorchEvaluator(model, tok, score, max_new_tokens=cc.max_new_tokens)
     t0 = time.time()
     curve = []
@@ -159,14 +169,27 @@ def run_grpo(base_dir: str, out_dir: str, cc: CompareConfig, echo=print) -> dict
 
     steps = cc.grpo_steps()
     args = GRPOConfig(
-        output_dir=os.path.join(out_dir, "_trl"), max_steps=steps, learning_rate=cc.learning_rate,
-        per_device_train_batch_size=cc.num_generations * cc.prompts_per_step, num_generations=cc.num_generations,
-        max_completion_length=cc.max_new_tokens, temperature=cc.temperature, beta=0.0, use_cpu=True,
-        report_to="none", save_strategy="no", logging_steps=max(1, steps // 5), seed=cc.seed,
-        disable_tqdm=True, bf16=False, dataloader_num_workers=0)
+        output_dir=os.path.join(out_dir, "_trl"),
+        max_steps=steps,
+        learning_rate=cc.learning_rate,
+        per_device_train_batch_size=cc.num_generations * cc.prompts_per_step,
+        num_generations=cc.num_generations,
+        max_completion_length=cc.max_new_tokens,
+        temperature=cc.temperature,
+        beta=0.0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=max(1, steps // 5),
+        seed=cc.seed,
+        disable_tqdm=True,
+        bf16=False,
+        dataloader_num_workers=0,
+    )
     data = Dataset.from_dict({"prompt": train.prompts, "answer": train.answers})
-    trainer = GRPOTrainer(model=base_dir, reward_funcs=[copy_reward], args=args, train_dataset=data,
-                          processing_class=tok)
+    trainer = GRPOTrainer(
+        model=base_dir, reward_funcs=[copy_reward], args=args, train_dataset=data, processing_class=tok
+    )
     t0 = time.time()
     trainer.train()
     trainer.model.save_pretrained(out_dir, safe_serialization=True)
@@ -188,12 +211,12 @@ def evaluate(models: dict[str, str], out_dir: str, cc: CompareConfig, echo=print
     groups = {}
     for label, path in models.items():
         sampler = TransformersSampler(path, device="cpu", batch_size=256)
-        recs = generate_samples(task, label, sampler, cc.n, cc.temperature, 1.0, cc.max_new_tokens, cc.seed,
-                                extra_meta={"model_path": path})
+        recs = generate_samples(
+            task, label, sampler, cc.n, cc.temperature, 1.0, cc.max_new_tokens, cc.seed, extra_meta={"model_path": path}
+        )
         save_samples(os.path.join(out_dir, f"samples_{label}.jsonl"), recs)
         groups[label] = recs
-    return write_outputs(groups, out_dir, base="base", threshold=1.0, solve_rule="any",
-                         echo=echo or (lambda s: None))
+    return write_outputs(groups, out_dir, base="base", threshold=1.0, solve_rule="any", echo=echo or (lambda s: None))
 
 
 def n_params(model_dir: str) -> int:
@@ -212,13 +235,16 @@ def n_params(model_dir: str) -> int:
 def _budget_lines(budgets: dict, P: int) -> list[str]:
     from espert.diagnostics import forward_flops
 
-    lines = ["| method | rollouts | prompt tokens | generated tokens | rollout forward FLOPs | wall s |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | rollouts | prompt tokens | generated tokens | rollout forward FLOPs | wall s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for lab, b in budgets.items():
         fl = forward_flops(P, b["prompt_tokens"] + b["generated_tokens"])
         b["rollout_forward_flops"] = fl
-        lines.append(f"| {lab} | {b['rollouts']} | {b['prompt_tokens']} | {b['generated_tokens']} | {fl:.3e} | "
-                     f"{b['seconds']} |")
+        lines.append(
+            f"| {lab} | {b['rollouts']} | {b['prompt_tokens']} | {b['generated_tokens']} | {fl:.3e} | {b['seconds']} |"
+        )
     return lines
 
 
@@ -233,28 +259,50 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
     t0 = time.time()
     build_tiny_model(base, seed=cc.tiny_seed, pretrain_steps=cc.pretrain_steps)
     echo(f"[compare] base: tiny model pretrained {cc.pretrain_steps} steps ({time.time() - t0:.0f} s)")
-    budgets = {"ES": run_es(base, os.path.join(out_dir, "es"), cc, echo),
-               "GRPO": run_grpo(base, os.path.join(out_dir, "grpo"), cc, echo)}
+    budgets = {
+        "ES": run_es(base, os.path.join(out_dir, "es"), cc, echo),
+        "GRPO": run_grpo(base, os.path.join(out_dir, "grpo"), cc, echo),
+    }
     models = {"base": base, "es": os.path.join(out_dir, "es"), "grpo": os.path.join(out_dir, "grpo")}
     report = evaluate(models, os.path.join(out_dir, "eval"), cc, echo)
     drift = {lab: compute_drift(base, models[lab], per_tensor=False) for lab in ("es", "grpo")}
     plot_drift(drift, os.path.join(out_dir, "eval"))
     P = n_params(base)
-    lines = [f"# ES vs GRPO on `copy` (tiny model, {P} parameters)", "",
-             f"Config: `{json.dumps(dataclasses.asdict(cc))}`", "", "## Budget", ""]
+    lines = [
+        f"# ES vs GRPO on `copy` (tiny model, {P} parameters)",
+        "",
+        f"Config: `{json.dumps(dataclasses.asdict(cc))}`",
+        "",
+        "## Budget",
+        "",
+    ]
     lines += _budget_lines(budgets, P)
-    lines += ["", "## Held-out evaluation (espert eval)", "", "```", format_summary(report), "```", "",
-              "## Drift (espert analyze)", "", "```"]
+    lines += [
+        "",
+        "## Held-out evaluation (espert eval)",
+        "",
+        "```",
+        format_summary(report),
+        "```",
+        "",
+        "## Drift (espert analyze)",
+        "",
+        "```",
+    ]
     lines += [format_drift_summary(lab, d) for lab, d in drift.items()]
     lines += ["```", ""]
     text = "\n".join(lines)
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    doc = {"config": dataclasses.asdict(cc), "n_params": P,
-           "budgets": {k: {kk: vv for kk, vv in v.items() if kk != "train_reward"} for k, v in budgets.items()},
-           "train_reward": {k: v["train_reward"] for k, v in budgets.items()},
-           "eval": report["models"], "comparisons": report["comparisons"],
-           "drift": {k: {"overall": v["overall"], "groups": v["groups"]} for k, v in drift.items()}}
+    doc = {
+        "config": dataclasses.asdict(cc),
+        "n_params": P,
+        "budgets": {k: {kk: vv for kk, vv in v.items() if kk != "train_reward"} for k, v in budgets.items()},
+        "train_reward": {k: v["train_reward"] for k, v in budgets.items()},
+        "eval": report["models"],
+        "comparisons": report["comparisons"],
+        "drift": {k: {"overall": v["overall"], "groups": v["groups"]} for k, v in drift.items()},
+    }
     with open(os.path.join(out_dir, "compare.json"), "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
@@ -270,9 +318,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``espert compare`` to an argparse ``subparsers`` object; sets ``func``."""
-    p = subparsers.add_parser("compare", help="ES vs GRPO (trl) end to end on the tiny model: budgets, "
-                                              "pass@k/maj@k, coverage, drift (needs espert[compare])",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "compare",
+        help="ES vs GRPO (trl) end to end on the tiny model: budgets, "
+        "pass@k/maj@k, coverage, drift (needs espert[compare])",
+        description=__doc__.split("\n\n")[0],
+    )
     _add_arguments(p)
     return p
 

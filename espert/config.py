@@ -59,19 +59,24 @@ class ESConfig:
     """Everything a run needs.  Defaults are the main job: the tiny model, the ``copy`` task, CPU, minutes."""
 
     # -- model and task --
-    model: str = opt("tiny", "'tiny' (built from tiny_seed into RUN/base_model), a local HF model directory, "
-                             "or a Hub id")
+    model: str = opt(
+        "tiny", "'tiny' (built from tiny_seed into RUN/base_model), a local HF model directory, or a Hub id"
+    )
     tiny_seed: int = opt(0, "seed of the tiny model's random initialization")
-    task: str = opt("copy", "copy | gsm8k | gsm8k_strict | math500 | countdown, or an import path "
-                            "'package.module:name' of a Task, a reward fn(prompts, completions, answers) "
-                            "(problems from train_data/eval_data) or a loader fn(split) -> Task")
+    task: str = opt(
+        "copy",
+        "copy | gsm8k | gsm8k_strict | math500 | countdown, or an import path "
+        "'package.module:name' of a Task, a reward fn(prompts, completions, answers) "
+        "(problems from train_data/eval_data) or a loader fn(split) -> Task",
+    )
     train_data: str | None = opt(None, "local JSONL with the training problems (default: the task's train split)")
     eval_data: str | None = opt(None, "local JSONL with the held-out problems (default: the task's eval_split)")
     eval_split: str = opt("test", "split of the held-out problems")
     train_size: int | None = opt(None, "problems in the training pool (default: all of the split)")
     eval_size: int = opt(128, "held-out problems scored at the center (0: none)")
-    evaluator: str = opt("torch", "rollout engine: torch (transformers generate) or vllm (registered lazily, "
-                                  "see espert.evaluators)")
+    evaluator: str = opt(
+        "torch", "rollout engine: torch (transformers generate) or vllm (registered lazily, see espert.evaluators)"
+    )
     device: str = opt("cpu", "torch device of the live weights: cpu, cuda, cuda:1, ... (may change on resume)")
     dtype: Dtype = opt("float32", "live-weight dtype (the ES master is always float32)")
     chat_template: bool = opt(False, "wrap prompts in the tokenizer's chat template")
@@ -80,16 +85,24 @@ class ESConfig:
     cpu_threads: int = opt(1, "torch CPU threads at start (0: torch's default; 1 is fastest for the tiny model)")
     vllm_engines: int = opt(1, "evaluator vllm: number of engines sharing the population")
     vllm_tensor_parallel_size: int = opt(1, "evaluator vllm: tensor-parallel GPUs per engine")
-    vllm_gpu_memory_utilization: float | None = opt(None, "evaluator vllm: fraction of GPU memory per engine "
-                                                          "(default: vLLM's)")
+    vllm_gpu_memory_utilization: float | None = opt(
+        None, "evaluator vllm: fraction of GPU memory per engine (default: vLLM's)"
+    )
     vllm_max_model_len: int | None = opt(None, "evaluator vllm: max context length (default: the model's)")
-    vllm_rename: list[str] | None = opt(None, "evaluator vllm: 'vllm_name=checkpoint_name' pairs for models whose "
-                                              "parameter names differ from the checkpoint's beyond fusion")
-    quant: Quant = opt("none", "quantize the Linear layers (not lm_head) at load; ES perturbs and updates the "
-                               "quantized codes in place (torch evaluator); exports hold dequantized weights")
+    vllm_rename: list[str] | None = opt(
+        None,
+        "evaluator vllm: 'vllm_name=checkpoint_name' pairs for models whose "
+        "parameter names differ from the checkpoint's beyond fusion",
+    )
+    quant: Quant = opt(
+        "none",
+        "quantize the Linear layers (not lm_head) at load; ES perturbs and updates the "
+        "quantized codes in place (torch evaluator); exports hold dequantized weights",
+    )
     quant_group_size: int = opt(128, "int4 group size along the input dimension (-1: one group per row)")
-    include: list[str] | None = opt(None, "only perturb parameters matching these patterns (glob or name "
-                                          "component; default: all)")
+    include: list[str] | None = opt(
+        None, "only perturb parameters matching these patterns (glob or name component; default: all)"
+    )
     exclude: list[str] | None = opt(None, "never perturb parameters matching these patterns (default: none)")
     # -- ES --
     iterations: int = opt(300, "ES iterations")
@@ -98,37 +111,55 @@ class ESConfig:
     sigma: float = opt(0.02, "perturbation scale (with sigma_mode=rms: relative to each tensor's RMS)")
     sigma_schedule: Schedule = opt("constant", "sigma schedule from sigma to sigma_end")
     sigma_end: float | None = opt(None, "final sigma of a linear/cosine schedule")
-    sigma_mode: SigmaMode = opt("absolute", "absolute: one sigma for every tensor; rms: tensor t gets "
-                                            "sigma*RMS(t) of the base model (the step scales alike)")
-    noise: str = opt("gaussian", "noise family: gaussian | rademacher | lowrank:R (see docs/noise.md); "
-                                 "fixed for the life of a run")
+    sigma_mode: SigmaMode = opt(
+        "absolute",
+        "absolute: one sigma for every tensor; rms: tensor t gets "
+        "sigma*RMS(t) of the base model (the step scales alike)",
+    )
+    noise: str = opt(
+        "gaussian", "noise family: gaussian | rademacher | lowrank:R (see docs/noise.md); fixed for the life of a run"
+    )
     alpha: float = opt(0.01, "step size: theta += alpha/N * sum z_n eps_n (not divided by sigma)")
     alpha_schedule: Schedule = opt("constant", "alpha schedule from alpha to alpha_end")
     alpha_end: float | None = opt(None, "final alpha of a linear/cosine schedule")
-    optimizer: OptimizerName = opt("sgd", "how the step moves the float32 master: sgd | momentum | adam "
-                                          "(host memory per parameter: 4 | 8 | 12 bytes)")
+    optimizer: OptimizerName = opt(
+        "sgd",
+        "how the step moves the float32 master: sgd | momentum | adam (host memory per parameter: 4 | 8 | 12 bytes)",
+    )
     optimizer_beta1: float = opt(0.9, "momentum / adam first-moment decay")
     optimizer_beta2: float = opt(0.999, "adam second-moment decay")
     optimizer_eps: float = opt(1e-8, "adam epsilon")
-    normalization: Normalization = opt("zscore", "reward normalization: zscore; rank (centered ranks in "
-                                                 "[-0.5, 0.5], about 3.5x smaller steps at equal alpha); "
-                                                 "rank_unit (centered ranks scaled to unit std)")
-    reward_std_floor: float = opt(1e-6, "noise floor: when the std of the rewards is below this, the step "
-                                        "shrinks by std/floor (0: off)")
+    normalization: Normalization = opt(
+        "zscore",
+        "reward normalization: zscore; rank (centered ranks in "
+        "[-0.5, 0.5], about 3.5x smaller steps at equal alpha); "
+        "rank_unit (centered ranks scaled to unit std)",
+    )
+    reward_std_floor: float = opt(
+        1e-6, "noise floor: when the std of the rewards is below this, the step shrinks by std/floor (0: off)"
+    )
     weight_decay: float = opt(0.0, "center *= 1 - alpha*weight_decay before each update")
-    weight_decay_exclude: list[str] = opt(list(NO_DECAY_DEFAULT), "parameters weight decay leaves alone "
-                                                                  "(patterns; default: norms and biases)")
+    weight_decay_exclude: list[str] = opt(
+        list(NO_DECAY_DEFAULT), "parameters weight decay leaves alone (patterns; default: norms and biases)"
+    )
     prompts_per_iteration: int = opt(32, "training prompts per iteration (all members share them)")
-    prompt_sampler: PromptSampler = opt("sha256", "how prompt subsets derive from the seed: sha256 (portable); "
-                                                  "python_random (random.Random.sample, runs before v2)")
+    prompt_sampler: PromptSampler = opt(
+        "sha256",
+        "how prompt subsets derive from the seed: sha256 (portable); "
+        "python_random (random.Random.sample, runs before v2)",
+    )
     seed: int = opt(0, "master seed: member seeds and prompt subsets derive from it")
-    member_errors: MemberErrors = opt("raise", "an exception in one member stops the run (raise), or drops "
-                                               "that member (nan)")
+    member_errors: MemberErrors = opt(
+        "raise", "an exception in one member stops the run (raise), or drops that member (nan)"
+    )
     # -- bookkeeping --
     eval_every: int = opt(25, "held-out evaluation every N iterations (0: start and end only)")
     checkpoint_every: int = opt(50, "checkpoint + export every N iterations (0: end only)")
-    trackers: list[str] = opt([], "also log log.jsonl's metrics to: wandb, tensorboard (optional packages; "
-                                  "a missing or failing tracker only warns)")
+    trackers: list[str] = opt(
+        [],
+        "also log log.jsonl's metrics to: wandb, tensorboard (optional packages; "
+        "a missing or failing tracker only warns)",
+    )
     tracker_project: str = opt("espert", "wandb project / tensorboard subdirectory name")
 
     def __post_init__(self):
@@ -145,37 +176,55 @@ class ESConfig:
                 raise ValueError(f"ESConfig: {msg}")
 
         need(self.population >= 2, f"population must be >= 2, got {self.population}")
-        need(not self.antithetic or self.population % 2 == 0,
-             f"antithetic sampling needs an even population, got {self.population}")
+        need(
+            not self.antithetic or self.population % 2 == 0,
+            f"antithetic sampling needs an even population, got {self.population}",
+        )
         need(0 <= self.seed < U64 and 0 <= self.tiny_seed < U64, "seed and tiny_seed must be in [0, 2^64)")
         need(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
         need(self.prompts_per_iteration >= 1, "prompts_per_iteration must be >= 1")
-        need(self.eval_size >= 0 and (self.train_size is None or self.train_size >= 1),
-             "eval_size must be >= 0 and train_size >= 1")
-        need(self.max_new_tokens >= 1 and self.generation_batch_size >= 1,
-             "max_new_tokens and generation_batch_size must be >= 1")
-        need(self.vllm_engines >= 1 and self.vllm_tensor_parallel_size >= 1,
-             "vllm_engines and vllm_tensor_parallel_size must be >= 1")
+        need(
+            self.eval_size >= 0 and (self.train_size is None or self.train_size >= 1),
+            "eval_size must be >= 0 and train_size >= 1",
+        )
+        need(
+            self.max_new_tokens >= 1 and self.generation_batch_size >= 1,
+            "max_new_tokens and generation_batch_size must be >= 1",
+        )
+        need(
+            self.vllm_engines >= 1 and self.vllm_tensor_parallel_size >= 1,
+            "vllm_engines and vllm_tensor_parallel_size must be >= 1",
+        )
         need(self.cpu_threads >= 0, f"cpu_threads must be >= 0, got {self.cpu_threads}")
         need(self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every and checkpoint_every must be >= 0")
-        need(bool(self.task) and (":" not in self.task or TASK_PATH_RE.match(self.task) is not None),
-             f"task must be a task name or an import path 'package.module:name', got {self.task!r}")
-        need(self.quant == "none" or self.evaluator == "torch",
-             f"quant={self.quant!r} quantizes a float model for the torch evaluator; vLLM loads quantized "
-             f"checkpoints (W8A8 int8) itself")
-        need(self.quant == "none" or not (self.include or self.exclude),
-             "include/exclude select float parameters; with quant, ES moves the quantized Linear codes")
+        need(
+            bool(self.task) and (":" not in self.task or TASK_PATH_RE.match(self.task) is not None),
+            f"task must be a task name or an import path 'package.module:name', got {self.task!r}",
+        )
+        need(
+            self.quant == "none" or self.evaluator == "torch",
+            f"quant={self.quant!r} quantizes a float model for the torch evaluator; vLLM loads quantized "
+            f"checkpoints (W8A8 int8) itself",
+        )
+        need(
+            self.quant == "none" or not (self.include or self.exclude),
+            "include/exclude select float parameters; with quant, ES moves the quantized Linear codes",
+        )
         need(self.quant_group_size == -1 or self.quant_group_size >= 8, "quant_group_size must be -1 or >= 8")
         for name in ("sigma", "alpha"):
             v, kind, end = getattr(self, name), getattr(self, f"{name}_schedule"), getattr(self, f"{name}_end")
             need(math.isfinite(v) and v > 0, f"{name} must be a finite number > 0, got {v}")
             need(kind == "constant" or end is not None, f"{name}_schedule={kind!r} needs {name}_end")
-            need(end is None or (math.isfinite(end) and end >= 0 and (name == "alpha" or end > 0)),
-                 f"{name}_end must be finite and {'>= 0' if name == 'alpha' else '> 0'}, got {end}")
+            need(
+                end is None or (math.isfinite(end) and end >= 0 and (name == "alpha" or end > 0)),
+                f"{name}_end must be finite and {'>= 0' if name == 'alpha' else '> 0'}, got {end}",
+            )
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay must be >= 0")
         need(self.alpha * self.weight_decay < 1, "alpha·weight_decay must be < 1")
-        need(NOISE_RE.match(self.noise) is not None and int(self.noise.partition(":")[2] or 1) <= NOISE_MAX_RANK,
-             f"noise must be gaussian, rademacher or lowrank:R (1 <= R <= {NOISE_MAX_RANK}), got {self.noise!r}")
+        need(
+            NOISE_RE.match(self.noise) is not None and int(self.noise.partition(":")[2] or 1) <= NOISE_MAX_RANK,
+            f"noise must be gaussian, rademacher or lowrank:R (1 <= R <= {NOISE_MAX_RANK}), got {self.noise!r}",
+        )
         for k in ("optimizer_beta1", "optimizer_beta2"):
             need(0 <= getattr(self, k) < 1, f"{k} must be in [0, 1), got {getattr(self, k)}")
         need(math.isfinite(self.optimizer_eps) and self.optimizer_eps > 0, "optimizer_eps must be > 0")
@@ -221,7 +270,8 @@ V1_FIELDS = frozenset(
     "max_new_tokens generation_batch_size cpu_threads vllm_engines vllm_tensor_parallel_size "
     "vllm_gpu_memory_utilization vllm_max_model_len quant quant_group_size include exclude iterations population "
     "antithetic sigma sigma_schedule sigma_end alpha alpha_schedule alpha_end normalization weight_decay "
-    "prompts_per_iteration seed member_errors eval_every checkpoint_every".split())
+    "prompts_per_iteration seed member_errors eval_every checkpoint_every".split()
+)
 #: Behaviour of version-1 runs for fields whose default changed since.
 LEGACY_DEFAULTS = {"prompt_sampler": "python_random", "weight_decay_exclude": [], "reward_std_floor": 0.0}
 
@@ -270,6 +320,7 @@ def _coerce(name: str, v, hint):
 
 
 # ---- one description, several views: CLI help, choices, the docs table -------------------------------
+
 
 def field_type(name: str):
     """The annotation of field ``name`` without ``None`` (``int | None`` -> ``int``)."""
@@ -331,5 +382,15 @@ if __name__ == "__main__":  # pragma: no cover
     write_config_table(sys.argv[1] if len(sys.argv) > 1 else "docs/training.md")
 
 
-__all__ = ["ESConfig", "NORMALIZATIONS", "SCHEDULES", "RENAMED", "LEGACY_DEFAULTS", "config_table", "write_config_table",
-           "field_help", "field_choices", "field_type"]
+__all__ = [
+    "ESConfig",
+    "NORMALIZATIONS",
+    "SCHEDULES",
+    "RENAMED",
+    "LEGACY_DEFAULTS",
+    "config_table",
+    "write_config_table",
+    "field_help",
+    "field_choices",
+    "field_type",
+]

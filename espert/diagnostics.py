@@ -27,8 +27,9 @@ def _normals(seed: int, n: int) -> torch.Tensor:
     return eps
 
 
-def restore_exactness(dtype: torch.dtype, cycles: int = 1000, numel: int = 1 << 20, sigma: float = 1e-3,
-                      std: float = 0.02, seed: int = 0) -> dict:
+def restore_exactness(
+    dtype: torch.dtype, cycles: int = 1000, numel: int = 1 << 20, sigma: float = 1e-3, std: float = 0.02, seed: int = 0
+) -> dict:
     """Fraction of weights that differ from the center after ``cycles`` perturb/restore cycles.
 
     'espert' restores from the center store; 'subtract' is the naive w − σε restore (the same
@@ -46,15 +47,18 @@ def restore_exactness(dtype: torch.dtype, cycles: int = 1000, numel: int = 1 << 
         ops.perturb_(naive, c, KEY, sigma, sign)
         ops.perturb_(naive, c, KEY, sigma, -sign)
     return {
-        "dtype": str(dtype).replace("torch.", ""), "cycles": cycles, "numel": numel,
+        "dtype": str(dtype).replace("torch.", ""),
+        "cycles": cycles,
+        "numel": numel,
         "espert_differ": int((live.view(torch.int16) != center.view(torch.int16)).sum()),
         "subtract_differ_frac": float((naive != center).float().mean()),
         "host_bytes_per_param": store.nbytes / numel,
     }
 
 
-def update_fidelity(steps: int = 100, population: int = 8, numel: int = 1 << 16, alpha: float = 5e-4,
-                    std: float = 0.02, seed: int = 0) -> dict:
+def update_fidelity(
+    steps: int = 100, population: int = 8, numel: int = 1 << 16, alpha: float = 5e-4, std: float = 0.02, seed: int = 0
+) -> dict:
     """Relative error ‖Δ − Δ_fp64‖ / ‖Δ_fp64‖ of θ_steps − θ_0 for bf16 weights, per update path.
 
     coefficients c_n = α z_n / N with z ~ N(0, 1), as in ES-at-scale (α = 5e-4 for σ = 1e-3).
@@ -84,7 +88,9 @@ def update_fidelity(steps: int = 100, population: int = 8, numel: int = 1 << 16,
         return float((center.double() - theta0.double() - want).norm() / want.norm())
 
     return {
-        "steps": steps, "population": population, "numel": numel,
+        "steps": steps,
+        "population": population,
+        "numel": numel,
         "espert_fp32_master": rel(master.centers[0]),
         "espert_bf16_center": rel(same.centers[0]),
         "naive_bf16_add": rel(naive),
@@ -121,8 +127,15 @@ def antithetic_stats(members, rewards) -> dict:
         if r is not None and np.isfinite(r):
             (plus if sign > 0 else minus)[int(seed)] = float(r)
     seeds = [s for s in plus if s in minus]
-    out = {"pairs": len(seeds), "corr_pm": None, "var_one": None, "var_anti": None, "var_even": None,
-           "kappa": None, "kappa_eval": None}
+    out = {
+        "pairs": len(seeds),
+        "corr_pm": None,
+        "var_one": None,
+        "var_anti": None,
+        "var_even": None,
+        "kappa": None,
+        "kappa_eval": None,
+    }
     if len(seeds) < 2:
         return out
     xp = np.array([plus[s] for s in seeds])
@@ -194,13 +207,15 @@ def population_js(member_answers) -> float | None:
     n_prompts = len(member_answers[0])
     if any(len(m) != n_prompts for m in member_answers):
         raise ValueError("every member must answer the same prompts")
-    vals = [js_divergence([Counter(a for a in m[p] if a is not None) for m in member_answers])
-            for p in range(n_prompts)]
+    vals = [
+        js_divergence([Counter(a for a in m[p] if a is not None) for m in member_answers]) for p in range(n_prompts)
+    ]
     return float(np.mean(vals)) if vals else None
 
 
-def iteration_diagnostics(rec: dict, n_params: int | None = None, tokens: int | None = None,
-                          flops_before: float = 0.0) -> dict:
+def iteration_diagnostics(
+    rec: dict, n_params: int | None = None, tokens: int | None = None, flops_before: float = 0.0
+) -> dict:
     """Per-iteration diagnostics of an ``iter`` log record: :func:`antithetic_stats` (antithetic runs),
     :func:`reward_spread`, and, when ``n_params`` and ``tokens`` (processed this iteration) are known,
     ``flops`` and the cumulative ``flops_total`` (``flops_before`` + this iteration)."""
@@ -214,8 +229,9 @@ def iteration_diagnostics(rec: dict, n_params: int | None = None, tokens: int | 
     return out
 
 
-def estimator_variance(evaluator, prompts, answers, sigma: float, pairs: int = 16, per_member: int = 16,
-                       seed: int = 0) -> dict:
+def estimator_variance(
+    evaluator, prompts, answers, sigma: float, pairs: int = 16, per_member: int = 16, seed: int = 0
+) -> dict:
     """One-point vs antithetic coefficient variance, with common and with independent prompt sets.
 
     ``pairs`` seeds are drawn from ``seed``; each member (s, +1), (s, −1) is evaluated (``evaluator``:
@@ -230,8 +246,9 @@ def estimator_variance(evaluator, prompts, answers, sigma: float, pairs: int = 1
 
     pool = len(prompts)
     if pool < per_member or per_member < 1 or pairs < 2:
-        raise ValueError(f"need pairs >= 2 and 1 <= per_member <= {pool} prompts, got pairs={pairs}, "
-                         f"per_member={per_member}")
+        raise ValueError(
+            f"need pairs >= 2 and 1 <= per_member <= {pool} prompts, got pairs={pairs}, per_member={per_member}"
+        )
     rng = random.Random(seed)
     seeds = [rng.getrandbits(63) for _ in range(pairs)]
     members = [(s, sign) for s in seeds for sign in (1, -1)]
@@ -241,8 +258,13 @@ def estimator_variance(evaluator, prompts, answers, sigma: float, pairs: int = 1
     for m in members:
         idx = rng.sample(range(pool), per_member)
         ri.extend(evaluator.evaluate([m], sigma, [prompts[i] for i in idx], [answers[i] for i in idx]))
-    return {"sigma": sigma, "pairs": pairs, "per_member": per_member,
-            "common": antithetic_stats(members, rc), "independent": antithetic_stats(members, ri)}
+    return {
+        "sigma": sigma,
+        "pairs": pairs,
+        "per_member": per_member,
+        "common": antithetic_stats(members, rc),
+        "independent": antithetic_stats(members, ri),
+    }
 
 
 class IterationMeter:

@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - the evaluator layer is below; only its t
 
 # ---- derived randomness ------------------------------------------------------------------------
 
+
 def derive_seed(tag: str, master: int, t: int, j: int) -> int:
     """uint64 from sha256(f"espert/{tag}/{master}/{t}/{j}"): first 8 bytes, little-endian."""
     return int.from_bytes(hashlib.sha256(f"espert/{tag}/{master}/{t}/{j}".encode()).digest()[:8], "little")
@@ -114,6 +115,7 @@ def schedule(kind: str, start: float, end: float | None, t: int, total: int) -> 
 
 # ---- normalization and coefficients -------------------------------------------------------------
 
+
 def normalize(rewards: Sequence[float], method: str = "zscore", floor: float = 0.0) -> np.ndarray:
     """Rewards [N] (nan = failed member) -> normalized scores z [N] float64, 0 for failed members.
 
@@ -150,8 +152,9 @@ def normalize(rewards: Sequence[float], method: str = "zscore", floor: float = 0
     return z
 
 
-def coefficients(members: Sequence[Member], rewards: Sequence[float], z: np.ndarray,
-                 alpha: float) -> tuple[list[int], list[float]]:
+def coefficients(
+    members: Sequence[Member], rewards: Sequence[float], z: np.ndarray, alpha: float
+) -> tuple[list[int], list[float]]:
     """Per-seed update coefficients c_k = α/N_valid · Σ sign_n·z_n (valid members only, zeros dropped).
 
     Seeds appear in first-member order, so the fused update sums members in a fixed order.
@@ -182,14 +185,27 @@ def reward_stats(rewards: Sequence[float]) -> dict:
     v = np.asarray([r for r in rewards if math.isfinite(r)], dtype=np.float64)
     if v.size == 0:
         return {"mean": None, "max": None, "min": None, "std": None, "n_valid": 0}
-    return {"mean": float(v.mean()), "max": float(v.max()), "min": float(v.min()), "std": float(v.std()),
-            "n_valid": int(v.size)}
+    return {
+        "mean": float(v.mean()),
+        "max": float(v.max()),
+        "min": float(v.min()),
+        "std": float(v.std()),
+        "n_valid": int(v.size),
+    }
 
 
 # ---- the step ---------------------------------------------------------------------------------
 
-def es_step(evaluator: Evaluator, cfg: ESConfig, t: int, prompts: Sequence[str], answers: Sequence[str],
-            write_ahead: Callable[[dict], None] | None = None, noise_energy: float | None = None) -> dict:
+
+def es_step(
+    evaluator: Evaluator,
+    cfg: ESConfig,
+    t: int,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    write_ahead: Callable[[dict], None] | None = None,
+    noise_energy: float | None = None,
+) -> dict:
     """One ES iteration t (1-based): evaluate the population, normalize, log, update the center.
 
     ``write_ahead(record)`` is called after the update is decided and before it is applied (the run
@@ -209,11 +225,21 @@ def es_step(evaluator: Evaluator, cfg: ESConfig, t: int, prompts: Sequence[str],
     stats = reward_stats(rewards)
     skipped = stats["n_valid"] == 0
     decay = 1.0 if skipped else 1.0 - alpha * cfg.weight_decay
-    record = {"kind": "iter", "iteration": t, "sigma": sigma, "alpha": alpha, "members": [list(m) for m in members],
-              "rewards": [r if math.isfinite(r) else None for r in rewards], "reward": stats,
-              "seeds": seeds, "coeffs": coeffs, "decay": decay, "skipped": skipped,
-              "step_norm": None if noise_energy is None else step_norm(coeffs, noise_energy),
-              "eval_seconds": round(time.time() - t0, 4)}
+    record = {
+        "kind": "iter",
+        "iteration": t,
+        "sigma": sigma,
+        "alpha": alpha,
+        "members": [list(m) for m in members],
+        "rewards": [r if math.isfinite(r) else None for r in rewards],
+        "reward": stats,
+        "seeds": seeds,
+        "coeffs": coeffs,
+        "decay": decay,
+        "skipped": skipped,
+        "step_norm": None if noise_energy is None else step_norm(coeffs, noise_energy),
+        "eval_seconds": round(time.time() - t0, 4),
+    }
     if write_ahead is not None:
         write_ahead(record)
     apply_record(evaluator, record)
@@ -228,6 +254,20 @@ def apply_record(evaluator: Evaluator, record: dict) -> None:
         evaluator.update(record["seeds"], record["coeffs"], record["decay"], record["alpha"])
 
 
-__all__ = ["ESConfig", "NORMALIZATIONS", "SCHEDULES", "U64", "es_step", "apply_record", "normalize",
-           "coefficients", "population", "prompt_indices", "member_seed", "derive_seed", "schedule",
-           "reward_stats", "step_norm"]
+__all__ = [
+    "ESConfig",
+    "NORMALIZATIONS",
+    "SCHEDULES",
+    "U64",
+    "es_step",
+    "apply_record",
+    "normalize",
+    "coefficients",
+    "population",
+    "prompt_indices",
+    "member_seed",
+    "derive_seed",
+    "schedule",
+    "reward_stats",
+    "step_norm",
+]

@@ -213,7 +213,6 @@ def sr_uniform(seed: int, key: int, index) -> np.ndarray:
     return (x >> np.uint32(8)).astype(np.float32) * UNIFORM_SCALE
 
 
-
 # ---- noise families (docs/noise.md §5) --------------------------------------------------------
 
 FAMILIES = ("gaussian", "rademacher", "lowrank")
@@ -238,18 +237,22 @@ class NoiseFamily:
         if isinstance(spec, NoiseFamily):
             return spec
         if not isinstance(spec, str):
-            raise TypeError(f"noise family must be a string such as 'gaussian', 'rademacher' or 'lowrank:4', "
-                            f"got {spec!r}")
+            raise TypeError(
+                f"noise family must be a string such as 'gaussian', 'rademacher' or 'lowrank:4', got {spec!r}"
+            )
         name, _, arg = spec.strip().partition(":")
         if name in ("gaussian", "rademacher") and not _:
             return cls(name)
         if name == "lowrank" and _:
             if not arg.isdigit() or not 1 <= int(arg) <= MAX_RANK:
-                raise ValueError(f"noise family {spec!r}: the rank of lowrank:r must be an integer in "
-                                 f"[1, {MAX_RANK}], got {arg!r}")
+                raise ValueError(
+                    f"noise family {spec!r}: the rank of lowrank:r must be an integer in [1, {MAX_RANK}], got {arg!r}"
+                )
             return cls("lowrank", int(arg))
-        raise ValueError(f"unknown noise family {spec!r}; known: 'gaussian', 'rademacher', 'lowrank:r' "
-                         f"(r an integer in [1, {MAX_RANK}])")
+        raise ValueError(
+            f"unknown noise family {spec!r}; known: 'gaussian', 'rademacher', 'lowrank:r' "
+            f"(r an integer in [1, {MAX_RANK}])"
+        )
 
     def __str__(self) -> str:
         return f"lowrank:{self.rank}" if self.name == "lowrank" else self.name
@@ -300,6 +303,7 @@ def family_noise(family, seed: int, key: int, index, logical_rows: int, logical_
 
 # ---- rounding from binary32 to the storage formats, by integer operations --------------------
 
+
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even binary32 -> bfloat16 bits (uint16); NaN stays a quiet NaN."""
     b = np.asarray(x, dtype=np.float32).view(np.uint32)
@@ -326,17 +330,51 @@ def apply_update(center: np.ndarray, delta: np.ndarray, dtype: str) -> np.ndarra
         return np.where(np.isnan(center), center, center + delta)
 
 
-def perturb_reference(w: np.ndarray, dtype: str, seed: int, key: int, sigma: float, sign: int = 1,
-                      row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None, *,
-                      noise: str = "gaussian", logical_rows: int | None = None, scale: float = 1.0) -> np.ndarray:
+def perturb_reference(
+    w: np.ndarray,
+    dtype: str,
+    seed: int,
+    key: int,
+    sigma: float,
+    sign: int = 1,
+    row_offset: int = 0,
+    col_offset: int = 0,
+    logical_cols: int | None = None,
+    *,
+    noise: str = "gaussian",
+    logical_rows: int | None = None,
+    scale: float = 1.0,
+) -> np.ndarray:
     """Reference for ``espert.ops.perturb_``: w + c·ε with c = fl32(fl32(sign·σ)·scale), rounded once to ``dtype``."""
-    return update_reference(w, dtype, [seed], [sign * sigma], key, row_offset, col_offset, logical_cols,
-                            noise=noise, logical_rows=logical_rows, scale=scale)
+    return update_reference(
+        w,
+        dtype,
+        [seed],
+        [sign * sigma],
+        key,
+        row_offset,
+        col_offset,
+        logical_cols,
+        noise=noise,
+        logical_rows=logical_rows,
+        scale=scale,
+    )
 
 
-def update_reference(w: np.ndarray, dtype: str, seeds, coeffs, key: int,
-                     row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None, *,
-                     noise: str = "gaussian", logical_rows: int | None = None, scale: float = 1.0) -> np.ndarray:
+def update_reference(
+    w: np.ndarray,
+    dtype: str,
+    seeds,
+    coeffs,
+    key: int,
+    row_offset: int = 0,
+    col_offset: int = 0,
+    logical_cols: int | None = None,
+    *,
+    noise: str = "gaussian",
+    logical_rows: int | None = None,
+    scale: float = 1.0,
+) -> np.ndarray:
     """Reference for ``espert.ops.es_update_``: w + Σ_n c_n·ε_n, summed in float32 from +0 in member order,
     c_n = fl32(fl32(coeffs[n])·fl32(scale)).  ``noise``: a family spec (``NoiseFamily.parse``);
     ``logical_rows`` (default: the block's last row + 1) decides the lowrank 1-row fallback."""
@@ -368,14 +406,20 @@ def golden_vectors() -> dict:
         key = param_key(name)
         idx = np.arange(count, dtype=np.uint64) + np.uint64(start)
         words = philox_words(seed, key, idx[:4] >> np.uint64(2))
-        cases.append({
-            "seed": seed, "name": name, "key": key, "start": start,
-            "philox_group0": [int(w[0]) for w in words],
-            "normal_bits": [int(b) for b in normal(seed, key, idx).view(np.uint32)],
-        })
+        cases.append(
+            {
+                "seed": seed,
+                "name": name,
+                "key": key,
+                "start": start,
+                "philox_group0": [int(w[0]) for w in words],
+                "normal_bits": [int(b) for b in normal(seed, key, idx).view(np.uint32)],
+            }
+        )
     return {"spec_version": SPEC_VERSION, "cases": cases}
 
 
 if __name__ == "__main__":  # python -m espert.noise > tests/golden/noise_v1.json
     import json
+
     print(json.dumps(golden_vectors(), indent=1))

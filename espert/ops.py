@@ -113,7 +113,8 @@ def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
         if w.stride(1) != 1 and cols > 1:
             raise ValueError(
                 f"espert ops need unit stride along the last dimension (a non-contiguous or transposed view), "
-                f"got shape {tuple(w.shape)} with strides {w.stride()}")
+                f"got shape {tuple(w.shape)} with strides {w.stride()}"
+            )
         row_stride = w.stride(0) if rows > 1 else cols
         if rows > 1 and row_stride < cols:
             raise ValueError(f"rows of the tensor overlap in memory (strides {w.stride()})")
@@ -132,7 +133,8 @@ def _geometry(w: torch.Tensor, block: Block | None) -> _Geometry:
     ro, co = block.row_offset, block.col_offset
     if min(ro, co) < 0 or ro + rows > lr or co + cols > lc:
         raise ValueError(
-            f"block of shape [{rows}, {cols}] at offset ({ro}, {co}) lies outside the logical shape [{lr}, {lc}]")
+            f"block of shape [{rows}, {cols}] at offset ({ro}, {co}) lies outside the logical shape [{lr}, {lc}]"
+        )
     if lr * lc >= U64:
         raise ValueError(f"logical shape [{lr}, {lc}] has more than 2^64 elements")
     return _Geometry(rows, cols, row_stride, ro, co, lc, lr)
@@ -184,8 +186,12 @@ def _check_u64(name: str, v) -> int:
 
 
 def _check_sigma(sigma) -> float:
-    if isinstance(sigma, (bool, np.bool_)) or not isinstance(sigma, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(sigma) or sigma <= 0:
+    if (
+        isinstance(sigma, (bool, np.bool_))
+        or not isinstance(sigma, (int, float, np.floating, np.integer))
+        or not math.isfinite(sigma)
+        or sigma <= 0
+    ):
         raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
     s32 = np.float32(sigma)
     if not np.isfinite(s32) or s32 < _TINY32:
@@ -201,11 +207,13 @@ def _check_sign(sign) -> int:
 
 # ---- backends ------------------------------------------------------------------------------
 
+
 @dataclass
 class _Step:
     """One kernel pass of a call: ``table`` (int64 [E, len(PLAN_FIELDS)]) run with the call's
     coefficients, or with ones (``ones``: the lowrank staging fill); ``groups``: [e0, e1) ranges that
     share a dtype and a family (one GPU launch each); ``zero``: a staging buffer cleared first."""
+
     table: np.ndarray
     ones: bool
     groups: list
@@ -257,11 +265,11 @@ def _upload(device, steps: list[_Step], seeds: np.ndarray, coeffs: np.ndarray):
     COUNTERS["h2d"] += 1
     dev = host.to(device, non_blocking=True)
     s = dev[:n]
-    c = dev[n:n + half].view(torch.float32)[:n]
-    o = dev[n + half:n + 2 * half].view(torch.float32)[:n]
+    c = dev[n : n + half].view(torch.float32)[:n]
+    o = dev[n + half : n + 2 * half].view(torch.float32)[:n]
     tables, at = [], n + 2 * half
     for st in steps:
-        tables.append(dev[at:at + st.table.size].view(st.table.shape))
+        tables.append(dev[at : at + st.table.size].view(st.table.shape))
         at += st.table.size
     return s, c, o, tables
 
@@ -275,8 +283,15 @@ def _run_cuda(device, steps: list[_Step], seeds: np.ndarray, coeffs: np.ndarray)
                 st.zero.zero_()
             for e0, e1 in st.groups:
                 COUNTERS["launches"] += 1
-                _C.apply_many_cuda(st.table[e0:].ctypes.data, dt[e0].data_ptr(), e1 - e0, len(seeds), s.data_ptr(),
-                                   (o if st.ones else c).data_ptr(), stream)
+                _C.apply_many_cuda(
+                    st.table[e0:].ctypes.data,
+                    dt[e0].data_ptr(),
+                    e1 - e0,
+                    len(seeds),
+                    s.data_ptr(),
+                    (o if st.ones else c).data_ptr(),
+                    stream,
+                )
 
 
 def _run_triton(device, steps: list[_Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
@@ -311,8 +326,7 @@ def _triton_block() -> int:
 
 BACKENDS: dict[str, Backend] = {
     "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _run_cpu),
-    "cuda": Backend("cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _run_cuda,
-                    lambda: int(_C.CUDA_UNIT_GROUPS)),
+    "cuda": Backend("cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _run_cuda, lambda: int(_C.CUDA_UNIT_GROUPS)),
     "triton": Backend("triton", _triton_ok, _run_triton, _triton_block),
 }
 
@@ -355,8 +369,9 @@ def _backend(w: torch.Tensor, name: str | None, kind: str = "run") -> Backend:
         what = "float" if kind == "run" else "quantized"
         raise ValueError(f"backend {name!r} has no {what} kernels; available: {available_backends(w, kind)}")
     if not b.supports(w):
-        raise ValueError(f"backend {name!r} cannot run on a {w.device} tensor here; "
-                         f"available: {available_backends(w, kind)}")
+        raise ValueError(
+            f"backend {name!r} cannot run on a {w.device} tensor here; available: {available_backends(w, kind)}"
+        )
     return b
 
 
@@ -370,19 +385,42 @@ def _i64(v: int) -> int:
     return v - U64 if v >= 1 << 63 else v
 
 
-def _row(data, code, rows, cols, row_stride, ro, co, lc, key, scale_bits, family, rank=0, sa=0, sb=0,
-         mb=0, me=0) -> list:
-    return [data, code, rows, cols, row_stride, _i64(ro), _i64(co), _i64(lc), _i64(key), scale_bits, family, rank,
-            sa, sb, mb, me, 0, 0]
+def _row(
+    data, code, rows, cols, row_stride, ro, co, lc, key, scale_bits, family, rank=0, sa=0, sb=0, mb=0, me=0
+) -> list:
+    return [
+        data,
+        code,
+        rows,
+        cols,
+        row_stride,
+        _i64(ro),
+        _i64(co),
+        _i64(lc),
+        _i64(key),
+        scale_bits,
+        family,
+        rank,
+        sa,
+        sb,
+        mb,
+        me,
+        0,
+        0,
+    ]
 
 
 def _collapse_rows(t: np.ndarray) -> None:
     """In place: a Philox-family entry whose rows are contiguous in memory and in the logical matrix
     (full-width rows, row stride = cols) becomes one long row: fewer row ends, same logical indices."""
     u = t.view(np.uint64)
-    m = ((t[:, _F["family"]] != FAMILY_CODES["lowrank"]) & (t[:, _F["rows"]] > 1)
-         & (t[:, _F["row_stride"]] == t[:, _F["cols"]]) & (t[:, _F["col_offset"]] == 0)
-         & (u[:, _F["logical_cols"]] == u[:, _F["cols"]]))
+    m = (
+        (t[:, _F["family"]] != FAMILY_CODES["lowrank"])
+        & (t[:, _F["rows"]] > 1)
+        & (t[:, _F["row_stride"]] == t[:, _F["cols"]])
+        & (t[:, _F["col_offset"]] == 0)
+        & (u[:, _F["logical_cols"]] == u[:, _F["cols"]])
+    )
     if not m.any():
         return
     start = u[m, _F["row_offset"]] * u[m, _F["logical_cols"]]  # < 2^64: checked by _geometry
@@ -409,8 +447,9 @@ def _finish(t: np.ndarray, unit_groups: int | None) -> tuple[np.ndarray, list]:
         cols, fam = t[:, _F["cols"]], t[:, _F["family"]]
         lowrank = fam == FAMILY_CODES["lowrank"]
         rademacher = fam == FAMILY_CODES["rademacher"]  # units of whole 128-element Philox calls
-        groups_per_row = np.where(lowrank, (cols + 3) // 4, np.where(rademacher, 32 * ((cols + 254) // 128),
-                                                                     (cols + 6) // 4))
+        groups_per_row = np.where(
+            lowrank, (cols + 3) // 4, np.where(rademacher, 32 * ((cols + 254) // 128), (cols + 6) // 4)
+        )
         upr = np.maximum(1, (groups_per_row + unit_groups - 1) // unit_groups)
         t[:, _F["units_per_row"]] = upr
         units = np.where(t[:, _F["member_end"]] > t[:, _F["member_begin"]], t[:, _F["rows"]] * upr, 0)
@@ -430,13 +469,21 @@ def _lowrank_pieces(g: _Geometry, w: torch.Tensor, n: int, r: int) -> list[tuple
     es, out = w.element_size(), []
     for i0 in range(0, g.rows, rc):
         for j0 in range(0, g.cols, cc):
-            out.append((w.data_ptr() + (i0 * g.row_stride + j0) * es, min(rc, g.rows - i0), min(cc, g.cols - j0),
-                        g.row_offset + i0, g.col_offset + j0))
+            out.append(
+                (
+                    w.data_ptr() + (i0 * g.row_stride + j0) * es,
+                    min(rc, g.rows - i0),
+                    min(cc, g.cols - j0),
+                    g.row_offset + i0,
+                    g.col_offset + j0,
+                )
+            )
     return out
 
 
-def _build_steps(checked: list, fam: NoiseFamily, n: int, scale_bits: list, device,
-                 unit_groups: int | None) -> list[_Step]:
+def _build_steps(
+    checked: list, fam: NoiseFamily, n: int, scale_bits: list, device, unit_groups: int | None
+) -> list[_Step]:
     """The launch plan of one call: the Philox-family entries in one step; lowrank entries in chunks
     whose staging fits STAGING_BYTES, each a fill step (A and Bᵀ from the v1 Gaussian) + an apply step."""
     lr_code = FAMILY_CODES["lowrank"]
@@ -446,11 +493,28 @@ def _build_steps(checked: list, fam: NoiseFamily, n: int, scale_bits: list, devi
             continue
         if fam.name == "lowrank" and g.logical_rows > 1:
             for data, rows, cols, ro, co in _lowrank_pieces(g, w, n, fam.rank):
-                pieces.append(_row(data, code, rows, cols, g.row_stride, ro, co, g.logical_cols, key, sb, lr_code,
-                                   fam.rank, mb=0, me=n))
+                pieces.append(
+                    _row(
+                        data,
+                        code,
+                        rows,
+                        cols,
+                        g.row_stride,
+                        ro,
+                        co,
+                        g.logical_cols,
+                        key,
+                        sb,
+                        lr_code,
+                        fam.rank,
+                        mb=0,
+                        me=n,
+                    )
+                )
             continue
-        plain.append((w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols,
-                      key, sb))
+        plain.append(
+            (w.data_ptr(), code, g.rows, g.cols, g.row_stride, g.row_offset, g.col_offset, g.logical_cols, key, sb)
+        )
     steps = []
     if plain:  # column by column: the uint64 fields go in through a uint64 view of the table
         t = np.zeros((len(plain), len(PLAN_FIELDS)), _I64)
@@ -477,8 +541,9 @@ def _build_steps(checked: list, fam: NoiseFamily, n: int, scale_bits: list, devi
         cur.append(p)
         used += sz
     chunks.append(cur)
-    stage = torch.empty(max(sum(n * r * (p[_F["rows"]] + p[_F["cols"]]) for p in c) for c in chunks),
-                        dtype=torch.float32, device=device)
+    stage = torch.empty(
+        max(sum(n * r * (p[_F["rows"]] + p[_F["cols"]]) for p in c) for c in chunks), dtype=torch.float32, device=device
+    )
     base = stage.data_ptr()
     k_bits = int(lowrank_scale(r).view(np.int32))
     f32, gauss = DTYPE_CODES[torch.float32], FAMILY_CODES["gaussian"]
@@ -499,14 +564,14 @@ def _build_steps(checked: list, fam: NoiseFamily, n: int, scale_bits: list, devi
             f[..., _F["dtype"]], f[..., _F["family"]] = f32, gauss
             f[..., _F["member_begin"]], f[..., _F["member_end"]] = members, members + 1
             if is_a:
-                f[..., _F["data"]] = (sa[:, None] + 4 * rows[:, None] * r * members)
+                f[..., _F["data"]] = sa[:, None] + 4 * rows[:, None] * r * members
                 f[..., _F["rows"]], f[..., _F["cols"]], f[..., _F["row_stride"]] = rows[:, None], r, r
                 fu[..., _F["row_offset"]] = u[:, _F["row_offset"], None]
                 fu[..., _F["logical_cols"]] = r
                 fu[..., _F["key"]] = u[:, _F["key"], None] ^ np.uint64(LOWRANK_KEY_A)
                 f[..., _F["scale_bits"]] = k_bits
             else:
-                f[..., _F["data"]] = (sb[:, None] + 4 * r * cols[:, None] * members)
+                f[..., _F["data"]] = sb[:, None] + 4 * r * cols[:, None] * members
                 f[..., _F["rows"]], f[..., _F["cols"]], f[..., _F["row_stride"]] = r, cols[:, None], cols[:, None]
                 fu[..., _F["col_offset"]] = u[:, _F["col_offset"], None]
                 fu[..., _F["logical_cols"]] = u[:, _F["logical_cols"], None]
@@ -522,6 +587,7 @@ def _build_steps(checked: list, fam: NoiseFamily, n: int, scale_bits: list, devi
 
 # ---- the ops -------------------------------------------------------------------------------
 
+
 def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """Validate population seeds and coefficients; returns (uint64 [N], float32 [N]) arrays.
 
@@ -534,8 +600,10 @@ def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.nda
     coeff_arr = np.array(coeffs, dtype=np.float64)
     bad = ~np.isfinite(coeff_arr)
     if bad.any():
-        raise ValueError(f"coefficients must be finite; got {coeff_arr[bad][:4].tolist()} "
-                         f"at positions {np.flatnonzero(bad)[:4].tolist()}")
+        raise ValueError(
+            f"coefficients must be finite; got {coeff_arr[bad][:4].tolist()} "
+            f"at positions {np.flatnonzero(bad)[:4].tolist()}"
+        )
     with np.errstate(over="ignore"):  # overflow is reported just below
         coeff32 = coeff_arr.astype(np.float32)
     if not np.isfinite(coeff32).all():
@@ -567,8 +635,10 @@ def _check_items(items, fam: NoiseFamily, n: int, scales, backend: str | None):
             if g.logical_rows * fam.rank >= U64 or fam.rank * g.logical_cols >= U64:
                 raise ValueError(f"items[{k}]: {fam} needs logical_rows·r and r·logical_cols below 2^64")
             if n * fam.rank * 8 > STAGING_BYTES:
-                raise ValueError(f"{fam} with {n} members needs more than {STAGING_BYTES >> 20} MiB of staging "
-                                 f"per row and column; use fewer members per call")
+                raise ValueError(
+                    f"{fam} with {n} members needs more than {STAGING_BYTES >> 20} MiB of staging "
+                    f"per row and column; use fewer members per call"
+                )
         if be is None:
             be, device = _backend(w, backend), w.device
         elif w.device != device:  # one device per call, so one backend
@@ -581,16 +651,29 @@ def _check_items(items, fam: NoiseFamily, n: int, scales, backend: str | None):
             bits.append(_ONE_BITS)
             continue
         s = scales[k]
-        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(s) or s <= 0 or not np.float32(s) >= _TINY32 or not np.isfinite(np.float32(s)):
+        if (
+            isinstance(s, (bool, np.bool_))
+            or not isinstance(s, (int, float, np.floating, np.integer))
+            or not math.isfinite(s)
+            or s <= 0
+            or not np.float32(s) >= _TINY32
+            or not np.isfinite(np.float32(s))
+        ):
             raise ValueError(f"scales[{k}] must be a finite number > 0 that is normal in float32, got {s!r}")
         bits.append(int(np.float32(s).view(np.int32)))
     return checked, bits, be, device
 
 
 @torch.no_grad()
-def es_update_many_(items, seeds: Sequence[int], coeffs: Sequence[float], *, noise: str = "gaussian",
-                    scales: Sequence[float] | None = None, backend: str | None = None) -> None:
+def es_update_many_(
+    items,
+    seeds: Sequence[int],
+    coeffs: Sequence[float],
+    *,
+    noise: str = "gaussian",
+    scales: Sequence[float] | None = None,
+    backend: str | None = None,
+) -> None:
     """In place, for every ``(w, key, block)`` of ``items``:
     ``w <- round(w + Σ_n c_n · ε(seeds[n], key, logical index))``, one pass per element, with
     ``c_n = fl32(fl32(coeffs[n]) · fl32(scales[t]))`` (scale 1.0, the default, is exact).
@@ -613,8 +696,16 @@ def es_update_many_(items, seeds: Sequence[int], coeffs: Sequence[float], *, noi
     torch.autograd.graph.increment_version([w for w, _, _, _ in checked])
 
 
-def perturb_many_(items, seed: int, sigma: float, sign: int = 1, *, noise: str = "gaussian",
-                  scales: Sequence[float] | None = None, backend: str | None = None) -> None:
+def perturb_many_(
+    items,
+    seed: int,
+    sigma: float,
+    sign: int = 1,
+    *,
+    noise: str = "gaussian",
+    scales: Sequence[float] | None = None,
+    backend: str | None = None,
+) -> None:
     """In place, for every ``(w, key, block)``: ``w <- round(w + c·ε(seed, key, index))`` with
     ``c = fl32(fl32(sign·σ)·scale)``.  σ: finite, > 0 and normal in float32; sign: the int +1 or -1.
     See :func:`es_update_many_` for the tensors and ``noise``."""
@@ -623,9 +714,17 @@ def perturb_many_(items, seed: int, sigma: float, sign: int = 1, *, noise: str =
     es_update_many_(items, [seed], [sign * sigma], noise=noise, scales=scales, backend=backend)
 
 
-def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], key: int, *,
-               block: Block | None = None, backend: str | None = None, master: torch.Tensor | None = None,
-               noise: str = "gaussian"):
+def es_update_(
+    w: torch.Tensor,
+    seeds: Sequence[int],
+    coeffs: Sequence[float],
+    key: int,
+    *,
+    block: Block | None = None,
+    backend: str | None = None,
+    master: torch.Tensor | None = None,
+    noise: str = "gaussian",
+):
     """In place: ``w <- round(w + Σ_n coeffs[n] · ε(seeds[n], key, logical index))``, one pass.
 
     A registered weight type (:func:`register_weight_type`; ``espert.quant.QuantWeight``) dispatches
@@ -647,8 +746,17 @@ def es_update_(w: torch.Tensor, seeds: Sequence[int], coeffs: Sequence[float], k
     return w
 
 
-def perturb_(w: torch.Tensor, seed: int, key: int, sigma: float, sign: int = 1, *,
-             block: Block | None = None, backend: str | None = None, noise: str = "gaussian") -> torch.Tensor:
+def perturb_(
+    w: torch.Tensor,
+    seed: int,
+    key: int,
+    sigma: float,
+    sign: int = 1,
+    *,
+    block: Block | None = None,
+    backend: str | None = None,
+    noise: str = "gaussian",
+) -> torch.Tensor:
     """In place: ``w <- round(w + sign·σ·ε(seed, key, logical index))``.  Antithetic pairs use sign ±1.
 
     Same tensor rules as :func:`es_update_` (it is ``es_update_`` with one member and coefficient
@@ -735,7 +843,7 @@ def restore_(w: torch.Tensor, center: torch.Tensor, *, non_blocking: bool = Fals
         if w.device.type != "cpu":  # narrow on the host into bounded staging, then one transfer per chunk
             staging = torch.empty(min(g.rows, step) * g.cols, dtype=w.dtype, pin_memory=torch.cuda.is_available())
     for i in range(0, g.rows, step):
-        d, s = dst[i:i + step], src[i:i + step]
+        d, s = dst[i : i + step], src[i : i + step]
         if s.dtype == d.dtype:
             d.copy_(s, non_blocking=non_blocking)
         elif host_narrow and staging is None:  # one pass, no temporaries, NaN bits kept
@@ -756,6 +864,7 @@ def restore_(w: torch.Tensor, center: torch.Tensor, *, non_blocking: bool = Fals
 # schemas are int64: uint64 seeds and keys travel as their two's-complement bits.  Blocks travel
 # flattened, four ints per tensor (row_offset, col_offset, logical_rows, logical_cols), -1 for None.
 
+
 def _from_i64(v: int) -> int:
     return int(v) & (U64 - 1)
 
@@ -771,22 +880,37 @@ def _unflatten(ws, keys, blocks) -> list:
         raise ValueError(f"got {len(ws)} tensors, {len(keys)} keys and {len(blocks)} block ints (4 per tensor)")
     out = []
     for i, w in enumerate(ws):
-        b = blocks[4 * i:4 * i + 4]
-        block = None if all(x == -1 for x in b) else Block(b[0], b[1], None if b[2] == -1 else b[2],
-                                                             None if b[3] == -1 else b[3])
+        b = blocks[4 * i : 4 * i + 4]
+        block = (
+            None
+            if all(x == -1 for x in b)
+            else Block(b[0], b[1], None if b[2] == -1 else b[2], None if b[3] == -1 else b[3])
+        )
         out.append((w, _from_i64(keys[i]), block))
     return out
 
 
 @torch.library.custom_op("espert::es_update_", mutates_args=("ws",))
-def _es_update_op(ws: list[torch.Tensor], keys: list[int], blocks: list[int], seeds: torch.Tensor,
-                  coeffs: torch.Tensor, scales: list[float] | None = None, noise: str = "gaussian") -> None:
+def _es_update_op(
+    ws: list[torch.Tensor],
+    keys: list[int],
+    blocks: list[int],
+    seeds: torch.Tensor,
+    coeffs: torch.Tensor,
+    scales: list[float] | None = None,
+    noise: str = "gaussian",
+) -> None:
     """``torch.ops.espert.es_update_``: :func:`es_update_many_` as a torch operator.
     seeds: int64 [N] (uint64 bits) and coeffs: float32 [N], host tensors, uploaded once per call."""
     if seeds.device.type != "cpu" or coeffs.device.type != "cpu":
         raise ValueError("seeds and coeffs must be host tensors (the op uploads them once per call)")
-    es_update_many_(_unflatten(ws, keys, blocks), [_from_i64(s) for s in seeds.tolist()], coeffs.tolist(),
-                    noise=noise, scales=scales)
+    es_update_many_(
+        _unflatten(ws, keys, blocks),
+        [_from_i64(s) for s in seeds.tolist()],
+        coeffs.tolist(),
+        noise=noise,
+        scales=scales,
+    )
 
 
 @_es_update_op.register_fake
@@ -795,8 +919,16 @@ def _(ws, keys, blocks, seeds, coeffs, scales=None, noise="gaussian") -> None:
 
 
 @torch.library.custom_op("espert::perturb_", mutates_args=("ws",))
-def _perturb_op(ws: list[torch.Tensor], keys: list[int], blocks: list[int], seed: int, sigma: float,
-                sign: int = 1, scales: list[float] | None = None, noise: str = "gaussian") -> None:
+def _perturb_op(
+    ws: list[torch.Tensor],
+    keys: list[int],
+    blocks: list[int],
+    seed: int,
+    sigma: float,
+    sign: int = 1,
+    scales: list[float] | None = None,
+    noise: str = "gaussian",
+) -> None:
     """``torch.ops.espert.perturb_``: :func:`perturb_many_` as a torch operator (one member: scalars)."""
     perturb_many_(_unflatten(ws, keys, blocks), _from_i64(seed), sigma, sign, noise=noise, scales=scales)
 
@@ -824,6 +956,10 @@ def op_args(items) -> tuple[list[torch.Tensor], list[int], list[int]]:
         ws.append(w)
         keys.append(as_int64(key))
         b = block or Block()
-        blocks += [b.row_offset, b.col_offset, -1 if b.logical_rows is None else b.logical_rows,
-                   -1 if b.logical_cols is None else b.logical_cols]
+        blocks += [
+            b.row_offset,
+            b.col_offset,
+            -1 if b.logical_rows is None else b.logical_rows,
+            -1 if b.logical_cols is None else b.logical_cols,
+        ]
     return ws, keys, blocks

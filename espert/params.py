@@ -53,8 +53,9 @@ def matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or p in name.split(".") for p in patterns)
 
 
-def torch_param_views(module: torch.nn.Module, include: Sequence[str] | None = None,
-                      exclude: Sequence[str] | None = None) -> list[ParamView]:
+def torch_param_views(
+    module: torch.nn.Module, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+) -> list[ParamView]:
     """ParamViews of a plain torch module (transformers models included): one per parameter, identity layout.
 
     include / exclude: glob patterns on the parameter name (``*embed_tokens*``) or exact name
@@ -73,8 +74,10 @@ def torch_param_views(module: torch.nn.Module, include: Sequence[str] | None = N
             continue
         seen.add(p.data_ptr())
         if p.dtype not in DTYPE_CODES:
-            raise ValueError(f"parameter {name} has dtype {p.dtype}; espert perturbs float32/float16/bfloat16 only "
-                             f"(exclude it, or see the quantized formats)")
+            raise ValueError(
+                f"parameter {name} has dtype {p.dtype}; espert perturbs float32/float16/bfloat16 only "
+                f"(exclude it, or see the quantized formats)"
+            )
         # detach(), not .data: the view shares the parameter's autograd version counter, so an in-place
         # op on it makes backward() through stale activations fail loudly instead of silently
         views.append(ParamView(name, p.detach()))

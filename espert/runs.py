@@ -76,6 +76,7 @@ def kill_point(name: str, iteration: int | None = None) -> None:
 
 # ---- atomic files ----------------------------------------------------------------------------------
 
+
 def fsync_dir(path: str) -> None:
     """fsync a directory (makes renames in it durable); a no-op where directories cannot be opened."""
     try:
@@ -110,6 +111,7 @@ def atomic_write_text(path: str, text: str) -> None:
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+
     atomic_write(path, write)
 
 
@@ -123,9 +125,20 @@ def sha256_file(path: str) -> str:
 
 # ---- safetensors, byte-deterministic ----------------------------------------------------------------
 
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
@@ -164,6 +177,7 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
 
 
 # ---- the log ----------------------------------------------------------------------------------------
+
 
 def _body(rec: dict) -> str:
     return json.dumps(rec, allow_nan=False, separators=(",", ":"))
@@ -212,10 +226,12 @@ def read_log(path: str, repair: bool = False) -> list[dict]:
             break
         rec, problem = _parse_line(data[pos:end])
         if rec is None:
-            where = "the last line" if not data[end + 1:] else "not the last line"
-            raise RunError(f"{path}: line {lineno} is damaged: {problem} ({where}); refusing to guess. The "
-                           f"records before it are intact; restore the file from a backup, or replay up to "
-                           f"the last intact iteration")
+            where = "the last line" if not data[end + 1 :] else "not the last line"
+            raise RunError(
+                f"{path}: line {lineno} is damaged: {problem} ({where}); refusing to guess. The "
+                f"records before it are intact; restore the file from a backup, or replay up to "
+                f"the last intact iteration"
+            )
         records.append(rec)
         pos = end + 1
     return records
@@ -237,17 +253,21 @@ def checkpoint_hashes(records: list[dict]) -> dict[str, int]:
 
 # ---- centers and exports --------------------------------------------------------------------------
 
-def save_center(path: str, state: dict[str, torch.Tensor], iteration: int,
-                before_replace: Callable[[str], None] | None = None) -> str:
+
+def save_center(
+    path: str, state: dict[str, torch.Tensor], iteration: int, before_replace: Callable[[str], None] | None = None
+) -> str:
     """Atomically write the center (logical names) with its iteration as metadata; returns the file's sha256.
 
     before_replace(sha256) runs once the new file is complete and before it replaces the old one
     (the run logs the checksum there).
     """
+
     def write(tmp):
         sha = write_safetensors(tmp, state, {"format": "pt", "espert": FORMAT, "iteration": str(iteration)})
         kill_point("center-written", iteration)
         return sha
+
     return atomic_write(path, write, before_replace)
 
 
@@ -268,21 +288,27 @@ def load_center(path: str, known: dict[str, int] | None = None) -> tuple[dict[st
     if known:
         sha = sha256_file(path)
         if sha not in known:
-            raise RunError(f"{path}: damaged center checkpoint: its sha256 ({sha[:16]}…, {size} bytes) is none of the "
-                           f"{len(known)} checkpoint(s) recorded in {LOG}")
+            raise RunError(
+                f"{path}: damaged center checkpoint: its sha256 ({sha[:16]}…, {size} bytes) is none of the "
+                f"{len(known)} checkpoint(s) recorded in {LOG}"
+            )
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
             state = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
-        raise RunError(f"{path}: damaged center checkpoint: not a readable safetensors file "
-                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise RunError(
+            f"{path}: damaged center checkpoint: not a readable safetensors file "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if "iteration" not in meta or not str(meta["iteration"]).isdigit():
         raise RunError(f"{path} is not an espert center checkpoint (no iteration in its metadata)")
     it = int(meta["iteration"])
     if known and known[sha] != it:
-        raise RunError(f"{path}: damaged center checkpoint: metadata says iteration {it}, the log recorded "
-                       f"this file as iteration {known[sha]}")
+        raise RunError(
+            f"{path}: damaged center checkpoint: metadata says iteration {it}, the log recorded "
+            f"this file as iteration {known[sha]}"
+        )
     return state, it
 
 
@@ -310,31 +336,40 @@ def resolve_model_dir(ref: str) -> str:
         pass
     where = f"the Hugging Face Hub ({constants.ENDPOINT})"
     if constants.HF_HUB_OFFLINE:
-        raise FileNotFoundError(f"model {ref!r} is not a local directory and not in the local Hugging Face cache, "
-                                f"and HF_HUB_OFFLINE is set")
+        raise FileNotFoundError(
+            f"model {ref!r} is not a local directory and not in the local Hugging Face cache, and HF_HUB_OFFLINE is set"
+        )
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     try:  # one short request first, so an unreachable Hub costs seconds, not a minute of retries
         HfApi().model_info(ref, timeout=10)
     except GatedRepoError:
-        raise FileNotFoundError(f"model {ref!r} on {where} is gated: accept its license and log in "
-                                f"(hf auth login)") from None
+        raise FileNotFoundError(
+            f"model {ref!r} on {where} is gated: accept its license and log in (hf auth login)"
+        ) from None
     except RepositoryNotFoundError:
-        raise FileNotFoundError(f"model {ref!r}: no such local directory, and no such model on {where} "
-                                f"(or it is private: log in with hf auth login)") from None
+        raise FileNotFoundError(
+            f"model {ref!r}: no such local directory, and no such model on {where} "
+            f"(or it is private: log in with hf auth login)"
+        ) from None
     except HfHubHTTPError as e:
         code = getattr(getattr(e, "response", None), "status_code", None)
-        raise FileNotFoundError(f"model {ref!r} is not a local directory or cached, and {where} answered "
-                                f"HTTP {code}: {str(e).splitlines()[0]}") from None
+        raise FileNotFoundError(
+            f"model {ref!r} is not a local directory or cached, and {where} answered "
+            f"HTTP {code}: {str(e).splitlines()[0]}"
+        ) from None
     except Exception as e:  # noqa: BLE001 - network errors come from several libraries
-        raise FileNotFoundError(f"model {ref!r} is not a local directory or cached, and {where} cannot be "
-                                f"reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise FileNotFoundError(
+            f"model {ref!r} is not a local directory or cached, and {where} cannot be "
+            f"reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return snapshot_download(ref, allow_patterns=patterns)
 
 
-def export_model(state: dict[str, torch.Tensor], base_ref: str, out_dir: str, iteration: int | None = None,
-                 note: dict | None = None) -> str:
+def export_model(
+    state: dict[str, torch.Tensor], base_ref: str, out_dir: str, iteration: int | None = None, note: dict | None = None
+) -> str:
     """Write the center in the base model's own format to ``out_dir`` (replaced atomically as a whole).
 
     Copies the base model's non-weight files (config, tokenizer, generation config, chat template)
@@ -383,8 +418,10 @@ def export_model(state: dict[str, torch.Tensor], base_ref: str, out_dir: str, it
             write_safetensors(os.path.join(tmp, shard), tensors, meta)
         missing = sorted(set(state) - found)
         if missing:
-            raise ValueError(f"the base checkpoint {base} has no tensors named {missing[:3]}"
-                             f"{' ...' if len(missing) > 3 else ''}; cannot export in its format")
+            raise ValueError(
+                f"the base checkpoint {base} has no tensors named {missing[:3]}"
+                f"{' ...' if len(missing) > 3 else ''}; cannot export in its format"
+            )
         with open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh:
             json.dump({"iteration": iteration, "base_model": base_ref, **(note or {})}, fh, indent=2)
         for f in os.listdir(tmp):
@@ -413,6 +450,7 @@ def export_iteration(export_dir: str) -> int | None:
 
 
 # ---- the base model's fingerprint --------------------------------------------------------------------
+
 
 def _stat_key(st: os.stat_result) -> str:
     # ctime and inode change whenever a file is rewritten or replaced, and cannot be set back by hand
@@ -467,11 +505,15 @@ def check_base(path: str, want: dict | None, echo: Callable[[str], None] | None 
         raise RunError(f"the base model directory {path} is missing")
     if "files" not in want:
         if _fingerprint_v1(path) != want:
-            raise RunError(f"the base model at {path} is not the one this run started from: config.json or the "
-                           f"weight files' names or sizes differ. Replay and resume need the original base model")
+            raise RunError(
+                f"the base model at {path} is not the one this run started from: config.json or the "
+                f"weight files' names or sizes differ. Replay and resume need the original base model"
+            )
         if echo:
-            echo(f"[espert] note: this run directory records only config.json and weight file sizes of its base "
-                 f"model (older espert), so the weight contents at {path} cannot be verified")
+            echo(
+                f"[espert] note: this run directory records only config.json and weight file sizes of its base "
+                f"model (older espert), so the weight contents at {path} cannot be verified"
+            )
         return
     have = base_fingerprint(path, want)["files"]
     old = want["files"]
@@ -484,11 +526,14 @@ def check_base(path: str, want: dict | None, echo: Callable[[str], None] | None 
         elif a["sha256"] != b["sha256"]:
             changes.append(f"{n}: contents changed (sha256 {a['sha256'][:12]}… -> {b['sha256'][:12]}…)")
     if changes:
-        raise RunError(f"the base model at {path} is not the one this run started from: {'; '.join(changes)}. "
-                       f"Replay and resume need the original base model")
+        raise RunError(
+            f"the base model at {path} is not the one this run started from: {'; '.join(changes)}. "
+            f"Replay and resume need the original base model"
+        )
 
 
 # ---- checks before anything is written ---------------------------------------------------------------
+
 
 def check_device(device: str) -> None:
     """Raise ValueError unless torch can place tensors on ``device`` here."""
@@ -533,6 +578,7 @@ def check_inputs(cfg: ESConfig, ref: str) -> None:
 
 
 # ---- the run ---------------------------------------------------------------------------------------
+
 
 def read_config_file(path: str):
     """The parsed YAML (``.yaml``/``.yml``/anything else) or TOML (``.toml``) document at ``path``.
@@ -587,8 +633,11 @@ def _abandoned_setup(run_dir: str) -> bool:
     """What a killed setup of older espert versions left: no config, an empty log, at most a base model."""
     names = set(os.listdir(run_dir))
     log = os.path.join(run_dir, LOG)
-    return (CONFIG not in names and (not os.path.exists(log) or os.path.getsize(log) == 0)
-            and all(n in (LOG, BASE) or n.startswith(f".{BASE}.tmp-") for n in names))
+    return (
+        CONFIG not in names
+        and (not os.path.exists(log) or os.path.getsize(log) == 0)
+        and all(n in (LOG, BASE) or n.startswith(f".{BASE}.tmp-") for n in names)
+    )
 
 
 def _remove_stale_setups(parent: str, name: str) -> None:
@@ -644,8 +693,9 @@ class Run:
 
     # -- opening --
     @classmethod
-    def open(cls, run_dir: str, cfg: ESConfig | None, resume: bool = False,
-             echo: Callable[[str], None] | None = print) -> "Run":
+    def open(
+        cls, run_dir: str, cfg: ESConfig | None, resume: bool = False, echo: Callable[[str], None] | None = print
+    ) -> "Run":
         """Create a new run in ``run_dir`` or (``resume``) reopen it.
 
         Every input is checked (:func:`check_inputs`) before anything is written.  A new run
@@ -658,16 +708,21 @@ class Run:
             doc = read_run_config(run_dir)
             stored = ESConfig.from_dict(doc["config"])
             cfg = cfg or stored
-            diff = {k: (getattr(stored, k), getattr(cfg, k)) for k in stored.to_dict()
-                    if getattr(stored, k) != getattr(cfg, k)}
+            diff = {
+                k: (getattr(stored, k), getattr(cfg, k))
+                for k in stored.to_dict()
+                if getattr(stored, k) != getattr(cfg, k)
+            }
             bad = {k: v for k, v in diff.items() if k not in RESUMABLE_CHANGES}
             if "iterations" in diff and (cfg.sigma_schedule != "constant" or cfg.alpha_schedule != "constant"):
                 bad["iterations"] = diff["iterations"]
             if bad:
                 lines = "; ".join(f"{k}: run has {a!r}, given {b!r}" for k, (a, b) in sorted(bad.items()))
-                raise ValueError(f"config mismatch on resume of {run_dir}: {lines}. Resume with the run's own "
-                                 f"config (only {', '.join(RESUMABLE_CHANGES)} may change; iterations only with "
-                                 f"constant schedules), or start a new run directory.")
+                raise ValueError(
+                    f"config mismatch on resume of {run_dir}: {lines}. Resume with the run's own "
+                    f"config (only {', '.join(RESUMABLE_CHANGES)} may change; iterations only with "
+                    f"constant schedules), or start a new run directory."
+                )
             check_inputs(cfg, doc["base_model"])
             run = cls(run_dir, cfg, doc, echo)
             run._ensure_base()
@@ -679,8 +734,9 @@ class Run:
         if cfg is None:
             raise ValueError("a new run needs a config (cfg=None is only for resuming)")
         if os.path.isdir(run_dir) and _holds_run(run_dir) and not _abandoned_setup(run_dir):
-            raise FileExistsError(f"{run_dir} already holds an espert run; pass --resume to continue it, or choose "
-                                  f"another --run-dir")
+            raise FileExistsError(
+                f"{run_dir} already holds an espert run; pass --resume to continue it, or choose another --run-dir"
+            )
         if os.path.exists(run_dir) and not os.path.isdir(run_dir):
             raise FileExistsError(f"{run_dir} exists and is not a directory")
         if os.path.isdir(run_dir) and os.listdir(run_dir) and not _abandoned_setup(run_dir):
@@ -689,8 +745,15 @@ class Run:
         check_inputs(cfg, ref)
         from espert import __version__
 
-        doc = {"format": FORMAT, "espert_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "base_model": ref, "base_fingerprint": None, "task": cfg.task, "config": cfg.to_dict()}
+        doc = {
+            "format": FORMAT,
+            "espert_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "base_model": ref,
+            "base_fingerprint": None,
+            "task": cfg.task,
+            "config": cfg.to_dict(),
+        }
         parent, name = os.path.split(os.path.abspath(run_dir))
         os.makedirs(parent, exist_ok=True)
         _remove_stale_setups(parent, name)
@@ -703,8 +766,9 @@ class Run:
 
                 build_tiny_model(os.path.join(tmp, BASE), seed=cfg.tiny_seed)
                 kill_point("setup-base")
-            doc["base_fingerprint"] = base_fingerprint(os.path.join(tmp, BASE) if ref == BASE
-                                                       else resolve_model_dir(ref))
+            doc["base_fingerprint"] = base_fingerprint(
+                os.path.join(tmp, BASE) if ref == BASE else resolve_model_dir(ref)
+            )
             atomic_write_text(os.path.join(tmp, CONFIG), _dump_config(doc))
             open(os.path.join(tmp, LOG), "wb").close()
             fsync_dir(tmp)
@@ -803,8 +867,10 @@ class Run:
                 rebuilt = True
             else:
                 if start > last:
-                    raise RunError(f"{self.file(CENTER)} is at iteration {start} but {self.file(LOG)} ends at "
-                                   f"iteration {last}: log records are missing, so the run cannot continue")
+                    raise RunError(
+                        f"{self.file(CENTER)} is at iteration {start} but {self.file(LOG)} ends at "
+                        f"iteration {last}: log records are missing, so the run cannot continue"
+                    )
                 evaluator.load_center(state)
         for rec in its[start:]:
             apply_record(evaluator, rec)
@@ -816,6 +882,7 @@ class Run:
 
     def checkpoint(self, evaluator, t: int) -> None:
         """Save the center at iteration t (its sha256 logged first) and export it in the base model's format."""
+
         def log_checksum(sha: str) -> None:  # write-ahead: a checkpoint file on disk is always one the log knows
             if checkpoint_hashes(self.records).get(sha) != t:
                 self.append({"kind": "checkpoint", "iteration": t, "file": CENTER, "sha256": sha})
@@ -823,8 +890,13 @@ class Run:
 
         save_center(self.file(CENTER), evaluator.center_state(), t, before_replace=log_checksum)
         self._verified = (_stat_key(os.stat(self.file(CENTER))), t)
-        export_model(evaluator.export_state(), self.base_path, self.file(EXPORT), iteration=t,
-                     note={"run": os.path.abspath(self.path)})
+        export_model(
+            evaluator.export_state(),
+            self.base_path,
+            self.file(EXPORT),
+            iteration=t,
+            note={"run": os.path.abspath(self.path)},
+        )
 
     def finish_iteration(self, evaluator, eval_task, t: int, hook: Callable[[int, str], None] | None = None):
         """Do what iteration t's bookkeeping still lacks: its held-out evaluation and its checkpoint, when the
@@ -833,8 +905,11 @@ class Run:
         cfg, T = self.cfg, self.cfg.iterations
         rec = None
         due_eval = t in (0, T) or (cfg.eval_every and t % cfg.eval_every == 0)
-        if eval_task is not None and due_eval and not any(
-                r.get("kind") == "eval" and r.get("iteration") == t for r in self.records):
+        if (
+            eval_task is not None
+            and due_eval
+            and not any(r.get("kind") == "eval" and r.get("iteration") == t for r in self.records)
+        ):
             rec = self.evaluate_heldout(evaluator, eval_task, t)
         due_ck = t > 0 and (t == T or (cfg.checkpoint_every and t % cfg.checkpoint_every == 0))
         if due_ck and self.checkpoint_iteration() != t:
@@ -848,17 +923,27 @@ class Run:
         t0 = time.time()
         rewards = evaluator.evaluate_center(task.prompts, task.answers)
         kill_point("evaluated", t)
-        rec = {"kind": "eval", "iteration": t, "mean": sum(rewards) / len(rewards) if rewards else None,
-               "n": len(rewards), "seconds": round(time.time() - t0, 4), "time": time.time()}
+        rec = {
+            "kind": "eval",
+            "iteration": t,
+            "mean": sum(rewards) / len(rewards) if rewards else None,
+            "n": len(rewards),
+            "seconds": round(time.time() - t0, 4),
+            "time": time.time(),
+        }
         self.append(rec)
         return rec
 
     def summary(self) -> dict:
         evals = [r for r in self.records if r.get("kind") == "eval"]
         its = self.iterations()
-        return {"run_dir": self.path, "iterations": len(its), "heldout": [(r["iteration"], r["mean"]) for r in evals],
-                "train_reward": [(r["iteration"], r["reward"]["mean"]) for r in its],
-                "export": self.file(EXPORT) if os.path.isdir(self.file(EXPORT)) else None}
+        return {
+            "run_dir": self.path,
+            "iterations": len(its),
+            "heldout": [(r["iteration"], r["mean"]) for r in evals],
+            "train_reward": [(r["iteration"], r["reward"]["mean"]) for r in its],
+            "export": self.file(EXPORT) if os.path.isdir(self.file(EXPORT)) else None,
+        }
 
     def close(self) -> None:
         self._log.close()
@@ -869,6 +954,7 @@ def _dump_config(doc: dict) -> str:
 
 
 # ---- helpers used by the loop and the CLI ---------------------------------------------------------------
+
 
 def load_tasks(cfg: ESConfig):
     """``(train_task, eval_task or None)`` from the config."""
@@ -889,8 +975,9 @@ def build_run_evaluator(run: Run, train_task):
     return build_evaluator(run.cfg, run.base_path, train_task.score)
 
 
-def replay(run_dir: str, out_dir: str | None = None, upto: int | None = None,
-           echo: Callable[[str], None] | None = print) -> dict:
+def replay(
+    run_dir: str, out_dir: str | None = None, upto: int | None = None, echo: Callable[[str], None] | None = print
+) -> dict:
     """Rebuild a run's center from its base model and log alone, on the CPU.
 
     Writes ``OUT/center.safetensors`` and ``OUT/export/`` (default OUT: RUN/replay) and compares
@@ -918,11 +1005,16 @@ def replay(run_dir: str, out_dir: str | None = None, upto: int | None = None,
             ref = load_center(ck, checkpoint_hashes(records))
         except RunError as e:
             ck_error = str(e)
-    ahead = max([it for it in (ref and ref[1], export_iteration(os.path.join(run_dir, EXPORT))) if it is not None]
-                + [r["iteration"] for r in records if r.get("kind") in ("checkpoint", "eval")], default=0)
+    ahead = max(
+        [it for it in (ref and ref[1], export_iteration(os.path.join(run_dir, EXPORT))) if it is not None]
+        + [r["iteration"] for r in records if r.get("kind") in ("checkpoint", "eval")],
+        default=0,
+    )
     if ahead > last_logged:
-        raise RunError(f"{log} ends at iteration {last_logged}, but the run's checkpoint, export or log reached "
-                       f"iteration {ahead}: update records are missing, so replay cannot rebuild its weights")
+        raise RunError(
+            f"{log} ends at iteration {last_logged}, but the run's checkpoint, export or log reached "
+            f"iteration {ahead}: update records are missing, so replay cannot rebuild its weights"
+        )
     if upto is not None:
         if not 0 <= upto <= len(its):
             raise ValueError(f"--upto {upto} is outside the logged iterations 0..{len(its)}")
@@ -937,15 +1029,18 @@ def replay(run_dir: str, out_dir: str | None = None, upto: int | None = None,
     os.makedirs(out_dir, exist_ok=True)
     state = center.state_dict()
     save_center(os.path.join(out_dir, CENTER), state, last)
-    export_model(center.export_state(), base, os.path.join(out_dir, EXPORT), iteration=last,
-                 note={"replayed_from": run_dir})
+    export_model(
+        center.export_state(), base, os.path.join(out_dir, EXPORT), iteration=last, note={"replayed_from": run_dir}
+    )
     match = None
     if ck_error is not None and upto is None:
         match = False
     elif ref is not None and ref[1] == last:
         match = set(ref[0]) == set(state) and all(torch.equal(ref[0][n], state[n]) for n in state)
-    echo(f"[espert] replayed {len(its)} updates in {time.time() - t0:.1f}s -> {out_dir}"
-         + ("" if match is None or ck_error else f"; bit-identical to {ck}: {'yes' if match else 'NO'}"))
+    echo(
+        f"[espert] replayed {len(its)} updates in {time.time() - t0:.1f}s -> {out_dir}"
+        + ("" if match is None or ck_error else f"; bit-identical to {ck}: {'yes' if match else 'NO'}")
+    )
     if ck_error is not None:
         echo(f"[espert] cannot compare with the run's checkpoint: {ck_error}")
     return {"iteration": last, "out": out_dir, "matches_checkpoint": match}

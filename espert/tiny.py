@@ -65,18 +65,31 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     if not chars:
         raise ValueError("the tiny tokenizer needs a non-empty alphabet")
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    trainer = trainers.BpeTrainer(vocab_size=len(SPECIAL_TOKENS) + len(chars), special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=chars, limit_alphabet=len(chars), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(SPECIAL_TOKENS) + len(chars),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=chars,
+        limit_alphabet=len(chars),
+        show_progress=False,
+    )
     tok.train_from_iterator([alphabet], trainer=trainer)
     vocab = tok.get_vocab()
     missing = [c for c in chars if c not in vocab]
     if missing or len(vocab) != len(SPECIAL_TOKENS) + len(chars):
         raise RuntimeError(f"tiny tokenizer: unexpected vocabulary {sorted(vocab, key=vocab.get)}")
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", vocab["<s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", padding_side="left", clean_up_tokenization_spaces=False)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def pretrain_corpus(n: int, seed: int = 0) -> list[str]:
@@ -103,7 +116,7 @@ def pretrain(model, tokenizer, steps: int, seed: int = 0, batch_size: int = 64, 
     L = max(len(e) for e in enc)
     ids = torch.full((len(enc), L), tokenizer.pad_token_id, dtype=torch.long)
     for i, e in enumerate(enc):
-        ids[i, :len(e)] = torch.tensor(e)
+        ids[i, : len(e)] = torch.tensor(e)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
@@ -141,12 +154,21 @@ def build_tiny_model(save_dir: str, seed: int = 0, spec: TinySpec | None = None,
     os.makedirs(save_dir, exist_ok=True)
     tok = build_tokenizer(spec.alphabet)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_attention_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.init_std,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False, dtype="float32")
+        vocab_size=len(tok),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     # Weights come from torch's CPU generator, seeded here, in module construction order.
     state = torch.random.get_rng_state()
     try:
@@ -155,13 +177,24 @@ def build_tiny_model(save_dir: str, seed: int = 0, spec: TinySpec | None = None,
     finally:
         torch.random.set_rng_state(state)
     losses = pretrain(model, tok, pretrain_steps, seed=seed)
-    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id, do_sample=False)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False
+    )
     model.save_pretrained(save_dir, safe_serialization=True)
     tok.save_pretrained(save_dir)
     with open(os.path.join(save_dir, "espert_tiny.json"), "w", encoding="utf-8") as f:
-        json.dump({"seed": seed, "spec": asdict(spec),
-                   "pretrain": {"steps": pretrain_steps, "corpus": "copy lines over the copy train pool",
-                                "final_loss": losses[-1] if losses else None}}, f, indent=2)
+        json.dump(
+            {
+                "seed": seed,
+                "spec": asdict(spec),
+                "pretrain": {
+                    "steps": pretrain_steps,
+                    "corpus": "copy lines over the copy train pool",
+                    "final_loss": losses[-1] if losses else None,
+                },
+            },
+            f,
+            indent=2,
+        )
         f.write("\n")
     return model

@@ -37,8 +37,14 @@ class Trackers:
         import wandb
 
         run_id = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
-        return wandb.init(project=project, dir=run_dir, id=run_id, resume="allow", config=config,
-                          name=os.path.basename(os.path.abspath(run_dir)))
+        return wandb.init(
+            project=project,
+            dir=run_dir,
+            id=run_id,
+            resume="allow",
+            config=config,
+            name=os.path.basename(os.path.abspath(run_dir)),
+        )
 
     @staticmethod
     def _start_tensorboard(run_dir: str, project: str, config: dict):
@@ -49,8 +55,10 @@ class Trackers:
     def _drop(self, name: str, e: BaseException, starting: bool = False) -> None:
         self.active.pop(name, None)
         what = "could not start" if starting else "failed"
-        self.echo(f"[espert] tracker {name} {what} ({type(e).__name__}: {e}); it is off for this run, "
-                  f"log.jsonl has every metric")
+        self.echo(
+            f"[espert] tracker {name} {what} ({type(e).__name__}: {e}); it is off for this run, "
+            f"log.jsonl has every metric"
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Send scalar ``metrics`` for iteration ``step`` to every active tracker."""

@@ -35,8 +35,9 @@ TASK_SOURCES = ("builtin", "import", "python")
 PYTHON_PREFIX = "python:"
 
 
-def resolve_tasks(cfg: ESConfig, task: Any = None, reward: Callable | None = None, prompts: Any = None,
-                  eval_prompts: Any = None) -> tuple[str, str, Any, Any]:
+def resolve_tasks(
+    cfg: ESConfig, task: Any = None, reward: Callable | None = None, prompts: Any = None, eval_prompts: Any = None
+) -> tuple[str, str, Any, Any]:
     """``(spec, source, train_task, eval_task or None)`` for a run.
 
     task: None (use ``cfg.task``), a Task, a loader ``fn(split) -> Task``, a reward
@@ -74,8 +75,9 @@ def resolve_tasks(cfg: ESConfig, task: Any = None, reward: Callable | None = Non
     train = custom_task(obj, "train", n=cfg.train_size, path=cfg.train_data, name=name, problems_from=prompts)
     evalt = None
     if cfg.eval_size:
-        evalt = custom_task(obj, cfg.eval_split, n=cfg.eval_size, path=cfg.eval_data, name=name,
-                            problems_from=eval_prompts)
+        evalt = custom_task(
+            obj, cfg.eval_split, n=cfg.eval_size, path=cfg.eval_data, name=name, problems_from=eval_prompts
+        )
     return spec, source, _nonempty(train, spec), evalt
 
 
@@ -92,8 +94,10 @@ def check_evaluator_supports(cfg: ESConfig) -> None:
     if cfg.weight_decay and cfg.weight_decay_exclude:
         bad.append(f"weight_decay_exclude={cfg.weight_decay_exclude!r} (set it to [] to decay every moved tensor)")
     if bad:
-        raise ValueError(f"the {cfg.evaluator!r} evaluator does not implement {', '.join(bad)} yet; use the torch "
-                         f"evaluator or the defaults")
+        raise ValueError(
+            f"the {cfg.evaluator!r} evaluator does not implement {', '.join(bad)} yet; use the torch "
+            f"evaluator or the defaults"
+        )
 
 
 def _nonempty(task, spec):
@@ -129,9 +133,11 @@ def _refuse_python_task(run_dir: str) -> None:
 
     rec = _task_record(read_log(os.path.join(run_dir, LOG)))
     if rec is not None and rec.get("source") == "python":
-        raise ValueError(f"{run_dir} was trained on a task given as Python objects ({rec.get('spec')!r}); they are "
-                         f"not in its config, so resume it from Python: espert.train(cfg, run_dir, resume=True, "
-                         f"task=... or reward=..., prompts=...) with the same task")
+        raise ValueError(
+            f"{run_dir} was trained on a task given as Python objects ({rec.get('spec')!r}); they are "
+            f"not in its config, so resume it from Python: espert.train(cfg, run_dir, resume=True, "
+            f"task=... or reward=..., prompts=...) with the same task"
+        )
 
 
 def _check_task_record(run, spec: str, fingerprint: str) -> None:
@@ -140,8 +146,10 @@ def _check_task_record(run, spec: str, fingerprint: str) -> None:
     if rec is None:
         return
     if rec.get("fingerprint") != fingerprint:
-        raise ValueError(f"the problems of task {spec!r} differ from those {run.path} was trained on "
-                         f"(fingerprint mismatch); resume needs the same task and data")
+        raise ValueError(
+            f"the problems of task {spec!r} differ from those {run.path} was trained on "
+            f"(fingerprint mismatch); resume needs the same task and data"
+        )
 
 
 def _check_prompt_log(cfg: ESConfig, run, pool: int) -> None:
@@ -149,9 +157,11 @@ def _check_prompt_log(cfg: ESConfig, run, pool: int) -> None:
     for rec in run.iterations():
         logged = rec.get("prompt_indices")
         if logged is not None and logged != prompt_indices(cfg, rec["iteration"], pool):
-            raise ValueError(f"{run.path}: the prompts logged for iteration {rec['iteration']} differ from the ones "
-                             f"prompt_sampler={cfg.prompt_sampler!r} derives here (Python's random module changed?); "
-                             f"the run cannot continue identically (replay still rebuilds its weights)")
+            raise ValueError(
+                f"{run.path}: the prompts logged for iteration {rec['iteration']} differ from the ones "
+                f"prompt_sampler={cfg.prompt_sampler!r} derives here (Python's random module changed?); "
+                f"the run cannot continue identically (replay still rebuilds its weights)"
+            )
 
 
 def noise_energy(evaluator) -> float | None:
@@ -174,9 +184,19 @@ def iteration_metrics(rec: dict) -> dict:
     return m
 
 
-def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bool = True,
-          hook: Callable[[int, str], None] | None = None, echo: Callable[[str], None] | None = print, *,
-          task: Any = None, reward: Callable | None = None, prompts: Any = None, eval_prompts: Any = None) -> dict:
+def train(
+    cfg: ESConfig | None,
+    run_dir: str,
+    resume: bool = False,
+    progress: bool = True,
+    hook: Callable[[int, str], None] | None = None,
+    echo: Callable[[str], None] | None = print,
+    *,
+    task: Any = None,
+    reward: Callable | None = None,
+    prompts: Any = None,
+    eval_prompts: Any = None,
+) -> dict:
     """Train (or resume) a run in ``run_dir``; returns a summary dict
     ``{"run_dir", "iterations", "heldout": [(t, mean)], "train_reward": [(t, mean)], "export"}``.
 
@@ -188,10 +208,10 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
     hook(t, phase) is called at phases ``"logged"`` (record appended, update not yet applied),
     ``"updated"`` and ``"checkpointed"`` of each iteration; tests use it to crash a run anywhere.
     """
+    import torch
+
     from espert import runs
     from espert.tracking import Trackers
-
-    import torch
 
     if resume and cfg is None:
         cfg = _stored_config(run_dir)
@@ -216,11 +236,21 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
             _check_task_record(run, spec, fingerprint)
             _check_prompt_log(cfg, run, len(train_task))
         if _task_record(run.records) is None and not run.iterations():
-            run.append({"kind": "task", "spec": spec, "source": source, "fingerprint": fingerprint,
-                        "n_train": len(train_task), "n_eval": None if eval_task is None else len(eval_task)})
+            run.append(
+                {
+                    "kind": "task",
+                    "spec": spec,
+                    "source": source,
+                    "fingerprint": fingerprint,
+                    "n_train": len(train_task),
+                    "n_eval": None if eval_task is None else len(eval_task),
+                }
+            )
         if eval_task is None and cfg.eval_size:
-            say(f"[espert] task {spec!r} has no held-out problems (give eval_data or eval_prompts); "
-                f"held-out evaluation is off")
+            say(
+                f"[espert] task {spec!r} has no held-out problems (give eval_data or eval_prompts); "
+                f"held-out evaluation is off"
+            )
         from espert.evaluators import build_evaluator
 
         evaluator = build_evaluator(cfg, run.base_path, train_task.score)
@@ -248,8 +278,15 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
                     hook(rec["iteration"], "logged")
 
             meter.start()
-            rec = es_step(evaluator, cfg, t, [train_task.prompts[i] for i in idx],
-                          [train_task.answers[i] for i in idx], write_ahead, noise_energy=energy)
+            rec = es_step(
+                evaluator,
+                cfg,
+                t,
+                [train_task.prompts[i] for i in idx],
+                [train_task.answers[i] for i in idx],
+                write_ahead,
+                noise_energy=energy,
+            )
             if hook:
                 hook(t, "updated")
             trackers.log(iteration_metrics(rec), t)
@@ -263,8 +300,10 @@ def train(cfg: ESConfig | None, run_dir: str, resume: bool = False, progress: bo
                 post = {"r_mean": rec["reward"]["mean"], "r_std": rec["reward"]["std"]}
                 if last_eval is not None:
                     post["heldout"] = last_eval["mean"]
-                bar.set_postfix({k: ("nan" if v is None or not math.isfinite(v) else f"{v:.3f}")
-                                 for k, v in post.items()}, refresh=False)
+                bar.set_postfix(
+                    {k: ("nan" if v is None or not math.isfinite(v) else f"{v:.3f}") for k, v in post.items()},
+                    refresh=False,
+                )
                 bar.update(1)
         if bar is not None:
             bar.close()

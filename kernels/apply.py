@@ -32,12 +32,48 @@ FLOAT32, FLOAT16, BFLOAT16 = (_C.DTYPE_CODES[n] for n in ("float32", "float16", 
 GAUSSIAN, RADEMACHER, LOWRANK = (_C.FAMILY_CODES[n] for n in ("gaussian", "rademacher", "lowrank"))
 PLAN_FIELDS = tuple(_C.PLAN_FIELDS)
 NF = tl.constexpr(len(PLAN_FIELDS))
-(F_DATA, F_DTYPE, F_ROWS, F_COLS, F_ROW_STRIDE, F_ROW_OFFSET, F_COL_OFFSET, F_LOGICAL_COLS, F_KEY, F_SCALE,
- F_FAMILY, F_RANK, F_STAGE_A, F_STAGE_B, F_MEMBER_BEGIN, F_MEMBER_END, F_UNITS_PER_ROW, F_UNIT_START) = (
-    tl.constexpr(PLAN_FIELDS.index(n)) for n in (
-        "data", "dtype", "rows", "cols", "row_stride", "row_offset", "col_offset", "logical_cols", "key",
-        "scale_bits", "family", "rank", "stage_a", "stage_b", "member_begin", "member_end", "units_per_row",
-        "unit_start"))
+(
+    F_DATA,
+    F_DTYPE,
+    F_ROWS,
+    F_COLS,
+    F_ROW_STRIDE,
+    F_ROW_OFFSET,
+    F_COL_OFFSET,
+    F_LOGICAL_COLS,
+    F_KEY,
+    F_SCALE,
+    F_FAMILY,
+    F_RANK,
+    F_STAGE_A,
+    F_STAGE_B,
+    F_MEMBER_BEGIN,
+    F_MEMBER_END,
+    F_UNITS_PER_ROW,
+    F_UNIT_START,
+) = (
+    tl.constexpr(PLAN_FIELDS.index(n))
+    for n in (
+        "data",
+        "dtype",
+        "rows",
+        "cols",
+        "row_stride",
+        "row_offset",
+        "col_offset",
+        "logical_cols",
+        "key",
+        "scale_bits",
+        "family",
+        "rank",
+        "stage_a",
+        "stage_b",
+        "member_begin",
+        "member_end",
+        "units_per_row",
+        "unit_start",
+    )
+)
 
 # fp16 <-> fp32 conversions.  True: `.to()`, i.e. `cvt.f32.f16` / `cvt.rn.f16x2.f32` on GPU
 # (checked in the PTX for sm_90), numpy in the interpreter: exact widening and IEEE
@@ -164,6 +200,7 @@ def member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, BLOCK: tl.c
 
 # ---- storage formats (bits in uint32 tensors) -----------------------------------------------
 
+
 @triton.jit
 def _f32_to_bf16_bits(x):
     """Round-to-nearest-even float32 -> bfloat16 bits (low 16 bits of a uint32); NaN quiet."""
@@ -276,8 +313,17 @@ def _seed_coeff(seeds_ptr, coeffs_ptr, m, scale):
 
 
 @triton.jit
-def _apply_kernel(plan_ptr, n_entries, n_search, seeds_ptr, coeffs_ptr, DTYPE: tl.constexpr,
-                  FAMILY: tl.constexpr, BLOCK: tl.constexpr, F16_HW: tl.constexpr):
+def _apply_kernel(
+    plan_ptr,
+    n_entries,
+    n_search,
+    seeds_ptr,
+    coeffs_ptr,
+    DTYPE: tl.constexpr,
+    FAMILY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    F16_HW: tl.constexpr,
+):
     # a 1-D grid over the units of every entry: CUDA caps grid dims 1 and 2 at 65535
     u = tl.program_id(0).to(tl.int64)
     lo = u * 0
@@ -370,8 +416,9 @@ def _apply_kernel(plan_ptr, n_entries, n_search, seeds_ptr, coeffs_ptr, DTYPE: t
         _add_store(row_ptr, col0, cols, offs, acc, DTYPE, F16_HW)
 
 
-def apply_many(table: np.ndarray, table_dev: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, *,
-               block: int = DEFAULT_BLOCK) -> None:
+def apply_many(
+    table: np.ndarray, table_dev: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, *, block: int = DEFAULT_BLOCK
+) -> None:
     """One launch over plan entries that share a dtype and a family (espert/ops.py builds and checks
     them, with units of ``block`` groups).  table: int64 [E, len(PLAN_FIELDS)] host copy (for the
     grid); table_dev: the same on the weights' device; seeds: int64 [N] (uint64 bits); coeffs:
@@ -384,18 +431,43 @@ def apply_many(table: np.ndarray, table_dev: torch.Tensor, seeds: torch.Tensor, 
     dtype, family = int(table[0, F["dtype"]]), int(table[0, F["family"]])
     assert family != RADEMACHER or block >= 32, "rademacher needs block >= 32 (whole Philox calls)"
     live = table[:, F["member_end"]] > table[:, F["member_begin"]]
-    units = int((table[:, F["unit_start"]] + np.where(live, table[:, F["rows"]] * table[:, F["units_per_row"]], 0)).max())
+    units = int(
+        (table[:, F["unit_start"]] + np.where(live, table[:, F["rows"]] * table[:, F["units_per_row"]], 0)).max()
+    )
     if units == 0:
         return
     n_search = max(1, int(len(table) - 1).bit_length())
-    _apply_kernel[(units,)](table_dev, len(table), n_search, seeds, coeffs, DTYPE=dtype, FAMILY=family, BLOCK=block,
-                            F16_HW=FP16_HW_CVT, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    _apply_kernel[(units,)](
+        table_dev,
+        len(table),
+        n_search,
+        seeds,
+        coeffs,
+        DTYPE=dtype,
+        FAMILY=family,
+        BLOCK=block,
+        F16_HW=FP16_HW_CVT,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )
 
 
-def apply(w: torch.Tensor, dtype_code: int, rows: int, cols: int, row_stride: int,
-          row_offset: int, col_offset: int, logical_cols: int,
-          seeds: torch.Tensor, coeffs: torch.Tensor, key: int, *, block: int = DEFAULT_BLOCK,
-          family: int = GAUSSIAN) -> None:
+def apply(
+    w: torch.Tensor,
+    dtype_code: int,
+    rows: int,
+    cols: int,
+    row_stride: int,
+    row_offset: int,
+    col_offset: int,
+    logical_cols: int,
+    seeds: torch.Tensor,
+    coeffs: torch.Tensor,
+    key: int,
+    *,
+    block: int = DEFAULT_BLOCK,
+    family: int = GAUSSIAN,
+) -> None:
     """One tensor, Gaussian or Rademacher (``family``): in place on the block ``w`` ([rows, cols], row
     stride ``row_stride`` elements, unit column stride), ``w[i, j] <- round(float32(w[i, j]) +
     Σ_m coeffs[m]·ε(seeds[m], key, (row_offset+i)*logical_cols + col_offset + j))``.  A one-entry
@@ -409,7 +481,12 @@ def apply(w: torch.Tensor, dtype_code: int, rows: int, cols: int, row_stride: in
     u = row.view(np.uint64)
     row[F["data"]], row[F["dtype"]], row[F["rows"]], row[F["cols"]] = w.data_ptr(), dtype_code, rows, cols
     row[F["row_stride"]], row[F["family"]], row[F["member_end"]] = row_stride, family, n
-    u[F["row_offset"]], u[F["col_offset"]], u[F["logical_cols"]], u[F["key"]] = row_offset, col_offset, logical_cols, key
+    u[F["row_offset"]], u[F["col_offset"]], u[F["logical_cols"]], u[F["key"]] = (
+        row_offset,
+        col_offset,
+        logical_cols,
+        key,
+    )
     row[F["scale_bits"]] = np.float32(1.0).view(np.int32)
     groups_per_row = 32 * ((cols + 254) // 128) if family == RADEMACHER else (cols + 6) // 4
     row[F["units_per_row"]] = max(1, -(-groups_per_row // block))

@@ -16,9 +16,9 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from espert.kernels.apply import member_sum, philox4x32_10
 
 from espert import _C
-from espert.kernels.apply import member_sum, philox4x32_10
 
 # The codes of csrc/quant.h, as espert._C exports them (one definition for C++, CUDA and Triton).
 _ELEM = dict(_C.QUANT_ELEM_CODES)
@@ -50,8 +50,12 @@ DEFAULT_BLOCK = 256
 def _sr_uniforms4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi):
     """The four SR uniforms of groups g: Philox with counter high word | 2^31 (g' = g | 2^63)."""
     x0, x1, x2, x3 = philox4x32_10(g_lo, g_hi | 0x80000000, key_lo, key_hi, seed_lo, seed_hi)
-    return ((x0 >> 8).to(tl.float32) * 5.9604644775390625e-08, (x1 >> 8).to(tl.float32) * 5.9604644775390625e-08,
-            (x2 >> 8).to(tl.float32) * 5.9604644775390625e-08, (x3 >> 8).to(tl.float32) * 5.9604644775390625e-08)
+    return (
+        (x0 >> 8).to(tl.float32) * 5.9604644775390625e-08,
+        (x1 >> 8).to(tl.float32) * 5.9604644775390625e-08,
+        (x2 >> 8).to(tl.float32) * 5.9604644775390625e-08,
+        (x3 >> 8).to(tl.float32) * 5.9604644775390625e-08,
+    )
 
 
 @triton.jit
@@ -215,10 +219,32 @@ def _scale(scales_ptr, n, k, group, scale_ld, mask, KIND: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["row_offset", "col_offset", "logical_cols", "key", "qmin", "qmax"])
-def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_members, units, N, K, ld,
-                  row_offset, col_offset, logical_cols, group, scale_ld, qmin, qmax, key,
-                  ELEM: tl.constexpr, LAYOUT: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr,
-                  G: tl.constexpr, BLOCK: tl.constexpr):
+def _quant_kernel(
+    codes_ptr,
+    scales_ptr,
+    master_ptr,
+    seeds_ptr,
+    coeffs_ptr,
+    n_members,
+    units,
+    N,
+    K,
+    ld,
+    row_offset,
+    col_offset,
+    logical_cols,
+    group,
+    scale_ld,
+    qmin,
+    qmax,
+    key,
+    ELEM: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    KIND: tl.constexpr,
+    MODE: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     u = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = u < units
@@ -244,8 +270,11 @@ def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_me
             w3 = tl.load(codes_ptr + wa3, mask=mask, other=0).to(tl.uint32, bitcast=True)
     for j in tl.static_range(G):
         n, k0 = _origin(u, j, N, K, LAYOUT)
-        base = (row_offset.to(tl.uint64) + n.to(tl.uint64)) * logical_cols.to(tl.uint64) \
-            + col_offset.to(tl.uint64) + k0.to(tl.uint64)
+        base = (
+            (row_offset.to(tl.uint64) + n.to(tl.uint64)) * logical_cols.to(tl.uint64)
+            + col_offset.to(tl.uint64)
+            + k0.to(tl.uint64)
+        )
         g = base >> 2
         g_lo = g.to(tl.uint32)
         g_hi = (g >> 32).to(tl.uint32)
@@ -326,12 +355,27 @@ def _quant_kernel(codes_ptr, scales_ptr, master_ptr, seeds_ptr, coeffs_ptr, n_me
 
 
 def _units(layout: str, n: int, k: int) -> int:
-    return {"nk": n * (k // 4), "kn": n * (k // 4), "gptq": n * (k // 8), "awq": (n // 8) * (k // 4),
-            "cpu_w4a16": (n // 8) * (k // 4), "marlin": (n // 64) * (k // 16) * 64}[layout]
+    return {
+        "nk": n * (k // 4),
+        "kn": n * (k // 4),
+        "gptq": n * (k // 8),
+        "awq": (n // 8) * (k // 4),
+        "cpu_w4a16": (n // 8) * (k // 4),
+        "marlin": (n // 64) * (k // 16) * 64,
+    }[layout]
 
 
-def quant_apply(geom, scales: torch.Tensor, master: torch.Tensor | None, mode: int, seeds: torch.Tensor,
-                coeffs: torch.Tensor, key: int, *, block: int = DEFAULT_BLOCK) -> None:
+def quant_apply(
+    geom,
+    scales: torch.Tensor,
+    master: torch.Tensor | None,
+    mode: int,
+    seeds: torch.Tensor,
+    coeffs: torch.Tensor,
+    key: int,
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> None:
     """Run the quantized kernel on a validated geometry (``espert.quant.ops.QGeometry``).
 
     geom.data: the storage (int8 / uint8 bytes or int32 words); scales: float32/16/bf16; master:
@@ -352,8 +396,30 @@ def quant_apply(geom, scales: torch.Tensor, master: torch.Tensor | None, mode: i
     grid = (triton.cdiv(units, block),)
     # Triton launches on the current CUDA device: make it the storage's
     with torch.cuda.device(data.device) if data.is_cuda else contextlib.nullcontext():
-        _quant_kernel[grid](data, scales, m, seeds, coeffs, coeffs_n, units, geom.N, geom.K, geom.ld,
-                            geom.row_offset, geom.col_offset, geom.logical_cols, geom.group, geom.scale_ld,
-                            geom.qmin, geom.qmax, key,
-                            ELEM=_ELEM[geom.elem], LAYOUT=layout, KIND=_KIND[geom.scale_kind], MODE=mode,
-                            G=UNITS_G[layout], BLOCK=block, enable_fp_fusion=False)
+        _quant_kernel[grid](
+            data,
+            scales,
+            m,
+            seeds,
+            coeffs,
+            coeffs_n,
+            units,
+            geom.N,
+            geom.K,
+            geom.ld,
+            geom.row_offset,
+            geom.col_offset,
+            geom.logical_cols,
+            geom.group,
+            geom.scale_ld,
+            geom.qmin,
+            geom.qmax,
+            key,
+            ELEM=_ELEM[geom.elem],
+            LAYOUT=layout,
+            KIND=_KIND[geom.scale_kind],
+            MODE=mode,
+            G=UNITS_G[layout],
+            BLOCK=block,
+            enable_fp_fusion=False,
+        )

@@ -98,7 +98,8 @@ def test_drift_matches_direct_torch(models, monkeypatch, chunk):
     assert res["overall"]["max_abs_update"] == pytest.approx(float(changed.max()))
     for t in taus:
         assert res["update_magnitudes"]["share_le_tau"][repr(t)] == pytest.approx(
-            float((changed <= t).double().mean()), abs=1e-12)
+            float((changed <= t).double().mean()), abs=1e-12
+        )
     assert sum(res["update_magnitudes"]["histogram"]["counts"]) == changed.numel()
     assert len(res["per_tensor"]) == len(names)
 
@@ -181,9 +182,25 @@ def test_bare_safetensors_file_and_cli(models, tmp_path, capsys):
     shutil.copyfile(os.path.join(ckpt, "model.safetensors"), bare)
     parser = argparse.ArgumentParser()
     an.add_arguments(parser)
-    args = parser.parse_args(["--base", base, "--ckpt", f"es={bare}", "--json", str(tmp_path / "a.json"),
-                              "--plot-dir", str(tmp_path / "plots"), "--export", str(tmp_path / "exp"),
-                              "--threshold", "1e-5", "--taus", "1e-5", "1e-3"])
+    args = parser.parse_args(
+        [
+            "--base",
+            base,
+            "--ckpt",
+            f"es={bare}",
+            "--json",
+            str(tmp_path / "a.json"),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+            "--export",
+            str(tmp_path / "exp"),
+            "--threshold",
+            "1e-5",
+            "--taus",
+            "1e-5",
+            "1e-3",
+        ]
+    )
     assert an.run_analyze(args) == 0
     out = capsys.readouterr().out
     assert "es: rel L2 drift" in out and "exported es" in out

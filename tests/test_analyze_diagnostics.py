@@ -54,8 +54,9 @@ def test_kappa_is_half_of_one_minus_rho_at_equal_variances():
 
 
 def test_antithetic_stats_drops_failed_members_and_small_populations():
-    s = dg.antithetic_stats([(1, 1), (1, -1), (2, 1), (2, -1), (3, 1), (3, -1)],
-                            [0.1, 0.2, float("nan"), 0.3, 0.5, 0.1])
+    s = dg.antithetic_stats(
+        [(1, 1), (1, -1), (2, 1), (2, -1), (3, 1), (3, -1)], [0.1, 0.2, float("nan"), 0.3, 0.5, 0.1]
+    )
     assert s["pairs"] == 2
     assert dg.antithetic_stats([(1, 1), (1, -1)], [0.1, 0.2])["corr_pm"] is None
     assert dg.antithetic_stats(*_pairs([0.3, 0.3], [0.1, 0.5]))["corr_pm"] is None  # X+ constant
@@ -93,7 +94,7 @@ class _LinearEvaluator:
         g = torch.Generator().manual_seed(seed)
         self.theta = torch.randn(n, generator=g) * 0.02
         self.theta0 = self.theta.clone()
-        self.w = torch.randn(n, generator=g) / n ** 0.5
+        self.w = torch.randn(n, generator=g) / n**0.5
         outer = self
 
         class Ev(ModelEvaluator):
@@ -121,13 +122,17 @@ def test_estimator_variance_on_a_linear_objective():
 
 # ---- drift: zero-drift groups and dtype warnings ----------------------------------------------------
 
+
 def test_drift_warns_when_a_bf16_checkpoint_is_compared_to_an_fp32_base(tmp_path, capsys):
     base = build_tiny_model(str(tmp_path / "base"))
     ckpt = str(tmp_path / "bf16")
     shutil.copytree(base, ckpt)
     sd = load_file(os.path.join(base, "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16) for k, v in sd.items()}, os.path.join(ckpt, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in sd.items()},
+        os.path.join(ckpt, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     res = an.compute_drift(base, ckpt)
     assert len(res["warnings"]) == 1 and "BF16 rounding counts as change" in res["warnings"][0]
     assert an.compute_drift(base, base)["warnings"] == []
@@ -140,8 +145,11 @@ def test_zero_drift_groups_are_marked(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(base, ckpt)
     sd = load_file(os.path.join(base, "model.safetensors"))
-    save_file({k: (v if "norm" in k else v + 1e-3) for k, v in sd.items()}, os.path.join(ckpt, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: (v if "norm" in k else v + 1e-3) for k, v in sd.items()},
+        os.path.join(ckpt, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     res = an.compute_drift(base, ckpt)
     assert res["groups"]["norm"]["n_changed"] == 0
     assert "norm 0 (unchanged)" in an.format_drift_summary("ckpt", res)
@@ -150,6 +158,7 @@ def test_zero_drift_groups_are_marked(tmp_path):
 
 
 # ---- espert analyze run -----------------------------------------------------------------------------
+
 
 def test_analyze_run_on_a_logged_run(tmp_path, capsys):
     from espert.runs import LOG
@@ -162,9 +171,22 @@ def test_analyze_run_on_a_logged_run(tmp_path, capsys):
             g = rng.standard_normal(4) * 0.05
             members = [[k, s] for k in range(4) for s in (1, -1)]
             rewards = [float(0.5 + s * g[k]) for k in range(4) for s in (1, -1)]
-            f.write(json.dumps({"kind": "iter", "iteration": t, "members": members, "rewards": rewards,
-                                "reward": {"mean": 0.5}, "seeds": [], "coeffs": [], "decay": 1.0,
-                                "diagnostics": {"flops_total": 1e6 * t}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "kind": "iter",
+                        "iteration": t,
+                        "members": members,
+                        "rewards": rewards,
+                        "reward": {"mean": 0.5},
+                        "seeds": [],
+                        "coeffs": [],
+                        "decay": 1.0,
+                        "diagnostics": {"flops_total": 1e6 * t},
+                    }
+                )
+                + "\n"
+            )
         f.write(json.dumps({"kind": "eval", "iteration": 5, "mean": 0.5, "n": 4}) + "\n")
     res = an.run_diagnostics(str(d))
     assert [r["iteration"] for r in res["rows"]] == [1, 2, 3, 4, 5]
@@ -184,8 +206,12 @@ def test_training_logs_per_iteration_diagnostics(tmp_path):
     from espert.trainer import train
 
     d = str(tmp_path / "run")
-    train(ESConfig(iterations=2, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0), d,
-          progress=False, echo=None)
+    train(
+        ESConfig(iterations=2, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0),
+        d,
+        progress=False,
+        echo=None,
+    )
     recs = iteration_records(read_log(os.path.join(d, LOG)))
     assert len(recs) == 2
     n_params = 83_648  # the tiny model
@@ -202,7 +228,12 @@ def test_training_logs_per_iteration_diagnostics(tmp_path):
     rows = an.run_diagnostics(d)["rows"]
     assert [r["iteration"] for r in rows] == [1, 2] and rows[-1]["flops_total"] == total
     # a resumed run continues the cumulative count
-    train(ESConfig(iterations=3, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0), d,
-          resume=True, progress=False, echo=None)
+    train(
+        ESConfig(iterations=3, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0),
+        d,
+        resume=True,
+        progress=False,
+        echo=None,
+    )
     third = iteration_records(read_log(os.path.join(d, LOG)))[2]["diagnostics"]
     assert third["flops_total"] == pytest.approx(total + third["flops"], rel=1e-12)

@@ -16,9 +16,11 @@ SEEDS, COEFFS = [11, 12, 13], [1e-3, -2e-3, 5e-4]
 
 def _views(dtype=torch.bfloat16, gen=None):
     gen = gen or torch.Generator().manual_seed(0)
-    return [ParamView("layer.0.weight", (torch.randn(12, 16, generator=gen) * 0.02).to(dtype)),
-            ParamView("layer.0.bias", (torch.randn(16, generator=gen) * 0.02).to(dtype)),
-            ParamView("norm.weight", torch.ones(16, dtype=dtype))]
+    return [
+        ParamView("layer.0.weight", (torch.randn(12, 16, generator=gen) * 0.02).to(dtype)),
+        ParamView("layer.0.bias", (torch.randn(16, generator=gen) * 0.02).to(dtype)),
+        ParamView("norm.weight", torch.ones(16, dtype=dtype)),
+    ]
 
 
 def _bits(t):
@@ -32,7 +34,8 @@ def _snapshot(store):
 def _unchanged(store, snap):
     centers, live = snap
     return all(torch.equal(a, b) for a, b in zip(centers, store.centers)) and all(
-        torch.equal(a, _bits(v.tensor)) for a, v in zip(live, store.views))
+        torch.equal(a, _bits(v.tensor)) for a, v in zip(live, store.views)
+    )
 
 
 def test_every_center_implements_the_protocol():
@@ -59,16 +62,19 @@ def test_update_accepts_iterators():
     assert not torch.equal(b.centers[0], CenterStore(_views()).centers[0])
 
 
-@pytest.mark.parametrize("call", [
-    lambda s: s.update(SEEDS, COEFFS[:2]),
-    lambda s: s.update(SEEDS, [1e-3, math.nan, 0.0]),
-    lambda s: s.update(SEEDS, COEFFS, decay=0.0),
-    lambda s: s.update(SEEDS, COEFFS, decay=True),
-    lambda s: s.update([-1], [1e-3]),
-    lambda s: s.scale(float("inf")),
-    lambda s: s.perturb(1, 1e-3, sign=True),
-    lambda s: s.perturb(1, -1e-3),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.update(SEEDS, COEFFS[:2]),
+        lambda s: s.update(SEEDS, [1e-3, math.nan, 0.0]),
+        lambda s: s.update(SEEDS, COEFFS, decay=0.0),
+        lambda s: s.update(SEEDS, COEFFS, decay=True),
+        lambda s: s.update([-1], [1e-3]),
+        lambda s: s.scale(float("inf")),
+        lambda s: s.perturb(1, 1e-3, sign=True),
+        lambda s: s.perturb(1, -1e-3),
+    ],
+)
 def test_bad_calls_leave_centers_and_weights_untouched(call):
     store = CenterStore(_views())
     snap = _snapshot(store)
@@ -116,8 +122,9 @@ def test_mirror_pipeline_restores_exactly_and_costs_two_bytes_per_param():
         store.perturb(4, 1e-2)
         store.restore()
     assert all(torch.equal(_bits(a.tensor), _bits(b.tensor)) for a, b in zip(plain.views, mirrored.views))
-    assert all(torch.equal(m, ops.cast_exact_(torch.empty_like(m), c)) for m, c in
-               zip(mirrored.mirrors, mirrored.centers))
+    assert all(
+        torch.equal(m, ops.cast_exact_(torch.empty_like(m), c)) for m, c in zip(mirrored.mirrors, mirrored.centers)
+    )
 
 
 def test_sigma_scales_scale_perturbation_and_step_per_tensor():
@@ -169,7 +176,7 @@ def test_optimizers_match_their_textbook_update(name):
                 g = d / lr
                 m[i] = 0.8 * m[i] + 0.2 * g
                 v[i] = 0.9 * v[i] + 0.1 * g * g
-                theta[i] = theta[i] + lr * (m[i] / (1 - 0.8 ** step)) / ((v[i] / (1 - 0.9 ** step)).sqrt() + 1e-6)
+                theta[i] = theta[i] + lr * (m[i] / (1 - 0.8**step)) / ((v[i] / (1 - 0.9**step)).sqrt() + 1e-6)
     for c, t in zip(store.centers, theta):
         torch.testing.assert_close(c, t, rtol=1e-5, atol=1e-7)
     assert store.nbytes == sum(c.numel() for c in store.centers) * 4 * (1 + len(opt.slots))
@@ -261,10 +268,13 @@ def test_staged_update_pipeline_gives_the_same_bits(monkeypatch):
 
 def test_launches_and_transfers_per_perturb_do_not_grow_with_the_number_of_tensors():
     """One multi-tensor call per CenterStore.perturb / update: counted in the op layer."""
+
     def counts(n_tensors):
         gen = torch.Generator().manual_seed(1)
-        views = [ParamView(f"l{i}.weight", (torch.randn(4, 8, generator=gen) * 0.02).to(torch.bfloat16))
-                 for i in range(n_tensors)]
+        views = [
+            ParamView(f"l{i}.weight", (torch.randn(4, 8, generator=gen) * 0.02).to(torch.bfloat16))
+            for i in range(n_tensors)
+        ]
         store = CenterStore(views)
         with ops.counting() as c:
             store.perturb(1, 1e-3)

@@ -61,8 +61,9 @@ for line in sys.stdin:
 class Zygote:
     def __init__(self):
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.p = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, env=env)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
         assert self.p.stdout.readline().strip() == "ready"
 
     def run(self, argv, env, log, kill_after=None) -> int:
@@ -82,24 +83,29 @@ def state(d):
         return False, 0, set(), set(), None, False
     recs = runs.read_log(os.path.join(d, runs.LOG))
     its = [r["iteration"] for r in recs if r["kind"] == "iter"]
-    return (True, its[-1] if its else 0, {r["iteration"] for r in recs if r["kind"] == "eval"},
-            {r["iteration"] for r in recs if r["kind"] == "checkpoint"}, runs.export_iteration(os.path.join(d, "export")),
-            any(r["kind"] == "task" for r in recs))
+    return (
+        True,
+        its[-1] if its else 0,
+        {r["iteration"] for r in recs if r["kind"] == "eval"},
+        {r["iteration"] for r in recs if r["kind"] == "checkpoint"},
+        runs.export_iteration(os.path.join(d, "export")),
+        any(r["kind"] == "task" for r in recs),
+    )
 
 
 # Named kill points in the order a run reaches them, each with "not reached yet" as a test on state().
 POINTS = [
-    ("setup-base", lambda s: not s[0]),               # while the tiny base model is built
-    ("setup-done", lambda s: not s[0]),               # setup complete, directory not yet renamed into place
+    ("setup-base", lambda s: not s[0]),  # while the tiny base model is built
+    ("setup-done", lambda s: not s[0]),  # setup complete, directory not yet renamed into place
     ("logged-task", lambda s: not s[5]),
-    ("evaluated:0", lambda s: 0 not in s[2]),         # held-out evaluation done, its record not written
-    ("log-torn:1", lambda s: s[1] < 1),               # half of iteration 1's record written
-    ("logged-iter:2", lambda s: s[1] < 2),            # record written, update not applied
-    ("center-written:2", lambda s: 2 not in s[3]),    # new checkpoint complete, checksum not logged
+    ("evaluated:0", lambda s: 0 not in s[2]),  # held-out evaluation done, its record not written
+    ("log-torn:1", lambda s: s[1] < 1),  # half of iteration 1's record written
+    ("logged-iter:2", lambda s: s[1] < 2),  # record written, update not applied
+    ("center-written:2", lambda s: 2 not in s[3]),  # new checkpoint complete, checksum not logged
     ("evaluated:3", lambda s: 3 not in s[2]),
-    ("evaluated:3", lambda s: 3 not in s[2]),         # the resume dies at the same place: a double kill
+    ("evaluated:3", lambda s: 3 not in s[2]),  # the resume dies at the same place: a double kill
     ("checkpoint-logged:4", lambda s: 4 not in s[3]),  # checksum logged, file not yet in place
-    ("export-swap:4", lambda s: s[4] != 4),           # old export moved aside, new one not yet in place
+    ("export-swap:4", lambda s: s[4] != 4),  # old export moved aside, new one not yet in place
     ("logged-iter:5", lambda s: s[1] < 5),
     ("log-torn:6", lambda s: s[1] < 6),
     ("logged-eval:6", lambda s: 6 not in s[2]),
@@ -118,8 +124,9 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(reference, tmp_path):  # 
         return ["train", "--run-dir", d, *(["--resume", "--no-progress"] if os.path.exists(d) else FLAGS)]
 
     # a fresh process killed at a random moment of its startup (imports, setup)
-    p = subprocess.Popen([sys.executable, "-m", "espert", *argv()], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "espert", *argv()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     time.sleep(rng.uniform(0.5, 4.0))
     p.send_signal(signal.SIGKILL)
     assert p.wait() == -signal.SIGKILL

@@ -10,8 +10,25 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ARGS = ["--iterations", "4", "--population", "4", "--prompts-per-iteration", "4", "--eval-size", "8",
-        "--eval-every", "2", "--checkpoint-every", "2", "--sigma", "0.05", "--alpha", "0.05", "--no-progress"]
+ARGS = [
+    "--iterations",
+    "4",
+    "--population",
+    "4",
+    "--prompts-per-iteration",
+    "4",
+    "--eval-size",
+    "8",
+    "--eval-every",
+    "2",
+    "--checkpoint-every",
+    "2",
+    "--sigma",
+    "0.05",
+    "--alpha",
+    "0.05",
+    "--no-progress",
+]
 
 
 def _espert(*args):

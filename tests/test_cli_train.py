@@ -9,8 +9,21 @@ import pytest
 from espert import runs
 from espert.cli import build_parser, config_from_args, main
 
-TINY_FLAGS = ["--iterations", "2", "--population", "2", "--prompts-per-iteration", "3", "--train-size", "16",
-              "--eval-size", "3", "--max-new-tokens", "3", "--no-progress"]
+TINY_FLAGS = [
+    "--iterations",
+    "2",
+    "--population",
+    "2",
+    "--prompts-per-iteration",
+    "3",
+    "--train-size",
+    "16",
+    "--eval-size",
+    "3",
+    "--max-new-tokens",
+    "3",
+    "--no-progress",
+]
 
 
 def test_help_lists_commands(capsys):
@@ -23,8 +36,16 @@ def test_help_lists_commands(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--population", "--sigma", "--antithetic", "--no-antithetic", "--resume", "--config", "--include",
-                 "Qwen/Qwen2.5-1.5B-Instruct"):
+    for flag in (
+        "--population",
+        "--sigma",
+        "--antithetic",
+        "--no-antithetic",
+        "--resume",
+        "--config",
+        "--include",
+        "Qwen/Qwen2.5-1.5B-Instruct",
+    ):
         assert flag in out
     assert main([]) == 2  # no command: help, usage error
 

@@ -18,7 +18,12 @@ def test_compare_fast_variant_end_to_end(tmp_path):
     cc = CompareConfig.fast()
     es, grpo = doc["budgets"]["ES"], doc["budgets"]["GRPO"]
     # the same rollout budget, counted the same way for both methods
-    assert es["rollouts"] == grpo["rollouts"] == cc.es_rollouts() == cc.grpo_steps() * cc.num_generations * cc.prompts_per_step
+    assert (
+        es["rollouts"]
+        == grpo["rollouts"]
+        == cc.es_rollouts()
+        == cc.grpo_steps() * cc.num_generations * cc.prompts_per_step
+    )
     for b in (es, grpo):
         assert 0 < b["generated_tokens"] <= b["rollouts"] * cc.max_new_tokens
         assert b["rollout_forward_flops"] == 2.0 * doc["n_params"] * (b["prompt_tokens"] + b["generated_tokens"])
@@ -30,8 +35,15 @@ def test_compare_fast_variant_end_to_end(tmp_path):
     assert set(doc["comparisons"]) == {"es", "grpo"}
     # both fine-tuned models moved away from the base, and the analysis says by how much
     assert doc["drift"]["es"]["overall"]["rel_l2"] > 0 and doc["drift"]["grpo"]["overall"]["rel_l2"] > 0
-    for f in ("report.md", "eval/pass_at_k.png", "eval/accuracy_hist.png", "eval/progressions.png",
-              "eval/drift_groups.png", "es/model.safetensors", "grpo/model.safetensors"):
+    for f in (
+        "report.md",
+        "eval/pass_at_k.png",
+        "eval/accuracy_hist.png",
+        "eval/progressions.png",
+        "eval/drift_groups.png",
+        "es/model.safetensors",
+        "grpo/model.safetensors",
+    ):
         assert os.path.getsize(os.path.join(out, f)) > 0, f
     text = open(os.path.join(out, "report.md")).read()
     assert "| ES | " in text and "| GRPO | " in text and "progressions" in text

@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-
 from test_runs import assert_same_run, copy_run, damage, make_old_style, one_line_error, reference  # noqa: F401
 
 from espert import runs
@@ -44,13 +43,14 @@ def iter_line(d, t):
 
 def flip_digit(line):
     i = line.index(b'"coeffs":[') + len(b'"coeffs":[') + 4  # a digit inside the first coefficient
-    return line[:i] + bytes([line[i] ^ 1 if line[i] not in b".-e" else line[i]]) + line[i + 1:]
+    return line[:i] + bytes([line[i] ^ 1 if line[i] not in b".-e" else line[i]]) + line[i + 1 :]
 
 
 def text(path, s):
     def f(d):
         with open(path(d), "w") as fh:
             fh.write(s)
+
     return f
 
 
@@ -70,40 +70,125 @@ REPLAY, RESUME = ["replay", "{d}", "--out", "{out}"], ["train", "--run-dir", "{d
 
 # name, damage(d), command, exit code, words the error line must hold
 TABLE = [
-    ("center truncated", lambda d: damage(center(d), "truncated"), REPLAY, 1,
-     ["center.safetensors", "damaged center checkpoint", "sha256"]),
-    ("center zero-length", lambda d: damage(center(d), "empty"), REPLAY, 1,
-     ["center.safetensors", "the file is empty"]),
-    ("center zeroed block", lambda d: damage(center(d), "zeroed"), REPLAY, 1,
-     ["center.safetensors", "none of the 3 checkpoint(s) recorded"]),
-    ("center one bit flipped", lambda d: damage(center(d), "flipped"), REPLAY, 1,
-     ["center.safetensors", "none of the 3 checkpoint(s) recorded"]),
-    ("center truncated, run without checksums", lambda d: (make_old_style(d), damage(center(d), "truncated")),
-     REPLAY, 1, ["center.safetensors", "not a readable safetensors file"]),
-    ("log: invalid JSON in the middle", lambda d: edit_log_line(d, 3, lambda ln: ln[:40]), RESUME, 2,
-     ["log.jsonl", "line 4 is damaged", "not valid JSON", "not the last line"]),
-    ("log: a changed digit in the middle", lambda d: edit_log_line(d, iter_line(d, 2), flip_digit), RESUME, 2,
-     ["log.jsonl", "is damaged", "checksum mismatch"]),
-    ("log: damaged complete last line", lambda d: edit_log_line(d, -2, lambda ln: ln.replace(b'"', b"'", 1)),
-     RESUME, 2, ["log.jsonl", "is damaged", "(the last line)"]),
-    ("log: an iteration missing", lambda d: edit_log_line(d, iter_line(d, 3), lambda ln: b'{"kind":"note"}'),
-     RESUME, 2, ["log.jsonl", "expected iteration 3, found 4"]),
-    ("log: emptied, checkpoint at 6", lambda d: open(os.path.join(d, runs.LOG), "wb").close(), REPLAY, 2,
-     ["log.jsonl ends at iteration 0", "reached iteration 6"]),
-    ("config.yaml: invalid YAML", text(lambda d: os.path.join(d, runs.CONFIG), "format: [espert\nconfig: {}\n"),
-     RESUME, 2, ["config.yaml", "invalid YAML at line"]),
-    ("config.yaml: not a run config", text(lambda d: os.path.join(d, runs.CONFIG), "- 1\n- 2\n"), RESUME, 2,
-     ["config.yaml", "not an espert run config"]),
-    ("--config: invalid YAML", text(lambda d: d + ".yaml", "sigma: 0.1\n  population: 4\n"),
-     ["train", "--config", "{d}.yaml", "--run-dir", "{d}", "--resume"], 2, [".yaml", "invalid YAML at line 2"]),
-    ("--config: invalid TOML", text(lambda d: d + ".toml", "sigma = 0.1\npopulation = \n"),
-     ["train", "--config", "{d}.toml", "--run-dir", "{d}", "--resume"], 2, [".toml", "invalid TOML", "at line 2"]),
-    ("base model: other weights", replace_base_weights, RESUME, 2,
-     ["model.safetensors: contents changed", "not the one this run started from"]),
-    ("base model: config.json edited", lambda d: open(os.path.join(d, runs.BASE, "config.json"), "a").write(" "),
-     REPLAY, 2, ["config.json: size changed"]),
-    ("base model: weights deleted", lambda d: os.unlink(os.path.join(d, runs.BASE, "model.safetensors")), RESUME,
-     2, ["model.safetensors: missing"]),
+    (
+        "center truncated",
+        lambda d: damage(center(d), "truncated"),
+        REPLAY,
+        1,
+        ["center.safetensors", "damaged center checkpoint", "sha256"],
+    ),
+    (
+        "center zero-length",
+        lambda d: damage(center(d), "empty"),
+        REPLAY,
+        1,
+        ["center.safetensors", "the file is empty"],
+    ),
+    (
+        "center zeroed block",
+        lambda d: damage(center(d), "zeroed"),
+        REPLAY,
+        1,
+        ["center.safetensors", "none of the 3 checkpoint(s) recorded"],
+    ),
+    (
+        "center one bit flipped",
+        lambda d: damage(center(d), "flipped"),
+        REPLAY,
+        1,
+        ["center.safetensors", "none of the 3 checkpoint(s) recorded"],
+    ),
+    (
+        "center truncated, run without checksums",
+        lambda d: (make_old_style(d), damage(center(d), "truncated")),
+        REPLAY,
+        1,
+        ["center.safetensors", "not a readable safetensors file"],
+    ),
+    (
+        "log: invalid JSON in the middle",
+        lambda d: edit_log_line(d, 3, lambda ln: ln[:40]),
+        RESUME,
+        2,
+        ["log.jsonl", "line 4 is damaged", "not valid JSON", "not the last line"],
+    ),
+    (
+        "log: a changed digit in the middle",
+        lambda d: edit_log_line(d, iter_line(d, 2), flip_digit),
+        RESUME,
+        2,
+        ["log.jsonl", "is damaged", "checksum mismatch"],
+    ),
+    (
+        "log: damaged complete last line",
+        lambda d: edit_log_line(d, -2, lambda ln: ln.replace(b'"', b"'", 1)),
+        RESUME,
+        2,
+        ["log.jsonl", "is damaged", "(the last line)"],
+    ),
+    (
+        "log: an iteration missing",
+        lambda d: edit_log_line(d, iter_line(d, 3), lambda ln: b'{"kind":"note"}'),
+        RESUME,
+        2,
+        ["log.jsonl", "expected iteration 3, found 4"],
+    ),
+    (
+        "log: emptied, checkpoint at 6",
+        lambda d: open(os.path.join(d, runs.LOG), "wb").close(),
+        REPLAY,
+        2,
+        ["log.jsonl ends at iteration 0", "reached iteration 6"],
+    ),
+    (
+        "config.yaml: invalid YAML",
+        text(lambda d: os.path.join(d, runs.CONFIG), "format: [espert\nconfig: {}\n"),
+        RESUME,
+        2,
+        ["config.yaml", "invalid YAML at line"],
+    ),
+    (
+        "config.yaml: not a run config",
+        text(lambda d: os.path.join(d, runs.CONFIG), "- 1\n- 2\n"),
+        RESUME,
+        2,
+        ["config.yaml", "not an espert run config"],
+    ),
+    (
+        "--config: invalid YAML",
+        text(lambda d: d + ".yaml", "sigma: 0.1\n  population: 4\n"),
+        ["train", "--config", "{d}.yaml", "--run-dir", "{d}", "--resume"],
+        2,
+        [".yaml", "invalid YAML at line 2"],
+    ),
+    (
+        "--config: invalid TOML",
+        text(lambda d: d + ".toml", "sigma = 0.1\npopulation = \n"),
+        ["train", "--config", "{d}.toml", "--run-dir", "{d}", "--resume"],
+        2,
+        [".toml", "invalid TOML", "at line 2"],
+    ),
+    (
+        "base model: other weights",
+        replace_base_weights,
+        RESUME,
+        2,
+        ["model.safetensors: contents changed", "not the one this run started from"],
+    ),
+    (
+        "base model: config.json edited",
+        lambda d: open(os.path.join(d, runs.BASE, "config.json"), "a").write(" "),
+        REPLAY,
+        2,
+        ["config.json: size changed"],
+    ),
+    (
+        "base model: weights deleted",
+        lambda d: os.unlink(os.path.join(d, runs.BASE, "model.safetensors")),
+        RESUME,
+        2,
+        ["model.safetensors: missing"],
+    ),
 ]
 
 

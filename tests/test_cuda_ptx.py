@@ -44,8 +44,12 @@ for case in json.loads(sys.argv[1]):
 print(json.dumps(out))
 """
 
-QUANT_CASES = [("int8", "nk", "channel", "perturb"), ("fp8", "kn", "tensor", "perturb"),
-               ("int4", "gptq", "grouped", "master"), ("int4", "marlin", "marlin_channel", "naive")]
+QUANT_CASES = [
+    ("int8", "nk", "channel", "perturb"),
+    ("fp8", "kn", "tensor", "perturb"),
+    ("int4", "gptq", "grouped", "master"),
+    ("int4", "marlin", "marlin_channel", "naive"),
+]
 
 
 def assert_exact_ptx(name: str, ptx: str) -> None:
@@ -59,8 +63,14 @@ def test_triton_quant_kernel_ptx_is_exact():
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", TRITON_QUANT_PTX, json.dumps(QUANT_CASES)], capture_output=True,
-                         text=True, env=env, cwd=ROOT, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", TRITON_QUANT_PTX, json.dumps(QUANT_CASES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     ptx = json.loads(res.stdout)
     assert len(ptx) == len(QUANT_CASES)
@@ -74,16 +84,54 @@ def test_triton_quant_kernel_ptx_is_exact():
 @pytest.mark.parametrize("source", ["csrc/cuda/apply_cuda.cu", "csrc/cuda/quant_cuda.cu"])
 def test_cuda_kernels_ptx_has_no_flush_to_zero(tmp_path, source):
     ptx = tmp_path / "k.ptx"
-    res = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-std=c++17", "-O3", "--fmad=false", "-DESPERT_WITH_CUDA",
-                          str(ROOT / source), "-o", str(ptx)], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            NVCC,
+            "-ptx",
+            "-arch=sm_90",
+            "-std=c++17",
+            "-O3",
+            "--fmad=false",
+            "-DESPERT_WITH_CUDA",
+            str(ROOT / source),
+            "-o",
+            str(ptx),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert_exact_ptx(source, ptx.read_text())
 
 
 # IEEE floor where flush-to-zero differs (negative subnormals), at the sign of zero, at 2^23, inf, NaN
-FLOOR_INPUTS = np.array([-1e-40, -1.4e-45, 1e-40, -0.0, 0.0, -0.5, 0.5, -1.0, 1.0, -2.5, 2.5, -8388607.5, 8388607.5,
-                         -8388608.0, 8388609.0, -1e30, 1e30, -np.inf, np.inf, np.nan, -0.999999940, 12582911.5],
-                        dtype=np.float32)
+FLOOR_INPUTS = np.array(
+    [
+        -1e-40,
+        -1.4e-45,
+        1e-40,
+        -0.0,
+        0.0,
+        -0.5,
+        0.5,
+        -1.0,
+        1.0,
+        -2.5,
+        2.5,
+        -8388607.5,
+        8388607.5,
+        -8388608.0,
+        8388609.0,
+        -1e30,
+        1e30,
+        -np.inf,
+        np.inf,
+        np.nan,
+        -0.999999940,
+        12582911.5,
+    ],
+    dtype=np.float32,
+)
 
 
 def _triton_device() -> str | None:
@@ -97,7 +145,6 @@ def _triton_device() -> str | None:
 try:
     import triton
     import triton.language as tl
-
     from espert.kernels.quant import _floor
 
     @triton.jit
@@ -109,8 +156,9 @@ except ImportError:
     _floor_kernel = None
 
 
-@pytest.mark.skipif(_floor_kernel is None or _triton_device() is None,
-                    reason="Triton needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    _floor_kernel is None or _triton_device() is None, reason="Triton needs a GPU or TRITON_INTERPRET=1"
+)
 def test_triton_exact_floor():
     dev = _triton_device()
     x = torch.from_numpy(FLOOR_INPUTS).to(dev)

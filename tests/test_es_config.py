@@ -51,8 +51,10 @@ def test_quant_choices_match_the_formats():
 
 
 def test_config_module_imports_no_torch_or_numpy():
-    code = ("import sys, espert.config, espert\nespert.ESConfig\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'espert')))")
+    code = (
+        "import sys, espert.config, espert\nespert.ESConfig\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'espert')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['espert', 'espert.config']"
@@ -77,8 +79,21 @@ def test_noise_syntax_agrees_with_the_noise_layer():
     from espert.noise import MAX_RANK, NoiseFamily
 
     assert C.NOISE_MAX_RANK == MAX_RANK
-    for spec in ("gaussian", "rademacher", "lowrank:1", "lowrank:64", f"lowrank:{MAX_RANK}", f"lowrank:{MAX_RANK + 1}",
-                 "lowrank:0", "lowrank:", "lowrank", "gaussian:2", "uniform", "lowrank:x", " gaussian"):
+    for spec in (
+        "gaussian",
+        "rademacher",
+        "lowrank:1",
+        "lowrank:64",
+        f"lowrank:{MAX_RANK}",
+        f"lowrank:{MAX_RANK + 1}",
+        "lowrank:0",
+        "lowrank:",
+        "lowrank",
+        "gaussian:2",
+        "uniform",
+        "lowrank:x",
+        " gaussian",
+    ):
         try:
             NoiseFamily.parse(spec)
             ok = spec == spec.strip()  # the config takes no surrounding spaces
@@ -118,16 +133,24 @@ def test_v1_run_configs_keep_their_old_behaviour(capsys):
     assert (old.prompt_sampler, old.weight_decay_exclude, old.reward_std_floor) == ("python_random", [], 0.0)
     new = ESConfig.from_dict({"weight_decay": 0.1})  # a user's partial config gets today's defaults
     assert (new.prompt_sampler, new.weight_decay_exclude, new.reward_std_floor) == (
-        "sha256", list(C.NO_DECAY_DEFAULT), 1e-6)
+        "sha256",
+        list(C.NO_DECAY_DEFAULT),
+        1e-6,
+    )
     assert C.V1_FIELDS - {"backend"} <= {f.name for f in dataclasses.fields(ESConfig)}
 
 
 def test_new_fields_round_trip_through_yaml_and_flags(tmp_path):
     y = tmp_path / "c.yaml"
-    y.write_text("optimizer: adam\noptimizer_beta2: 0.99\nsigma_mode: rms\nnoise: lowrank:2\n"
-                 "weight_decay_exclude: ['*norm*']\ntrackers: [tensorboard]\n")
-    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(y), "--weight-decay-exclude",
-                                                      "--normalization", "rank_unit"]))[0]
+    y.write_text(
+        "optimizer: adam\noptimizer_beta2: 0.99\nsigma_mode: rms\nnoise: lowrank:2\n"
+        "weight_decay_exclude: ['*norm*']\ntrackers: [tensorboard]\n"
+    )
+    cfg = config_from_args(
+        build_parser().parse_args(
+            ["train", "--config", str(y), "--weight-decay-exclude", "--normalization", "rank_unit"]
+        )
+    )[0]
     assert (cfg.optimizer, cfg.optimizer_beta2, cfg.sigma_mode, cfg.noise) == ("adam", 0.99, "rms", "lowrank:2")
     assert cfg.weight_decay_exclude == [] and cfg.trackers == ["tensorboard"] and cfg.normalization == "rank_unit"
     assert ESConfig.from_dict(cfg.to_dict()) == cfg

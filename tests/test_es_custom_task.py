@@ -15,14 +15,15 @@ import pytest
 import torch
 
 import espert
-from espert.cli import main as cli_main
 from espert import runs
+from espert.cli import main as cli_main
 from espert.config import ESConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
-SMALL = dict(iterations=2, population=4, prompts_per_iteration=4, eval_size=4, max_new_tokens=2, eval_every=1,
-             checkpoint_every=1)
+SMALL = dict(
+    iterations=2, population=4, prompts_per_iteration=4, eval_size=4, max_new_tokens=2, eval_every=1, checkpoint_every=1
+)
 LETTERS = [a + b + c + ">" for a in "abcdef" for b in "abcdef" for c in "abcdef"]
 
 
@@ -41,8 +42,9 @@ def stored(d):
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "espert", *args], capture_output=True, text=True, timeout=600,
-                          cwd=cwd or ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "espert", *args], capture_output=True, text=True, timeout=600, cwd=cwd or ROOT
+    )
 
 
 def test_docs_example_runs(tmp_path):
@@ -68,8 +70,15 @@ def test_reward_fn_from_python_records_its_path_and_scores_heldout_with_it(tmp_p
     import custom_rewards
 
     d = str(tmp_path / "run")
-    summary = espert.train(ESConfig(**SMALL), d, progress=False, echo=None, reward=custom_rewards.first_letter,
-                           prompts=LETTERS[:100], eval_prompts=LETTERS[200:])
+    summary = espert.train(
+        ESConfig(**SMALL),
+        d,
+        progress=False,
+        echo=None,
+        reward=custom_rewards.first_letter,
+        prompts=LETTERS[:100],
+        eval_prompts=LETTERS[200:],
+    )
     assert stored(d)["task"] == "custom_rewards:first_letter"  # the reward's import path, not "copy"
     rec = log(d)[0]  # but its problems were a Python list: the run resumes from Python only
     assert rec["kind"] == "task" and rec["source"] == "python" and rec["n_train"] == 100
@@ -77,8 +86,7 @@ def test_reward_fn_from_python_records_its_path_and_scores_heldout_with_it(tmp_p
     from espert.evaluators.torch_model import TorchEvaluator, load_model
 
     model, tok = load_model(os.path.join(d, "export"))
-    ev = TorchEvaluator(model, tok, lambda c, a: custom_rewards.first_letter(LETTERS[200:204], c, a),
-                        max_new_tokens=2)
+    ev = TorchEvaluator(model, tok, lambda c, a: custom_rewards.first_letter(LETTERS[200:204], c, a), max_new_tokens=2)
     want = ev.evaluate_center(LETTERS[200:204], [""] * 4)
     assert summary["heldout"][-1][1] == pytest.approx(sum(want) / 4)
 
@@ -120,8 +128,10 @@ def test_import_path_from_yaml_trains_resumes_and_replays_via_cli(tmp_path):
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in LETTERS[150:160]))
     y = tmp_path / "run.yaml"
-    y.write_text(f"task: custom_rewards:first_letter\ntrain_data: {data}\neval_data: {held}\niterations: 2\n"
-                 f"population: 4\nprompts_per_iteration: 4\neval_size: 5\nmax_new_tokens: 2\n")
+    y.write_text(
+        f"task: custom_rewards:first_letter\ntrain_data: {data}\neval_data: {held}\niterations: 2\n"
+        f"population: 4\nprompts_per_iteration: 4\neval_size: 5\nmax_new_tokens: 2\n"
+    )
     d = str(tmp_path / "run")
     p = cli("train", "--config", str(y), "--run-dir", d, "--no-progress")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -135,8 +145,14 @@ def test_import_path_from_yaml_trains_resumes_and_replays_via_cli(tmp_path):
     # the module disappears: resume refuses with a clear message, nothing is touched
     before = open(os.path.join(d, runs.LOG), "rb").read()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, "-m", "espert", "train", "--run-dir", d, "--resume", "--iterations", "4",
-                        "--no-progress"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "espert", "train", "--run-dir", d, "--resume", "--iterations", "4", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
     assert p.returncode == 2 and "cannot import task 'custom_rewards:first_letter'" in p.stderr
     assert "Traceback" not in p.stderr
     assert open(os.path.join(d, runs.LOG), "rb").read() == before
@@ -153,8 +169,9 @@ def test_bad_task_inputs_are_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match="reward= needs prompts="):
         espert.train(ESConfig(**SMALL), d, progress=False, echo=None, reward=custom_rewards.first_letter)
     with pytest.raises(ValueError, match="prompt 1: expected a string"):
-        espert.train(ESConfig(**SMALL), d, progress=False, echo=None, reward=custom_rewards.first_letter,
-                     prompts=["a>", 3])
+        espert.train(
+            ESConfig(**SMALL), d, progress=False, echo=None, reward=custom_rewards.first_letter, prompts=["a>", 3]
+        )
     assert not os.path.exists(d)
 
 
@@ -162,6 +179,7 @@ def test_object_kinds_by_signature():
     """Three positional arguments: reward(prompts, completions, answers); two: batched reward(completions,
     answers); one: loader(split)."""
     import custom_rewards
+
     from espert.tasks.loaders import custom_task
 
     t = custom_task(custom_rewards.first_letter, "train", problems_from=["ab>", "ba>"])

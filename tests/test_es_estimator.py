@@ -173,7 +173,7 @@ def test_seeds_prompts_and_schedules_are_deterministic():
     assert [s for s, _ in population(cfg, 1)][::2] == [s for s, _ in population(cfg, 1)][1::2]  # pairs share
     assert [sg for _, sg in population(cfg, 1)] == [1, -1] * 3
     seeds = [s for s, _ in population(ESConfig(population=6, antithetic=False), 1)]
-    assert len(set(seeds)) == 6 and all(0 <= s < 2 ** 64 for s in seeds)
+    assert len(set(seeds)) == 6 and all(0 <= s < 2**64 for s in seeds)
     # documented derivation: sha256("espert/member/0/1/0")[:8], little-endian
     import hashlib
 
@@ -191,8 +191,16 @@ def test_seeds_prompts_and_schedules_are_deterministic():
 def test_schedules_reach_the_step():
     theta, g = start_point(5)
     ev = FunctionEvaluator(theta.clone(), lambda w: float(torch.dot(w, g.double())))
-    cfg = cfg_(population=4, iterations=3, sigma=0.1, sigma_schedule="linear", sigma_end=0.05,
-               alpha=0.2, alpha_schedule="cosine", alpha_end=0.0)
+    cfg = cfg_(
+        population=4,
+        iterations=3,
+        sigma=0.1,
+        sigma_schedule="linear",
+        sigma_end=0.05,
+        alpha=0.2,
+        alpha_schedule="cosine",
+        alpha_end=0.0,
+    )
     recs = [es_step(ev, cfg, t, ["p"], ["a"]) for t in (1, 2, 3)]
     assert [r["sigma"] for r in recs] == pytest.approx([0.1, 0.075, 0.05])
     assert [r["alpha"] for r in recs] == pytest.approx([0.2, 0.1, 0.0])

@@ -76,7 +76,7 @@ class Quadratic(ModelEvaluator):
         self.views = views
 
     def rollout(self, prompts, answers):
-        return [-float(sum((v.tensor.double() - 0.3) .pow(2).sum() for v in self.views))] * len(prompts)
+        return [-float(sum((v.tensor.double() - 0.3).pow(2).sum() for v in self.views))] * len(prompts)
 
 
 def test_step_norm_is_the_size_of_the_update():
@@ -85,16 +85,27 @@ def test_step_norm_is_the_size_of_the_update():
     ev = Quadratic(views)
     before = [c.clone() for c in ev.center.centers]
     energy = float(sum(v.tensor.numel() for v in views))
-    rec = es_step(ev, ESConfig(population=8, sigma=0.01, alpha=0.1, prompts_per_iteration=1), 1, ["p"], ["a"],
-                  noise_energy=energy)
+    rec = es_step(
+        ev, ESConfig(population=8, sigma=0.01, alpha=0.1, prompts_per_iteration=1), 1, ["p"], ["a"], noise_energy=energy
+    )
     real = math.sqrt(sum(float((c - b).double().pow(2).sum()) for c, b in zip(ev.center.centers, before)))
     assert rec["step_norm"] == pytest.approx(real, rel=0.01)
     assert rec["step_norm"] == step_norm(rec["coeffs"], energy)
     assert rec["reward"]["std"] > 0
 
 
-SMALL = dict(iterations=3, population=4, prompts_per_iteration=4, train_size=32, eval_size=4, max_new_tokens=3,
-             checkpoint_every=1, eval_every=2, sigma=0.05, alpha=0.05)
+SMALL = dict(
+    iterations=3,
+    population=4,
+    prompts_per_iteration=4,
+    train_size=32,
+    eval_size=4,
+    max_new_tokens=3,
+    checkpoint_every=1,
+    eval_every=2,
+    sigma=0.05,
+    alpha=0.05,
+)
 
 
 def log(run_dir):
@@ -219,9 +230,12 @@ def test_version1_run_directories_resume_and_replay(tmp_path, capsys):
 
 def test_evaluators_without_the_center_features_refuse_them(tmp_path):
     d = str(tmp_path / "run")
-    for kw, what in (({"optimizer": "adam"}, "optimizer='adam'"), ({"noise": "rademacher"}, "noise='rademacher'"),
-                     ({"sigma_mode": "rms"}, "sigma_mode='rms'"),
-                     ({"weight_decay": 0.1}, "weight_decay_exclude=")):
+    for kw, what in (
+        ({"optimizer": "adam"}, "optimizer='adam'"),
+        ({"noise": "rademacher"}, "noise='rademacher'"),
+        ({"sigma_mode": "rms"}, "sigma_mode='rms'"),
+        ({"weight_decay": 0.1}, "weight_decay_exclude="),
+    ):
         with pytest.raises(ValueError, match=f"'vllm' evaluator does not implement {what}"):
             train(ESConfig(**{**SMALL, "evaluator": "vllm", **kw}), d, progress=False, echo=None)
     assert not os.path.exists(d)

@@ -9,8 +9,7 @@ import os
 
 import pytest
 
-from espert import runs
-from espert import train
+from espert import runs, train
 from espert.config import ESConfig
 
 

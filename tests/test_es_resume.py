@@ -10,15 +10,46 @@ import time
 import pytest
 import torch
 
-from espert import runs
-from espert import train
+from espert import runs, train
 from espert.config import ESConfig
 
-SMALL = dict(iterations=6, population=4, prompts_per_iteration=6, train_size=64, eval_size=6, max_new_tokens=5,
-             checkpoint_every=2, eval_every=3, sigma=0.05, alpha=0.05, weight_decay=0.01)
-FLAGS = ["--iterations", "6", "--population", "4", "--prompts-per-iteration", "6", "--train-size", "64",
-         "--eval-size", "6", "--max-new-tokens", "5", "--checkpoint-every", "2", "--eval-every", "3",
-         "--sigma", "0.05", "--alpha", "0.05", "--weight-decay", "0.01"]
+SMALL = dict(
+    iterations=6,
+    population=4,
+    prompts_per_iteration=6,
+    train_size=64,
+    eval_size=6,
+    max_new_tokens=5,
+    checkpoint_every=2,
+    eval_every=3,
+    sigma=0.05,
+    alpha=0.05,
+    weight_decay=0.01,
+)
+FLAGS = [
+    "--iterations",
+    "6",
+    "--population",
+    "4",
+    "--prompts-per-iteration",
+    "6",
+    "--train-size",
+    "64",
+    "--eval-size",
+    "6",
+    "--max-new-tokens",
+    "5",
+    "--checkpoint-every",
+    "2",
+    "--eval-every",
+    "3",
+    "--sigma",
+    "0.05",
+    "--alpha",
+    "0.05",
+    "--weight-decay",
+    "0.01",
+]
 
 
 class Crash(Exception):
@@ -29,6 +60,7 @@ def crash_at(t_crash, phase_crash):
     def hook(t, phase):
         if (t, phase) == (t_crash, phase_crash):
             raise Crash(f"crash at {t} {phase}")
+
     return hook
 
 
@@ -82,8 +114,7 @@ def test_reference_run_layout(reference):
     assert not torch.equal(base.get_parameter(k), v)
 
 
-@pytest.mark.parametrize("t,phase", [(1, "logged"), (3, "logged"), (3, "updated"), (4, "checkpointed"),
-                                     (6, "updated")])
+@pytest.mark.parametrize("t,phase", [(1, "logged"), (3, "logged"), (3, "updated"), (4, "checkpointed"), (6, "updated")])
 def test_crash_and_resume_is_bit_identical(reference, tmp_path, t, phase):
     d = str(tmp_path / "run")
     with pytest.raises(Crash):
@@ -136,8 +167,12 @@ def test_sigkill_and_resume_via_cli(reference, tmp_path):
         proc.wait()
     n = len(iters(d))
     assert 1 <= n  # killed somewhere after the third record began
-    out = subprocess.run([sys.executable, "-m", "espert", "train", "--run-dir", d, "--resume", "--no-progress"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "espert", "train", "--run-dir", d, "--resume", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert_same_run(reference, d)
 
@@ -158,8 +193,12 @@ def test_replay_rebuilds_final_center(reference, tmp_path):
     res = runs.replay(reference, str(tmp_path / "r3"), upto=3, echo=None)
     assert res["iteration"] == 3 and res["matches_checkpoint"] is None
     # the CLI reports success with exit code 0
-    p = subprocess.run([sys.executable, "-m", "espert", "replay", reference, "--out", str(tmp_path / "cli")],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "espert", "replay", reference, "--out", str(tmp_path / "cli")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0 and "bit-identical" in p.stderr and ": yes" in p.stderr, p.stderr
 
 
@@ -178,8 +217,12 @@ def test_refusals_and_mismatch(reference, tmp_path):
     with pytest.raises(FileNotFoundError, match="run directory not found"):
         train(ESConfig(**SMALL), str(tmp_path / "nope"), resume=True, progress=False, echo=None)
     with pytest.raises(FileNotFoundError, match="model directory not found"):
-        train(ESConfig(**{**SMALL, "model": str(tmp_path / "missing" / "model")}), str(tmp_path / "r"),
-              progress=False, echo=None)
+        train(
+            ESConfig(**{**SMALL, "model": str(tmp_path / "missing" / "model")}),
+            str(tmp_path / "r"),
+            progress=False,
+            echo=None,
+        )
     # a finished run resumed with its own config is a no-op
     before = open(os.path.join(reference, runs.LOG), "rb").read()
     train(ESConfig(**SMALL), reference, resume=True, progress=False, echo=None)

@@ -10,8 +10,16 @@ from espert import runs, train
 from espert.config import ESConfig
 from espert.trainer import iteration_metrics
 
-SMALL = dict(iterations=2, population=4, prompts_per_iteration=4, train_size=16, eval_size=3, max_new_tokens=2,
-             eval_every=1, checkpoint_every=0)
+SMALL = dict(
+    iterations=2,
+    population=4,
+    prompts_per_iteration=4,
+    train_size=16,
+    eval_size=3,
+    max_new_tokens=2,
+    eval_every=1,
+    checkpoint_every=0,
+)
 
 
 def records(d):
@@ -29,8 +37,7 @@ def run(tmp_path, name, **kw):
 def plain(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("plain") / "run")
     train(ESConfig(**SMALL), d, progress=False, echo=None)
-    return [{k: v for k, v in r.items() if k not in ("time", "seconds", "eval_seconds", "crc32")}
-            for r in records(d)]
+    return [{k: v for k, v in r.items() if k not in ("time", "seconds", "eval_seconds", "crc32")} for r in records(d)]
 
 
 def same_log(d, plain):

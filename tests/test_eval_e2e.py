@@ -23,16 +23,38 @@ def tiny_models(tmp_path_factory):
 
 def run_cli(*args, timeout=300):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "espert.eval", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "espert.eval", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_eval_end_to_end_and_rescore(tiny_models, tmp_path):
     base, other = tiny_models
     out = tmp_path / "out"
-    res = run_cli("eval", "--task", "copy", "--split", "test", "--limit", "6", "--models", f"base={base}",
-                  f"tuned={other}", "--base", "base", "-n", "4", "--max-tokens", "6", "--seed", "3",
-                  "--batch-size", "8", "--out", str(out))
+    res = run_cli(
+        "eval",
+        "--task",
+        "copy",
+        "--split",
+        "test",
+        "--limit",
+        "6",
+        "--models",
+        f"base={base}",
+        f"tuned={other}",
+        "--base",
+        "base",
+        "-n",
+        "4",
+        "--max-tokens",
+        "6",
+        "--seed",
+        "3",
+        "--batch-size",
+        "8",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr
     assert "task copy: 6 problems, n=4" in res.stdout and "tuned vs base" in res.stdout
     for label in ("base", "tuned"):
@@ -56,8 +78,16 @@ def test_eval_end_to_end_and_rescore(tiny_models, tmp_path):
 
     # re-scoring the saved samples (no model, no generation) reproduces the report exactly
     out2 = tmp_path / "rescored"
-    res2 = run_cli("--samples", str(out / "samples_base.jsonl"), str(out / "samples_tuned.jsonl"),
-                   "--base", "base", "--out", str(out2), "--no-plots")
+    res2 = run_cli(
+        "--samples",
+        str(out / "samples_base.jsonl"),
+        str(out / "samples_tuned.jsonl"),
+        "--base",
+        "base",
+        "--out",
+        str(out2),
+        "--no-plots",
+    )
     assert res2.returncode == 0, res2.stderr
     assert json.loads((out2 / "report.json").read_text()) == report
     assert res2.stdout == res.stdout
@@ -84,6 +114,7 @@ def test_sampler_seeded_and_greedy(tiny_models):
 def test_vllm_sampler_clear_error_without_vllm():
     try:
         import vllm  # noqa: F401
+
         pytest.skip("vllm is installed")
     except ImportError:
         pass
@@ -96,8 +127,10 @@ def test_vllm_sampler_clear_error_without_vllm():
 def test_cli_errors_are_clear(tmp_path, capsys):
     from espert.eval.cli import main
 
-    assert main(["eval", "--task", "copy", "--models", f"m={tmp_path / 'missing_model'}", "--out",
-                 str(tmp_path / "o")]) == 2
+    assert (
+        main(["eval", "--task", "copy", "--models", f"m={tmp_path / 'missing_model'}", "--out", str(tmp_path / "o")])
+        == 2
+    )
     assert "missing_model" in capsys.readouterr().err
     assert main(["eval", "--task", "copy"]) == 2
     assert "exactly one of --models" in capsys.readouterr().err
@@ -127,8 +160,12 @@ def test_evaluate_run_reports_base_against_the_final_export(tmp_path):
     from espert.trainer import train
 
     d = str(tmp_path / "run")
-    train(ESConfig(iterations=1, population=2, prompts_per_iteration=2, eval_size=2, checkpoint_every=0), d,
-          progress=False, echo=None)
+    train(
+        ESConfig(iterations=1, population=2, prompts_per_iteration=2, eval_size=2, checkpoint_every=0),
+        d,
+        progress=False,
+        echo=None,
+    )
     lines = []
     rep = evaluate_run(d, n=4, limit=3, echo=lines.append)
     assert list(rep["models"]) == ["base", "es"] and rep["models"]["es"]["n_problems"] == 3
@@ -144,8 +181,27 @@ def test_main_job_cli_closes_with_the_base_vs_es_report(tmp_path, capsys):
     from espert.cli import main
 
     d = str(tmp_path / "run")
-    assert main(["train", "--iterations", "1", "--population", "2", "--prompts-per-iteration", "2",
-                 "--eval-size", "2", "--checkpoint-every", "0", "--run-dir", d, "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--iterations",
+                "1",
+                "--population",
+                "2",
+                "--prompts-per-iteration",
+                "2",
+                "--eval-size",
+                "2",
+                "--checkpoint-every",
+                "0",
+                "--run-dir",
+                d,
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "base vs ES" in err and "pass@16" in err and "es vs base" in err
     rep = json.load(open(os.path.join(d, "eval", "report.json")))

@@ -105,8 +105,9 @@ def brute_force_maj_at_k(ext, ok, k):
     """Vote of every k-subset, averaged; an answer is correct iff all of its n samples are."""
     cls_ok = {a: all(o for b, o in zip(ext, ok) if b == a) for a in set(ext) - {None}}
     subsets = list(itertools.combinations(range(len(ext)), k))
-    return sum(maj_at_k([ext[i] for i in s], [cls_ok.get(ext[i], False) for i in s], k, method="first")
-               for s in subsets) / len(subsets)
+    return sum(
+        maj_at_k([ext[i] for i in s], [cls_ok.get(ext[i], False) for i in s], k, method="first") for s in subsets
+    ) / len(subsets)
 
 
 def test_maj_subsets_matches_enumeration():
@@ -148,8 +149,16 @@ def test_maj_votes_over_equivalence_classes():
 
 
 def test_report_votes_over_math_equivalence():
-    recs = [{"model": "m", "task": "math500", "index": 0, "prompt": "p", "answer": "\\frac{1}{2}",
-             "completions": ["\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{1/2}", "\\boxed{7}", "\\boxed{7}"]}]
+    recs = [
+        {
+            "model": "m",
+            "task": "math500",
+            "index": 0,
+            "prompt": "p",
+            "answer": "\\frac{1}{2}",
+            "completions": ["\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{1/2}", "\\boxed{7}", "\\boxed{7}"],
+        }
+    ]
     from espert.eval.samples import score_records
     from espert.tasks import reward_task
 
@@ -166,12 +175,26 @@ def test_report_votes_over_math_equivalence():
 # ------------------------------------------------------------------ histogram
 
 
-@pytest.mark.parametrize("c,n,label", [
-    (0, 10, "0"), (1, 10, "(0,0.1]"), (1, 100, "(0,0.1]"), (11, 100, "(0.1,0.2]"),
-    (3, 10, "(0.2,0.3]"), (2, 10, "(0.1,0.2]"), (5, 10, "(0.4,0.5]"), (9, 10, "(0.8,0.9]"),
-    (91, 100, "(0.9,1)"), (99, 100, "(0.9,1)"), (10, 10, "1"), (1, 1, "1"), (0, 1, "0"),
-    (1, 3, "(0.3,0.4]"), (2, 3, "(0.6,0.7]"),
-])
+@pytest.mark.parametrize(
+    "c,n,label",
+    [
+        (0, 10, "0"),
+        (1, 10, "(0,0.1]"),
+        (1, 100, "(0,0.1]"),
+        (11, 100, "(0.1,0.2]"),
+        (3, 10, "(0.2,0.3]"),
+        (2, 10, "(0.1,0.2]"),
+        (5, 10, "(0.4,0.5]"),
+        (9, 10, "(0.8,0.9]"),
+        (91, 100, "(0.9,1)"),
+        (99, 100, "(0.9,1)"),
+        (10, 10, "1"),
+        (1, 1, "1"),
+        (0, 1, "0"),
+        (1, 3, "(0.3,0.4]"),
+        (2, 3, "(0.6,0.7]"),
+    ],
+)
 def test_accuracy_bin_edges(c, n, label):
     assert ACC_BIN_LABELS[accuracy_bin(c, n)] == label
 
@@ -229,8 +252,15 @@ def test_report_on_fixture_matches_hand_computed_numbers(rescore):
         assert got["maj_at_k"] == pytest.approx(exp["maj_at_k"], abs=1e-12)
     cmp_ = rep["comparisons"]["tuned"]
     exp = expected["comparison_tuned_vs_base_rule_any"]
-    for key in ("progressions", "regressions", "net", "both_solved", "neither_solved",
-                "progression_indices", "regression_indices"):
+    for key in (
+        "progressions",
+        "regressions",
+        "net",
+        "both_solved",
+        "neither_solved",
+        "progression_indices",
+        "regression_indices",
+    ):
         assert cmp_[key] == exp[key], key
     for subset, vals in exp["answer_entropy"].items():
         assert cmp_["answer_entropy"][subset]["n"] == vals["n"]
@@ -246,17 +276,36 @@ def test_report_maj_default_is_the_subset_average():
     for label, recs in groups.items():
         want = {}
         for k in rep["models"][label]["maj_at_k"]:
-            want[k] = sum(brute_force_maj_at_k(r["extracted"], [x >= 1.0 for x in r["rewards"]], int(k))
-                          for r in recs) / len(recs)
+            want[k] = sum(
+                brute_force_maj_at_k(r["extracted"], [x >= 1.0 for x in r["rewards"]], int(k)) for r in recs
+            ) / len(recs)
         assert rep["models"][label]["maj_at_k"] == pytest.approx(want, abs=1e-12)
         assert rep["models"][label]["maj_method"] == "subsets"
 
 
 def test_accuracy_equals_pass1_only_at_equal_n():
-    recs = [{"model": "m", "task": "copy", "index": 0, "prompt": "ab>", "answer": "ab", "completions": ["ab"],
-             "rewards": [1.0], "extracted": ["ab"]},
-            {"model": "m", "task": "copy", "index": 1, "prompt": "ba>", "answer": "ba", "completions": ["x", "y", "z"],
-             "rewards": [0.0, 0.0, 0.0], "extracted": ["x", "y", "z"]}]
+    recs = [
+        {
+            "model": "m",
+            "task": "copy",
+            "index": 0,
+            "prompt": "ab>",
+            "answer": "ab",
+            "completions": ["ab"],
+            "rewards": [1.0],
+            "extracted": ["ab"],
+        },
+        {
+            "model": "m",
+            "task": "copy",
+            "index": 1,
+            "prompt": "ba>",
+            "answer": "ba",
+            "completions": ["x", "y", "z"],
+            "rewards": [0.0, 0.0, 0.0],
+            "extracted": ["x", "y", "z"],
+        },
+    ]
     m = build_report({"m": recs})["models"]["m"]
     assert m["accuracy"] == 0.25 and m["pass_at_k"]["1"] == 0.5  # micro vs macro average
     recs[1].update(completions=["x"], rewards=[0.0], extracted=["x"])

@@ -34,9 +34,11 @@ def _max_cpu_allocation(fn) -> int:
 def test_ops_allocate_nothing_proportional_to_the_tensor():
     w = torch.zeros(1 << 22, dtype=torch.bfloat16)  # 8 MiB
     center = torch.zeros(1 << 22, dtype=torch.float32)
-    calls = [lambda: ops.perturb_(w, 1, 2, 1e-3),
-             lambda: ops.es_update_(w, list(range(32)), [1e-4] * 32, 2),
-             lambda: ops.restore_(w, center)]
+    calls = [
+        lambda: ops.perturb_(w, 1, 2, 1e-3),
+        lambda: ops.es_update_(w, list(range(32)), [1e-4] * 32, 2),
+        lambda: ops.restore_(w, center),
+    ]
     torch_peak = max(_max_cpu_allocation(c) for c in calls)  # torch allocations
     tracemalloc.start()  # numpy / Python allocations
     for c in calls:

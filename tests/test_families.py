@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import bits, ref_bits, to_ref, weights
+
 from espert import noise, ops
 from espert.noise import NoiseFamily
 
@@ -19,9 +19,21 @@ KEY = noise.param_key("model.layers.1.mlp.down_proj.weight")
 def _expect(w, seeds, coeffs, fam, block=None, key=KEY, scale=1.0):
     ref_in, name = to_ref(w)
     g = ops._geometry(w, block)
-    return ref_bits(noise.update_reference(ref_in.reshape(g.rows, g.cols), name, seeds, coeffs, key, g.row_offset,
-                                           g.col_offset, g.logical_cols, noise=fam, logical_rows=g.logical_rows,
-                                           scale=scale))
+    return ref_bits(
+        noise.update_reference(
+            ref_in.reshape(g.rows, g.cols),
+            name,
+            seeds,
+            coeffs,
+            key,
+            g.row_offset,
+            g.col_offset,
+            g.logical_cols,
+            noise=fam,
+            logical_rows=g.logical_rows,
+            scale=scale,
+        )
+    )
 
 
 def _check(w, seeds, coeffs, fam, block=None, backend="cpu"):
@@ -60,12 +72,17 @@ def test_huge_offsets_and_one_dim(backend, fam, rng):
     one = weights((777,), torch.float32, rng)
     ref = one.clone()
     ops.es_update_(one, [9], [1e-2], KEY, backend=backend, noise=fam)
-    ops.es_update_(ref, [9], [1e-2], KEY, backend=backend,
-                   noise="rademacher" if fam == "rademacher" else "gaussian")
+    ops.es_update_(ref, [9], [1e-2], KEY, backend=backend, noise="rademacher" if fam == "rademacher" else "gaussian")
     assert torch.equal(one, ref)
     # offsets beyond 2^32 and logical indices beyond 2^63
-    _check(weights((2, 130), torch.bfloat16, rng), [4], [1e-2], fam,
-           block=ops.Block(2**31 + 7, 2**31 + 3, 2**31 + 100, 2**32 + 1), backend=backend)
+    _check(
+        weights((2, 130), torch.bfloat16, rng),
+        [4],
+        [1e-2],
+        fam,
+        block=ops.Block(2**31 + 7, 2**31 + 3, 2**31 + 100, 2**32 + 1),
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,10 +113,23 @@ def test_many_equals_one_at_a_time_with_scales(backend, fam, rng):
     for w, k, s in zip(ws, keys, scales):
         ref_in, name = to_ref(w)
         g = ops._geometry(w, None)
-        want.append(ref_bits(noise.update_reference(ref_in.reshape(g.rows, g.cols), name, seeds, coeffs, k,
-                                                    noise=fam, logical_rows=g.logical_rows, scale=s)))
-    ops.es_update_many_([(w, k, None) for w, k in zip(ws, keys)], seeds, coeffs, noise=fam, scales=scales,
-                        backend=backend)
+        want.append(
+            ref_bits(
+                noise.update_reference(
+                    ref_in.reshape(g.rows, g.cols),
+                    name,
+                    seeds,
+                    coeffs,
+                    k,
+                    noise=fam,
+                    logical_rows=g.logical_rows,
+                    scale=s,
+                )
+            )
+        )
+    ops.es_update_many_(
+        [(w, k, None) for w, k in zip(ws, keys)], seeds, coeffs, noise=fam, scales=scales, backend=backend
+    )
     for w, x in zip(ws, want):
         np.testing.assert_array_equal(bits(w).reshape(x.shape), x)
 
@@ -113,10 +143,15 @@ def test_lowrank_staging_is_split_to_fit(fam, rng, monkeypatch):
     n = 3
     monkeypatch.setattr(ops, "STAGING_BYTES", 4 * n * int(fam[-1]) * 40)  # less than one block's staging
     want = [_expect(w, [1, 2, 3], [1e-2, 2e-2, -1e-2], fam)] + [
-        _expect(s, [1, 2, 3], [1e-2, 2e-2, -1e-2], fam, key=KEY + 1 + i) for i, s in enumerate(small)]
+        _expect(s, [1, 2, 3], [1e-2, 2e-2, -1e-2], fam, key=KEY + 1 + i) for i, s in enumerate(small)
+    ]
     with ops.counting() as c:
-        ops.es_update_many_([(w, KEY, None)] + [(s, KEY + 1 + i, None) for i, s in enumerate(small)],
-                            [1, 2, 3], [1e-2, 2e-2, -1e-2], noise=fam)
+        ops.es_update_many_(
+            [(w, KEY, None)] + [(s, KEY + 1 + i, None) for i, s in enumerate(small)],
+            [1, 2, 3],
+            [1e-2, 2e-2, -1e-2],
+            noise=fam,
+        )
     assert c["launches"] > 2  # several staging chunks
     for t, x in zip([w] + small, want):
         np.testing.assert_array_equal(bits(t).reshape(x.shape), x)

@@ -10,17 +10,21 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import bits, ref_bits, to_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import bits, ref_bits, to_ref
 from espert import noise, ops
 from espert.center import CenterStore
 from espert.params import ParamView
 from espert.quant import QuantCenterStore, QuantParamView, quantize_weight
 
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 U64 = 2**64
 
@@ -46,7 +50,7 @@ def weight_st(draw):
     if kind == "3d":
         return base.reshape(-1)[: 2 * r * c].clone().reshape(2, r, c)
     if kind == "rows_view":
-        return base[1:r + 1, 2:c + 2]  # row stride c + 5
+        return base[1 : r + 1, 2 : c + 2]  # row stride c + 5
     if kind == "transposed":
         return base[:r, :c].t()
     if kind == "permuted":
@@ -77,9 +81,16 @@ def _expected(w, seeds, coeffs, key, block):
     ref_in, name = to_ref(w)
     with np.errstate(over="raise"):  # a coefficient that overflows float32 cannot be evaluated
         c32 = [float(np.float32(c)) for c in coeffs]
-    out = noise.update_reference(ref_in.reshape(g.rows, g.cols), name, [int(s) for s in seeds],
-                                 c32, key, g.row_offset, g.col_offset,
-                                 g.logical_cols)
+    out = noise.update_reference(
+        ref_in.reshape(g.rows, g.cols),
+        name,
+        [int(s) for s in seeds],
+        c32,
+        key,
+        g.row_offset,
+        g.col_offset,
+        g.logical_cols,
+    )
     return ref_bits(out).reshape(-1)
 
 
@@ -163,7 +174,8 @@ def _state(store):
 def _same(store, snap):
     centers, live = snap
     return all(torch.equal(a, b) for a, b in zip(centers, store.centers)) and all(
-        np.array_equal(a, bits(v.tensor)) for a, v in zip(live, store.views))
+        np.array_equal(a, bits(v.tensor)) for a, v in zip(live, store.views)
+    )
 
 
 @FUZZ
@@ -187,18 +199,26 @@ def test_center_store_fuzz(data):
                 store.restore()
             elif op == "update":
                 n = data.draw(st.integers(0, 3))
-                store.update(data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
-                             data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
-                             decay=data.draw(st.sampled_from([1.0, 0.999, 0.0, math.nan])))
+                store.update(
+                    data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
+                    data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
+                    decay=data.draw(st.sampled_from([1.0, 0.999, 0.0, math.nan])),
+                )
             elif op == "scale":
                 store.scale(data.draw(st.sampled_from([0.5, 1.0, -1.0, math.inf])))
                 store.restore()  # scale leaves the live weights to the next restore
             else:
                 state = {k: v.clone() for k, v in store.state_dict().items()}
                 victim = data.draw(st.sampled_from(sorted(state)))
-                state[victim] = data.draw(st.sampled_from([
-                    state[victim] + 1, torch.empty(state[victim].shape, device="meta"),
-                    torch.zeros(state[victim].numel() + 1)]))
+                state[victim] = data.draw(
+                    st.sampled_from(
+                        [
+                            state[victim] + 1,
+                            torch.empty(state[victim].shape, device="meta"),
+                            torch.zeros(state[victim].numel() + 1),
+                        ]
+                    )
+                )
                 store.load_state_dict(state)
         except (ValueError, TypeError, KeyError) as e:
             assert str(e)
@@ -226,9 +246,11 @@ def test_quant_center_store_fuzz(fmt, data):
                 store.restore()
             elif op == "update":
                 n = data.draw(st.integers(0, 3))
-                store.update(data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
-                             data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
-                             decay=data.draw(st.sampled_from([1.0, 0.99, -1.0])))
+                store.update(
+                    data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
+                    data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
+                    decay=data.draw(st.sampled_from([1.0, 0.99, -1.0])),
+                )
             else:
                 state = {k: v.clone() for k, v in store.state_dict().items()}
                 victim = data.draw(st.sampled_from(sorted(state)))

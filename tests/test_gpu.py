@@ -46,7 +46,7 @@ def _weights(rows, cols, dtype, seed=0):
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(dtype)
     # zeros of both signs, a subnormal, NaN and inf: every backend must store a NaN's own bits
     special = torch.tensor([0.0, -0.0, 1e-40, float("nan"), float("inf"), -3e-39]).to(dtype)
-    w.view(-1)[:6] = special[:w.numel()]
+    w.view(-1)[:6] = special[: w.numel()]
     return w
 
 
@@ -54,8 +54,10 @@ def _weights(rows, cols, dtype, seed=0):
 # shard at an offset, and misaligned shards whose rows start inside a Philox group.
 BLOCKS = {
     "aligned": (ALIGNED_COLS, None),
-    "aligned-shard": (ALIGNED_COLS, ops.Block(row_offset=8, col_offset=2 * ALIGNED_COLS, logical_rows=ROWS + 8,
-                                              logical_cols=3 * ALIGNED_COLS)),
+    "aligned-shard": (
+        ALIGNED_COLS,
+        ops.Block(row_offset=8, col_offset=2 * ALIGNED_COLS, logical_rows=ROWS + 8, logical_cols=3 * ALIGNED_COLS),
+    ),
     "misaligned": (COLS, ops.Block(5, 3, ROWS + 5, COLS + 5)),
     "misaligned-row": (COLS, None),  # cols % 4 != 0: every row after the first starts mid-group
 }
@@ -83,8 +85,14 @@ def test_gpu_golden_normals(backend):
     for case in golden["cases"]:
         n = len(case["normal_bits"])
         w = torch.zeros(n, device=DEV)
-        ops.es_update_(w, [case["seed"]], [1.0], case["key"],
-                       block=ops.Block(col_offset=case["start"], logical_cols=case["start"] + n), backend=backend)
+        ops.es_update_(
+            w,
+            [case["seed"]],
+            [1.0],
+            case["key"],
+            block=ops.Block(col_offset=case["start"], logical_cols=case["start"] + n),
+            backend=backend,
+        )
         assert w.cpu().numpy().view(np.uint32).tolist() == case["normal_bits"]
 
 
@@ -94,8 +102,9 @@ def test_gpu_normals_long_runs_match_reference(backend, start):
     """Long runs (the golden vectors hold <= 64 elements), unaligned starts, the top of the index space."""
     n = (1 << 20) + 7 if CUDA else 263
     w = torch.zeros(n, device=DEV)
-    ops.es_update_(w, [2**64 - 1], [1.0], KEY, block=ops.Block(col_offset=start, logical_cols=start + n),
-                   backend=backend)
+    ops.es_update_(
+        w, [2**64 - 1], [1.0], KEY, block=ops.Block(col_offset=start, logical_cols=start + n), backend=backend
+    )
     want = noise.normal(2**64 - 1, KEY, np.arange(n, dtype=np.uint64) + np.uint64(start))
     assert np.array_equal(w.cpu().numpy().view(np.uint32), want.view(np.uint32))
 
@@ -134,8 +143,17 @@ def test_gpu_multi_tensor_matches_cpu(backend, family):
 
 # ---- quantized kernels ------------------------------------------------------------------------------
 
-Q_CASES = [("int8", {}), ("int8", {"per_tensor": True}), ("fp8", {}), ("fp8", {"scale_dtype": torch.bfloat16}),
-           ("gptq", {}), ("awq", {}), ("cpu_w4a16", {}), ("marlin", {}), ("marlin", {"group": -1})]
+Q_CASES = [
+    ("int8", {}),
+    ("int8", {"per_tensor": True}),
+    ("fp8", {}),
+    ("fp8", {"scale_dtype": torch.bfloat16}),
+    ("gptq", {}),
+    ("awq", {}),
+    ("cpu_w4a16", {}),
+    ("marlin", {}),
+    ("marlin", {"group": -1}),
+]
 
 
 @pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS])
@@ -183,9 +201,10 @@ def test_gpu_beyond_2_31_elements(backend):
     w = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
     ops.perturb_(w, 77, KEY, 1e-2, backend=backend)
     for start in (0, (1 << 31) - 2050, n - 4096):
-        got = w[start:start + 4096].cpu().view(torch.int16).numpy().view(np.uint16)
-        want = noise.perturb_reference(np.zeros(4096, np.uint16), "bfloat16", 77, KEY, 1e-2, col_offset=start,
-                                       logical_cols=n)
+        got = w[start : start + 4096].cpu().view(torch.int16).numpy().view(np.uint16)
+        want = noise.perturb_reference(
+            np.zeros(4096, np.uint16), "bfloat16", 77, KEY, 1e-2, col_offset=start, logical_cols=n
+        )
         assert np.array_equal(got, want), start
     del w
     torch.cuda.empty_cache()

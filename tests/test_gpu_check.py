@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_dry_run(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("ESPERT_GPU_DRY_RUN", None)  # the script sets it
-    res = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh"), "--dry-run", str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1800)
+    res = subprocess.run(
+        ["bash", str(ROOT / "bench/gpu_check.sh"), "--dry-run", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "all steps passed" in res.stdout
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -32,15 +38,21 @@ def test_gpu_check_dry_run(tmp_path):
     tests = report["tests"]["gpu_tests.xml"]
     assert tests["failures"] == tests["errors"] == 0 and tests["tests"] - tests["skipped"] >= 60
     bench = json.loads((tmp_path / "gpu_bench.json").read_text())
-    assert {b["name"] for b in bench["benchmarks"]} == {"test_copy", "test_perturb[cpu]", "test_perturb_naive_torch",
-                                                        "test_update_n32[cpu]"}
+    assert {b["name"] for b in bench["benchmarks"]} == {
+        "test_copy",
+        "test_perturb[cpu]",
+        "test_perturb_naive_torch",
+        "test_update_n32[cpu]",
+    }
     assert "| backend |" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_gpu_check_refuses_bad_arguments(tmp_path):
-    res = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh"), "--frobnicate"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        ["bash", str(ROOT / "bench/gpu_check.sh"), "--frobnicate"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2 and "unknown option --frobnicate" in res.stderr
-    res = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        ["bash", str(ROOT / "bench/gpu_check.sh")], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2 and "output folder" in res.stderr

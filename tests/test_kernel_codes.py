@@ -65,7 +65,28 @@ def test_cpu_kernel_rejects_unknown_codes_untouched(change, message):
     master = np.zeros(256, np.float32)
     seeds, coeffs = np.array([5], np.uint64), np.array([1.0], np.float32)
     with pytest.raises(ValueError, match=message):
-        _C.quant_cpu(codes.ctypes.data, a["elem"], a["layout"], 4, 64, 64, 0, 0, 64, scales.ctypes.data,
-                     a["scale_dtype"], a["scale_kind"], 64, 4, master.ctypes.data, a["mode"], -128.0, 127.0,
-                     seeds.ctypes.data, coeffs.ctypes.data, 1, 3)
+        _C.quant_cpu(
+            codes.ctypes.data,
+            a["elem"],
+            a["layout"],
+            4,
+            64,
+            64,
+            0,
+            0,
+            64,
+            scales.ctypes.data,
+            a["scale_dtype"],
+            a["scale_kind"],
+            64,
+            4,
+            master.ctypes.data,
+            a["mode"],
+            -128.0,
+            127.0,
+            seeds.ctypes.data,
+            coeffs.ctypes.data,
+            1,
+            3,
+        )
     assert np.array_equal(codes, before)

@@ -25,21 +25,34 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("espert", "espert.config")),
     ("noise", ("espert.noise", "espert.quant.formats", "espert.quant.reference", "espert.tasks", "espert.tiny")),
     ("ops", ("espert._C", "espert.ops", "espert.kernels", "espert.quant.ops")),
-    ("params/center", ("espert.params", "espert.center", "espert.quant", "espert.quant.center",
-                       "espert.quant.model", "espert.quant.diagnostics", "espert.diagnostics", "espert.vllm.params")),
+    (
+        "params/center",
+        (
+            "espert.params",
+            "espert.center",
+            "espert.quant",
+            "espert.quant.center",
+            "espert.quant.model",
+            "espert.quant.diagnostics",
+            "espert.diagnostics",
+            "espert.vllm.params",
+        ),
+    ),
     ("evaluators", ("espert.evaluators", "espert.quant.evaluator", "espert.vllm")),
     ("es", ("espert.es",)),
     ("train/runs", ("espert.runs", "espert.trainer", "espert.tracking")),
-    ("cli/eval", ("espert.cli", "espert.__main__", "espert.eval", "espert.analyze", "espert.compare",
-                  "espert.vllm.bench")),
+    (
+        "cli/eval",
+        ("espert.cli", "espert.__main__", "espert.eval", "espert.analyze", "espert.compare", "espert.vllm.bench"),
+    ),
 ]
 
 #: (importer, imported) -> why this lazy import may go up a layer or close a cycle.
 ALLOWED: dict[tuple[str, str], str] = {
     ("espert.vllm.compat", "espert.runs"): "ES-at-Scale checkpoints use runs.write_safetensors (byte-deterministic "
-                                           "files); moving that writer below the evaluators removes this",
+    "files); moving that writer below the evaluators removes this",
     ("espert.tasks.rewards", "espert.tasks.loaders"): "answer_equivalence resolves task aliases, which live with the "
-                                                      "loaders (moving ALIASES next to the rewards removes it)",
+    "loaders (moving ALIASES next to the rewards removes it)",
 }
 
 
@@ -72,7 +85,8 @@ def modules() -> dict[str, str]:
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(mod: str, path: str, known: set[str]) -> list[tuple[str, bool, int]]:
@@ -102,7 +116,7 @@ def imports(mod: str, path: str, known: set[str]) -> list[tuple[str, bool, int]]
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - child.level + 1])
+                    base = ".".join(parts[: len(parts) - child.level + 1])
                     src = f"{base}.{child.module}" if child.module else base
                 else:
                     src = child.module or ""
@@ -136,7 +150,7 @@ def find_cycle(nodes, adj) -> list[str] | None:
         stack.append(u)
         for v in sorted(adj.get(u, ())):
             if color.get(v) == 1:
-                return stack[stack.index(v):] + [v]
+                return stack[stack.index(v) :] + [v]
             if not color.get(v):
                 c = dfs(v)
                 if c:
@@ -174,8 +188,9 @@ def test_imports_go_down_and_have_no_cycle():
             continue  # a package re-exporting its own submodule on first access (PEP 562 __getattr__)
         adj[src].add(dst)
         if layer_of(dst) > layer_of(src):
-            problems.append(f"{src}:{line} ({LAYERS[layer_of(src)][0]}) imports {dst} "
-                            f"({LAYERS[layer_of(dst)][0]}), a higher layer")
+            problems.append(
+                f"{src}:{line} ({LAYERS[layer_of(src)][0]}) imports {dst} ({LAYERS[layer_of(dst)][0]}), a higher layer"
+            )
     cycle = find_cycle(mods, adj)
     if cycle:
         problems.append("import cycle: " + " -> ".join(cycle))
@@ -186,11 +201,13 @@ def test_imports_go_down_and_have_no_cycle():
 
 
 def test_help_imports_neither_torch_nor_the_extension():
-    code = ("import sys\nfrom espert.cli import main\n"
-            "for argv in (['--help'], ['train', '--help'], ['replay', '--help']):\n"
-            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'espert._C')))\n"
-            "print('LOADED', bad)\n")
+    code = (
+        "import sys\nfrom espert.cli import main\n"
+        "for argv in (['--help'], ['train', '--help'], ['replay', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'espert._C')))\n"
+        "print('LOADED', bad)\n"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert "LOADED []" in p.stdout, p.stdout[-500:]

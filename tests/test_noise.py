@@ -17,8 +17,11 @@ GOLDEN = Path(__file__).parent / "golden" / "noise_v1.json"
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -34,8 +37,9 @@ def test_reference_matches_committed_golden_vectors():
 def _backend_normals(seed, key, start, count, backend="cpu"):
     """ε for logical indices start..start+count-1, computed by a backend: 0 + 1·ε on a zero block."""
     w = torch.zeros(count, dtype=torch.float32)
-    ops.es_update_(w, [seed], [1.0], key, block=ops.Block(col_offset=start, logical_cols=start + count),
-                   backend=backend)
+    ops.es_update_(
+        w, [seed], [1.0], key, block=ops.Block(col_offset=start, logical_cols=start + count), backend=backend
+    )
     return w.numpy().view(np.uint32)
 
 

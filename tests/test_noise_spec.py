@@ -148,6 +148,7 @@ def ref_apply(w_bits: np.ndarray, dtype: str, seeds, coeffs, key: int, idx: np.n
 
 # ---- inputs: all 2^24 values of the 24 bits the transform reads (low 8 bits vary, ignored) ---------
 
+
 def words(stride: int) -> np.ndarray:
     k = np.arange(0, 1 << 24, stride, dtype=np.uint32)
     return (k << np.uint32(8)) | ((k * np.uint32(2654435761)) >> np.uint32(24))
@@ -157,6 +158,7 @@ STRIDES = [pytest.param(16, id="sample-2^20"), pytest.param(1, id="all-2^24", ma
 
 
 # ---- checks ---------------------------------------------------------------------------------------
+
 
 def test_philox_known_answer():
     # Random123 kat_vectors: philox4x32 10 rounds, counter 0, key 0
@@ -213,9 +215,23 @@ int main(int argc, char** argv) {
 def test_transform_matches_cpp_math(tmp_path, stride):
     """csrc/noise.h, compiled with the kernel's exactness flags, as the CPU and CUDA kernels include it."""
     (tmp_path / "d.cpp").write_text(DRIVER)
-    subprocess.run(["g++", "-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
-                    "-I", str(ROOT / "csrc"), str(tmp_path / "d.cpp"), "-o", str(tmp_path / "d")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-O2",
+            "-ffp-contract=off",
+            "-fno-fast-math",
+            "-fno-math-errno",
+            "-I",
+            str(ROOT / "csrc"),
+            str(tmp_path / "d.cpp"),
+            "-o",
+            str(tmp_path / "d"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run([str(tmp_path / "d"), str(stride), str(tmp_path / "out.bin")], check=True, timeout=600)
     got = np.fromfile(tmp_path / "out.bin", dtype=np.uint32).reshape(-1, 3)
     x = words(stride)
@@ -241,9 +257,18 @@ def test_cpu_kernel_matches_doc_reference(dtype):
     bits_dt = torch.int32 if dtype == "float32" else torch.int16
     np_bits = np.uint32 if dtype == "float32" else np.uint16
     before = w.view(bits_dt).numpy().view(np_bits).copy()
-    ops.es_update_(w, seeds, coeffs, key, block=ops.Block(row_offset=11, col_offset=3, logical_rows=20, logical_cols=C),
-                   backend="cpu")
-    idx = (np.arange(rows, dtype=np.uint64)[:, None] + np.uint64(11)) * np.uint64(C) \
-        + np.uint64(3) + np.arange(cols, dtype=np.uint64)[None, :]
+    ops.es_update_(
+        w,
+        seeds,
+        coeffs,
+        key,
+        block=ops.Block(row_offset=11, col_offset=3, logical_rows=20, logical_cols=C),
+        backend="cpu",
+    )
+    idx = (
+        (np.arange(rows, dtype=np.uint64)[:, None] + np.uint64(11)) * np.uint64(C)
+        + np.uint64(3)
+        + np.arange(cols, dtype=np.uint64)[None, :]
+    )
     want = ref_apply(before, dtype, seeds, coeffs, key, idx)
     assert np.array_equal(w.view(bits_dt).numpy().view(np_bits), want)

@@ -88,9 +88,26 @@ def _run_driver(tmp_path: Path, flags: list[str]) -> list[int]:
     src.write_text(DRIVER)
     exe = tmp_path / "driver"
     # the kernel's own exactness flags (CMakeLists.txt): no contraction, no fast-math
-    subprocess.run([CXX, "-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
-                    "-Wno-psabi", "-I", str(ROOT / "csrc"), *flags, str(src), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            CXX,
+            "-std=c++17",
+            "-O2",
+            "-ffp-contract=off",
+            "-fno-fast-math",
+            "-fno-math-errno",
+            "-Wno-psabi",
+            "-I",
+            str(ROOT / "csrc"),
+            *flags,
+            str(src),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=600).stdout
     return [int(v) for v in out.split()]
 

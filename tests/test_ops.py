@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import bits, ref_bits, to_ref, weights
+
 from espert import noise, ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -19,8 +19,9 @@ KEY = noise.param_key("model.layers.3.mlp.up_proj.weight")
 def _check_update(w, seeds, coeffs, block=None, backend="cpu"):
     ref_in, name = to_ref(w)
     g = ops._geometry(w, block)
-    ref = noise.update_reference(ref_in.reshape(g.rows, g.cols), name, seeds, coeffs, KEY,
-                                 g.row_offset, g.col_offset, g.logical_cols)
+    ref = noise.update_reference(
+        ref_in.reshape(g.rows, g.cols), name, seeds, coeffs, KEY, g.row_offset, g.col_offset, g.logical_cols
+    )
     ops.es_update_(w, seeds, coeffs, KEY, block=block, backend=backend)
     np.testing.assert_array_equal(bits(w).reshape(g.rows, g.cols), ref_bits(ref))
 
@@ -54,8 +55,13 @@ def test_block_with_odd_offsets_and_strided_rows(backend, rng):
 def test_one_dim_and_three_dim_and_huge_offsets(backend, rng):
     _check_update(weights((1001,), torch.float16, rng), [9], [1e-2], backend=backend)
     _check_update(weights((3, 4, 10), torch.float32, rng), [9, 10], [1e-2, 2e-2], backend=backend)
-    _check_update(weights((2, 50), torch.bfloat16, rng), [4], [1e-3],
-                  block=ops.Block(2**31 + 7, 2**31 + 3, 2**31 + 100, 2**32 + 1), backend=backend)
+    _check_update(
+        weights((2, 50), torch.bfloat16, rng),
+        [4],
+        [1e-3],
+        block=ops.Block(2**31 + 7, 2**31 + 3, 2**31 + 100, 2**32 + 1),
+        backend=backend,
+    )
 
 
 def test_shards_compose_to_the_whole(rng):
@@ -73,10 +79,12 @@ def test_shards_compose_to_the_whole(rng):
 
 def test_cpu_isa_paths_agree(rng):
     """The AVX-512 and the generic CPU code paths produce identical bits."""
-    script = ("import torch, numpy as np; from espert import ops, _C;"
-              "w=torch.linspace(-1,1,10007).reshape(1,-1).to(torch.bfloat16);"
-              "ops.es_update_(w,[1,2,3],[1e-3,-2e-3,5e-4],77);"
-              "print(_C.cpu_isa(), w.view(torch.int16).numpy().tobytes().hex())")
+    script = (
+        "import torch, numpy as np; from espert import ops, _C;"
+        "w=torch.linspace(-1,1,10007).reshape(1,-1).to(torch.bfloat16);"
+        "ops.es_update_(w,[1,2,3],[1e-3,-2e-3,5e-4],77);"
+        "print(_C.cpu_isa(), w.view(torch.int16).numpy().tobytes().hex())"
+    )
     outs = {}
     for isa in ("generic", "native"):
         env = dict(os.environ, ESPERT_CPU_ISA=isa)
@@ -131,6 +139,7 @@ def test_cpu_kernels_follow_torch_thread_count():
 
 # ---- multi-tensor ops, counters, NaN bits, index range, autograd -----------------------------
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_launches_and_uploads_do_not_grow_with_the_number_of_tensors(backend, rng):
     """One op call makes the same launches and host-to-device copies for 300 tensors as for one."""
@@ -170,8 +179,12 @@ def test_nan_elements_keep_their_bits(backend, dtype):
         nans = np.array([0x7F800001, 0xFF800001, 0x7FC00000, 0xFFC12345, 0x7FBFFFFF], np.uint32)
         w = torch.from_numpy(np.resize(nans, 5 * 40).view(np.float32).reshape(5, 40).copy())
     else:
-        nans = np.array([0x7F81, 0xFF81, 0x7FC0, 0xFFC5, 0x7FFF] if dtype == torch.bfloat16 else
-                        [0x7C01, 0xFC01, 0x7E00, 0xFE05, 0x7FFF], np.uint16)
+        nans = np.array(
+            [0x7F81, 0xFF81, 0x7FC0, 0xFFC5, 0x7FFF]
+            if dtype == torch.bfloat16
+            else [0x7C01, 0xFC01, 0x7E00, 0xFE05, 0x7FFF],
+            np.uint16,
+        )
         w = torch.from_numpy(np.resize(nans, 5 * 40).view(np.int16).reshape(5, 40).copy()).view(dtype)
     before = bits(w)
     ops.perturb_(w, 3, KEY, 0.5, backend=backend)

@@ -13,8 +13,16 @@ from torch.profiler import ProfilerActivity, profile
 
 from espert import noise, ops
 from espert.ops import Block
-from espert.quant import (FORMATS, INT4_FORMATS, QuantCenterStore, QuantParamView, QuantWeight, dequantize,
-                          quantize_weight, unpack_codes)
+from espert.quant import (
+    FORMATS,
+    INT4_FORMATS,
+    QuantCenterStore,
+    QuantParamView,
+    QuantWeight,
+    dequantize,
+    quantize_weight,
+    unpack_codes,
+)
 from espert.quant import diagnostics as D
 from espert.quant import formats as F
 from espert.quant.center import initial_master
@@ -45,6 +53,7 @@ def run(qw, mode, backend, block=None):
 
 
 # ---- layouts ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt", INT4_FORMATS)
 def test_int4_pack_unpack_roundtrip(fmt):
@@ -105,14 +114,25 @@ def test_sr_uniform_stream():
     assert abs(u.mean() - 0.5) < 0.02 and abs(u.var() - 1 / 12) < 0.005
     # a stream of its own: not the words the normals use
     words = np.stack(noise.philox_words(3, KEY, idx[::4] >> np.uint64(2)), -1).reshape(-1)
-    assert not np.array_equal((words >> np.uint32(8)).astype(np.float32) * np.float32(2 ** -24), u[: words.size])
+    assert not np.array_equal((words >> np.uint32(8)).astype(np.float32) * np.float32(2**-24), u[: words.size])
 
 
 # ---- bitwise: every backend against the numpy reference ----------------------------------------
 
-CASES = [("int8", {}), ("int8", {"per_tensor": True}), ("fp8", {}), ("fp8", {"per_tensor": True}),
-         ("fp8", {"scale_dtype": torch.bfloat16}), ("gptq", {}), ("gptq", {"scale_dtype": torch.bfloat16}),
-         ("awq", {}), ("cpu_w4a16", {}), ("marlin", {}), ("marlin", {"group": -1}), ("gptq", {"group": -1})]
+CASES = [
+    ("int8", {}),
+    ("int8", {"per_tensor": True}),
+    ("fp8", {}),
+    ("fp8", {"per_tensor": True}),
+    ("fp8", {"scale_dtype": torch.bfloat16}),
+    ("gptq", {}),
+    ("gptq", {"scale_dtype": torch.bfloat16}),
+    ("awq", {}),
+    ("cpu_w4a16", {}),
+    ("marlin", {}),
+    ("marlin", {"group": -1}),
+    ("gptq", {"group": -1}),
+]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
@@ -182,6 +202,7 @@ def test_shards_compose_to_the_whole(fmt):
 
 # ---- exactness, statistics, fidelity, memory --------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_thousand_cycles_restore_exactly(fmt):
     r = D.restore_exactness(fmt, cycles=1000, n=64, k=256)
@@ -191,8 +212,9 @@ def test_thousand_cycles_restore_exactly(fmt):
     assert r["host_bytes_per_weight_no_master"] == pytest.approx(per_code, abs=0.02)  # + scales copy
 
 
-@pytest.mark.parametrize("fmt,quanta", [("int8", 0.2), ("int8", 3.0), ("fp8", 1.0), ("fp8", 4.0), ("gptq", 0.2),
-                                        ("awq", 0.5)])
+@pytest.mark.parametrize(
+    "fmt,quanta", [("int8", 0.2), ("int8", 3.0), ("fp8", 1.0), ("fp8", 4.0), ("gptq", 0.2), ("awq", 0.5)]
+)
 @pytest.mark.parametrize("sign", [1, -1])
 def test_perturbation_is_unbiased_with_the_sr_variance(fmt, quanta, sign):
     """E[Δ] = 0, Var[Δ] = σ² + E[s²·frac(1 − frac)], Cov(Δ, ε) = sign·σ."""
@@ -224,8 +246,11 @@ def test_ops_allocate_nothing_proportional_to_the_weight(fmt):
     qw = qweight(fmt, 1024, 1024, group=128)
     master = initial_master(qw)
     codes = qw.qweight.clone()
-    calls = [lambda: ops.perturb_(qw, 1, KEY, 1e-3), lambda: ops.es_update_(qw, list(range(8)), [1e-4] * 8, KEY, master=master),
-             lambda: ops.restore_(qw, codes)]
+    calls = [
+        lambda: ops.perturb_(qw, 1, KEY, 1e-3),
+        lambda: ops.es_update_(qw, list(range(8)), [1e-4] * 8, KEY, master=master),
+        lambda: ops.restore_(qw, codes),
+    ]
     # only scale-sized temporaries (validation of the scales: N or K/g·N elements), never weight-sized
     peak = max(_max_cpu_allocation(c) for c in calls)
     assert peak <= 4 * qw.scales.numel() + 4096, peak
@@ -233,6 +258,7 @@ def test_ops_allocate_nothing_proportional_to_the_weight(fmt):
 
 
 # ---- errors: clear, and nothing changes ----------------------------------------------------------
+
 
 def _bad_cases():
     g = qweight("gptq")
@@ -248,8 +274,11 @@ def _bad_cases():
     yield "K % 4", QuantWeight("int8", torch.zeros(4, 6, dtype=torch.int8), torch.ones(4), 4, 6), "multiple of 4"
     yield "unknown", QuantWeight("int3", g.qweight, g.scales, 128, 64), "unknown quantized format"
     yield "range", QuantWeight("int8", i8.qweight, i8.scales, 128, 64, qmin=-200), "code range"
-    yield "awq N", QuantWeight("awq", torch.zeros(64, 1, dtype=torch.int32), torch.ones(2, 4, dtype=torch.float16),
-                               4, 64, 32), "out_features % 8"
+    yield (
+        "awq N",
+        QuantWeight("awq", torch.zeros(64, 1, dtype=torch.int32), torch.ones(2, 4, dtype=torch.float16), 4, 64, 32),
+        "out_features % 8",
+    )
 
 
 @pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda c: c[0])
@@ -300,11 +329,26 @@ def test_center_store_roundtrip_and_checkpoint():
 
 # ---- build: the CUDA kernel compiles to exact PTX ------------------------------------------------
 
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_quant_cuda_kernel_compiles_to_exact_ptx(tmp_path):
     ptx = tmp_path / "quant.ptx"
-    subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-std=c++17", "-O3", "--fmad=false", "-DESPERT_WITH_CUDA",
-                    str(ROOT / "csrc/cuda/quant_cuda.cu"), "-o", str(ptx)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            NVCC,
+            "-ptx",
+            "-arch=sm_90",
+            "-std=c++17",
+            "-O3",
+            "--fmad=false",
+            "-DESPERT_WITH_CUDA",
+            str(ROOT / "csrc/cuda/quant_cuda.cu"),
+            "-o",
+            str(ptx),
+        ],
+        check=True,
+        capture_output=True,
+    )
     text = ptx.read_text()
     assert text.count(".entry") >= 24  # 3 modes x (2 x 2 eight-bit + 4 int4 layouts)
     assert not re.search(r"\bfma\.rn\.f32|\bmad\.f32", text)
@@ -314,6 +358,7 @@ def test_quant_cuda_kernel_compiles_to_exact_ptx(tmp_path):
 
 
 # ---- QuantLinear and models -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_model_forward_and_exact_restore(fmt, tmp_path):
@@ -342,19 +387,26 @@ def test_quant_cpu_isa_paths_agree():
     import subprocess
     import sys
 
-    script = ("import torch; from espert import _C; from espert.quant import quantize_weight; from espert import ops\n"
-              "w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02\n"
-              "out = []\n"
-              "for fmt in ('int8', 'fp8', 'gptq', 'awq', 'marlin'):\n"
-              "    qw = quantize_weight(w, fmt, group_size=128)\n"
-              "    ops.perturb_(qw, 3, 77, 0.01, -1, backend='cpu')\n"
-              "    ops.es_update_(qw, [1, 2], [0.01, -0.02], 77, backend='cpu')\n"
-              "    out.append(qw.qweight.contiguous().view(torch.uint8).numpy().tobytes().hex())\n"
-              "print(_C.cpu_isa(), ''.join(out))")
+    script = (
+        "import torch; from espert import _C; from espert.quant import quantize_weight; from espert import ops\n"
+        "w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02\n"
+        "out = []\n"
+        "for fmt in ('int8', 'fp8', 'gptq', 'awq', 'marlin'):\n"
+        "    qw = quantize_weight(w, fmt, group_size=128)\n"
+        "    ops.perturb_(qw, 3, 77, 0.01, -1, backend='cpu')\n"
+        "    ops.es_update_(qw, [1, 2], [0.01, -0.02], 77, backend='cpu')\n"
+        "    out.append(qw.qweight.contiguous().view(torch.uint8).numpy().tobytes().hex())\n"
+        "print(_C.cpu_isa(), ''.join(out))"
+    )
     outs = {}
     for isa in ("generic", "native"):
-        res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, ESPERT_CPU_ISA=isa),
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", script],
+            env=dict(os.environ, ESPERT_CPU_ISA=isa),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         name, data = res.stdout.split()
         outs[name] = data
     assert "generic" in outs and len(set(outs.values())) == 1

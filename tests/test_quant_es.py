@@ -17,8 +17,9 @@ def test_es_on_a_quantized_tiny_model_improves_heldout_copy(fmt, tmp_path):
     model, tok = load_model(str(tmp_path / "tiny"))
     quantize_model(model, fmt, group_size=32, exclude=())  # every Linear, lm_head included
     train, test = make_copy_task(split="train"), make_copy_task(n=64, split="test")
-    cfg = ESConfig(population=8, sigma=0.05, alpha=0.05, prompts_per_iteration=16, iterations=20,
-                   max_new_tokens=7, eval_size=64)
+    cfg = ESConfig(
+        population=8, sigma=0.05, alpha=0.05, prompts_per_iteration=16, iterations=20, max_new_tokens=7, eval_size=64
+    )
     ev = QuantTorchEvaluator(model, tok, train.score, max_new_tokens=7, batch_size=64)
 
     def heldout():

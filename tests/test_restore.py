@@ -73,8 +73,21 @@ def test_host_narrowing_kernel_equals_cast_exact(dtype):
     gen = torch.Generator().manual_seed(3)
     src = torch.randn(7, 300, generator=gen) * 0.02
     flat = src.view(-1)
-    specials = [0.0, -0.0, 1e-40, -3e-39, 6e-8, -5.9e-8, 65504.0, 65520.0, -70000.0, 3.4e38, float("inf"),
-                -float("inf"), float("nan")]
+    specials = [
+        0.0,
+        -0.0,
+        1e-40,
+        -3e-39,
+        6e-8,
+        -5.9e-8,
+        65504.0,
+        65520.0,
+        -70000.0,
+        3.4e38,
+        float("inf"),
+        -float("inf"),
+        float("nan"),
+    ]
     flat[: len(specials)] = torch.tensor(specials)
     flat.view(torch.int32)[20:24] = torch.tensor([0x7F800001, -0x007FFFFF, 0x7FC12345, 0x7F812000], dtype=torch.int32)
     big = torch.zeros(7, 310, dtype=dtype)

@@ -21,8 +21,19 @@ from espert.cli import main
 from espert.config import ESConfig
 from espert.trainer import train
 
-SMALL = dict(iterations=6, population=4, prompts_per_iteration=6, train_size=64, eval_size=6, max_new_tokens=5,
-             checkpoint_every=2, eval_every=3, sigma=0.05, alpha=0.05, weight_decay=0.01)
+SMALL = dict(
+    iterations=6,
+    population=4,
+    prompts_per_iteration=6,
+    train_size=64,
+    eval_size=6,
+    max_new_tokens=5,
+    checkpoint_every=2,
+    eval_every=3,
+    sigma=0.05,
+    alpha=0.05,
+    weight_decay=0.01,
+)
 FLAGS = [a for k, v in SMALL.items() for a in (f"--{k.replace('_', '-')}", str(v))] + ["--no-progress"]
 #: Record fields that are wall-clock measurements (differ between any two runs).
 CLOCK = ("time", "seconds", "eval_seconds")
@@ -36,13 +47,19 @@ def crash_at(t_crash, phase_crash):
     def hook(t, phase):
         if (t, phase) == (t_crash, phase_crash):
             raise Crash(f"crash at {t} {phase}")
+
     return hook
 
 
 def espert(*args, env=None, timeout=300):
     """Run the real ``espert`` command line in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "espert", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "espert", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def records(run_dir):
@@ -61,8 +78,9 @@ def assert_same_run(a, b):
     sb, ib = runs.load_center(os.path.join(b, runs.CENTER))
     assert ia == ib and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert sha(os.path.join(a, runs.CENTER)) == sha(os.path.join(b, runs.CENTER))
-    assert sha(os.path.join(a, runs.EXPORT, "model.safetensors")) == sha(os.path.join(b, runs.EXPORT,
-                                                                                      "model.safetensors"))
+    assert sha(os.path.join(a, runs.EXPORT, "model.safetensors")) == sha(
+        os.path.join(b, runs.EXPORT, "model.safetensors")
+    )
     ra, rb = records(a), records(b)
     assert [(r["kind"], r.get("iteration")) for r in ra] == [(r["kind"], r.get("iteration")) for r in rb]
     assert ra == rb
@@ -90,12 +108,16 @@ def one_line_error(err, *needles):
 
 # ---- 9: a kill during setup leaves nothing that blocks the next command -----------------------------------------
 
+
 def test_kill_during_setup_then_train_or_resume(reference, tmp_path):
     """Today: killed while the base model is built, RUN holds log.jsonl but no config.yaml; `train` says it
     already holds a run and `--resume` says it is not one.  Now the directory appears only when complete."""
     d = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "espert", "train", "--run-dir", d, *FLAGS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "espert", "train", "--run-dir", d, *FLAGS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None and not os.path.exists(d):
@@ -136,6 +158,7 @@ def test_abandoned_setup_of_older_espert_is_replaced(tmp_path):
 
 # ---- 10: resume runs the evaluation a kill cut off ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("t,phase", [(3, "updated"), (6, "updated"), (4, "logged")])
 def test_resume_runs_missing_evaluation_and_checkpoint(reference, tmp_path, t, phase):
     """Today: killed between update 3 and its held-out evaluation, the eval record of iteration 3 never
@@ -149,6 +172,7 @@ def test_resume_runs_missing_evaluation_and_checkpoint(reference, tmp_path, t, p
 
 
 # ---- 11: damaged checkpoints are named, verified by checksum, rebuilt from the log -----------------------------
+
 
 def damage(path, how):
     data = bytearray(open(path, "rb").read())
@@ -188,6 +212,7 @@ def test_every_checkpoint_checksum_is_logged(reference):
 
 # ---- 12: invalid config files --------------------------------------------------------------------------------
 
+
 def test_invalid_yaml_and_toml_name_the_file(tmp_path, capsys):
     """Today: a yaml.parser.ParserError traceback; TOML errors do not name the file."""
     y = tmp_path / "bad.yaml"
@@ -203,6 +228,7 @@ def test_invalid_yaml_and_toml_name_the_file(tmp_path, capsys):
 
 
 # ---- 13: the base model's fingerprint covers contents ----------------------------------------------------------
+
 
 @pytest.fixture
 def local_model_run(tiny_dir, tmp_path):
@@ -303,6 +329,7 @@ def test_old_run_directories_resume_and_replay(reference, tmp_path, capsys):
 
 # ---- 14: replay refuses a log that ends before the checkpoint ---------------------------------------------------
 
+
 def test_replay_refuses_a_log_missing_records(reference, tmp_path, capsys):
     """Today: with an empty log, replay returns 0 and writes the base weights although the checkpoint is at 6."""
     d = copy_run(reference, tmp_path / "run")
@@ -317,12 +344,26 @@ def test_replay_refuses_a_log_missing_records(reference, tmp_path, capsys):
 
 # ---- 15: inputs are checked before the run directory exists ------------------------------------------------------
 
+
 def test_bad_inputs_leave_no_directory(tmp_path, capsys):
     """Today: an unknown task, --device cuda without CUDA (AssertionError traceback), a missing or unreachable
     Hub model each fail after RUN was created, so the corrected command is refused."""
     d = str(tmp_path / "run")
-    small = ["--iterations", "1", "--eval-size", "0", "--population", "2", "--prompts-per-iteration", "2",
-             "--train-size", "4", "--max-new-tokens", "2", "--no-progress"]
+    small = [
+        "--iterations",
+        "1",
+        "--eval-size",
+        "0",
+        "--population",
+        "2",
+        "--prompts-per-iteration",
+        "2",
+        "--train-size",
+        "4",
+        "--max-new-tokens",
+        "2",
+        "--no-progress",
+    ]
     assert main(["train", "--run-dir", d, "--task", "no_such_task", *small]) == 2
     one_line_error(capsys.readouterr().err, "no_such_task")
     assert not os.path.exists(d)
@@ -362,11 +403,16 @@ def test_hub_ids_are_not_paths():
 
 # ---- 16: Ctrl-C during startup ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("delay", [0.4, 1.5])
 def test_ctrl_c_during_startup_is_one_line(tmp_path, delay):
     """Today: SIGINT while espert imports prints a KeyboardInterrupt traceback."""
-    p = subprocess.Popen([sys.executable, "-m", "espert", "train", "--run-dir", str(tmp_path / "run"), *FLAGS],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "espert", "train", "--run-dir", str(tmp_path / "run"), *FLAGS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
@@ -376,14 +422,24 @@ def test_ctrl_c_during_startup_is_one_line(tmp_path, delay):
 
 # ---- 17: byte-identical checkpoint files -------------------------------------------------------------------------
 
+
 def test_center_files_are_byte_identical(reference, tmp_path):
     """Today: the safetensors metadata order varies between processes, so identical runs hash differently."""
     for i in range(2):  # in fresh processes: the library's order is random per process
-        p = subprocess.run([sys.executable, "-c", f"""
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"""
 import torch
 from espert import runs
-runs.save_center({str(tmp_path / f'c{i}.safetensors')!r}, {{'b': torch.ones(3), 'a': torch.zeros(2, 2)}}, 3)
-"""], capture_output=True, text=True, timeout=120)
+runs.save_center({str(tmp_path / f"c{i}.safetensors")!r}, {{'b': torch.ones(3), 'a': torch.zeros(2, 2)}}, 3)
+""",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == 0, p.stderr
     assert sha(tmp_path / "c0.safetensors") == sha(tmp_path / "c1.safetensors")
     d = str(tmp_path / "again")
@@ -394,8 +450,14 @@ runs.save_center({str(tmp_path / f'c{i}.safetensors')!r}, {{'b': torch.ones(3), 
 def test_write_safetensors_reads_back(tmp_path):
     from safetensors.torch import load_file
 
-    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "i64": torch.arange(3),
-               "i8": torch.tensor([-1, 2], dtype=torch.int8), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
+    tensors = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "i64": torch.arange(3),
+        "i8": torch.tensor([-1, 2], dtype=torch.int8),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5),
+    }
     p = str(tmp_path / "t.safetensors")
     h = runs.write_safetensors(p, tensors, {"z": "1", "a": "2"})
     assert h == sha(p)

@@ -7,13 +7,13 @@ import pytest
 
 from espert.tasks import (
     Task,
+    copy_extract,
+    copy_reward,
     countdown_answer,
     countdown_check,
     countdown_evaluate,
     countdown_extract,
     countdown_reward,
-    copy_extract,
-    copy_reward,
     gsm8k_extract,
     gsm8k_reward,
     known_tasks,
@@ -32,24 +32,27 @@ from espert.tasks.rewards import gsm8k_reward_strict, normalize_latex
 # ------------------------------------------------------------------ GSM8K
 
 
-@pytest.mark.parametrize("completion,answer,expected", [
-    ("3 + 4 = 7 so #### 7", "#### 7", 1.0),
-    ("#### 1,234", "blah #### 1234", 1.0),
-    ("#### $18.00", "#### 18", 1.0),
-    ("#### 18.", "#### 18", 1.0),
-    ("#### -3", "#### -3", 1.0),
-    ("#### 0.5", "#### 1/2", 1.0),  # fractions compare exactly
-    ("#### 3/4", "#### 0.75", 1.0),
-    ("#### 1/3", "#### 0.33", 0.0),
-    ("#### 17", "#### 18", 0.0),
-    ("#### 18 apples, not 19", "#### 18", 1.0),  # first number after ####
-    ("it is 18 and #### 20", "#### 18", 0.0),  # #### wins over earlier numbers
-    ("no number here", "#### 18", 0.0),
-    ("", "#### 18", 0.0),
-    ("The answer is 18.", "#### 18", 1.0),  # last-number fallback (documented)
-    ("I got 18, no wait, 19", "#### 18", 0.0),
-    ("#### 1,000,000", "#### 1000000", 1.0),
-])
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("3 + 4 = 7 so #### 7", "#### 7", 1.0),
+        ("#### 1,234", "blah #### 1234", 1.0),
+        ("#### $18.00", "#### 18", 1.0),
+        ("#### 18.", "#### 18", 1.0),
+        ("#### -3", "#### -3", 1.0),
+        ("#### 0.5", "#### 1/2", 1.0),  # fractions compare exactly
+        ("#### 3/4", "#### 0.75", 1.0),
+        ("#### 1/3", "#### 0.33", 0.0),
+        ("#### 17", "#### 18", 0.0),
+        ("#### 18 apples, not 19", "#### 18", 1.0),  # first number after ####
+        ("it is 18 and #### 20", "#### 18", 0.0),  # #### wins over earlier numbers
+        ("no number here", "#### 18", 0.0),
+        ("", "#### 18", 0.0),
+        ("The answer is 18.", "#### 18", 1.0),  # last-number fallback (documented)
+        ("I got 18, no wait, 19", "#### 18", 0.0),
+        ("#### 1,000,000", "#### 1000000", 1.0),
+    ],
+)
 def test_gsm8k_reward(completion, answer, expected):
     assert gsm8k_reward([completion], [answer]) == [expected]
 
@@ -86,21 +89,24 @@ def test_last_boxed_nested_and_last():
     assert last_boxed("no box") is None
 
 
-@pytest.mark.parametrize("completion,answer,expected", [
-    (r"so \boxed{\frac{1}{2}}", r"\frac12", 1.0),
-    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
-    (r"\boxed{\dfrac{14}{3}}", r"\frac{14}{3}", 1.0),
-    (r"\boxed{(3, \frac{\pi}{2})}", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
-    (r"\boxed{x^2+1}", r"1+x^2", 1.0),
-    (r"\boxed{\sqrt{\frac{a}{b}}}", r"\sqrt{a/b}", 1.0),  # nested braces
-    (r"\boxed{3}", r"4", 0.0),
-    (r"\boxed{\frac{1}{3}}", r"0.5", 0.0),
-    ("the answer is 1/2", r"\frac12", 0.0),  # no box -> 0
-    (r"\boxed{}", "1", 0.0),
-    (r"\boxed{\frac{1}{2}", r"\frac12", 0.0),  # malformed box
-    (r"\boxed{\text{Evelyn}}", r"\text{Evelyn}", 1.0),
-    (r"solution ... \boxed{5}", r"The answer is $\boxed{5}$.", 1.0),  # gold given as solution
-])
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        (r"so \boxed{\frac{1}{2}}", r"\frac12", 1.0),
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{\dfrac{14}{3}}", r"\frac{14}{3}", 1.0),
+        (r"\boxed{(3, \frac{\pi}{2})}", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
+        (r"\boxed{x^2+1}", r"1+x^2", 1.0),
+        (r"\boxed{\sqrt{\frac{a}{b}}}", r"\sqrt{a/b}", 1.0),  # nested braces
+        (r"\boxed{3}", r"4", 0.0),
+        (r"\boxed{\frac{1}{3}}", r"0.5", 0.0),
+        ("the answer is 1/2", r"\frac12", 0.0),  # no box -> 0
+        (r"\boxed{}", "1", 0.0),
+        (r"\boxed{\frac{1}{2}", r"\frac12", 0.0),  # malformed box
+        (r"\boxed{\text{Evelyn}}", r"\text{Evelyn}", 1.0),
+        (r"solution ... \boxed{5}", r"The answer is $\boxed{5}$.", 1.0),  # gold given as solution
+    ],
+)
 def test_math_reward(completion, answer, expected):
     assert math_reward([completion], [answer]) == [expected]
 
@@ -130,26 +136,29 @@ def cd(target, nums):
     return countdown_answer(target, nums)
 
 
-@pytest.mark.parametrize("completion,target,nums,expected", [
-    ("<think>...</think><answer>(1 + 2) * 4</answer>", 12, [1, 2, 4], 1.0),
-    ("<answer>4*(1+2) = 12</answer>", 12, [4, 2, 1], 1.0),          # trailing "= value" dropped
-    ("<answer>1+2+4</answer>", 12, [1, 2, 4], 0.0),                 # wrong value
-    ("<answer>(1+2)*4*1</answer>", 12, [1, 2, 4], 0.0),             # extra number
-    ("<answer>(2+2)*3</answer>", 12, [2, 3, 4], 0.0),               # number reused, one unused
-    ("<answer>3*4</answer>", 12, [2, 3, 4], 0.0),                   # not all numbers used
-    ("<answer>12</answer>", 12, [12, 1], 0.0),
-    ("<answer>6/(3-3)+12</answer>", 12, [6, 3, 3, 12], 0.0),        # division by zero
-    ("<answer>7/2*2</answer>", 7, [7, 2, 2], 1.0),                  # exact fractions
-    ("<answer>1/3*3</answer>", 1, [1, 3, 3], 1.0),                  # float would round
-    ("<answer>(1+2)**4</answer>", 81, [1, 2, 4], 0.0),              # power not allowed
-    ("<answer>-1+2+4</answer>", 5, [1, 2, 4], 0.0),                 # unary minus not allowed
-    ("<answer>1.0+2+4</answer>", 7, [1, 2, 4], 0.0),                # floats not allowed
-    ("<answer>__import__('os')</answer>", 0, [1], 0.0),             # names/calls not allowed
-    ("<answer>(1+2</answer>", 3, [1, 2], 0.0),                      # syntax error
-    ("(1 + 2) * 4", 12, [1, 2, 4], 0.0),                            # no answer tag
-    ("<answer>1+1</answer> <answer>(1+2)*4</answer>", 12, [1, 2, 4], 1.0),  # last block counts
-    ("<answer>4 × (1 + 2)</answer>", 12, [1, 2, 4], 1.0),           # unicode operator
-])
+@pytest.mark.parametrize(
+    "completion,target,nums,expected",
+    [
+        ("<think>...</think><answer>(1 + 2) * 4</answer>", 12, [1, 2, 4], 1.0),
+        ("<answer>4*(1+2) = 12</answer>", 12, [4, 2, 1], 1.0),  # trailing "= value" dropped
+        ("<answer>1+2+4</answer>", 12, [1, 2, 4], 0.0),  # wrong value
+        ("<answer>(1+2)*4*1</answer>", 12, [1, 2, 4], 0.0),  # extra number
+        ("<answer>(2+2)*3</answer>", 12, [2, 3, 4], 0.0),  # number reused, one unused
+        ("<answer>3*4</answer>", 12, [2, 3, 4], 0.0),  # not all numbers used
+        ("<answer>12</answer>", 12, [12, 1], 0.0),
+        ("<answer>6/(3-3)+12</answer>", 12, [6, 3, 3, 12], 0.0),  # division by zero
+        ("<answer>7/2*2</answer>", 7, [7, 2, 2], 1.0),  # exact fractions
+        ("<answer>1/3*3</answer>", 1, [1, 3, 3], 1.0),  # float would round
+        ("<answer>(1+2)**4</answer>", 81, [1, 2, 4], 0.0),  # power not allowed
+        ("<answer>-1+2+4</answer>", 5, [1, 2, 4], 0.0),  # unary minus not allowed
+        ("<answer>1.0+2+4</answer>", 7, [1, 2, 4], 0.0),  # floats not allowed
+        ("<answer>__import__('os')</answer>", 0, [1], 0.0),  # names/calls not allowed
+        ("<answer>(1+2</answer>", 3, [1, 2], 0.0),  # syntax error
+        ("(1 + 2) * 4", 12, [1, 2, 4], 0.0),  # no answer tag
+        ("<answer>1+1</answer> <answer>(1+2)*4</answer>", 12, [1, 2, 4], 1.0),  # last block counts
+        ("<answer>4 × (1 + 2)</answer>", 12, [1, 2, 4], 1.0),  # unicode operator
+    ],
+)
 def test_countdown_reward(completion, target, nums, expected):
     assert countdown_reward([completion], [cd(target, nums)]) == [expected]
 

@@ -46,6 +46,8 @@ def test_tiny_model_is_deterministic_and_loads(tmp_path):
 
 
 def test_spec_changes_shape(tmp_path):
-    m = build_tiny_model(str(tmp_path / "m"), spec=TinySpec(hidden_size=32, num_attention_heads=1,
-                                                          intermediate_size=48, num_hidden_layers=1))
+    m = build_tiny_model(
+        str(tmp_path / "m"),
+        spec=TinySpec(hidden_size=32, num_attention_heads=1, intermediate_size=48, num_hidden_layers=1),
+    )
     assert m.config.hidden_size == 32 and m.config.num_hidden_layers == 1

@@ -8,15 +8,15 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
+import espert.kernels.apply as kmod
 import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
-
-import espert.kernels.apply as kmod
-from espert import noise
 from espert.kernels.apply import apply
+
+from espert import noise
 
 pytestmark = [  # inf / NaN / overflow cases are deliberate
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -56,8 +56,20 @@ def check(w: torch.Tensor, seeds, coeffs, key=KEY, row_offset=0, col_offset=0, l
     lc = cols if logical_cols is None else logical_cols
     coeffs = np.asarray(coeffs, dtype=np.float32)
     want = _bits(noise.update_reference(_to_numpy(w), NAMES[w.dtype], seeds, coeffs, key, row_offset, col_offset, lc))
-    apply(w, CODES[w.dtype], rows, cols, row_stride, row_offset, col_offset, lc,
-          _seeds(seeds), torch.tensor(coeffs), key, block=block)
+    apply(
+        w,
+        CODES[w.dtype],
+        rows,
+        cols,
+        row_stride,
+        row_offset,
+        col_offset,
+        lc,
+        _seeds(seeds),
+        torch.tensor(coeffs),
+        key,
+        block=block,
+    )
     got = _bits(w)
     bad = got != want
     assert not bad.any(), f"{bad.sum()} of {bad.size} elements differ, first at {np.argwhere(bad)[0]}"
@@ -70,6 +82,7 @@ def _weights(shape, dtype, seed=0) -> torch.Tensor:
 
 # ---- Philox known-answer vectors (Random123) ---------------------------------------------------
 
+
 @triton.jit
 def _ld_u32(p):
     return tl.load(p).to(tl.uint32, bitcast=True)
@@ -78,8 +91,14 @@ def _ld_u32(p):
 @triton.jit
 def _philox_kat_kernel(ctr_ptr, key_ptr, out_ptr):
     i = tl.arange(0, 4)  # one test vector per lane
-    x = kmod.philox4x32_10(_ld_u32(ctr_ptr + 4 * i), _ld_u32(ctr_ptr + 4 * i + 1), _ld_u32(ctr_ptr + 4 * i + 2),
-                           _ld_u32(ctr_ptr + 4 * i + 3), _ld_u32(key_ptr + 2 * i), _ld_u32(key_ptr + 2 * i + 1))
+    x = kmod.philox4x32_10(
+        _ld_u32(ctr_ptr + 4 * i),
+        _ld_u32(ctr_ptr + 4 * i + 1),
+        _ld_u32(ctr_ptr + 4 * i + 2),
+        _ld_u32(ctr_ptr + 4 * i + 3),
+        _ld_u32(key_ptr + 2 * i),
+        _ld_u32(key_ptr + 2 * i + 1),
+    )
     tl.store(out_ptr + 4 * i, x[0].to(tl.int32, bitcast=True))
     tl.store(out_ptr + 4 * i + 1, x[1].to(tl.int32, bitcast=True))
     tl.store(out_ptr + 4 * i + 2, x[2].to(tl.int32, bitcast=True))
@@ -89,8 +108,12 @@ def _philox_kat_kernel(ctr_ptr, key_ptr, out_ptr):
 def test_philox_known_answers():
     ctr = [[0, 0, 0, 0], [0xFFFFFFFF] * 4, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0, 0, 0, 0]]
     key = [[0, 0], [0xFFFFFFFF] * 2, [0xA4093822, 0x299F31D0], [0, 0]]
-    want = [[0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8], [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD],
-            [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1], [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]]
+    want = [
+        [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8],
+        [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD],
+        [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1],
+        [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8],
+    ]
     as_i32 = lambda v: torch.tensor(np.array(v, dtype=np.uint32).view(np.int32).ravel())  # noqa: E731
     out = torch.zeros(16, dtype=torch.int32)
     _philox_kat_kernel[(1,)](as_i32(ctr), as_i32(key), out)
@@ -98,6 +121,7 @@ def test_philox_known_answers():
 
 
 # ---- the kernel against update_reference -------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sign", [1, -1])
@@ -124,8 +148,9 @@ def test_block_mid_group_many_programs(dtype):
 
 def test_aligned_rows_many_programs():
     # aligned rows whose width is a multiple of 4*block: programs tile each row exactly
-    check(_weights((3, 64), torch.bfloat16, seed=12), [13], [0.25], row_offset=5, col_offset=4, logical_cols=72,
-          block=4)
+    check(
+        _weights((3, 64), torch.bfloat16, seed=12), [13], [0.25], row_offset=5, col_offset=4, logical_cols=72, block=4
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -154,24 +179,61 @@ def test_1d(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_offsets(dtype):
     # indices near 2^52: row_offset near 2^40, odd logical_cols
-    check(_weights((3, 29), dtype, seed=6), [3, 4], [0.3, -0.1], row_offset=2**40 - 2, col_offset=11,
-          logical_cols=4099)
+    check(_weights((3, 29), dtype, seed=6), [3, 4], [0.3, -0.1], row_offset=2**40 - 2, col_offset=11, logical_cols=4099)
     # a column offset near 2^40 whose rows cross a 2^32 boundary of the group counter (index 2^34)
-    check(_weights((2, 300), dtype, seed=7), [3], [0.3], row_offset=0, col_offset=2**34 - 150,
-          logical_cols=2**40 + 3)
+    check(_weights((2, 300), dtype, seed=7), [3], [0.3], row_offset=0, col_offset=2**34 - 150, logical_cols=2**40 + 3)
     # indices beyond 2^63: uint64 arithmetic, not int64
-    check(_weights((2, 21), dtype, seed=8), [3], [-0.3], row_offset=2**40 + 5, col_offset=1,
-          logical_cols=2**23 + 1)
+    check(_weights((2, 21), dtype, seed=8), [3], [-0.3], row_offset=2**40 + 5, col_offset=1, logical_cols=2**23 + 1)
 
 
 def _special(dtype) -> torch.Tensor:
     """Weights with zeros, -0.0, subnormals (of the storage format), huge values, inf and NaN."""
     if dtype == torch.float16:
-        bits = [0x0000, 0x8000, 0x0001, 0x8001, 0x0200, 0x83FF, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x7BFE,
-                0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE01, 0x3C00, 0xBC00, 0x1000, 0x9000]
+        bits = [
+            0x0000,
+            0x8000,
+            0x0001,
+            0x8001,
+            0x0200,
+            0x83FF,
+            0x03FF,
+            0x0400,
+            0x7BFF,
+            0xFBFF,
+            0x7BFE,
+            0x7C00,
+            0xFC00,
+            0x7E00,
+            0x7C01,
+            0xFE01,
+            0x3C00,
+            0xBC00,
+            0x1000,
+            0x9000,
+        ]
     else:  # bfloat16
-        bits = [0x0000, 0x8000, 0x0001, 0x8001, 0x0040, 0x807F, 0x007F, 0x0080, 0x7F7F, 0xFF7F, 0x7F7E,
-                0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC1, 0x3F80, 0xBF80, 0x0100, 0x8100]
+        bits = [
+            0x0000,
+            0x8000,
+            0x0001,
+            0x8001,
+            0x0040,
+            0x807F,
+            0x007F,
+            0x0080,
+            0x7F7F,
+            0xFF7F,
+            0x7F7E,
+            0x7F80,
+            0xFF80,
+            0x7FC0,
+            0x7F81,
+            0xFFC1,
+            0x3F80,
+            0xBF80,
+            0x0100,
+            0x8100,
+        ]
     rng = np.random.default_rng(10)
     w = np.array(bits * 50, dtype=np.uint16)
     w = w[rng.permutation(w.size)].reshape(20, 50)
@@ -195,8 +257,9 @@ def test_bf16_special_values():
 
 
 def test_fp32_special_values():
-    v = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38, np.inf, -np.inf, np.nan, 1.0, -1.0, 2.0],
-                 dtype=np.float32)  # 13 values: each lands in every lane
+    v = np.array(
+        [0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38, np.inf, -np.inf, np.nan, 1.0, -1.0, 2.0], dtype=np.float32
+    )  # 13 values: each lands in every lane
     w = torch.from_numpy(np.tile(v, 40).reshape(13, 40).copy())
     # ±0 coefficients: the +0.0 start of the sum decides the sign of zero results
     check(w, [41, 42], [0.0, -0.0], logical_cols=40)
@@ -224,8 +287,14 @@ def test_fp16_conversions(hw_cvt):
     x = np.concatenate([x, np.array([0x7F800000, 0xFF800000, 0x7FC00000], np.uint32), np.zeros(N, np.uint32)])[:N]
     narrow = torch.empty(N, dtype=torch.int16)
     widen = torch.empty(N, dtype=torch.float32)
-    _convert_kernel[(1,)](torch.from_numpy(x.view(np.float32)), torch.from_numpy(np.resize(h, N).view(np.int16)),
-                          narrow, widen, N=N, HW=hw_cvt)
+    _convert_kernel[(1,)](
+        torch.from_numpy(x.view(np.float32)),
+        torch.from_numpy(np.resize(h, N).view(np.int16)),
+        narrow,
+        widen,
+        N=N,
+        HW=hw_cvt,
+    )
     with np.errstate(all="ignore"):
         want = x.view(np.float32).astype(np.float16).view(np.uint16)
     nan = np.isnan(x.view(np.float32))
@@ -234,7 +303,9 @@ def test_fp16_conversions(hw_cvt):
     w_want = np.resize(h, N).view(np.float16).astype(np.float32)
     w_nan = np.isnan(w_want)
     w_got = widen.numpy()
-    assert np.array_equal(w_got.view(np.uint32)[~w_nan], w_want.view(np.uint32)[~w_nan]) and np.isnan(w_got[w_nan]).all()
+    assert (
+        np.array_equal(w_got.view(np.uint32)[~w_nan], w_want.view(np.uint32)[~w_nan]) and np.isnan(w_got[w_nan]).all()
+    )
 
 
 def test_empty_is_noop():
@@ -277,8 +348,14 @@ def test_apply_kernel_ptx_is_exact_for_every_dtype_and_family():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", APPLY_PTX], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).resolve().parents[1], timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-c", APPLY_PTX],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     ptx = json.loads(res.stdout)
     assert len(ptx) == 9

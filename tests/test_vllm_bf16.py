@@ -29,8 +29,11 @@ def setup(tmp_path_factory):
 
     d = str(tmp_path_factory.mktemp("vllm_tiny_bf16"))
     build_tiny_model(d, seed=0)
-    ev = VLLMEvaluator(make_llm(d, dtype="bfloat16", max_model_len=64, multiprocess=False),
-                       load_task("copy", "train", n=8).score, max_new_tokens=4)
+    ev = VLLMEvaluator(
+        make_llm(d, dtype="bfloat16", max_model_len=64, multiprocess=False),
+        load_task("copy", "train", n=8).score,
+        max_new_tokens=4,
+    )
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     yield ev, hf
     shutdown_llm(ev.llm)

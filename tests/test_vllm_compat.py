@@ -39,11 +39,25 @@ def engines(tiny_dir):
         ray.init(include_dashboard=False, log_to_driver=False)
     out = []
     for i in range(2):
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": str(i % max(1, os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"}
-        out.append(ray.remote(num_cpus=0)(LLM).options(runtime_env={"env_vars": env}).remote(
-            model=tiny_dir, dtype="float32", worker_extension_cls=COMPAT, enable_prefix_caching=False,
-            enforce_eager=True, max_model_len=64, seed=0))
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(i % max(1, os.cpu_count() or 1)),
+            "OMP_NUM_THREADS": "1",
+        }
+        out.append(
+            ray.remote(num_cpus=0)(LLM)
+            .options(runtime_env={"env_vars": env})
+            .remote(
+                model=tiny_dir,
+                dtype="float32",
+                worker_extension_cls=COMPAT,
+                enable_prefix_caching=False,
+                enforce_eager=True,
+                max_model_len=64,
+                seed=0,
+            )
+        )
     yield out
     for e in out:
         ray.kill(e)
@@ -75,8 +89,9 @@ def test_their_trainer_sequence(engines, tiny_dir, tmp_path):
 
     # init_inter_engine_group runs on all engines at once (they rendezvous), as in their trainer
     addr, port = get_ip(), get_open_port()
-    assert ray.get([e.collective_rpc.remote("init_inter_engine_group", args=(addr, port, i, 2))
-                    for i, e in enumerate(engines)]) == [[True], [True]]
+    assert ray.get(
+        [e.collective_rpc.remote("init_inter_engine_group", args=(addr, port, i, 2)) for i, e in enumerate(engines)]
+    ) == [[True], [True]]
     c0 = [exact(e) for e in engines]
     assert c0[0] == c0[1]
 
@@ -87,12 +102,20 @@ def test_their_trainer_sequence(engines, tiny_dir, tmp_path):
     base = [o.outputs[0].cumulative_logprob for o in ray.get(engines[0].generate.remote(prompts, sp, use_tqdm=False))]
     rewards = {}
     for b in range(0, N, len(engines)):
-        batch = seeds[b:b + len(engines)]
-        ray.get([engines[i].collective_rpc.remote("perturb_self_weights", args=(int(s), SIGMA, False))
-                 for i, s in enumerate(batch)])
+        batch = seeds[b : b + len(engines)]
+        ray.get(
+            [
+                engines[i].collective_rpc.remote("perturb_self_weights", args=(int(s), SIGMA, False))
+                for i, s in enumerate(batch)
+            ]
+        )
         outs = ray.get([engines[i].generate.remote(prompts, sp, use_tqdm=False) for i, _ in enumerate(batch)])
-        ray.get([engines[i].collective_rpc.remote("restore_self_weights", args=(int(s), SIGMA))
-                 for i, s in enumerate(batch)])
+        ray.get(
+            [
+                engines[i].collective_rpc.remote("restore_self_weights", args=(int(s), SIGMA))
+                for i, s in enumerate(batch)
+            ]
+        )
         for i, s in enumerate(batch):
             lp = [o.outputs[0].cumulative_logprob for o in outs[i]]
             assert lp != base  # the perturbation reached the (prepacked) kernels

@@ -17,8 +17,11 @@ vllm = pytest.importorskip("vllm")
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 RUNS = 12
-MODES = {"in-process": dict(multiprocess=False), "multiprocess": dict(multiprocess=True),
-         "tp2": dict(multiprocess=True, tensor_parallel_size=2, distributed_executor_backend="mp")}
+MODES = {
+    "in-process": dict(multiprocess=False),
+    "multiprocess": dict(multiprocess=True),
+    "tp2": dict(multiprocess=True, tensor_parallel_size=2, distributed_executor_backend="mp"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +30,30 @@ def model_dir(tmp_path_factory):
     from espert.tiny import TinySpec, build_tiny_model
 
     d = str(tmp_path_factory.mktemp("det") / "model")
-    build_tiny_model(d, seed=1, spec=TinySpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                              num_attention_heads=4, head_dim=64, init_std=0.1))
+    build_tiny_model(
+        d,
+        seed=1,
+        spec=TinySpec(
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            head_dim=64,
+            init_std=0.1,
+        ),
+    )
     return d
 
 
 def run(llm, prompts, sp):
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [[(k, v.logprob) for k, v in sorted(step.items())]
-                                            for step in o.outputs[0].logprobs]) for o in outs]
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [[(k, v.logprob) for k, v in sorted(step.items())] for step in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -59,8 +77,9 @@ def test_repeated_greedy_runs_are_bit_identical(model_dir, mode):
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
         vocab = llm.llm_engine.model_config.get_vocab_size()
-        prompts = [{"prompt_token_ids": [1] + [4 + (7 * i + j) % (vocab - 4) for j in range(3 + i % 5)]}
-                   for i in range(16)]
+        prompts = [
+            {"prompt_token_ids": [1] + [4 + (7 * i + j) % (vocab - 4) for j in range(3 + i % 5)]} for i in range(16)
+        ]
         first = run(llm, prompts, sp)
         differ = sum(run(llm, prompts, sp) != first for _ in range(RUNS - 1))
         assert differ == 0, f"{mode}: {differ} of {RUNS - 1} repeated runs gave other logprobs"

@@ -23,8 +23,13 @@ from espert.tasks import load_task  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-GROUPS = {"embeddings": ["*embed_tokens*"], "attention": ["*self_attn*"], "mlp": ["*.mlp.*"],
-          "norms": ["*norm*"], "lm_head": ["lm_head*"]}
+GROUPS = {
+    "embeddings": ["*embed_tokens*"],
+    "attention": ["*self_attn*"],
+    "mlp": ["*.mlp.*"],
+    "norms": ["*norm*"],
+    "lm_head": ["lm_head*"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +83,16 @@ def test_layers_stay_prepacked_with_their_plain_weight(ev):
 
     def probe(worker):
         m = worker.model_runner.model
-        return [(n, tuple(mod.weight.shape), type(mod.cpu_linear).__name__,
-                 mod.cpu_linear.packed is not torch.nn.functional.linear)
-                for n, mod in m.named_modules() if hasattr(mod, "cpu_linear")]
+        return [
+            (
+                n,
+                tuple(mod.weight.shape),
+                type(mod.cpu_linear).__name__,
+                mod.cpu_linear.packed is not torch.nn.functional.linear,
+            )
+            for n, mod in m.named_modules()
+            if hasattr(mod, "cpu_linear")
+        ]
 
     layers = ev.llm.collective_rpc(probe)[0]
     assert len(layers) >= 10  # every linear, the embedding and lm_head
@@ -102,8 +114,11 @@ def test_repack_is_lazy_and_once_per_change(ev):
     s1 = ev.rpc("es_stats")[0]
     ev.restore()
     # every layer with a packed GEMM, less the input embedding (a lookup: its packed copy is never used)
-    n = ev.llm.collective_rpc(lambda w: sum(hasattr(m, "cpu_linear") and not n.endswith("embed_tokens")
-                                           for n, m in w.model_runner.model.named_modules()))[0]
+    n = ev.llm.collective_rpc(
+        lambda w: sum(
+            hasattr(m, "cpu_linear") and not n.endswith("embed_tokens") for n, m in w.model_runner.model.named_modules()
+        )
+    )[0]
     assert s1["repacks"] - s0["repacks"] == n and s1["repack_seconds"] > s0["repack_seconds"]
 
 

@@ -14,7 +14,8 @@ def test_vllm_sampler_greedy_matches_transformers(tmp_path, monkeypatch):
     build_tiny_model(str(tmp_path / "m"), seed=3)
     prompts = load_task("copy", "test", n=6).prompts
     hf = TransformersSampler(str(tmp_path / "m"), device="cpu", dtype="float32").sample(
-        prompts, n=1, temperature=0.0, max_tokens=6)
+        prompts, n=1, temperature=0.0, max_tokens=6
+    )
     v = VLLMSampler(str(tmp_path / "m"), dtype="float32", seed=0)
     try:
         got = v.sample(prompts, n=2, temperature=0.0, max_tokens=6)

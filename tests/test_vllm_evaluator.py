@@ -47,8 +47,9 @@ def test_parity_with_transformers_evaluator(ev, tiny_dir):
     start = ev.center_state()
     ev.update([101, 202], [0.02, -0.01], 0.99)
     tev.update([101, 202], [0.02, -0.01], 0.99)
-    assert ev.evaluate(MEMBERS[:4], 0.05, task.prompts, task.answers) == \
-        tev.evaluate(MEMBERS[:4], 0.05, task.prompts, task.answers)
+    assert ev.evaluate(MEMBERS[:4], 0.05, task.prompts, task.answers) == tev.evaluate(
+        MEMBERS[:4], 0.05, task.prompts, task.answers
+    )
     got = ev.center_state()
     for k, v in tev.center_state().items():
         assert torch.equal(got[k], v), k
@@ -61,8 +62,7 @@ def test_es_training_through_vllm_raises_reward(ev):
     task = load_task("copy", "train", n=64)
     start = ev.center_state()
     probe_p, probe_a = task.prompts[:16], task.answers[:16]
-    cfg = ESConfig(population=8, sigma=0.05, alpha=0.025, prompts_per_iteration=16, iterations=4,
-                   max_new_tokens=6)
+    cfg = ESConfig(population=8, sigma=0.05, alpha=0.025, prompts_per_iteration=16, iterations=4, max_new_tokens=6)
     r0 = float(np.mean(ev.evaluate_center(probe_p, probe_a)))
     after = []
     try:

@@ -11,8 +11,18 @@ import torch
 from espert.center import CenterStore
 from espert.ops import Block, perturb_
 from espert.params import ParamView
-from espert.vllm.params import (LayoutError, Piece, assemble, block_to_tuple, linear_pieces, pack_tensor,
-                                piece_views, split_logical, unpack_tensor, vocab_pieces)
+from espert.vllm.params import (
+    LayoutError,
+    Piece,
+    assemble,
+    block_to_tuple,
+    linear_pieces,
+    pack_tensor,
+    piece_views,
+    split_logical,
+    unpack_tensor,
+    vocab_pieces,
+)
 
 H, HD, NH, NKV, I, V = 64, 16, 4, 2, 96, 37  # hidden, head dim, heads, kv heads, intermediate, vocab
 P = "model.layers.0"
@@ -20,12 +30,21 @@ P = "model.layers.0"
 
 def logical_model(gen):
     w = lambda *s: torch.randn(*s, generator=gen) * 0.05  # noqa: E731
-    return {f"{P}.self_attn.q_proj.weight": w(NH * HD, H), f"{P}.self_attn.k_proj.weight": w(NKV * HD, H),
-            f"{P}.self_attn.v_proj.weight": w(NKV * HD, H), f"{P}.self_attn.q_proj.bias": w(NH * HD),
-            f"{P}.self_attn.k_proj.bias": w(NKV * HD), f"{P}.self_attn.v_proj.bias": w(NKV * HD),
-            f"{P}.self_attn.o_proj.weight": w(H, NH * HD), f"{P}.mlp.gate_proj.weight": w(I, H),
-            f"{P}.mlp.up_proj.weight": w(I, H), f"{P}.mlp.down_proj.weight": w(H, I), f"{P}.mlp.down_proj.bias": w(H),
-            "model.embed_tokens.weight": w(V, H), f"{P}.input_layernorm.weight": w(H)}
+    return {
+        f"{P}.self_attn.q_proj.weight": w(NH * HD, H),
+        f"{P}.self_attn.k_proj.weight": w(NKV * HD, H),
+        f"{P}.self_attn.v_proj.weight": w(NKV * HD, H),
+        f"{P}.self_attn.q_proj.bias": w(NH * HD),
+        f"{P}.self_attn.k_proj.bias": w(NKV * HD),
+        f"{P}.self_attn.v_proj.bias": w(NKV * HD),
+        f"{P}.self_attn.o_proj.weight": w(H, NH * HD),
+        f"{P}.mlp.gate_proj.weight": w(I, H),
+        f"{P}.mlp.up_proj.weight": w(I, H),
+        f"{P}.mlp.down_proj.weight": w(H, I),
+        f"{P}.mlp.down_proj.bias": w(H),
+        "model.embed_tokens.weight": w(V, H),
+        f"{P}.input_layernorm.weight": w(H),
+    }
 
 
 def vllm_shards(full, rank, tp):
@@ -43,16 +62,22 @@ def vllm_shards(full, rank, tp):
     vp = -(-V // (64 * tp)) * 64  # padded vocab per rank (pad to 64 then split)
     v0, v1 = min(V, rank * vp), min(V, (rank + 1) * vp)
     emb = torch.zeros(vp, H)
-    emb[:v1 - v0] = g("model.embed_tokens.weight")[v0:v1]
+    emb[: v1 - v0] = g("model.embed_tokens.weight")[v0:v1]
     return {
-        a + "qkv_proj.weight": torch.cat([g(a + "q_proj.weight")[qs], g(a + "k_proj.weight")[ks],
-                                          g(a + "v_proj.weight")[ks]]).contiguous(),
-        a + "qkv_proj.bias": torch.cat([g(a + "q_proj.bias")[qs], g(a + "k_proj.bias")[ks],
-                                        g(a + "v_proj.bias")[ks]]).contiguous(),
-        a + "o_proj.weight": g(a + "o_proj.weight")[:, rank * NH * HD // tp:(rank + 1) * NH * HD // tp].contiguous(),
-        m + "gate_up_proj.weight": torch.cat([g(m + "gate_proj.weight")[rank * ip:(rank + 1) * ip],
-                                              g(m + "up_proj.weight")[rank * ip:(rank + 1) * ip]]).contiguous(),
-        m + "down_proj.weight": g(m + "down_proj.weight")[:, rank * ip:(rank + 1) * ip].contiguous(),
+        a + "qkv_proj.weight": torch.cat(
+            [g(a + "q_proj.weight")[qs], g(a + "k_proj.weight")[ks], g(a + "v_proj.weight")[ks]]
+        ).contiguous(),
+        a + "qkv_proj.bias": torch.cat(
+            [g(a + "q_proj.bias")[qs], g(a + "k_proj.bias")[ks], g(a + "v_proj.bias")[ks]]
+        ).contiguous(),
+        a + "o_proj.weight": g(a + "o_proj.weight")[:, rank * NH * HD // tp : (rank + 1) * NH * HD // tp].contiguous(),
+        m + "gate_up_proj.weight": torch.cat(
+            [
+                g(m + "gate_proj.weight")[rank * ip : (rank + 1) * ip],
+                g(m + "up_proj.weight")[rank * ip : (rank + 1) * ip],
+            ]
+        ).contiguous(),
+        m + "down_proj.weight": g(m + "down_proj.weight")[:, rank * ip : (rank + 1) * ip].contiguous(),
         m + "down_proj.bias": g(m + "down_proj.bias").clone(),
         "model.embed_tokens.weight": emb,
         f"{P}.input_layernorm.weight": g(f"{P}.input_layernorm.weight").clone(),
@@ -61,8 +86,16 @@ def vllm_shards(full, rank, tp):
 
 def rank_views(live, rank, tp, vocab_range):
     a, m = f"{P}.self_attn.", f"{P}.mlp."
-    qkv = dict(num_heads=NH // tp, num_kv_heads=max(1, NKV // tp), total_num_heads=NH, total_num_kv_heads=NKV,
-               head_size=HD, num_kv_head_replicas=max(1, tp // NKV), tp_rank=rank, tp_size=tp)
+    qkv = dict(
+        num_heads=NH // tp,
+        num_kv_heads=max(1, NKV // tp),
+        total_num_heads=NH,
+        total_num_kv_heads=NKV,
+        head_size=HD,
+        num_kv_head_replicas=max(1, tp // NKV),
+        tp_rank=rank,
+        tp_size=tp,
+    )
     names = {k: [a + f"{x}_proj.{k}" for x in "qkv"] for k in ("weight", "bias")}
     views = []
     for leaf in ("weight", "bias"):
@@ -71,13 +104,25 @@ def rank_views(live, rank, tp, vocab_range):
     n = a + "o_proj.weight"
     views += piece_views(live[n], linear_pieces("row", n, live[n].shape, tp_rank=rank, tp_size=tp))
     n = m + "gate_up_proj.weight"
-    views += piece_views(live[n], linear_pieces("merged", n, live[n].shape, logical_names=[
-        m + "gate_proj.weight", m + "up_proj.weight"], output_sizes=[I, I], tp_rank=rank, tp_size=tp))
+    views += piece_views(
+        live[n],
+        linear_pieces(
+            "merged",
+            n,
+            live[n].shape,
+            logical_names=[m + "gate_proj.weight", m + "up_proj.weight"],
+            output_sizes=[I, I],
+            tp_rank=rank,
+            tp_size=tp,
+        ),
+    )
     for n in (m + "down_proj.weight", m + "down_proj.bias"):
         views += piece_views(live[n], linear_pieces("row", n, live[n].shape, tp_rank=rank, tp_size=tp))
     n = "model.embed_tokens.weight"
-    views += piece_views(live[n], vocab_pieces(n, live[n].shape, org_vocab_start=vocab_range[0],
-                                               org_vocab_end=vocab_range[1], org_vocab_size=V))
+    views += piece_views(
+        live[n],
+        vocab_pieces(n, live[n].shape, org_vocab_start=vocab_range[0], org_vocab_end=vocab_range[1], org_vocab_size=V),
+    )
     n = f"{P}.input_layernorm.weight"
     views += piece_views(live[n], linear_pieces("replicated", n, live[n].shape))
     return views
@@ -93,7 +138,7 @@ def test_sharded_fused_noise_equals_logical_noise(tp):
     pieces = []
     for rank in range(tp):
         live, vr = vllm_shards(full, rank, tp)
-        pad_before = live["model.embed_tokens.weight"][vr[1] - vr[0]:].clone()
+        pad_before = live["model.embed_tokens.weight"][vr[1] - vr[0] :].clone()
         views = rank_views(live, rank, tp, vr)
         store = CenterStore(views)
         store.perturb(1234, 0.1, -1)
@@ -102,7 +147,7 @@ def test_sharded_fused_noise_equals_logical_noise(tp):
         for n, t in live.items():
             assert torch.equal(t.view(torch.int32), want[n].view(torch.int32)), (tp, rank, n)
         # vocab padding rows are not parameters: untouched
-        assert torch.equal(live["model.embed_tokens.weight"][vr[1] - vr[0]:], pad_before)
+        assert torch.equal(live["model.embed_tokens.weight"][vr[1] - vr[0] :], pad_before)
         pieces.append([(v.name, pack_tensor(v.tensor), block_to_tuple(v.block)) for v in views])
         store.restore()
         for n, t in live.items():
@@ -149,8 +194,17 @@ def test_pack_roundtrip():
 
 def test_layout_errors_name_the_parameter():
     with pytest.raises(LayoutError, match="x.qkv_proj.weight"):
-        linear_pieces("qkv", "x.qkv_proj.weight", (100, 8), logical_names=["q", "k", "v"], num_heads=2,
-                      num_kv_heads=1, total_num_heads=2, total_num_kv_heads=1, head_size=16)
+        linear_pieces(
+            "qkv",
+            "x.qkv_proj.weight",
+            (100, 8),
+            logical_names=["q", "k", "v"],
+            num_heads=2,
+            num_kv_heads=1,
+            total_num_heads=2,
+            total_num_kv_heads=1,
+            head_size=16,
+        )
     with pytest.raises(LayoutError, match="gate_up"):
         linear_pieces("merged", "gate_up", (10, 8), logical_names=["g", "u"], output_sizes=[4, 4])
     with pytest.raises(LayoutError, match="emb"):

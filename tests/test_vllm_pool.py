@@ -58,8 +58,14 @@ def pool(tiny_dir, crash_file):
     from espert.vllm import EnginePool
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors cannot import tests/
-    p = EnginePool(tiny_dir, CrashOnce(crash_file, TASK.score), engines=2, max_new_tokens=6, llm_kwargs=dict(max_model_len=64),
-                   ray_init=dict(num_cpus=2, object_store_memory=128 << 20))
+    p = EnginePool(
+        tiny_dir,
+        CrashOnce(crash_file, TASK.score),
+        engines=2,
+        max_new_tokens=6,
+        llm_kwargs=dict(max_model_len=64),
+        ray_init=dict(num_cpus=2, object_store_memory=128 << 20),
+    )
     yield p
     p.close()
     ray.shutdown()
@@ -108,8 +114,7 @@ def test_engine_dying_mid_iteration_loses_no_member(pool, single, crash_file):
     assert len(pool.checksums[-1]) == 2
     open(crash_file, "w").close()  # the next engine to score a chunk dies in the middle of it
     m = members(3)
-    assert pool.evaluate(m, 0.05, TASK.prompts, TASK.answers) == single.evaluate(m, 0.05, TASK.prompts,
-                                                                                  TASK.answers)
+    assert pool.evaluate(m, 0.05, TASK.prompts, TASK.answers) == single.evaluate(m, 0.05, TASK.prompts, TASK.answers)
     assert not os.path.exists(crash_file) and len(pool.dead) == 1 and len(pool.alive) == 1
     pool.update([5], [0.01])
     single.update([5], [0.01])

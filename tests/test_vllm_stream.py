@@ -28,8 +28,11 @@ def ev(tiny_dir):
     from espert.vllm import VLLMEvaluator, make_llm
     from espert.vllm.evaluator import shutdown_llm
 
-    e = VLLMEvaluator(make_llm(tiny_dir, max_model_len=64, multiprocess=False), load_task("copy", "train", n=4).score,
-                      max_new_tokens=4)
+    e = VLLMEvaluator(
+        make_llm(tiny_dir, max_model_len=64, multiprocess=False),
+        load_task("copy", "train", n=4).score,
+        max_new_tokens=4,
+    )
     yield e
     shutdown_llm(e.llm)
 
@@ -99,8 +102,12 @@ def test_no_weight_edit_with_requests_in_flight(ev):
         eng.step()  # scheduled and running
         assert eng.has_unfinished_requests()
         assert ev.llm.reset_prefix_cache() is False  # vLLM's own answer while a request runs
-        for call in (lambda: ev.perturb(3, 0.1, 1), ev.restore, lambda: ev.update([1], [1e-3]),
-                     lambda: ev.load_center(ev.center_state())):
+        for call in (
+            lambda: ev.perturb(3, 0.1, 1),
+            ev.restore,
+            lambda: ev.update([1], [1e-3]),
+            lambda: ev.load_center(ev.center_state()),
+        ):
             with pytest.raises(RuntimeError, match="in flight"):
                 call()
         assert ev.checksum() == c0  # nothing moved

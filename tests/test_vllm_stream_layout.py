@@ -33,12 +33,12 @@ def rank_pieces(state, rank):
     """(name, local tensor, Block) as a TP=2 rank holds them."""
     q, k, o = state["q.weight"], state["k.weight"], state["o.weight"]
     return [
-        ("q.weight", q[4 * rank:4 * rank + 4], Block(4 * rank, 0, 8, 6)),
-        ("k.weight", k, None),                                  # replicated on both ranks
-        ("o.weight", o[:, 4 * rank:4 * rank + 4], Block(0, 4 * rank, 6, 8)),  # row-parallel: a column block
-        ("down.bias", state["down.bias"][5 * rank:5 * rank + 5], Block(0, 5 * rank, 1, 10)),
+        ("q.weight", q[4 * rank : 4 * rank + 4], Block(4 * rank, 0, 8, 6)),
+        ("k.weight", k, None),  # replicated on both ranks
+        ("o.weight", o[:, 4 * rank : 4 * rank + 4], Block(0, 4 * rank, 6, 8)),  # row-parallel: a column block
+        ("down.bias", state["down.bias"][5 * rank : 5 * rank + 5], Block(0, 5 * rank, 1, 10)),
         ("norm.weight", state["norm.weight"], None),
-        ("emb.weight", state["emb.weight"][3 * rank:min(5, 3 * rank + 3)], Block(3 * rank, 0, 5, 6)),
+        ("emb.weight", state["emb.weight"][3 * rank : min(5, 3 * rank + 3)], Block(3 * rank, 0, 5, 6)),
     ]
 
 
@@ -47,8 +47,9 @@ def fake_rpc(ranks):
         out = []
         for pieces in ranks:
             if method == "es_center_layout":
-                out.append([(n, list(t.shape), block_to_tuple(b), str(t.dtype).removeprefix("torch."))
-                            for n, t, b in pieces])
+                out.append(
+                    [(n, list(t.shape), block_to_tuple(b), str(t.dtype).removeprefix("torch.")) for n, t, b in pieces]
+                )
                 continue
             k, cb = args
             ts = [t.contiguous() for _, t, _ in pieces]
@@ -56,11 +57,16 @@ def fake_rpc(ranks):
             for j, (i, a, b) in enumerate(chunk_plan([t.numel() for t in ts], [t.element_size() for t in ts], cb)):
                 if j == k:
                     flat = ts[i].reshape(-1)[a:b]
-                    got = (i, a, b, flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
-                           .numpy().tobytes())
+                    got = (
+                        i,
+                        a,
+                        b,
+                        flat.view(torch.int32 if flat.element_size() == 4 else torch.int16).numpy().tobytes(),
+                    )
                     break
             out.append(got)
         return out
+
     return rpc
 
 

@@ -29,8 +29,9 @@ def ev(tiny_dir):
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     try:
-        llm = make_llm(tiny_dir, max_model_len=64, multiprocess=True, tensor_parallel_size=2,
-                       distributed_executor_backend="mp")
+        llm = make_llm(
+            tiny_dir, max_model_len=64, multiprocess=True, tensor_parallel_size=2, distributed_executor_backend="mp"
+        )
     finally:
         if old is None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
@@ -72,7 +73,8 @@ def test_tp2_multiprocess_matches_transformers(ev, tiny_dir):
     task = load_task("copy", "train", n=16)
     tev = TorchEvaluator(model, tok, task.score, max_new_tokens=6)
     members = [(5, 1), (5, -1), (6, 1), (6, -1)]
-    assert ev.evaluate(members, 0.05, task.prompts, task.answers) == \
-        tev.evaluate(members, 0.05, task.prompts, task.answers)
+    assert ev.evaluate(members, 0.05, task.prompts, task.answers) == tev.evaluate(
+        members, 0.05, task.prompts, task.answers
+    )
     sums = ev.checksum()
     assert [s["rank"] for s in sums] == [0, 1]

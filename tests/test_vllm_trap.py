@@ -44,10 +44,11 @@ SCRIPT = textwrap.dedent("""
 
 def test_without_patch_edits_are_silently_ignored(tmp_path):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "tiny")], env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "tiny")], env=env, capture_output=True, text=True, timeout=300
+    )
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line, p.stderr[-3000:]
-    res = json.loads(line[len("RESULT"):])
+    res = json.loads(line[len("RESULT") :])
     assert res["qkv_shape"] == [0], res  # prepacked: the Parameter is empty
     assert res["unchanged"], "editing lm_head.weight changed the logprobs: vLLM no longer prepacks it"

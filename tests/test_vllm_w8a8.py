@@ -63,6 +63,7 @@ def details(llm, tokenize, n=6):
 
 def live_codes(ev) -> dict[str, torch.Tensor]:
     """The int8 codes espert holds for the live W8A8 layers (what the handlers were rebuilt from), by logical name."""
+
     def probe(worker):
         q = worker._es_center.quant
         return {v.name: v.qw.qweight.clone() for v in q.views}
@@ -97,8 +98,17 @@ def handler_errors(worker):
 def test_loads_on_onednn_and_generates(ev, model):
     def probe(worker):
         m = worker.model_runner.model
-        return [(n, type(x.scheme.kernel).__name__, x.scheme.kernel.linear_method.__name__, x.weight is None,
-                 tuple(x._espert_codes.shape)) for n, x in m.named_modules() if hasattr(x, "_espert_codes")]
+        return [
+            (
+                n,
+                type(x.scheme.kernel).__name__,
+                x.scheme.kernel.linear_method.__name__,
+                x.weight is None,
+                tuple(x._espert_codes.shape),
+            )
+            for n, x in m.named_modules()
+            if hasattr(x, "_espert_codes")
+        ]
 
     layers = ev.llm.collective_rpc(probe)[0]
     assert len(layers) == 8  # qkv, o, gate_up, down x 2 layers
@@ -168,17 +178,24 @@ def test_es_iterations_update_codes_like_quant_center_store(ev, model):
     task = load_task("copy", "train", n=16)
     ev.rpc("es_setup")  # float params + W8A8 codes
     start = ev.center_state()
-    host = QuantCenterStore([QuantParamView(k, QuantWeight("int8", qw.qweight.clone(), qw.scales.clone(),
-                                                           qw.out_features, qw.in_features))
-                             for k, qw in model[1].items()])
+    host = QuantCenterStore(
+        [
+            QuantParamView(
+                k, QuantWeight("int8", qw.qweight.clone(), qw.scales.clone(), qw.out_features, qw.in_features)
+            )
+            for k, qw in model[1].items()
+        ]
+    )
     records = []
-    cfg = ESConfig(population=4, sigma=0.02, alpha=0.05, prompts_per_iteration=4, iterations=3, max_new_tokens=6,
-                   weight_decay=0.1)
+    cfg = ESConfig(
+        population=4, sigma=0.02, alpha=0.05, prompts_per_iteration=4, iterations=3, max_new_tokens=6, weight_decay=0.1
+    )
     try:
         for t in range(1, 4):
             idx = prompt_indices(cfg, t, len(task))
-            es_step(ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx],
-                    write_ahead=records.append)
+            es_step(
+                ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx], write_ahead=records.append
+            )
         for r in records:
             host.update(r["seeds"], r["coeffs"], r["decay"])
         center, codes = ev.center_state(), live_codes(ev)

@@ -26,16 +26,21 @@ EVAL_EPILOG = """examples:
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``eval`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
     p = subparsers.add_parser(
-        "eval", help="sample models on a task and report pass@k, maj@k, histograms, progressions",
+        "eval",
+        help="sample models on a task and report pass@k, maj@k, histograms, progressions",
         description="Sample n completions per problem from one or more models (or re-score saved samples) "
-                    "and write report.json, summary.txt and PNG plots.",
-        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "and write report.json, summary.txt and PNG plots.",
+        epilog=EVAL_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_argument_group("what to evaluate")
     src.add_argument("--models", nargs="+", metavar="LABEL=PATH", help="model directories to sample from")
-    src.add_argument("--samples", nargs="+", metavar="FILE",
-                     help="re-score saved samples_*.jsonl files instead of generating")
-    src.add_argument("--no-rescore", action="store_true",
-                     help="with --samples: use the stored rewards instead of recomputing them")
+    src.add_argument(
+        "--samples", nargs="+", metavar="FILE", help="re-score saved samples_*.jsonl files instead of generating"
+    )
+    src.add_argument(
+        "--no-rescore", action="store_true", help="with --samples: use the stored rewards instead of recomputing them"
+    )
     src.add_argument("--base", metavar="LABEL", help="reference model for progressions/regressions (default: first)")
     data = p.add_argument_group("task")
     data.add_argument("--task", help="task name: gsm8k, gsm8k_strict, math500, countdown, copy")
@@ -55,13 +60,21 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     samp.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
     rep = p.add_argument_group("report")
     rep.add_argument("--out", default="eval_out", metavar="DIR", help="output directory (default eval_out)")
-    rep.add_argument("--threshold", type=float,
-                     help="a sample is correct if reward >= THRESHOLD (default: the task's, 1.0)")
-    rep.add_argument("--solve-rule", choices=["any", "majority", "vote"], default="any",
-                     help="when a model 'solves' a problem, for progressions/regressions (default any)")
-    rep.add_argument("--maj", choices=["subsets", "first"], default="subsets",
-                     help="maj@k: exact average over all k-subsets of the n samples (default), or the "
-                          "first k samples only")
+    rep.add_argument(
+        "--threshold", type=float, help="a sample is correct if reward >= THRESHOLD (default: the task's, 1.0)"
+    )
+    rep.add_argument(
+        "--solve-rule",
+        choices=["any", "majority", "vote"],
+        default="any",
+        help="when a model 'solves' a problem, for progressions/regressions (default any)",
+    )
+    rep.add_argument(
+        "--maj",
+        choices=["subsets", "first"],
+        default="subsets",
+        help="maj@k: exact average over all k-subsets of the n samples (default), or the first k samples only",
+    )
     rep.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=run_eval)
     return p
@@ -112,9 +125,17 @@ def _run_eval(args: argparse.Namespace) -> int:
                 kwargs.update(batch_size=args.batch_size, device=args.device)
             sampler = make_sampler(args.backend, path, **kwargs)
             try:
-                recs = generate_samples(task, label, sampler, args.n, args.temperature, args.top_p, args.max_tokens,
-                                        args.seed, extra_meta={"model_path": path, "backend": args.backend,
-                                                               "split": args.split, "data": args.data})
+                recs = generate_samples(
+                    task,
+                    label,
+                    sampler,
+                    args.n,
+                    args.temperature,
+                    args.top_p,
+                    args.max_tokens,
+                    args.seed,
+                    extra_meta={"model_path": path, "backend": args.backend, "split": args.split, "data": args.data},
+                )
             finally:
                 close = getattr(sampler, "close", None)
                 if close:
@@ -123,8 +144,15 @@ def _run_eval(args: argparse.Namespace) -> int:
             save_samples(out_path, recs)
             print(f"[espert eval] wrote {out_path}", file=sys.stderr)
             groups[label] = recs
-    write_outputs(groups, args.out, base=args.base, threshold=threshold, solve_rule=args.solve_rule,
-                  plots=not args.no_plots, maj_method=args.maj)
+    write_outputs(
+        groups,
+        args.out,
+        base=args.base,
+        threshold=threshold,
+        solve_rule=args.solve_rule,
+        plots=not args.no_plots,
+        maj_method=args.maj,
+    )
     print(f"[espert eval] report: {os.path.join(args.out, 'report.json')}", file=sys.stderr)
     return 0
 
@@ -144,12 +172,14 @@ def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     from ..analyze import add_arguments, add_subcommands, run_analyze
 
     p = subparsers.add_parser(
-        "analyze", help="weight drift of checkpoints vs a base model; export magnitude-thresholded checkpoints",
+        "analyze",
+        help="weight drift of checkpoints vs a base model; export magnitude-thresholded checkpoints",
         description="Relative L2 drift overall and per parameter group, update-magnitude distribution, and "
-                    "export of a checkpoint whose small updates (|delta| <= tau) are reset to the base weights. "
-                    "Sub-commands: 'run RUN_DIR' (estimator diagnostics of a training run), 'estimator' "
-                    "(one-point vs antithetic variance, common vs independent prompt sets).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "export of a checkpoint whose small updates (|delta| <= tau) are reset to the base weights. "
+        "Sub-commands: 'run RUN_DIR' (estimator diagnostics of a training run), 'estimator' "
+        "(one-point vs antithetic variance, common vs independent prompt sets).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     add_subcommands(p)
     p.set_defaults(func=run_analyze)

@@ -13,8 +13,20 @@ from typing import Callable, Hashable, Optional, Sequence
 import numpy as np
 
 #: Labels of the 12 accuracy-histogram bins (per-problem fraction of correct samples).
-ACC_BIN_LABELS = ["0", "(0,0.1]", "(0.1,0.2]", "(0.2,0.3]", "(0.3,0.4]", "(0.4,0.5]",
-                  "(0.5,0.6]", "(0.6,0.7]", "(0.7,0.8]", "(0.8,0.9]", "(0.9,1)", "1"]
+ACC_BIN_LABELS = [
+    "0",
+    "(0,0.1]",
+    "(0.1,0.2]",
+    "(0.2,0.3]",
+    "(0.3,0.4]",
+    "(0.4,0.5]",
+    "(0.5,0.6]",
+    "(0.6,0.7]",
+    "(0.7,0.8]",
+    "(0.8,0.9]",
+    "(0.9,1)",
+    "1",
+]
 
 SOLVE_RULES = ("any", "majority", "vote")
 
@@ -64,8 +76,9 @@ def k_values(n: int) -> list[int]:
 MAJ_METHODS = ("subsets", "first")
 
 
-def answer_classes(extracted: Sequence[Optional[str]],
-                   equivalent: Optional[Callable[[str, str], bool]] = None) -> list[Optional[int]]:
+def answer_classes(
+    extracted: Sequence[Optional[str]], equivalent: Optional[Callable[[str, str], bool]] = None
+) -> list[Optional[int]]:
     """Equivalence-class label (0, 1, ...) of each sample's extracted answer; ``None`` stays ``None``.
 
     Identical strings always share a class.  With ``equivalent(a, b) -> bool`` (the task's own
@@ -92,8 +105,9 @@ def answer_classes(extracted: Sequence[Optional[str]],
     return out
 
 
-def maj_at_k(extracted: Sequence[Optional[Hashable]], correct: Sequence[bool], k: int,
-             method: str = "subsets") -> float:
+def maj_at_k(
+    extracted: Sequence[Optional[Hashable]], correct: Sequence[bool], k: int, method: str = "subsets"
+) -> float:
     """Majority-vote score of one problem at k votes.
 
     ``extracted``: per-sample answers (strings or the class labels of :func:`answer_classes`;
@@ -184,10 +198,10 @@ def _times(poly: np.ndarray, coef: Sequence[float], tie: Optional[tuple[int, flo
         if u >= S:
             break
         if c:
-            out[u:] += c * poly[:S - u]
+            out[u:] += c * poly[: S - u]
     if tie is not None and tie[1] and tie[0] < S:
         v, c = tie
-        out[v:, 1:] += c * poly[:S - v, :-1]
+        out[v:, 1:] += c * poly[: S - v, :-1]
     return out
 
 

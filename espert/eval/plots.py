@@ -36,8 +36,16 @@ def plot_pass_at_k(report: dict, path: str) -> str:
         all_k.update(ks)
         col = colors[i % len(colors)]
         ax.plot(ks, [m["pass_at_k"][str(k)] for k in ks], marker="o", color=col, label=f"{lab} pass@k")
-        ax.plot(ks, [m["maj_at_k"][str(k)] for k in ks], marker="s", ms=4, ls="--", color=col, alpha=0.7,
-                label=f"{lab} maj@k")
+        ax.plot(
+            ks,
+            [m["maj_at_k"][str(k)] for k in ks],
+            marker="s",
+            ms=4,
+            ls="--",
+            color=col,
+            alpha=0.7,
+            label=f"{lab} maj@k",
+        )
     ax.set_xscale("log", base=2)
     ks_sorted = sorted(all_k)
     ax.set_xticks(ks_sorted)
@@ -95,8 +103,14 @@ def plot_progressions(report: dict, path: str) -> str:
         b2 = ax.bar([i + 0.2 for i in x], regr, width=0.4, color="#c0392b", label="regressions")
         for bars in (b1, b2):
             for b in bars:
-                ax.text(b.get_x() + b.get_width() / 2, b.get_height(), str(int(b.get_height())),
-                        ha="center", va="bottom", fontsize=8)
+                ax.text(
+                    b.get_x() + b.get_width() / 2,
+                    b.get_height(),
+                    str(int(b.get_height())),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
         ax.set_xticks(x)
         ax.set_xticklabels([f"{lab}\n(net {comps[lab]['net']:+d})" for lab in labels])
         top = max(prog + regr + [1])

@@ -28,8 +28,9 @@ def _correct_flags(rewards: Sequence[float], threshold: float) -> list[bool]:
 Equivalence = Optional[Callable[[str, str], bool]]
 
 
-def model_metrics(records: list[dict], threshold: float = 1.0, maj_method: str = "subsets",
-                  equivalent: Equivalence = None) -> dict:
+def model_metrics(
+    records: list[dict], threshold: float = 1.0, maj_method: str = "subsets", equivalent: Equivalence = None
+) -> dict:
     """All single-model metrics for one model's records (sorted by problem index).
 
     pass@k and maj@k are reported for k in :func:`k_values` of the smallest per-problem
@@ -100,15 +101,24 @@ def _check_aligned(base: str, base_recs: list[dict], label: str, recs: list[dict
     ti = [r["index"] for r in recs]
     if bi != ti:
         missing = sorted(set(bi) ^ set(ti))[:5]
-        raise ValueError(f"models {base!r} and {label!r} were evaluated on different problems "
-                         f"(e.g. indices {missing} are in only one of them)")
+        raise ValueError(
+            f"models {base!r} and {label!r} were evaluated on different problems "
+            f"(e.g. indices {missing} are in only one of them)"
+        )
     for a, b in zip(base_recs, recs):
         if a["prompt"] != b["prompt"] or a["answer"] != b["answer"]:
             raise ValueError(f"models {base!r} and {label!r} have different prompt/answer for problem {a['index']}")
 
 
-def compare(base: str, base_recs: list[dict], label: str, recs: list[dict], threshold: float,
-            solve_rule: str = "any", equivalent: Equivalence = None) -> dict:
+def compare(
+    base: str,
+    base_recs: list[dict],
+    label: str,
+    recs: list[dict],
+    threshold: float,
+    solve_rule: str = "any",
+    equivalent: Equivalence = None,
+) -> dict:
     """Progressions/regressions of ``label`` against ``base`` plus entropy on those subsets.
 
     A *progression* is a problem the base model does not solve and the tuned model solves;
@@ -132,9 +142,11 @@ def compare(base: str, base_recs: list[dict], label: str, recs: list[dict], thre
     pos = {r["index"]: i for i, r in enumerate(base_recs)}
 
     def ent(subset: list[int]) -> dict:
-        return {"n": len(subset),
-                "base": mean_or_none([hb[pos[i]] for i in subset]),
-                "tuned": mean_or_none([ht[pos[i]] for i in subset])}
+        return {
+            "n": len(subset),
+            "base": mean_or_none([hb[pos[i]] for i in subset]),
+            "tuned": mean_or_none([ht[pos[i]] for i in subset]),
+        }
 
     return {
         "base": base,
@@ -154,9 +166,14 @@ def compare(base: str, base_recs: list[dict], label: str, recs: list[dict], thre
     }
 
 
-def build_report(groups: dict[str, list[dict]], base: Optional[str] = None, threshold: float = 1.0,
-                 solve_rule: str = "any", maj_method: str = "subsets", equivalent: Equivalence | str = "task"
-                 ) -> dict:
+def build_report(
+    groups: dict[str, list[dict]],
+    base: Optional[str] = None,
+    threshold: float = 1.0,
+    solve_rule: str = "any",
+    maj_method: str = "subsets",
+    equivalent: Equivalence | str = "task",
+) -> dict:
     """The full report for several models (``groups``: label -> records sorted by index).
 
     ``base`` (default: the first model) is the reference for progressions/regressions.
@@ -191,8 +208,9 @@ def build_report(groups: dict[str, list[dict]], base: Optional[str] = None, thre
     }
     for lab in labels:
         if lab != base:
-            report["comparisons"][lab] = compare(base, groups[base], lab, groups[lab], threshold, solve_rule,
-                                                 equivalent)
+            report["comparisons"][lab] = compare(
+                base, groups[base], lab, groups[lab], threshold, solve_rule, equivalent
+            )
     return report
 
 
@@ -208,16 +226,25 @@ def format_summary(report: dict) -> str:
     ks = list(any_m["pass_at_k"])
     lines = []
     n_desc = any_m["n_samples_per_problem"]
-    lines.append(f"task {report['task']}: {any_m['n_problems']} problems, n={n_desc} samples/problem, "
-                 f"correct = reward >= {report['success_threshold']:g}")
+    lines.append(
+        f"task {report['task']}: {any_m['n_problems']} problems, n={n_desc} samples/problem, "
+        f"correct = reward >= {report['success_threshold']:g}"
+    )
     pk = ks if len(ks) <= 4 else [ks[0], ks[len(ks) // 2], ks[-1]]
     head = ["model", "reward"] + [f"pass@{k}" for k in pk] + [f"maj@{ks[-1]}", "unsolved", "all-correct", "H(bits)"]
     rows = []
     for lab in labels:
         m = models[lab]
-        rows.append([lab, _fmt(m["mean_reward"])] + [_fmt(m["pass_at_k"].get(k)) for k in pk]
-                    + [_fmt(m["maj_at_k"][ks[-1]]) if ks[-1] in m["maj_at_k"] else "-",
-                       str(m["unsolved"]), str(m["all_correct"]), _fmt(m["answer_entropy_mean"], 2)])
+        rows.append(
+            [lab, _fmt(m["mean_reward"])]
+            + [_fmt(m["pass_at_k"].get(k)) for k in pk]
+            + [
+                _fmt(m["maj_at_k"][ks[-1]]) if ks[-1] in m["maj_at_k"] else "-",
+                str(m["unsolved"]),
+                str(m["all_correct"]),
+                _fmt(m["answer_entropy_mean"], 2),
+            ]
+        )
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
     for r in rows:
@@ -226,10 +253,12 @@ def format_summary(report: dict) -> str:
         e = cmp_["answer_entropy"]
         lines.append(
             f"{lab} vs {cmp_['base']} (solve rule '{cmp_['solve_rule']}'): +{cmp_['progressions']} progressions, "
-            f"-{cmp_['regressions']} regressions (net {cmp_['net']:+d})")
+            f"-{cmp_['regressions']} regressions (net {cmp_['net']:+d})"
+        )
         lines.append(
             f"  answer entropy (bits) {cmp_['base']} -> {lab}: all {_fmt(e['all']['base'], 2)} -> "
             f"{_fmt(e['all']['tuned'], 2)}, progressions {_fmt(e['progressions']['base'], 2)} -> "
             f"{_fmt(e['progressions']['tuned'], 2)}, regressions {_fmt(e['regressions']['base'], 2)} -> "
-            f"{_fmt(e['regressions']['tuned'], 2)}")
+            f"{_fmt(e['regressions']['tuned'], 2)}"
+        )
     return "\n".join(lines)

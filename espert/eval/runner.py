@@ -37,8 +37,17 @@ def parse_model_specs(specs: Sequence[str]) -> dict[str, str]:
     return models
 
 
-def generate_samples(task: Task, label: str, sampler, n: int, temperature: float, top_p: float, max_tokens: int,
-                     seed: int, extra_meta: Optional[dict] = None) -> list[dict]:
+def generate_samples(
+    task: Task,
+    label: str,
+    sampler,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    seed: int,
+    extra_meta: Optional[dict] = None,
+) -> list[dict]:
     """Sample ``n`` completions per problem with ``sampler`` and score them into records."""
     if len(task) == 0:
         raise ValueError(f"task {task.name!r} has no problems")
@@ -46,15 +55,28 @@ def generate_samples(task: Task, label: str, sampler, n: int, temperature: float
     comps = sampler.sample(task.prompts, n, temperature, top_p, max_tokens, seed)
     if len(comps) != len(task) or any(len(c) != n for c in comps):
         raise RuntimeError("sampler returned the wrong number of completions")
-    meta = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed,
-            "sampling_seconds": round(time.time() - t0, 3)}
+    meta = {
+        "n": n,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "sampling_seconds": round(time.time() - t0, 3),
+    }
     meta.update(extra_meta or {})
     return make_records(label, task, comps, meta=meta)
 
 
-def write_outputs(groups: dict[str, list[dict]], out_dir: str, base: Optional[str], threshold: float,
-                  solve_rule: str, plots: bool = True, echo: Callable[[str], None] = print,
-                  maj_method: str = "subsets") -> dict:
+def write_outputs(
+    groups: dict[str, list[dict]],
+    out_dir: str,
+    base: Optional[str],
+    threshold: float,
+    solve_rule: str,
+    plots: bool = True,
+    echo: Callable[[str], None] = print,
+    maj_method: str = "subsets",
+) -> dict:
     """Build the report from grouped records and write ``report.json``, ``summary.txt`` and PNGs."""
     report = build_report(groups, base=base, threshold=threshold, solve_rule=solve_rule, maj_method=maj_method)
     os.makedirs(out_dir, exist_ok=True)
@@ -70,8 +92,9 @@ def write_outputs(groups: dict[str, list[dict]], out_dir: str, base: Optional[st
     return report
 
 
-def load_sample_files(paths: Sequence[str], task_name: Optional[str] = None, rescore_rewards: bool = True
-                      ) -> dict[str, list[dict]]:
+def load_sample_files(
+    paths: Sequence[str], task_name: Optional[str] = None, rescore_rewards: bool = True
+) -> dict[str, list[dict]]:
     """Load saved sample files, optionally re-score them, and group them by model label."""
     if not paths:
         raise ValueError("no sample files given")
@@ -85,9 +108,17 @@ def load_sample_files(paths: Sequence[str], task_name: Optional[str] = None, res
     return groups
 
 
-def evaluate_run(run_dir: str, n: int = 16, limit: int = 64, temperature: float = 1.0, seed: int = 0,
-                 out_dir: Optional[str] = None, task: Optional[Task] = None, plots: bool = True,
-                 echo: Callable[[str], None] = print) -> dict:
+def evaluate_run(
+    run_dir: str,
+    n: int = 16,
+    limit: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    out_dir: Optional[str] = None,
+    task: Optional[Task] = None,
+    plots: bool = True,
+    echo: Callable[[str], None] = print,
+) -> dict:
     """pass@k / maj@k report of a training run's base model against its final export.
 
     Samples ``n`` completions (``temperature``, top-p 1) for the first ``limit`` held-out problems
@@ -117,9 +148,11 @@ def evaluate_run(run_dir: str, n: int = 16, limit: int = 64, temperature: float 
     groups = {}
     for label, path in (("base", base), ("es", export)):
         sampler = TransformersSampler(path, device="cpu", batch_size=256, chat_template=bool(cfg.get("chat_template")))
-        recs = generate_samples(task, label, sampler, n, temperature, 1.0, int(cfg["max_new_tokens"]), seed,
-                                extra_meta={"model_path": path})
+        recs = generate_samples(
+            task, label, sampler, n, temperature, 1.0, int(cfg["max_new_tokens"]), seed, extra_meta={"model_path": path}
+        )
         save_samples(os.path.join(out_dir, f"samples_{label}.jsonl"), recs)
         groups[label] = recs
-    return write_outputs(groups, out_dir, base="base", threshold=task.success_threshold, solve_rule="any",
-                         plots=plots, echo=echo)
+    return write_outputs(
+        groups, out_dir, base="base", threshold=task.success_threshold, solve_rule="any", plots=plots, echo=echo
+    )

@@ -12,7 +12,6 @@ returning, for every prompt, ``n`` completions (generated text only, prompt excl
 from __future__ import annotations
 
 import os
-
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 
@@ -20,8 +19,9 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 class Sampler(Protocol):
     """The sampling interface used by ``espert eval``."""
 
-    def sample(self, prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int,
-               seed: int) -> list[list[str]]:
+    def sample(
+        self, prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> list[list[str]]:
         """Return ``n`` completions for every prompt (``len(result) == len(prompts)``)."""
         ...
 
@@ -56,8 +56,15 @@ class TransformersSampler:
     batch size, device and library versions reproduces the samples exactly.
     """
 
-    def __init__(self, model_path: str, device: Optional[str] = None, dtype: str = "auto", batch_size: int = 64,
-                 chat_template: bool = False, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        device: Optional[str] = None,
+        dtype: str = "auto",
+        batch_size: int = 64,
+        chat_template: bool = False,
+        trust_remote_code: bool = False,
+    ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,8 +83,9 @@ class TransformersSampler:
             if self.tokenizer.eos_token is None:
                 raise ValueError(f"tokenizer of {model_path} has neither a pad nor an eos token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype,
-                                                          trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
         self.model.to(self.device)
         self.model.eval()
         self.batch_size = batch_size
@@ -89,11 +97,19 @@ class TransformersSampler:
             return prompt
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"--chat-template was requested but {self.model_path} has no chat template")
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
 
-    def sample(self, prompts: Sequence[str], n: int, temperature: float = 0.6, top_p: float = 0.95,
-               max_tokens: int = 512, seed: int = 0) -> list[list[str]]:
+    def sample(
+        self,
+        prompts: Sequence[str],
+        n: int,
+        temperature: float = 0.6,
+        top_p: float = 0.95,
+        max_tokens: int = 512,
+        seed: int = 0,
+    ) -> list[list[str]]:
         """Draw ``n`` completions per prompt; ``temperature == 0`` means greedy decoding."""
         import torch
 
@@ -102,25 +118,23 @@ class TransformersSampler:
         eos = self.tokenizer.eos_token_id
         out: list[list[str]] = []
         for start in range(0, len(prompts), per_call):
-            chunk = [self._format(p) for p in prompts[start:start + per_call]]
+            chunk = [self._format(p) for p in prompts[start : start + per_call]]
             enc = self.tokenizer(chunk, return_tensors="pt", padding=True)
             enc = {k: v.to(self.device) for k, v in enc.items()}
             torch.manual_seed(seed + start)
-            gen_kwargs = dict(max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                              eos_token_id=eos)
+            gen_kwargs = dict(max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos)
             if temperature > 0:
                 reps = n
-                gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                                  num_return_sequences=n)
+                gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, num_return_sequences=n)
             else:  # greedy: one decode per prompt, repeated n times
                 reps = 1
                 gen_kwargs.update(do_sample=False, num_return_sequences=1)
             with torch.inference_mode():
                 seqs = self.model.generate(**enc, **gen_kwargs)
-            new = seqs[:, enc["input_ids"].shape[1]:]
+            new = seqs[:, enc["input_ids"].shape[1] :]
             texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
             for i in range(len(chunk)):
-                got = texts[i * reps:(i + 1) * reps]
+                got = texts[i * reps : (i + 1) * reps]
                 out.append(got if reps == n else got * n)
         return out
 
@@ -150,8 +164,9 @@ class VLLMSampler:
         try:
             import vllm
         except ImportError as e:
-            raise ImportError("the vllm backend needs the 'vllm' package (pip install vllm); "
-                              "use --backend transformers otherwise") from e
+            raise ImportError(
+                "the vllm backend needs the 'vllm' package (pip install vllm); use --backend transformers otherwise"
+            ) from e
         self._vllm = vllm
         import torch
 
@@ -162,18 +177,28 @@ class VLLMSampler:
         self.chat_template = chat_template
         self.model_path = model_path
 
-    def sample(self, prompts: Sequence[str], n: int, temperature: float = 0.6, top_p: float = 0.95,
-               max_tokens: int = 512, seed: int = 0) -> list[list[str]]:
+    def sample(
+        self,
+        prompts: Sequence[str],
+        n: int,
+        temperature: float = 0.6,
+        top_p: float = 0.95,
+        max_tokens: int = 512,
+        seed: int = 0,
+    ) -> list[list[str]]:
         """Draw ``n`` completions per prompt with one vLLM ``generate`` call."""
         _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
         # greedy samples are all the same, and vLLM refuses n > 1 with temperature 0: draw one, repeat it
         draws = n if temperature > 0 else 1
-        params = self._vllm.SamplingParams(n=draws, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
-                                           max_tokens=max_tokens, seed=seed)
+        params = self._vllm.SamplingParams(
+            n=draws, temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_tokens, seed=seed
+        )
         if self.chat_template:
             tok = self.llm.get_tokenizer()
-            prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
+            prompts = [
+                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                for p in prompts
+            ]
         outs = self.llm.generate(list(prompts), params)
         result = [[o.text for o in out.outputs] * (n // draws) for out in outs]
         if len(result) != len(prompts) or any(len(r) != n for r in result):

@@ -14,8 +14,13 @@ from ..tasks.loaders import iter_jsonl
 RECORD_KEYS = ("model", "task", "index", "prompt", "answer", "completions", "rewards", "extracted", "meta")
 
 
-def make_records(label: str, task: Task, completions: Sequence[Sequence[str]], meta: Optional[dict] = None,
-                 indices: Optional[Sequence[int]] = None) -> list[dict]:
+def make_records(
+    label: str,
+    task: Task,
+    completions: Sequence[Sequence[str]],
+    meta: Optional[dict] = None,
+    indices: Optional[Sequence[int]] = None,
+) -> list[dict]:
     """Score completions (``completions[i]`` = the n samples of problem i) into records.
 
     Each record holds the model label, task name, problem index, prompt, answer, the
@@ -26,8 +31,17 @@ def make_records(label: str, task: Task, completions: Sequence[Sequence[str]], m
     idx = list(range(len(task.prompts))) if indices is None else list(indices)
     records = []
     for i, (p, a, comps) in enumerate(zip(task.prompts, task.answers, completions)):
-        rec = {"model": label, "task": task.name, "index": idx[i], "prompt": p, "answer": a,
-               "completions": list(comps), "rewards": [], "extracted": [], "meta": dict(meta or {})}
+        rec = {
+            "model": label,
+            "task": task.name,
+            "index": idx[i],
+            "prompt": p,
+            "answer": a,
+            "completions": list(comps),
+            "rewards": [],
+            "extracted": [],
+            "meta": dict(meta or {}),
+        }
         records.append(rec)
     return score_records(records, task)
 
@@ -47,7 +61,7 @@ def score_records(records: list[dict], task: Task) -> list[dict]:
     pos = 0
     for r in records:
         m = len(r["completions"])
-        r["rewards"] = rewards[pos:pos + m]
+        r["rewards"] = rewards[pos : pos + m]
         r["extracted"] = [task.extract(c, r["answer"]) for c in r["completions"]]
         r["task"] = task.name
         pos += m
@@ -73,9 +87,13 @@ def validate_record(r: Any, where: str) -> dict:
     if not isinstance(comps, list) or not comps:
         raise ValueError(f"{where}: 'completions' must be a non-empty list")
     if not isinstance(rews, list) or len(rews) != len(comps):
-        raise ValueError(f"{where}: {len(comps)} completions but {len(rews) if isinstance(rews, list) else '?'} rewards")
+        raise ValueError(
+            f"{where}: {len(comps)} completions but {len(rews) if isinstance(rews, list) else '?'} rewards"
+        )
     if not isinstance(ext, list) or len(ext) != len(comps):
-        raise ValueError(f"{where}: {len(comps)} completions but {len(ext) if isinstance(ext, list) else '?'} extracted answers")
+        raise ValueError(
+            f"{where}: {len(comps)} completions but {len(ext) if isinstance(ext, list) else '?'} extracted answers"
+        )
     for j, x in enumerate(rews):
         if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x) or math.isinf(x):
             raise ValueError(f"{where}: reward {j} is not a finite number ({x!r})")

@@ -52,9 +52,17 @@ def build_evaluator(cfg: "ESConfig", model_path: str, score: Callable) -> "Evalu
     return get_builder(cfg.evaluator)(cfg, model_path, score)
 
 
-_LAZY = {"Evaluator": ".base", "ModelEvaluator": ".base", "Member": ".base", "score_members": ".base",
-         "TorchEvaluator": ".torch_model", "load_model": ".torch_model", "model_center": ".torch_model",
-         "torch_dtype": ".torch_model", "config_center": ".torch_model"}
+_LAZY = {
+    "Evaluator": ".base",
+    "ModelEvaluator": ".base",
+    "Member": ".base",
+    "score_members": ".base",
+    "TorchEvaluator": ".torch_model",
+    "load_model": ".torch_model",
+    "model_center": ".torch_model",
+    "torch_dtype": ".torch_model",
+    "config_center": ".torch_model",
+}
 
 
 def __getattr__(name: str):
@@ -63,5 +71,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Evaluator", "ModelEvaluator", "Member", "TorchEvaluator", "build_evaluator", "register_evaluator",
-           "get_builder", "EVALUATORS", "load_model", "model_center", "config_center", "torch_dtype"]
+__all__ = [
+    "Evaluator",
+    "ModelEvaluator",
+    "Member",
+    "TorchEvaluator",
+    "build_evaluator",
+    "register_evaluator",
+    "get_builder",
+    "EVALUATORS",
+    "load_model",
+    "model_center",
+    "config_center",
+    "torch_dtype",
+]

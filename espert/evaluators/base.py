@@ -50,8 +50,9 @@ class Evaluator(abc.ABC):
     """Abstract evaluator: see the module docstring for the contract."""
 
     @abc.abstractmethod
-    def evaluate(self, members: Sequence[Member], sigma: float, prompts: Sequence[str],
-                 answers: Sequence[str]) -> list[float]:
+    def evaluate(
+        self, members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str]
+    ) -> list[float]:
         """Mean reward over ``prompts`` of each perturbed member; ``nan`` = failed member."""
 
     @abc.abstractmethod
@@ -59,8 +60,9 @@ class Evaluator(abc.ABC):
         """Per-prompt rewards of the (unperturbed) center."""
 
     @abc.abstractmethod
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-               lr: float | None = None) -> None:
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         """``center <- decay·center``, then the step ``Σ coeffs[n]·ε(seeds[n])`` (through the center's
         optimizer; ``lr`` is the iteration's α), then restore the live weights."""
 
@@ -80,9 +82,17 @@ class Evaluator(abc.ABC):
         """Release the model."""
 
 
-def score_members(members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str],
-                  perturb, restore, rollout, member_errors: str = "raise",
-                  timings: dict[str, float] | None = None) -> list[float]:
+def score_members(
+    members: Sequence[Member],
+    sigma: float,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    perturb,
+    restore,
+    rollout,
+    member_errors: str = "raise",
+    timings: dict[str, float] | None = None,
+) -> list[float]:
     """The member loop every evaluator shares: perturb → rollout → restore (in ``finally``) per member.
 
     perturb(seed, sigma, sign), restore(), rollout(prompts, answers) -> per-prompt rewards.
@@ -91,8 +101,7 @@ def score_members(members: Sequence[Member], sigma: float, prompts: Sequence[str
     given, accumulates seconds under "perturb", "generate", "restore" and counts "members".
     """
     if len(prompts) != len(answers) or not prompts:
-        raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and "
-                         f"{len(answers)}")
+        raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and {len(answers)}")
     t = timings if timings is not None else defaultdict(float)
     out = []
     for seed, sign in members:
@@ -137,8 +146,9 @@ class ModelEvaluator(Evaluator):
         """Per-prompt rewards in [0, 1] (``nan`` allowed) of the live weights, which it must not change."""
 
     def evaluate(self, members, sigma, prompts, answers):
-        return score_members(members, sigma, prompts, answers, self.center.perturb, self.center.restore,
-                             self.rollout, self.member_errors)
+        return score_members(
+            members, sigma, prompts, answers, self.center.perturb, self.center.restore, self.rollout, self.member_errors
+        )
 
     def evaluate_center(self, prompts, answers):
         return list(self.rollout(prompts, answers))

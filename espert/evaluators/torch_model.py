@@ -44,14 +44,20 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
     return model, tok
 
 
-def model_center(model: torch.nn.Module, include: Sequence[str] | None = None,
-                 exclude: Sequence[str] | None = None, pin: bool = False, **center_kw) -> CenterStore:
+def model_center(
+    model: torch.nn.Module,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    pin: bool = False,
+    **center_kw,
+) -> CenterStore:
     """The float32 host center of a torch model's selected parameters (see ``torch_param_views``).
 
     center_kw: passed to :class:`~espert.center.CenterStore` (noise, optimizer, sigma_scales, no_decay).
     """
-    return CenterStore(torch_param_views(model, include=include, exclude=exclude), master_dtype=torch.float32,
-                       pin=pin, **center_kw)
+    return CenterStore(
+        torch_param_views(model, include=include, exclude=exclude), master_dtype=torch.float32, pin=pin, **center_kw
+    )
 
 
 def rms_scales(views) -> list[float]:
@@ -63,7 +69,7 @@ def rms_scales(views) -> list[float]:
     out = []
     for v in views:
         n = v.tensor.numel()
-        rms = float(torch.linalg.vector_norm(v.tensor, dtype=torch.float64)) / n ** 0.5 if n else 0.0
+        rms = float(torch.linalg.vector_norm(v.tensor, dtype=torch.float64)) / n**0.5 if n else 0.0
         out.append(rms if rms > 0 else 1.0)
     return out
 
@@ -76,23 +82,43 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
         from espert.quant import model_quant_center, quantize_model
 
         if (cfg.noise, cfg.optimizer, cfg.sigma_mode) != ("gaussian", "sgd", "absolute"):
-            raise ValueError(f"quant={cfg.quant!r} supports noise=gaussian, optimizer=sgd and sigma_mode=absolute "
-                             f"(got {cfg.noise}, {cfg.optimizer}, {cfg.sigma_mode})")
+            raise ValueError(
+                f"quant={cfg.quant!r} supports noise=gaussian, optimizer=sgd and sigma_mode=absolute "
+                f"(got {cfg.noise}, {cfg.optimizer}, {cfg.sigma_mode})"
+            )
         return model_quant_center(quantize_model(model, cfg.quant, group_size=cfg.quant_group_size), pin=pin)
     views = torch_param_views(model, include=cfg.include, exclude=cfg.exclude)
-    optimizer = {"name": cfg.optimizer, "beta1": cfg.optimizer_beta1, "beta2": cfg.optimizer_beta2,
-                 "eps": cfg.optimizer_eps}
-    return CenterStore(views, master_dtype=torch.float32, pin=pin, noise=cfg.noise, optimizer=optimizer,
-                       sigma_scales=rms_scales(views) if cfg.sigma_mode == "rms" else None,
-                       no_decay=cfg.weight_decay_exclude)
+    optimizer = {
+        "name": cfg.optimizer,
+        "beta1": cfg.optimizer_beta1,
+        "beta2": cfg.optimizer_beta2,
+        "eps": cfg.optimizer_eps,
+    }
+    return CenterStore(
+        views,
+        master_dtype=torch.float32,
+        pin=pin,
+        noise=cfg.noise,
+        optimizer=optimizer,
+        sigma_scales=rms_scales(views) if cfg.sigma_mode == "rms" else None,
+        no_decay=cfg.weight_decay_exclude,
+    )
 
 
 def build(cfg, model_path: str, score: Callable) -> "TorchEvaluator":
     """The ``"torch"`` evaluator of a run config (registered in :mod:`espert.evaluators`)."""
     model, tok = load_model(model_path, device=cfg.device, dtype=cfg.dtype)
     center = config_center(model, cfg, pin=next(model.parameters()).device.type == "cuda")
-    return TorchEvaluator(model, tok, score, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.generation_batch_size,
-               chat_template=cfg.chat_template, member_errors=cfg.member_errors, center=center)
+    return TorchEvaluator(
+        model,
+        tok,
+        score,
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.generation_batch_size,
+        chat_template=cfg.chat_template,
+        member_errors=cfg.member_errors,
+        center=center,
+    )
 
 
 class TorchEvaluator(ModelEvaluator):
@@ -113,10 +139,19 @@ class TorchEvaluator(ModelEvaluator):
     (center, member, prompts).
     """
 
-    def __init__(self, model, tokenizer, score: Callable[[Sequence[str], Sequence[str]], list[float]],
-                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                 max_new_tokens: int = 16, batch_size: int = 64, chat_template: bool = False,
-                 member_errors: str = "raise", center: Center | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        score: Callable[[Sequence[str], Sequence[str]], list[float]],
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        max_new_tokens: int = 16,
+        batch_size: int = 64,
+        chat_template: bool = False,
+        member_errors: str = "raise",
+        center: Center | None = None,
+    ):
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
         device = next(model.parameters()).device
@@ -133,10 +168,14 @@ class TorchEvaluator(ModelEvaluator):
         from transformers import GenerationConfig
 
         eos = getattr(model.generation_config, "eos_token_id", None)
-        gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                              eos_token_id=eos if eos is not None else tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id,
-                              bos_token_id=getattr(model.generation_config, "bos_token_id", None))
+        gc = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=eos if eos is not None else tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=getattr(model.generation_config, "bos_token_id", None),
+        )
         # transformers fills unset fields of a passed config from model.generation_config (e.g. a
         # repetition penalty): the evaluator owns the model, so it replaces that config as well
         model.generation_config = gc
@@ -148,15 +187,16 @@ class TorchEvaluator(ModelEvaluator):
     def _format(self, prompt: str) -> str:
         if not self.chat_template:
             return prompt
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
 
     def _encoded(self, prompts: Sequence[str]) -> list[dict[str, torch.Tensor]]:
         key = tuple(prompts)
         if key != self._cache_key:  # the same prompts serve every member of an iteration
             self._batches = []
             for i in range(0, len(prompts), self.batch_size):
-                chunk = [self._format(p) for p in prompts[i:i + self.batch_size]]
+                chunk = [self._format(p) for p in prompts[i : i + self.batch_size]]
                 enc = self.tokenizer(chunk, return_tensors="pt", padding=True)
                 self._batches.append({k: v.to(self.device) for k, v in enc.items()})
             self._cache_key = key
@@ -168,7 +208,7 @@ class TorchEvaluator(ModelEvaluator):
         out: list[str] = []
         for enc in self._encoded(prompts):
             seqs = self.model.generate(**enc, generation_config=self.generation_config)
-            new = seqs[:, enc["input_ids"].shape[1]:]
+            new = seqs[:, enc["input_ids"].shape[1] :]
             # forward-FLOP accounting (espert.diagnostics): prompt tokens + generated tokens before padding
             self.tokens_processed += int(enc["attention_mask"].sum()) + int((new != self.tokenizer.pad_token_id).sum())
             out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))

@@ -21,13 +21,12 @@ from typing import Sequence
 
 import torch
 
+from espert import ops
 from espert.center import check_factor, check_state, check_update_args
-from espert.params import LogicalParam
 from espert.ops import Block
+from espert.params import LogicalParam
 
 from .formats import QuantWeight, dequantize, e4m3_bits_to_float, unpack_codes
-from espert import ops
-
 from .ops import qgeometry, requantize_
 
 
@@ -66,7 +65,9 @@ class QuantCenterStore:
     def __init__(self, views: Sequence[QuantParamView], master: bool = True, pin: bool = False):
         names = [v.name for v in views]
         if len(set(names)) != len(names):
-            raise ValueError(f"duplicate logical parameter names: {sorted({n for n in names if names.count(n) > 1})[:5]}")
+            raise ValueError(
+                f"duplicate logical parameter names: {sorted({n for n in names if names.count(n) > 1})[:5]}"
+            )
         for v in views:
             qgeometry(v.qw, v.block)
         self.views = list(views)
@@ -76,8 +77,18 @@ class QuantCenterStore:
         for v in self.views:
             c = _host_clone(v.qw.qweight, pin)  # contiguous on the host, whatever the live strides
             self.codes.append(c)
-            h = QuantWeight(v.qw.fmt, c, _host_clone(v.qw.scales, False), v.qw.out_features, v.qw.in_features,
-                            v.qw.group_size, None, v.qw.transposed, v.qw.qmin, v.qw.qmax)
+            h = QuantWeight(
+                v.qw.fmt,
+                c,
+                _host_clone(v.qw.scales, False),
+                v.qw.out_features,
+                v.qw.in_features,
+                v.qw.group_size,
+                None,
+                v.qw.transposed,
+                v.qw.qmin,
+                v.qw.qmax,
+            )
             self.host.append(h)
             if self.masters is not None:
                 self.masters.append(initial_master(h))
@@ -143,8 +154,9 @@ class QuantCenterStore:
         for v in self.views:
             ops.perturb_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend)
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-               lr: float | None = None) -> None:
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         """center <- decay·center (:meth:`scale`), then center + Σ coeffs[n]·ε(seeds[n]) (fused, on the host),
         then restore the live weights.  Arguments are validated first (any iterable works); ``lr`` is
         accepted for the :class:`~espert.center.Center` protocol (the quantized center is plain sgd)."""
@@ -159,8 +171,10 @@ class QuantCenterStore:
     def export_state(self) -> dict[str, torch.Tensor]:
         """The center as float checkpoint values: each weight dequantized from its exact center codes,
         float32 [out_features, in_features] by logical name (what a float export of the model holds)."""
-        return {v.name: dequantize(replace(h, zeros=None if v.qw.zeros is None else v.qw.zeros.cpu()))
-                for v, h in zip(self.views, self.host)}
+        return {
+            v.name: dequantize(replace(h, zeros=None if v.qw.zeros is None else v.qw.zeros.cpu()))
+            for v, h in zip(self.views, self.host)
+        }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Logical name -> float32 master (or the exact codes when there is no master)."""

@@ -21,8 +21,9 @@ NAME = "diagnostics.quant.weight"
 KEY = noise.param_key(NAME)
 
 
-def make_weight(fmt: str, n: int = 64, k: int = 512, group_size: int = 128, std: float = 0.02,
-                seed: int = 0) -> QuantWeight:
+def make_weight(
+    fmt: str, n: int = 64, k: int = 512, group_size: int = 128, std: float = 0.02, seed: int = 0
+) -> QuantWeight:
     """N(0, std) weights [n, k] quantized into ``fmt``."""
     gen = torch.Generator().manual_seed(seed)
     return quantize_weight(torch.randn(n, k, generator=gen) * std, fmt, group_size)
@@ -34,7 +35,7 @@ def quantum(qw: QuantWeight, values: torch.Tensor | None = None) -> torch.Tensor
     if qw.fmt != "fp8":
         return s
     x = e4m3_bits_to_float(unpack_codes(qw)).abs() if values is None else (values / s).abs().float()
-    e = torch.clamp(torch.floor(torch.log2(x.clamp_min(2.0 ** -30))), min=-6)
+    e = torch.clamp(torch.floor(torch.log2(x.clamp_min(2.0**-30))), min=-6)
     return s * torch.pow(2.0, e.double() - 3)
 
 
@@ -59,10 +60,15 @@ def restore_exactness(fmt: str, cycles: int = 1000, sigma: float | None = None, 
             moved = float((qw.qweight != ref).float().mean())
         store.restore()
     bits = (lambda t: t.view(torch.uint8)) if fmt == "fp8" else (lambda t: t)
-    return {"fmt": fmt, "cycles": cycles, "sigma": sigma, "differ": int((bits(qw.qweight) != bits(ref)).sum()),
-            "storage_moved_frac_first_cycle": moved,
-            "host_bytes_per_weight": store.nbytes / (n * k),
-            "host_bytes_per_weight_no_master": (store.nbytes - 4 * n * k) / (n * k)}
+    return {
+        "fmt": fmt,
+        "cycles": cycles,
+        "sigma": sigma,
+        "differ": int((bits(qw.qweight) != bits(ref)).sum()),
+        "storage_moved_frac_first_cycle": moved,
+        "host_bytes_per_weight": store.nbytes / (n * k),
+        "host_bytes_per_weight_no_master": (store.nbytes - 4 * n * k) / (n * k),
+    }
 
 
 def perturbation_stats(fmt: str, sigma: float, sign: int = 1, seed: int = 7, **kw) -> dict:
@@ -92,14 +98,23 @@ def perturbation_stats(fmt: str, sigma: float, sign: int = 1, seed: int = 7, **k
         lo, hi = qw.code_range
         keep = (codes.float() > lo + 2 + 6 * sigma / q.max()) & (codes.float() < hi - 2 - 6 * sigma / q.max())
     d, e, f, qq = delta[keep], eps[keep], frac[keep], q[keep]
-    return {"fmt": fmt, "sigma": sigma, "sign": sign, "count": int(keep.sum()),
-            "mean": float(d.mean()), "mean_se": float(d.std() / d.numel() ** 0.5),
-            "var": float(d.var()), "var_formula": float(sigma ** 2 * e.pow(2).mean() + (qq ** 2 * f * (1 - f)).mean()),
-            "cov_eps": float((d * e).mean()), "quantum_rms": float(qq.pow(2).mean().sqrt())}
+    return {
+        "fmt": fmt,
+        "sigma": sigma,
+        "sign": sign,
+        "count": int(keep.sum()),
+        "mean": float(d.mean()),
+        "mean_se": float(d.std() / d.numel() ** 0.5),
+        "var": float(d.var()),
+        "var_formula": float(sigma**2 * e.pow(2).mean() + (qq**2 * f * (1 - f)).mean()),
+        "cov_eps": float((d * e).mean()),
+        "quantum_rms": float(qq.pow(2).mean().sqrt()),
+    }
 
 
-def update_fidelity(fmt: str, steps: int = 100, population: int = 8, step_in_quanta: float = 0.3,
-                    seed: int = 0, **kw) -> dict:
+def update_fidelity(
+    fmt: str, steps: int = 100, population: int = 8, step_in_quanta: float = 0.3, seed: int = 0, **kw
+) -> dict:
     """Relative error ‖Δθ − Δθ_fp64‖ / ‖Δθ_fp64‖ of θ_steps − θ_0 (dequantized), per update path.
 
     Coefficients c_n = α z_n / N (z ~ N(0, 1)), with α chosen so one step moves a weight by about
@@ -113,7 +128,7 @@ def update_fidelity(fmt: str, steps: int = 100, population: int = 8, step_in_qua
     n, k = qw.shape
     theta0 = dequantize(qw).double()
     q = quantum(qw)
-    alpha = step_in_quanta * float(q.pow(2).mean().sqrt()) * population ** 0.5
+    alpha = step_in_quanta * float(q.pow(2).mean().sqrt()) * population**0.5
     master_store = QuantCenterStore([QuantParamView(NAME, qw.clone())], master=True)
     naive_store = QuantCenterStore([QuantParamView(NAME, qw.clone())], master=False)
     sim = theta0.clone()
@@ -139,12 +154,20 @@ def update_fidelity(fmt: str, steps: int = 100, population: int = 8, step_in_qua
         floor_theta = e4m3_round((sim / s).float().numpy())
         floor_theta = torch.from_numpy(floor_theta).double().clamp(-448, 448) * s
     else:
-        zeros = (theta0 / s - unpack_codes(qw).double())  # −z
+        zeros = theta0 / s - unpack_codes(qw).double()  # −z
         lo, hi = qw.code_range
         floor_theta = (torch.round(sim / s - zeros).clamp(lo, hi) + zeros) * s
-    return {"fmt": fmt, "steps": steps, "population": population, "alpha": alpha,
-            "update_rms": float(want.pow(2).mean().sqrt()), "quantum_rms": float(q.pow(2).mean().sqrt()),
-            "master": rel(dequantize(mq).double()), "master_value": float((m_val - m0_val - want).norm() / want.norm()),
-            "naive": rel(dequantize(naive_store.views[0].qw).double()), "floor": rel(floor_theta),
-            "host_bytes_per_weight_master": master_store.nbytes / (n * k),
-            "host_bytes_per_weight_naive": naive_store.nbytes / (n * k)}
+    return {
+        "fmt": fmt,
+        "steps": steps,
+        "population": population,
+        "alpha": alpha,
+        "update_rms": float(want.pow(2).mean().sqrt()),
+        "quantum_rms": float(q.pow(2).mean().sqrt()),
+        "master": rel(dequantize(mq).double()),
+        "master_value": float((m_val - m0_val - want).norm() / want.norm()),
+        "naive": rel(dequantize(naive_store.views[0].qw).double()),
+        "floor": rel(floor_theta),
+        "host_bytes_per_weight_master": master_store.nbytes / (n * k),
+        "host_bytes_per_weight_naive": naive_store.nbytes / (n * k),
+    }

@@ -94,9 +94,18 @@ class QuantWeight:
         return self.qweight.numel() * self.qweight.element_size()
 
     def clone(self) -> "QuantWeight":
-        return QuantWeight(self.fmt, self.qweight.clone(), self.scales.clone(), self.out_features, self.in_features,
-                           self.group_size, None if self.zeros is None else self.zeros.clone(), self.transposed,
-                           self.qmin, self.qmax)
+        return QuantWeight(
+            self.fmt,
+            self.qweight.clone(),
+            self.scales.clone(),
+            self.out_features,
+            self.in_features,
+            self.group_size,
+            None if self.zeros is None else self.zeros.clone(),
+            self.transposed,
+            self.qmin,
+            self.qmax,
+        )
 
 
 def storage_shape(fmt: str, n: int, k: int) -> tuple[int, int]:
@@ -105,6 +114,7 @@ def storage_shape(fmt: str, n: int, k: int) -> tuple[int, int]:
 
 
 # ---- Marlin (vLLM GPTQ-Marlin runtime layout, docs/quantized.md) ------------------------------
+
 
 def marlin_index(k, n):
     """(row, col, shift) of logical W^T(k, n) in the Marlin int32 [K/16, 2N] tensor (closed form).
@@ -182,6 +192,7 @@ def marlin_permute_scales(s: np.ndarray, grouped: bool) -> np.ndarray:
 
 # ---- pack / unpack of logical codes (numpy, slow and obvious) ---------------------------------
 
+
 def _nibbles(words: np.ndarray) -> np.ndarray:
     """int32 words [...] -> their 8 nibbles [..., 8] (nibble i = bits 4i..4i+3)."""
     w = words.view(np.uint32)[..., None]
@@ -234,6 +245,7 @@ def pack_int4(fmt: str, codes: np.ndarray) -> np.ndarray:
 
 
 # ---- torch-level access: logical codes, logical scales, dequantization -----------------------
+
 
 def nk_view(qw: QuantWeight) -> torch.Tensor:
     """8-bit formats: the storage as a logical [N, K] tensor view (possibly strided)."""
@@ -298,8 +310,15 @@ def dequantize(qw: QuantWeight) -> torch.Tensor:
 
 # ---- quantizers (to build models and fixtures) ------------------------------------------------
 
-def quantize_weight(w: torch.Tensor, fmt: str, group_size: int = 128, scale_dtype: torch.dtype | None = None,
-                    per_tensor: bool = False, symmetric: bool | None = None) -> QuantWeight:
+
+def quantize_weight(
+    w: torch.Tensor,
+    fmt: str,
+    group_size: int = 128,
+    scale_dtype: torch.dtype | None = None,
+    per_tensor: bool = False,
+    symmetric: bool | None = None,
+) -> QuantWeight:
     """Quantize a float weight [N, K] (round to nearest) into ``fmt``.
 
     int8: per-channel absmax/127 scales (float32).  fp8: absmax/448 scales per channel, or per
@@ -341,7 +360,14 @@ def quantize_weight(w: torch.Tensor, fmt: str, group_size: int = 128, scale_dtyp
     zeros = None if sym else z.t().contiguous().to(torch.uint8)
     if fmt == "marlin":
         scales = torch.from_numpy(marlin_permute_scales(scales.numpy(), marlin_grouped(group_size, k)))
-    qw = QuantWeight(fmt, torch.zeros(storage_shape(fmt, n, k), dtype=torch.int32), scales.to(s.dtype).contiguous(),
-                     n, k, group_size if group_size is not None else -1, zeros)
+    qw = QuantWeight(
+        fmt,
+        torch.zeros(storage_shape(fmt, n, k), dtype=torch.int32),
+        scales.to(s.dtype).contiguous(),
+        n,
+        k,
+        group_size if group_size is not None else -1,
+        zeros,
+    )
     pack_codes_(qw, codes)
     return qw

@@ -33,16 +33,28 @@ class QuantLinear(torch.nn.Module):
     @property
     def qw(self) -> QuantWeight:
         """The live quantized weight (built from the current buffers, so it survives ``.to()``)."""
-        return QuantWeight(self.fmt, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
-                           self.zeros, self.transposed, self.qmin, self.qmax)
+        return QuantWeight(
+            self.fmt,
+            self.qweight,
+            self.scales,
+            self.out_features,
+            self.in_features,
+            self.group_size,
+            self.zeros,
+            self.transposed,
+            self.qmin,
+            self.qmax,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = dequantize(self.qw).to(device=x.device, dtype=x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
-        return f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}, " \
-               f"group_size={self.group_size}"
+        return (
+            f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}"
+        )
 
 
 def _pick_group(fmt: str, k: int, group_size: int) -> int:
@@ -52,8 +64,13 @@ def _pick_group(fmt: str, k: int, group_size: int) -> int:
 
 
 @torch.no_grad()
-def quantize_model(model: torch.nn.Module, fmt: str, group_size: int = 128,
-                   include: Sequence[str] | None = None, exclude: Sequence[str] | None = ("lm_head",)) -> torch.nn.Module:
+def quantize_model(
+    model: torch.nn.Module,
+    fmt: str,
+    group_size: int = 128,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = ("lm_head",),
+) -> torch.nn.Module:
     """Replace the model's ``nn.Linear`` layers by :class:`QuantLinear` in ``fmt`` (in place; returns the model).
 
     include / exclude: glob patterns on module names (exclude defaults to ``lm_head``, as
@@ -87,8 +104,9 @@ def quantize_model(model: torch.nn.Module, fmt: str, group_size: int = 128,
 
 def quant_param_views(model: torch.nn.Module) -> list[QuantParamView]:
     """One :class:`QuantParamView` per QuantLinear, named ``<module name>.weight`` (its float checkpoint name)."""
-    views = [QuantParamView(f"{name}.weight", mod.qw) for name, mod in model.named_modules()
-             if isinstance(mod, QuantLinear)]
+    views = [
+        QuantParamView(f"{name}.weight", mod.qw) for name, mod in model.named_modules() if isinstance(mod, QuantLinear)
+    ]
     if not views:
         raise ValueError("the model has no QuantLinear layers (quantize_model first)")
     return views

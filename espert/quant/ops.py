@@ -86,9 +86,12 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
     if elem == "int4":
         if q.dtype != torch.int32:
             raise _err(qw, f"qweight must be int32 (8 packed 4-bit codes per word), got {q.dtype}")
-        need = {"gptq": (K % 8 == 0, "in_features % 8 == 0"), "awq": (N % 8 == 0, "out_features % 8 == 0"),
-                "cpu_w4a16": (N % 16 == 0, "out_features % 16 == 0"),
-                "marlin": (K % 16 == 0 and N % 64 == 0, "in_features % 16 == 0 and out_features % 64 == 0")}[qw.fmt]
+        need = {
+            "gptq": (K % 8 == 0, "in_features % 8 == 0"),
+            "awq": (N % 8 == 0, "out_features % 8 == 0"),
+            "cpu_w4a16": (N % 16 == 0, "out_features % 16 == 0"),
+            "marlin": (K % 16 == 0 and N % 64 == 0, "in_features % 16 == 0 and out_features % 64 == 0"),
+        }[qw.fmt]
         if not need[0]:
             raise _err(qw, f"the {qw.fmt} layout needs {need[1]}")
         shape = storage_shape(qw.fmt, N, K)
@@ -99,8 +102,11 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
         layout, ld, data = qw.fmt, shape[1], q
         g = qw.group
         if qw.group_size not in (-1, None) and (g <= 0 or K % g or g % 8):
-            raise _err(qw, f"unsupported group_size {qw.group_size}: use -1 or a positive multiple of 8 that "
-                           f"divides in_features ({K})")
+            raise _err(
+                qw,
+                f"unsupported group_size {qw.group_size}: use -1 or a positive multiple of 8 that "
+                f"divides in_features ({K})",
+            )
         if qw.fmt == "marlin" and qw.group_size not in (-1, None) and g % 16:
             raise _err(qw, f"marlin needs group_size -1 or a multiple of 16, got {qw.group_size}")
         groups = K // g
@@ -126,8 +132,11 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
         elif t.stride(0) == 1 and (K == 1 or t.stride(1) >= N):
             layout, ld = "kn", (t.stride(1) if K > 1 else N)
         else:
-            raise _err(qw, f"qweight must be row-major [N, K] or [K, N] with unit inner stride "
-                           f"(non-contiguous view with strides {q.stride()})")
+            raise _err(
+                qw,
+                f"qweight must be row-major [N, K] or [K, N] with unit inner stride "
+                f"(non-contiguous view with strides {q.stride()})",
+            )
         data = q.view(torch.uint8) if elem == "fp8" else q
         s = qw.scales
         if s.numel() == 1:
@@ -135,13 +144,17 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
         elif s.numel() == N and s.dim() in (1, 2) and s.shape[-1] in (1, N):
             kind = "channel"
         else:
-            raise _err(qw, f"scales must have one element (per tensor) or shape [N] / [N, 1] (per channel, N={N}), "
-                           f"got {list(s.shape)}")
+            raise _err(
+                qw,
+                f"scales must have one element (per tensor) or shape [N] / [N, 1] (per channel, N={N}), "
+                f"got {list(s.shape)}",
+            )
         g, scale_ld = K, 0
     s = qw.scales
     if not isinstance(s, torch.Tensor) or s.dtype not in SCALE_DTYPES:
-        raise _err(qw, f"scales must be a float32 / float16 / bfloat16 tensor, got "
-                       f"{getattr(s, 'dtype', type(s).__name__)}")
+        raise _err(
+            qw, f"scales must be a float32 / float16 / bfloat16 tensor, got {getattr(s, 'dtype', type(s).__name__)}"
+        )
     if not s.is_contiguous():
         raise _err(qw, f"scales must be contiguous, got strides {s.stride()}")
     if s.device != q.device:
@@ -160,8 +173,7 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
     lo, hi = STORAGE_LIMITS[elem]
     qmin, qmax = qw.code_range
     if not (lo <= qmin <= qmax <= hi) or (elem != "fp8" and (qmin != int(qmin) or qmax != int(qmax))):
-        raise _err(qw, f"code range [{qmin}, {qmax}] must be {'integers ' if elem != 'fp8' else ''}within "
-                       f"[{lo}, {hi}]")
+        raise _err(qw, f"code range [{qmin}, {qmax}] must be {'integers ' if elem != 'fp8' else ''}within [{lo}, {hi}]")
     b = block or Block()
     lr = N if b.logical_rows is None else b.logical_rows
     lc = K if b.logical_cols is None else b.logical_cols
@@ -181,8 +193,11 @@ def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
     if not isinstance(master, torch.Tensor) or master.dtype != torch.float32:
         raise _err(qw, f"master must be a float32 tensor, got {getattr(master, 'dtype', type(master).__name__)}")
     if tuple(master.shape) != qw.shape or not master.is_contiguous():
-        raise _err(qw, f"master must be a contiguous [{qw.out_features}, {qw.in_features}] tensor, got "
-                       f"{list(master.shape)} strides {master.stride()}")
+        raise _err(
+            qw,
+            f"master must be a contiguous [{qw.out_features}, {qw.in_features}] tensor, got "
+            f"{list(master.shape)} strides {master.stride()}",
+        )
     if master.device != qw.qweight.device:
         raise _err(qw, f"master is on {master.device} but qweight is on {qw.qweight.device}")
     # a sum is NaN/Inf whenever an element is (masters are small code-domain values: no overflow), and,
@@ -193,11 +208,28 @@ def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
 
 # ---- backends ------------------------------------------------------------------------------
 
+
 def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str) -> tuple:
-    return (g.data.data_ptr(), ELEM_CODES[g.elem], LAYOUT_CODES[g.layout], g.N, g.K, g.ld, g.row_offset,
-            g.col_offset, g.logical_cols, qw.scales.data_ptr(), SCALE_DTYPE_CODES[qw.scales.dtype],
-            SCALE_KINDS[g.scale_kind], g.group, g.scale_ld, 0 if master is None else master.data_ptr(),
-            MODES[mode], g.qmin, g.qmax)
+    return (
+        g.data.data_ptr(),
+        ELEM_CODES[g.elem],
+        LAYOUT_CODES[g.layout],
+        g.N,
+        g.K,
+        g.ld,
+        g.row_offset,
+        g.col_offset,
+        g.logical_cols,
+        qw.scales.data_ptr(),
+        SCALE_DTYPE_CODES[qw.scales.dtype],
+        SCALE_KINDS[g.scale_kind],
+        g.group,
+        g.scale_ld,
+        0 if master is None else master.data_ptr(),
+        MODES[mode],
+        g.qmin,
+        g.qmax,
+    )
 
 
 def _run_cpu(qw, g, master, mode, seeds, coeffs, key):
@@ -209,8 +241,14 @@ def _run_cuda(qw, g, master, mode, seeds, coeffs, key):
     dev = qw.qweight.device
     s = torch.from_numpy(seeds.view(np.int64)).to(dev)
     c = torch.from_numpy(coeffs).to(dev)
-    _C.quant_cuda(*_kernel_args(qw, g, master, mode), s.data_ptr(), c.data_ptr(), len(seeds), key,
-                  torch.cuda.current_stream(dev).cuda_stream)
+    _C.quant_cuda(
+        *_kernel_args(qw, g, master, mode),
+        s.data_ptr(),
+        c.data_ptr(),
+        len(seeds),
+        key,
+        torch.cuda.current_stream(dev).cuda_stream,
+    )
 
 
 def _run_triton(qw, g, master, mode, seeds, coeffs, key):
@@ -250,15 +288,27 @@ def _runner(qw: QuantWeight, name: str | None):
 
 # ---- the ops -------------------------------------------------------------------------------
 
+
 def _gaussian_only(noise_family: str) -> None:
     if str(noise.NoiseFamily.parse(noise_family)) != "gaussian":
-        raise ValueError(f"quantized weights take gaussian noise only (their lattice kernels implement spec v1), "
-                         f"got noise={noise_family!r}")
+        raise ValueError(
+            f"quantized weights take gaussian noise only (their lattice kernels implement spec v1), "
+            f"got noise={noise_family!r}"
+        )
 
 
 @torch.no_grad()
-def perturb_q(qw: QuantWeight, seed: int, key: int, sigma: float, sign: int = 1, *, block: Block | None = None,
-              backend: str | None = None, noise: str = "gaussian") -> QuantWeight:
+def perturb_q(
+    qw: QuantWeight,
+    seed: int,
+    key: int,
+    sigma: float,
+    sign: int = 1,
+    *,
+    block: Block | None = None,
+    backend: str | None = None,
+    noise: str = "gaussian",
+) -> QuantWeight:
     """In place: codes ← clamp(code + floor(sign·σ·ε/s + u)) (int8 / int4) or the e4m3 code nearest
     below/above e4m3(code) + sign·σ·ε/s, chosen stochastically (fp8).  u = sr_uniform(seed, key, i).
 
@@ -267,8 +317,12 @@ def perturb_q(qw: QuantWeight, seed: int, key: int, sigma: float, sign: int = 1,
     Reached through ``espert.ops.perturb_``.
     """
     _gaussian_only(noise)
-    if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) or not math.isfinite(sigma) \
-            or sigma <= 0:
+    if (
+        isinstance(sigma, bool)
+        or not isinstance(sigma, (int, float, np.floating))
+        or not math.isfinite(sigma)
+        or sigma <= 0
+    ):
         raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign!r}")
@@ -280,9 +334,17 @@ def perturb_q(qw: QuantWeight, seed: int, key: int, sigma: float, sign: int = 1,
 
 
 @torch.no_grad()
-def es_update_q(qw: QuantWeight, seeds: Sequence[int], coeffs: Sequence[float], key: int, *,
-                master: torch.Tensor | None = None, block: Block | None = None, backend: str | None = None,
-                noise: str = "gaussian") -> QuantWeight:
+def es_update_q(
+    qw: QuantWeight,
+    seeds: Sequence[int],
+    coeffs: Sequence[float],
+    key: int,
+    *,
+    master: torch.Tensor | None = None,
+    block: Block | None = None,
+    backend: str | None = None,
+    noise: str = "gaussian",
+) -> QuantWeight:
     """The fused ES update of a quantized weight, in place: θ ← θ + Σ_n coeffs[n]·ε(seeds[n]).
 
     With ``master`` (float32 [N, K], the code-domain value: int code + residual, or fp8 value / s):
@@ -312,14 +374,17 @@ def restore_q(qw: QuantWeight, codes: torch.Tensor) -> QuantWeight:
     chunks of at most 64 MiB (no device allocation beyond what ``copy_`` stages)."""
     q = qw.qweight
     if not isinstance(codes, torch.Tensor) or codes.shape != q.shape or codes.dtype != q.dtype:
-        raise _err(qw, f"restore source must be a {q.dtype} tensor of shape {list(q.shape)}, got "
-                       f"{getattr(codes, 'dtype', None)} {list(getattr(codes, 'shape', []))}")
+        raise _err(
+            qw,
+            f"restore source must be a {q.dtype} tensor of shape {list(q.shape)}, got "
+            f"{getattr(codes, 'dtype', None)} {list(getattr(codes, 'shape', []))}",
+        )
     rows_dst = q if q.dim() > 1 else q.unsqueeze(0)
     rows_src = codes.reshape(rows_dst.shape)
     row_bytes = max(1, rows_src.shape[1] * rows_src.element_size())
     step = max(1, STAGING_BYTES // row_bytes)
     for i in range(0, rows_dst.shape[0], step):
-        rows_dst[i:i + step].copy_(rows_src[i:i + step])
+        rows_dst[i : i + step].copy_(rows_src[i : i + step])
     return qw
 
 

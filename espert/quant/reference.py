@@ -42,7 +42,7 @@ def e4m3_to_f32(bits: np.ndarray) -> np.ndarray:
     e = (b >> np.uint32(3)) & np.uint32(0xF)
     m = b & np.uint32(7)
     normal = sign | ((e + np.uint32(120)) << np.uint32(23)) | (m << np.uint32(20))
-    sub = sign | (m.astype(np.float32) * _f(2.0 ** -9)).view(np.uint32)
+    sub = sign | (m.astype(np.float32) * _f(2.0**-9)).view(np.uint32)
     out = np.where(e == 0, sub, normal).view(np.float32)
     return np.where((b & np.uint32(0x7F)) == np.uint32(0x7F), np.float32(np.nan), out)
 
@@ -80,8 +80,17 @@ def _acc(seeds, coeffs, key: int, idx: np.ndarray) -> np.ndarray:
     return acc
 
 
-def perturb_codes(codes: np.ndarray, elem: str, scales: np.ndarray, seed: int, key: int, coeff: float,
-                  qmin: float, qmax: float, idx: np.ndarray) -> np.ndarray:
+def perturb_codes(
+    codes: np.ndarray,
+    elem: str,
+    scales: np.ndarray,
+    seed: int,
+    key: int,
+    coeff: float,
+    qmin: float,
+    qmax: float,
+    idx: np.ndarray,
+) -> np.ndarray:
     """Perturbed logical codes.  codes [N, K]: int32 (int8/int4) or uint8 e4m3 bits (fp8); scales [N, K]
     float32; coeff = sign·σ; idx [N, K] uint64 logical indices.  Returns a new array like ``codes``."""
     v = _acc([seed], [coeff], key, idx) / scales.astype(np.float32)
@@ -96,8 +105,18 @@ def perturb_codes(codes: np.ndarray, elem: str, scales: np.ndarray, seed: int, k
     return x.astype(np.int32)
 
 
-def update_codes(codes: np.ndarray, master: np.ndarray | None, elem: str, scales: np.ndarray, seeds, coeffs,
-                 key: int, qmin: float, qmax: float, idx: np.ndarray):
+def update_codes(
+    codes: np.ndarray,
+    master: np.ndarray | None,
+    elem: str,
+    scales: np.ndarray,
+    seeds,
+    coeffs,
+    key: int,
+    qmin: float,
+    qmax: float,
+    idx: np.ndarray,
+):
     """The fused ES update.  With ``master`` (float32 [N, K], code units) returns (codes', master');
     without (naive rounding of code + step) returns (codes', None)."""
     v = _acc(seeds, coeffs, key, idx) / scales.astype(np.float32)

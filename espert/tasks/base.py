@@ -97,9 +97,7 @@ class Task:
         self.prompts = list(self.prompts)
         self.answers = list(self.answers)
         if len(self.prompts) != len(self.answers):
-            raise ValueError(
-                f"task {self.name!r}: {len(self.prompts)} prompts but {len(self.answers)} answers"
-            )
+            raise ValueError(f"task {self.name!r}: {len(self.prompts)} prompts but {len(self.answers)} answers")
         if not (0.0 < self.success_threshold <= 1.0):
             raise ValueError(f"success_threshold must be in (0, 1], got {self.success_threshold}")
         self._extract_takes_answer = _accepts_two_positionals(self.extract_fn)
@@ -168,12 +166,18 @@ class PromptReward:
         return self.fn([p for p, _ in pairs], list(completions), [a for _, a in pairs])
 
 
-def reward_fn_task(name: str, reward: Callable, prompts: Sequence[str], answers: Sequence[str],
-                   meta: Optional[dict] = None) -> Task:
+def reward_fn_task(
+    name: str, reward: Callable, prompts: Sequence[str], answers: Sequence[str], meta: Optional[dict] = None
+) -> Task:
     """A :class:`Task` whose reward sees the prompts: ``reward(prompts, completions, answers)``."""
     prompts = list(prompts)
-    return Task(name=name, prompts=prompts, answers=list(zip(prompts, answers)), reward_fn=PromptReward(reward),
-                meta=dict(meta or {}))
+    return Task(
+        name=name,
+        prompts=prompts,
+        answers=list(zip(prompts, answers)),
+        reward_fn=PromptReward(reward),
+        meta=dict(meta or {}),
+    )
 
 
 def make_task(

@@ -32,8 +32,14 @@ def is_heldout_string(s: str) -> bool:
     return zlib.crc32(s.encode("utf-8")) % 5 == 0
 
 
-def generate_copy_strings(n: int, seed: int, heldout: Optional[bool], alphabet: str = COPY_ALPHABET,
-                          min_len: int = COPY_MIN_LEN, max_len: int = COPY_MAX_LEN) -> list[str]:
+def generate_copy_strings(
+    n: int,
+    seed: int,
+    heldout: Optional[bool],
+    alphabet: str = COPY_ALPHABET,
+    min_len: int = COPY_MIN_LEN,
+    max_len: int = COPY_MAX_LEN,
+) -> list[str]:
     """``n`` unique random strings, deterministic in ``seed``.
 
     ``heldout=True`` keeps only held-out-pool strings, ``False`` only train-pool strings,
@@ -63,9 +69,14 @@ def generate_copy_strings(n: int, seed: int, heldout: Optional[bool], alphabet: 
     return out
 
 
-def make_copy_task(n: Optional[int] = None, split: str = "train", seed: Optional[int] = None,
-                   alphabet: str = COPY_ALPHABET, min_len: int = COPY_MIN_LEN,
-                   max_len: int = COPY_MAX_LEN) -> Task:
+def make_copy_task(
+    n: Optional[int] = None,
+    split: str = "train",
+    seed: Optional[int] = None,
+    alphabet: str = COPY_ALPHABET,
+    min_len: int = COPY_MIN_LEN,
+    max_len: int = COPY_MAX_LEN,
+) -> Task:
     """Build the ``copy`` task.
 
     Args:
@@ -80,14 +91,21 @@ def make_copy_task(n: Optional[int] = None, split: str = "train", seed: Optional
     if n is None:
         n = COPY_DEFAULT_SIZES[split]
     s = COPY_SPLIT_SEEDS[split] if seed is None else seed
-    strings = generate_copy_strings(n, s, heldout=(split == "test"), alphabet=alphabet,
-                                    min_len=min_len, max_len=max_len)
+    strings = generate_copy_strings(
+        n, s, heldout=(split == "test"), alphabet=alphabet, min_len=min_len, max_len=max_len
+    )
     return Task(
         name="copy",
         prompts=[x + COPY_SEP for x in strings],
         answers=strings,
         reward_fn=copy_reward,
         extract_fn=copy_extract,
-        meta={"source": "builtin", "split": split, "seed": s, "alphabet": alphabet,
-              "min_len": min_len, "max_len": max_len},
+        meta={
+            "source": "builtin",
+            "split": split,
+            "seed": s,
+            "alphabet": alphabet,
+            "min_len": min_len,
+            "max_len": max_len,
+        },
     )

@@ -22,7 +22,7 @@ from .rewards import (
     math_reward,
 )
 
-GSM8K_PROMPT = "{question}\nLet's think step by step and output the final answer after \"####\"."
+GSM8K_PROMPT = '{question}\nLet\'s think step by step and output the final answer after "####".'
 MATH_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 COUNTDOWN_PROMPT = (
     "Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
@@ -146,8 +146,14 @@ def load_jsonl_task(name: str, path: str, n: Optional[int] = None) -> Task:
         prompts.append(p)
         answers.append(a)
     reward, extract = REWARDS[key]
-    return Task(name=key, prompts=prompts, answers=answers, reward_fn=reward, extract_fn=extract,
-                meta={"source": os.path.abspath(path)})
+    return Task(
+        name=key,
+        prompts=prompts,
+        answers=answers,
+        reward_fn=reward,
+        extract_fn=extract,
+        meta={"source": os.path.abspath(path)},
+    )
 
 
 def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: no cover - needs network
@@ -177,12 +183,19 @@ def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: n
         prompts.append(p)
         answers.append(a)
     reward, extract = REWARDS[key]
-    return Task(name=key, prompts=prompts, answers=answers, reward_fn=reward, extract_fn=extract,
-                meta={"source": repo, "split": split})
+    return Task(
+        name=key,
+        prompts=prompts,
+        answers=answers,
+        reward_fn=reward,
+        extract_fn=extract,
+        meta={"source": repo, "split": split},
+    )
 
 
-def load_task(name: str, split: str = "test", n: Optional[int] = None, path: Optional[str] = None,
-              seed: Optional[int] = None) -> Task:
+def load_task(
+    name: str, split: str = "test", n: Optional[int] = None, path: Optional[str] = None, seed: Optional[int] = None
+) -> Task:
     """Load a task by name.
 
     Args:
@@ -213,19 +226,23 @@ def load_task(name: str, split: str = "test", n: Optional[int] = None, path: Opt
 
 # ---- custom tasks: import paths, user objects and prompt sources ------------------------------------
 
+
 def import_object(spec: str) -> Any:
     """The object at an import path ``"package.module:attr.sub"``; ValueError saying why when it cannot be had."""
     import importlib
 
     mod, sep, attr = spec.partition(":")
     if not sep or not mod or not attr:
-        raise ValueError(f"task {spec!r} is neither a known task ({', '.join(known_tasks())}) nor an import path "
-                         f"'package.module:name'")
+        raise ValueError(
+            f"task {spec!r} is neither a known task ({', '.join(known_tasks())}) nor an import path "
+            f"'package.module:name'"
+        )
     try:
         obj = importlib.import_module(mod)
     except Exception as e:  # noqa: BLE001 - any import failure is the same user-facing problem
-        raise ValueError(f"cannot import task {spec!r}: {type(e).__name__}: {e} (is {mod!r} installed or on "
-                         f"PYTHONPATH?)") from None
+        raise ValueError(
+            f"cannot import task {spec!r}: {type(e).__name__}: {e} (is {mod!r} installed or on PYTHONPATH?)"
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"cannot import task {spec!r}: module {mod!r} has no attribute {attr!r}")
@@ -276,8 +293,9 @@ def problems(source: Any, n: Optional[int] = None) -> tuple[list[str], list[str]
         try:
             rows = list(source)
         except TypeError:
-            raise ValueError(f"prompts must be a list, a JSONL path or a datasets split, got "
-                             f"{type(source).__name__}") from None
+            raise ValueError(
+                f"prompts must be a list, a JSONL path or a datasets split, got {type(source).__name__}"
+            ) from None
     rows = rows if n is None else rows[:n]
     prompts, answers = [], []
     for i, row in enumerate(rows):
@@ -288,15 +306,23 @@ def problems(source: Any, n: Optional[int] = None) -> tuple[list[str], list[str]
         elif isinstance(row, (tuple, list)) and len(row) == 2:
             p, a = row
         else:
-            raise ValueError(f"prompt {i}: expected a string, a {{'prompt', 'answer'}} mapping or a (prompt, answer) "
-                             f"pair, got {row!r:.80}")
+            raise ValueError(
+                f"prompt {i}: expected a string, a {{'prompt', 'answer'}} mapping or a (prompt, answer) "
+                f"pair, got {row!r:.80}"
+            )
         prompts.append(str(p))
         answers.append(a if isinstance(a, str) else json.dumps(a))
     return prompts, answers
 
 
-def custom_task(obj: Any, split: str, n: Optional[int] = None, path: Optional[str] = None,
-                name: Optional[str] = None, problems_from: Any = None) -> Optional[Task]:
+def custom_task(
+    obj: Any,
+    split: str,
+    n: Optional[int] = None,
+    path: Optional[str] = None,
+    name: Optional[str] = None,
+    problems_from: Any = None,
+) -> Optional[Task]:
     """A user task for ``split`` from ``obj`` (what a task import path points to), or None.
 
     obj: a :class:`Task` (its problems serve ``train``; other splits need ``path``); a reward
@@ -311,18 +337,29 @@ def custom_task(obj: Any, split: str, n: Optional[int] = None, path: Optional[st
             ps, ans = problems(source, n)
             if isinstance(obj.reward_fn, PromptReward):
                 return reward_fn_task(obj.name, obj.reward_fn.fn, ps, ans, obj.meta)
-            return Task(name=obj.name, prompts=ps, answers=ans, reward_fn=obj.reward_fn, extract_fn=obj.extract_fn,
-                        success_threshold=obj.success_threshold, meta=dict(obj.meta))
+            return Task(
+                name=obj.name,
+                prompts=ps,
+                answers=ans,
+                reward_fn=obj.reward_fn,
+                extract_fn=obj.extract_fn,
+                success_threshold=obj.success_threshold,
+                meta=dict(obj.meta),
+            )
         return obj.subset(n) if split == "train" else None
     if not callable(obj):
-        raise ValueError(f"task {name!r} is a {type(obj).__name__}; expected a Task, a reward "
-                         f"fn(prompts, completions, answers) or a loader fn(split) -> Task")
+        raise ValueError(
+            f"task {name!r} is a {type(obj).__name__}; expected a Task, a reward "
+            f"fn(prompts, completions, answers) or a loader fn(split) -> Task"
+        )
     arity = _positional_arity(obj)
     if arity >= 2:  # a reward: fn(prompts, completions, answers), or batched fn(completions, answers)
         if source is None:
             if split == "train":
-                raise ValueError(f"task {name!r} is a reward function; give its problems (train_data: a JSONL of "
-                                 f"{{'prompt', 'answer'}} objects, or prompts= from Python)")
+                raise ValueError(
+                    f"task {name!r} is a reward function; give its problems (train_data: a JSONL of "
+                    f"{{'prompt', 'answer'}} objects, or prompts= from Python)"
+                )
             return None
         ps, ans = problems(source, n)
         name = name or getattr(obj, "__name__", "reward")

@@ -105,9 +105,7 @@ def gsm8k_gold(answer: str) -> Optional[Fraction]:
     return v
 
 
-def gsm8k_reward(
-    completions: Sequence[str], answers: Sequence[str], fallback_last_number: bool = True
-) -> list[float]:
+def gsm8k_reward(completions: Sequence[str], answers: Sequence[str], fallback_last_number: bool = True) -> list[float]:
     """Batched GSM8K reward: 1.0 if the extracted number equals the reference exactly."""
     out = []
     for c, a in zip(completions, answers):

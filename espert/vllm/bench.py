@@ -34,8 +34,7 @@ import time
 #: Model shapes (espert.tiny.TinySpec fields): about 4.2 M and 46 M parameters.
 SIZES = {
     "4m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, head_dim=64),
-    "46m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=6, num_attention_heads=12,
-                head_dim=64),
+    "46m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=6, num_attention_heads=12, head_dim=64),
 }
 
 
@@ -64,8 +63,14 @@ def _sampling(max_new_tokens: int):
 def _child_plain(args) -> dict:
     from vllm import LLM
 
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len, seed=0,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=args.max_model_len,
+        seed=0,
+        enable_prefix_caching=False,
+    )
     _, prompts = _prompts(args.model, args.prompts)
     sp = _sampling(args.max_new_tokens)
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up
@@ -81,8 +86,11 @@ def _child_espert(args) -> dict:
     from espert.vllm import VLLMEvaluator, make_llm
 
     task, prompts = _prompts(args.model, args.prompts)
-    ev = VLLMEvaluator(make_llm(args.model, max_model_len=args.max_model_len, multiprocess=False), task.score,
-                       max_new_tokens=args.max_new_tokens)
+    ev = VLLMEvaluator(
+        make_llm(args.model, max_model_len=args.max_model_len, multiprocess=False),
+        task.score,
+        max_new_tokens=args.max_new_tokens,
+    )
     sp = _sampling(args.max_new_tokens)
     numel = sum(r["numel"] for r in ev.info)
 
@@ -93,11 +101,18 @@ def _child_espert(args) -> dict:
         return ev.rpc("es_stats")[0]["repack_seconds"]
 
     gen()
-    t = {"generate_no_edit": [], "perturb": [], "generate": [], "repack": [], "restore": [], "total": [],
-         "total_over_no_edit": []}
+    t = {
+        "generate_no_edit": [],
+        "perturb": [],
+        "generate": [],
+        "repack": [],
+        "restore": [],
+        "total": [],
+        "total_over_no_edit": [],
+    }
     for k in range(args.members):
         t0 = time.perf_counter()  # the same engine with no edit: vLLM's packed kernels alone, interleaved with
-        gen()                     # the members so both see the same background load
+        gen()  # the members so both see the same background load
         t["generate_no_edit"].append(time.perf_counter() - t0)
         r0 = repack_s()
         t0 = time.perf_counter()
@@ -120,23 +135,41 @@ def _child_espert(args) -> dict:
         upd.append(time.perf_counter() - t0)
     ev.load_center(start)
     ratio = t.pop("total_over_no_edit")
-    out = {"numel": numel, **{k: _stats(v) for k, v in t.items()}, "update_8_seeds": _stats(upd),
-           "ratio_to_no_edit": round(statistics.median(ratio), 3)}
+    out = {
+        "numel": numel,
+        **{k: _stats(v) for k, v in t.items()},
+        "update_8_seeds": _stats(upd),
+        "ratio_to_no_edit": round(statistics.median(ratio), 3),
+    }
     ev.close()
     return out
 
 
 def _run_child(kind: str, model: str, args) -> dict:
-    cmd = [sys.executable, "-m", "espert.vllm.bench", "--child", kind, "--model", model,
-           "--members", str(args.members), "--prompts", str(args.prompts),
-           "--max-new-tokens", str(args.max_new_tokens), "--max-model-len", str(args.max_model_len)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "espert.vllm.bench",
+        "--child",
+        kind,
+        "--model",
+        model,
+        "--members",
+        str(args.members),
+        "--prompts",
+        str(args.prompts),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if p.returncode or line is None:
         raise RuntimeError(f"bench child {kind} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def _pool(model: str, args) -> dict:
@@ -145,32 +178,42 @@ def _pool(model: str, args) -> dict:
     from espert.vllm import EnginePool
 
     task = load_task("copy", "train", n=args.prompts)
-    pool = EnginePool(model, task.score, engines=args.engines, max_new_tokens=8,
-                      llm_kwargs=dict(max_model_len=args.max_model_len))
+    pool = EnginePool(
+        model, task.score, engines=args.engines, max_new_tokens=8, llm_kwargs=dict(max_model_len=args.max_model_len)
+    )
     members = [(k, s) for k in range(args.members // 2) for s in (1, -1)]
     t0 = time.perf_counter()
     rewards = pool.evaluate(members, 0.02, task.prompts, task.answers)
     t_eval = time.perf_counter() - t0
     seeds, coeffs = coefficients(members, rewards, normalize(rewards), 0.01)
     pool.update(seeds, coeffs)
-    res = {"engines": args.engines, "evaluate_s": round(t_eval, 3), "bytes_per_iteration": pool.traffic,
-           "bytes_total": sum(pool.traffic.values()), "weights_broadcast_bytes_per_engine": pool.weights_bytes}
+    res = {
+        "engines": args.engines,
+        "evaluate_s": round(t_eval, 3),
+        "bytes_per_iteration": pool.traffic,
+        "bytes_total": sum(pool.traffic.values()),
+        "weights_broadcast_bytes_per_engine": pool.weights_bytes,
+    }
     pool.close()
     return res
 
 
 def table(results: dict) -> str:
     """A markdown table of :func:`main`'s results (medians, ms)."""
-    rows = ["| model | plain vLLM generate | espert perturb | generate (incl. repack) | repack | restore | "
-            "per-member total | total / plain (medians) | (minima) | total / no-edit generate (paired) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | plain vLLM generate | espert perturb | generate (incl. repack) | repack | restore | "
+        "per-member total | total / plain (medians) | (minima) | total / no-edit generate (paired) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for size, r in results["sizes"].items():
         e = r["espert"]
-        rows.append(f"| {size} ({e['numel'] / 1e6:.1f} M) | {r['plain']['generate']['median_ms']:.1f} | "
-                    f"{e['perturb']['median_ms']:.1f} | {e['generate']['median_ms']:.1f} | "
-                    f"{e['repack']['median_ms']:.1f} | {e['restore']['median_ms']:.1f} | "
-                    f"{e['total']['median_ms']:.1f} | {r['ratio']:.2f}× | {r['ratio_min']:.2f}× | "
-                    f"{e['ratio_to_no_edit']:.2f}× |")
+        rows.append(
+            f"| {size} ({e['numel'] / 1e6:.1f} M) | {r['plain']['generate']['median_ms']:.1f} | "
+            f"{e['perturb']['median_ms']:.1f} | {e['generate']['median_ms']:.1f} | "
+            f"{e['repack']['median_ms']:.1f} | {e['restore']['median_ms']:.1f} | "
+            f"{e['total']['median_ms']:.1f} | {r['ratio']:.2f}× | {r['ratio_min']:.2f}× | "
+            f"{e['ratio_to_no_edit']:.2f}× |"
+        )
     return "\n".join(rows)
 
 
@@ -202,16 +245,25 @@ def main(argv=None) -> dict:
             if size not in SIZES:
                 ap.error(f"unknown size {size!r}; choose from {sorted(SIZES)}")
             models[size] = tempfile.mkdtemp(prefix=f"espert_bench_{size}_")
-            build_tiny_model(models[size], seed=0, spec=TinySpec(max_position_embeddings=args.max_model_len,
-                                                                 **SIZES[size]))
-    res = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "members": args.members,
-           "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}, "sizes": {}}
+            build_tiny_model(
+                models[size], seed=0, spec=TinySpec(max_position_embeddings=args.max_model_len, **SIZES[size])
+            )
+    res = {
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "members": args.members,
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
+        "sizes": {},
+    }
     for size, model in models.items():
         plain = _run_child("plain", model, args)
         esp = _run_child("espert", model, args)
-        res["sizes"][size] = {"plain": plain, "espert": esp,
-                              "ratio": round(esp["total"]["median_ms"] / plain["generate"]["median_ms"], 3),
-                              "ratio_min": round(esp["total"]["min_ms"] / plain["generate"]["min_ms"], 3)}
+        res["sizes"][size] = {
+            "plain": plain,
+            "espert": esp,
+            "ratio": round(esp["total"]["median_ms"] / plain["generate"]["median_ms"], 3),
+            "ratio_min": round(esp["total"]["min_ms"] / plain["generate"]["min_ms"], 3),
+        }
     if args.engines > 1:
         res["pool"] = _pool(next(iter(models.values())), args)
     print(json.dumps(res, indent=2))

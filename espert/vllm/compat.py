@@ -80,8 +80,10 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         """Live weights <- center ± noise_scale·ε(seed) (minus when negate), in place."""
         center = self._compat()
         if self._compat_perturbed:
-            raise RuntimeError("perturb_self_weights called twice without restore_self_weights: espert perturbs "
-                               "from the exact center and does not stack perturbations; restore first")
+            raise RuntimeError(
+                "perturb_self_weights called twice without restore_self_weights: espert perturbs "
+                "from the exact center and does not stack perturbations; restore first"
+            )
         center.perturb(int(seed), float(noise_scale), -1 if negate else 1)
         self._compat_perturbed = True
         self._es_sync()
@@ -94,8 +96,9 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         self._es_sync()
         return True
 
-    def update_weights_from_seeds(self, seeds: Sequence[int], coeffs: Sequence[float], alpha: float,
-                                  population_size: int) -> bool:
+    def update_weights_from_seeds(
+        self, seeds: Sequence[int], coeffs: Sequence[float], alpha: float, population_size: int
+    ) -> bool:
         """center <- center + (alpha/population_size)·Σ coeffs[i]·ε(seeds[i]) (float32 master), then restore."""
         center = self._compat()
         if isinstance(population_size, bool) or not isinstance(population_size, int) or population_size < 1:
@@ -109,15 +112,15 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         self._es_sync()
         return True
 
-    def init_inter_engine_group(self, master_address: str, master_port: int, engine_idx: int,
-                                num_engines: int) -> bool:
+    def init_inter_engine_group(self, master_address: str, master_port: int, engine_idx: int, num_engines: int) -> bool:
         """Join the group of engines (one group per TP rank, on port master_port + tp_rank, as ES-at-Scale)."""
         from vllm.distributed.utils import StatelessProcessGroup
 
         self._compat()
         tp_rank, _ = self._es_rank()
-        self._compat_group = StatelessProcessGroup.create(host=master_address, port=int(master_port) + tp_rank,
-                                                          rank=int(engine_idx), world_size=int(num_engines))
+        self._compat_group = StatelessProcessGroup.create(
+            host=master_address, port=int(master_port) + tp_rank, rank=int(engine_idx), world_size=int(num_engines)
+        )
         return True
 
     def broadcast_all_weights(self, src_rank: int) -> bool:
@@ -149,8 +152,10 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
             if not ok:
                 self._load_pieces(full)
                 if self._exact() != msg[1]:
-                    raise RuntimeError("broadcast_all_weights: this engine still differs from the source engine "
-                                       "after loading its center")
+                    raise RuntimeError(
+                        "broadcast_all_weights: this engine still differs from the source engine "
+                        "after loading its center"
+                    )
         self._compat_pending = []
         self._compat_perturbed = False
         self._es_sync()
@@ -223,16 +228,18 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         params = dict(self._es_model().named_parameters())
         if not set(params) <= set(state):
             missing = sorted(set(params) - set(state))[:4]
-            raise KeyError(f"{filepath}: neither espert's checkpoint names nor this engine's vLLM parameter names "
-                           f"(missing {missing}...)")
+            raise KeyError(
+                f"{filepath}: neither espert's checkpoint names nor this engine's vLLM parameter names "
+                f"(missing {missing}...)"
+            )
         _, tp = self._es_rank()
         if tp != 1:
-            raise ValueError(f"{filepath}: ES-at-Scale .pth checkpoints hold TP=1 tensors; this engine has "
-                             f"tensor_parallel_size={tp}")
+            raise ValueError(
+                f"{filepath}: ES-at-Scale .pth checkpoints hold TP=1 tensors; this engine has tensor_parallel_size={tp}"
+            )
         for n, p in params.items():
             if tuple(state[n].shape) != tuple(p.shape):
-                raise ValueError(f"{filepath}: {n} has shape {tuple(state[n].shape)}, the engine's is "
-                                 f"{tuple(p.shape)}")
+                raise ValueError(f"{filepath}: {n} has shape {tuple(state[n].shape)}, the engine's is {tuple(p.shape)}")
         with torch.no_grad():
             for n, p in params.items():
                 p.data.copy_(state[n].to(p.dtype))

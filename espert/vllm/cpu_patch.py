@@ -149,7 +149,8 @@ def check_model(model: torch.nn.Module) -> None:
         raise RuntimeError(
             f"vLLM-CPU prepacked the weights of {len(bad)} layers ({bad[:3]}...) without espert's repack hook: "
             f"in-place edits would be silently ignored.  espert.vllm.cpu_patch.install() must run before the "
-            f"model loads (pass worker_extension_cls='espert.vllm.worker.ESWorkerExtension' to LLM(...))")
+            f"model loads (pass worker_extension_cls='espert.vllm.worker.ESWorkerExtension' to LLM(...))"
+        )
 
 
 class RepackingCenter:
@@ -163,10 +164,12 @@ class RepackingCenter:
 
     def __init__(self, inner, model: torch.nn.Module):
         self.inner = inner
-        storages = {v.tensor.untyped_storage().data_ptr() for v in inner.views
-                    if getattr(v, "qv", None) is None}  # W8A8 views repack themselves (espert/vllm/w8a8.py)
-        self.lazy: list[_LazyLinear] = [m.cpu_linear for _, m in packed_layers(model)
-                                        if m.weight.untyped_storage().data_ptr() in storages]
+        storages = {
+            v.tensor.untyped_storage().data_ptr() for v in inner.views if getattr(v, "qv", None) is None
+        }  # W8A8 views repack themselves (espert/vllm/w8a8.py)
+        self.lazy: list[_LazyLinear] = [
+            m.cpu_linear for _, m in packed_layers(model) if m.weight.untyped_storage().data_ptr() in storages
+        ]
 
     def __getattr__(self, name):  # views, centers, nbytes, and anything else the inner center has
         return getattr(self.inner, name)
@@ -193,8 +196,9 @@ class RepackingCenter:
         finally:
             self._stale()
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-               lr: float | None = None) -> None:
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         try:
             self.inner.update(seeds, coeffs, decay, lr)
         finally:

@@ -42,9 +42,17 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def make_llm(model: str, *, dtype: str = "float32", tensor_parallel_size: int = 1, seed: int = 0,
-             max_model_len: int | None = None, enable_prefix_caching: bool = False, multiprocess: bool | None = None,
-             **kwargs):
+def make_llm(
+    model: str,
+    *,
+    dtype: str = "float32",
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    max_model_len: int | None = None,
+    enable_prefix_caching: bool = False,
+    multiprocess: bool | None = None,
+    **kwargs,
+):
     """A ``vllm.LLM`` ready for espert: the worker extension, prefix caching off, CPU-safe defaults.
 
     multiprocess: run the V1 engine core in its own process (True) or in this one (False); None
@@ -64,8 +72,14 @@ def make_llm(model: str, *, dtype: str = "float32", tensor_parallel_size: int = 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         vllm.envs.disable_envs_cache()
 
-    kw = dict(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
-              worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=enable_prefix_caching)
+    kw = dict(
+        model=model,
+        dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size,
+        seed=seed,
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     if max_model_len is not None:
         kw["max_model_len"] = max_model_len
     if _on_cpu():
@@ -103,11 +117,22 @@ class VLLMEvaluator(Evaluator):
     ``timings`` accumulates seconds spent in perturb / generate / restore / update.
     """
 
-    def __init__(self, llm, score: Callable[[Sequence[str], Sequence[str]], list[float]], *,
-                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                 max_new_tokens: int = 16, seed: int = 0, chat_template: bool = False,
-                 member_errors: str = "raise", reset_prefix_cache: bool = True, master: str = "float32",
-                 rename: dict[str, str] | Sequence[str] | None = None, llm_kwargs: dict | None = None):
+    def __init__(
+        self,
+        llm,
+        score: Callable[[Sequence[str], Sequence[str]], list[float]],
+        *,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        max_new_tokens: int = 16,
+        seed: int = 0,
+        chat_template: bool = False,
+        member_errors: str = "raise",
+        reset_prefix_cache: bool = True,
+        master: str = "float32",
+        rename: dict[str, str] | Sequence[str] | None = None,
+        llm_kwargs: dict | None = None,
+    ):
         if member_errors not in ("raise", "nan"):
             raise ValueError(f"member_errors must be 'raise' or 'nan', got {member_errors!r}")
         if max_new_tokens < 1:
@@ -120,11 +145,14 @@ class VLLMEvaluator(Evaluator):
         self.reset_cache = reset_prefix_cache
         self.chat_template = chat_template
         try:
-            self.info = self.llm.collective_rpc("es_setup", kwargs=dict(include=include, exclude=exclude,
-                                                                         master=master, rename=parse_rename(rename)))
+            self.info = self.llm.collective_rpc(
+                "es_setup", kwargs=dict(include=include, exclude=exclude, master=master, rename=parse_rename(rename))
+            )
         except AttributeError as e:
-            raise RuntimeError(f"the engine has no espert worker extension; create it with "
-                               f"worker_extension_cls={WORKER_EXTENSION!r} (espert.vllm.make_llm): {e}") from e
+            raise RuntimeError(
+                f"the engine has no espert worker extension; create it with "
+                f"worker_extension_cls={WORKER_EXTENSION!r} (espert.vllm.make_llm): {e}"
+            ) from e
         from transformers import AutoTokenizer
         from vllm import SamplingParams
 
@@ -148,28 +176,34 @@ class VLLMEvaluator(Evaluator):
     def _quiesced(self) -> None:
         """Refuse to edit weights under running requests: their KV and outputs would mix two sets of weights."""
         if self.llm.llm_engine.has_unfinished_requests():
-            raise RuntimeError("espert: the vLLM engine has requests in flight; weights are edited only when it is "
-                               "idle (quiesce: stop admitting requests and drain or abort them first)")
+            raise RuntimeError(
+                "espert: the vLLM engine has requests in flight; weights are edited only when it is "
+                "idle (quiesce: stop admitting requests and drain or abort them first)"
+            )
 
     def _changed(self) -> None:
         self._pulled = None
         if self.reset_cache and self.llm.reset_prefix_cache() is False:
-            raise RuntimeError("espert: vLLM refused to reset its prefix cache (requests in flight?): cached KV "
-                               "computed under other weights could be reused; quiesce the engine first")
+            raise RuntimeError(
+                "espert: vLLM refused to reset its prefix cache (requests in flight?): cached KV "
+                "computed under other weights could be reused; quiesce the engine first"
+            )
 
     def _format(self, prompt: str) -> str:
         if not self.chat_template:
             return prompt
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
 
     def _token_prompts(self, prompts: Sequence[str]) -> list:
         key = tuple(prompts)
         if key != self._cache_key:
             from vllm.inputs import TokensPrompt
 
-            self._prompts = [TokensPrompt(prompt_token_ids=self.tokenizer(self._format(p))["input_ids"])
-                             for p in prompts]
+            self._prompts = [
+                TokensPrompt(prompt_token_ids=self.tokenizer(self._format(p))["input_ids"]) for p in prompts
+            ]
             self._cache_key = key
         return self._prompts
 
@@ -193,20 +227,28 @@ class VLLMEvaluator(Evaluator):
         self.rpc("es_restore")
         self._changed()
 
-    def evaluate(self, members: Sequence[Member], sigma: float, prompts: Sequence[str],
-                 answers: Sequence[str]) -> list[float]:
-        return score_members(members, sigma, prompts, answers, self.perturb, self.restore, self.rollout,
-                             self.member_errors, self.timings)
+    def evaluate(
+        self, members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str]
+    ) -> list[float]:
+        return score_members(
+            members, sigma, prompts, answers, self.perturb, self.restore, self.rollout, self.member_errors, self.timings
+        )
 
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return self.rollout(prompts, answers)
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-               lr: float | None = None) -> None:
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         t0 = time.perf_counter()
         self._quiesced()
-        self.rpc("es_update", [int(s) for s in seeds], [float(c) for c in coeffs], float(decay),
-                 None if lr is None else float(lr))
+        self.rpc(
+            "es_update",
+            [int(s) for s in seeds],
+            [float(c) for c in coeffs],
+            float(decay),
+            None if lr is None else float(lr),
+        )
         self._changed()
         self.timings["update"] += time.perf_counter() - t0
 

@@ -62,11 +62,24 @@ class Piece:
 
 # ---- pure layout rules (no vLLM needed) --------------------------------------------------------
 
-def linear_pieces(kind: str, vllm_name: str, local_shape: Sequence[int], *, logical_names: Sequence[str] | None = None,
-                  tp_rank: int = 0, tp_size: int = 1, output_sizes: Sequence[int] | None = None,
-                  num_heads: int | None = None, num_kv_heads: int | None = None, total_num_heads: int | None = None,
-                  total_num_kv_heads: int | None = None, head_size: int | None = None, v_head_size: int | None = None,
-                  num_kv_head_replicas: int = 1) -> list[Piece]:
+
+def linear_pieces(
+    kind: str,
+    vllm_name: str,
+    local_shape: Sequence[int],
+    *,
+    logical_names: Sequence[str] | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    output_sizes: Sequence[int] | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    total_num_heads: int | None = None,
+    total_num_kv_heads: int | None = None,
+    head_size: int | None = None,
+    v_head_size: int | None = None,
+    num_kv_head_replicas: int = 1,
+) -> list[Piece]:
     """Pieces of one parameter (weight ``[N, K]`` or bias ``[N]``) of a vLLM linear layer.
 
     kind: ``"replicated" | "column" | "merged" | "qkv" | "row"``.  vllm_name: the live
@@ -78,8 +91,15 @@ def linear_pieces(kind: str, vllm_name: str, local_shape: Sequence[int], *, logi
     rows = int(local_shape[0])
     cols = 1 if is_bias else int(local_shape[1])
 
-    def piece(name: str, start: int, stop: int, logical_rows: int, row_offset: int, col_offset: int = 0,
-              logical_cols: int | None = None) -> Piece:
+    def piece(
+        name: str,
+        start: int,
+        stop: int,
+        logical_rows: int,
+        row_offset: int,
+        col_offset: int = 0,
+        logical_cols: int | None = None,
+    ) -> Piece:
         if is_bias:  # a 1-D tensor is one row: the logical offset is a column offset
             return Piece(name, start, stop, Block(0, row_offset, 1, logical_rows))
         return Piece(name, start, stop, Block(row_offset, col_offset, logical_rows, logical_cols or cols))
@@ -94,8 +114,10 @@ def linear_pieces(kind: str, vllm_name: str, local_shape: Sequence[int], *, logi
         return [piece(vllm_name, 0, rows, rows * tp_size, tp_rank * rows)]
     if kind == "merged":
         if output_sizes is None or logical_names is None or len(logical_names) != len(output_sizes):
-            raise LayoutError(f"{vllm_name}: merged layer needs output_sizes and one logical name per output "
-                              f"(got {output_sizes}, {logical_names})")
+            raise LayoutError(
+                f"{vllm_name}: merged layer needs output_sizes and one logical name per output "
+                f"(got {output_sizes}, {logical_names})"
+            )
         out, start = [], 0
         for name, size in zip(logical_names, output_sizes):
             if size % tp_size:
@@ -104,63 +126,89 @@ def linear_pieces(kind: str, vllm_name: str, local_shape: Sequence[int], *, logi
             out.append(piece(name, start, start + part, size, tp_rank * part))
             start += part
         if start != rows:
-            raise LayoutError(f"{vllm_name}: fused outputs {list(output_sizes)}/tp={tp_size} cover {start} rows, "
-                              f"the live tensor has {rows}")
+            raise LayoutError(
+                f"{vllm_name}: fused outputs {list(output_sizes)}/tp={tp_size} cover {start} rows, "
+                f"the live tensor has {rows}"
+            )
         return out
     if kind == "qkv":
-        need = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                    total_num_heads=total_num_heads, total_num_kv_heads=total_num_kv_heads)
+        need = dict(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            total_num_heads=total_num_heads,
+            total_num_kv_heads=total_num_kv_heads,
+        )
         missing = [k for k, v in need.items() if v is None]
         if missing or logical_names is None or len(logical_names) != 3:
-            raise LayoutError(f"{vllm_name}: QKV layer needs {missing or ''} and three logical names "
-                              f"(got {logical_names})")
+            raise LayoutError(
+                f"{vllm_name}: QKV layer needs {missing or ''} and three logical names (got {logical_names})"
+            )
         vhs = v_head_size or head_size
         q = num_heads * head_size
         k = num_kv_heads * head_size
         v = num_kv_heads * vhs
         kv_shard = tp_rank // num_kv_head_replicas
-        out = [piece(logical_names[0], 0, q, total_num_heads * head_size, tp_rank * q),
-               piece(logical_names[1], q, q + k, total_num_kv_heads * head_size, kv_shard * k),
-               piece(logical_names[2], q + k, q + k + v, total_num_kv_heads * vhs, kv_shard * v)]
+        out = [
+            piece(logical_names[0], 0, q, total_num_heads * head_size, tp_rank * q),
+            piece(logical_names[1], q, q + k, total_num_kv_heads * head_size, kv_shard * k),
+            piece(logical_names[2], q + k, q + k + v, total_num_kv_heads * vhs, kv_shard * v),
+        ]
         if q + k + v != rows:
             raise LayoutError(f"{vllm_name}: q/k/v sizes {q}+{k}+{v} do not match the live tensor's {rows} rows")
         return out
     raise LayoutError(f"{vllm_name}: unknown linear kind {kind!r}")
 
 
-def vocab_pieces(vllm_name: str, local_shape: Sequence[int], *, org_vocab_start: int, org_vocab_end: int,
-                 org_vocab_size: int, num_added: int = 0) -> list[Piece]:
+def vocab_pieces(
+    vllm_name: str,
+    local_shape: Sequence[int],
+    *,
+    org_vocab_start: int,
+    org_vocab_end: int,
+    org_vocab_size: int,
+    num_added: int = 0,
+) -> list[Piece]:
     """Pieces of a (vocab-parallel, padded) embedding or LM head ``[rows_padded, D]``: the real vocabulary rows only."""
     if num_added:
         raise LayoutError(f"{vllm_name}: added (LoRA) vocabulary rows are not mapped to checkpoint rows")
     n = org_vocab_end - org_vocab_start
     if not 0 <= n <= local_shape[0]:
-        raise LayoutError(f"{vllm_name}: vocab shard [{org_vocab_start}, {org_vocab_end}) does not fit the live "
-                          f"tensor of {local_shape[0]} rows")
+        raise LayoutError(
+            f"{vllm_name}: vocab shard [{org_vocab_start}, {org_vocab_end}) does not fit the live "
+            f"tensor of {local_shape[0]} rows"
+        )
     if n == 0:
         return []
     return [Piece(vllm_name, 0, n, Block(org_vocab_start, 0, org_vocab_size, int(local_shape[1])))]
 
 
-def piece_views(tensor: torch.Tensor, pieces: Sequence[Piece], rename: Callable[[str], str] | None = None
-                ) -> list[ParamView]:
+def piece_views(
+    tensor: torch.Tensor, pieces: Sequence[Piece], rename: Callable[[str], str] | None = None
+) -> list[ParamView]:
     """ParamViews (views into ``tensor``'s storage, never copies) for the pieces of one live tensor."""
     out = []
     for p in pieces:
-        t = tensor[p.start:p.stop]
+        t = tensor[p.start : p.stop]
         out.append(ParamView(rename(p.name) if rename else p.name, t, p.block))
     return out
 
 
 # ---- reading a live vLLM model ----------------------------------------------------------------
 
+
 def _linear_kind(module) -> str | None:
     """The layout kind of a vLLM linear layer, or None when the module is not one we know."""
     from vllm.model_executor.layers import linear as L
 
     # exact class checks first: subclasses with extra fused outputs must not pass as their base
-    exact = {L.ReplicatedLinear: "replicated", L.ColumnParallelLinear: "column",
-             L.MergedColumnParallelLinear: "merged", L.QKVParallelLinear: "qkv", L.RowParallelLinear: "row"}
+    exact = {
+        L.ReplicatedLinear: "replicated",
+        L.ColumnParallelLinear: "column",
+        L.MergedColumnParallelLinear: "merged",
+        L.QKVParallelLinear: "qkv",
+        L.RowParallelLinear: "row",
+    }
     return exact.get(type(module))
 
 
@@ -172,8 +220,10 @@ def _check_quant(name: str, module) -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
-        raise LayoutError(f"{name}: quantization method {type(qm).__name__} has a runtime layout espert does not "
-                          f"map (only unquantized weights are supported through vLLM; exclude it)")
+        raise LayoutError(
+            f"{name}: quantization method {type(qm).__name__} has a runtime layout espert does not "
+            f"map (only unquantized weights are supported through vLLM; exclude it)"
+        )
 
 
 def _logical_names(prefix: str, leaf: str, packed: dict[str, list[str]]) -> list[str] | None:
@@ -185,9 +235,12 @@ def _logical_names(prefix: str, leaf: str, packed: dict[str, list[str]]) -> list
     return [f"{base}{sub}.{leaf}" for sub in packed[last]]
 
 
-def vllm_param_views(model: torch.nn.Module, include: Sequence[str] | None = None,
-                     exclude: Sequence[str] | None = None, rename: Callable[[str], str] | None = None
-                     ) -> list[ParamView]:
+def vllm_param_views(
+    model: torch.nn.Module,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    rename: Callable[[str], str] | None = None,
+) -> list[ParamView]:
     """ParamViews of a loaded vLLM model (``worker.model_runner.model``), named by checkpoint names.
 
     include / exclude: patterns as in :func:`espert.params.torch_param_views`, matched against the
@@ -212,51 +265,75 @@ def vllm_param_views(model: torch.nn.Module, include: Sequence[str] | None = Non
         if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.w8a8
             continue
         if p.dtype not in DTYPE_CODES:
-            raise LayoutError(f"{pname}: dtype {p.dtype} (quantized or packed storage) cannot be perturbed through "
-                              f"vLLM by espert; exclude it")
+            raise LayoutError(
+                f"{pname}: dtype {p.dtype} (quantized or packed storage) cannot be perturbed through "
+                f"vLLM by espert; exclude it"
+            )
         kind = _linear_kind(module)
         if kind is None:
             from vllm.model_executor.layers.linear import LinearBase
 
             if isinstance(module, LinearBase):
-                raise LayoutError(f"{pname}: linear layer type {type(module).__name__} has a layout espert does not "
-                                  f"map (known: Replicated/Column/MergedColumn/QKV/RowParallelLinear)")
+                raise LayoutError(
+                    f"{pname}: linear layer type {type(module).__name__} has a layout espert does not "
+                    f"map (known: Replicated/Column/MergedColumn/QKV/RowParallelLinear)"
+                )
             if type(module).__name__ in ("FusedMoE", "SharedFusedMoE") or "experts" in prefix.split("."):
                 raise LayoutError(f"{pname}: MoE expert weights are not mapped to checkpoint names")
         if kind is not None or isinstance(module, VocabParallelEmbedding):
             _check_quant(pname, module)
         if p.numel() == 0:
-            raise LayoutError(f"{pname}: the live weight is empty, so it was repacked at load (vLLM-CPU prepacks "
-                              f"Linear weights unless espert.vllm.cpu_patch.install() ran before the model loaded)")
+            raise LayoutError(
+                f"{pname}: the live weight is empty, so it was repacked at load (vLLM-CPU prepacks "
+                f"Linear weights unless espert.vllm.cpu_patch.install() ran before the model loaded)"
+            )
         if leaf not in ("weight", "bias") and (kind is not None or isinstance(module, VocabParallelEmbedding)):
             raise LayoutError(f"{pname}: unexpected parameter {leaf!r} on {type(module).__name__}")
 
         if kind is not None:
             names = _logical_names(prefix, leaf, packed) if kind in ("merged", "qkv") else None
             if kind in ("merged", "qkv") and names is None:
-                raise LayoutError(f"{pname}: fused layer {prefix} is not in the model's packed_modules_mapping, so "
-                                  f"its checkpoint names are unknown")
+                raise LayoutError(
+                    f"{pname}: fused layer {prefix} is not in the model's packed_modules_mapping, so "
+                    f"its checkpoint names are unknown"
+                )
             g = lambda a, d=None: getattr(module, a, d)  # noqa: E731
             pieces = linear_pieces(
-                kind, pname, tuple(p.shape), logical_names=names, tp_rank=g("tp_rank", 0), tp_size=g("tp_size", 1),
-                output_sizes=g("output_sizes"), num_heads=g("num_heads"), num_kv_heads=g("num_kv_heads"),
-                total_num_heads=g("total_num_heads"), total_num_kv_heads=g("total_num_kv_heads"),
-                head_size=g("head_size"), v_head_size=g("v_head_size"),
-                num_kv_head_replicas=g("num_kv_head_replicas", 1))
+                kind,
+                pname,
+                tuple(p.shape),
+                logical_names=names,
+                tp_rank=g("tp_rank", 0),
+                tp_size=g("tp_size", 1),
+                output_sizes=g("output_sizes"),
+                num_heads=g("num_heads"),
+                num_kv_heads=g("num_kv_heads"),
+                total_num_heads=g("total_num_heads"),
+                total_num_kv_heads=g("total_num_kv_heads"),
+                head_size=g("head_size"),
+                v_head_size=g("v_head_size"),
+                num_kv_head_replicas=g("num_kv_head_replicas", 1),
+            )
             if kind == "merged" and len(pieces) != len(names):
                 raise LayoutError(f"{pname}: {len(pieces)} fused outputs but {len(names)} checkpoint names")
         elif isinstance(module, VocabParallelEmbedding):
             if leaf != "weight" or p.dim() != 2:
                 raise LayoutError(f"{pname}: unexpected vocab-parallel parameter of shape {tuple(p.shape)}")
             si = module.shard_indices
-            pieces = vocab_pieces(pname, tuple(p.shape), org_vocab_start=si.org_vocab_start_index,
-                                  org_vocab_end=si.org_vocab_end_index, org_vocab_size=module.org_vocab_size,
-                                  num_added=si.num_added_elements)
+            pieces = vocab_pieces(
+                pname,
+                tuple(p.shape),
+                org_vocab_start=si.org_vocab_start_index,
+                org_vocab_end=si.org_vocab_end_index,
+                org_vocab_size=module.org_vocab_size,
+                num_added=si.num_added_elements,
+            )
         else:
             tp = getattr(module, "tp_size", 1)
             if tp != 1:
-                raise LayoutError(f"{pname}: {type(module).__name__} is sharded (tp_size={tp}) in a way espert "
-                                  f"does not map")
+                raise LayoutError(
+                    f"{pname}: {type(module).__name__} is sharded (tp_size={tp}) in a way espert does not map"
+                )
             n = p.shape[0] if p.dim() >= 1 else 1
             if p.dim() == 1:
                 pieces = [Piece(pname, 0, n, Block(0, 0, 1, n))]
@@ -268,7 +345,7 @@ def vllm_param_views(model: torch.nn.Module, include: Sequence[str] | None = Non
                 continue
             if exclude and matches(lname, exclude):
                 continue
-            t = p.data[pc.start:pc.stop]
+            t = p.data[pc.start : pc.stop]
             views.append(ParamView(lname, t, pc.block if pc.block != Block(0, 0, None, None) else None))
     if not views:
         raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
@@ -276,6 +353,7 @@ def vllm_param_views(model: torch.nn.Module, include: Sequence[str] | None = Non
 
 
 # ---- reassembling logical tensors from pieces --------------------------------------------------
+
 
 def logical_shape(tensor_shape: Sequence[int], block: Block | None) -> tuple[int, ...]:
     """Shape of the logical parameter a view of ``tensor_shape`` at ``block`` belongs to."""

@@ -119,9 +119,20 @@ class EnginePool(Evaluator):
     ``update``), by direction; ``weights_bytes`` is what one broadcast of the center would cost.
     """
 
-    def __init__(self, model: str, score: Callable, *, engines: int = 2, chunk: int | None = None,
-                 llm_kwargs: dict | None = None, num_cpus_per_engine: float = 1, num_gpus_per_engine: float = 0,
-                 env: dict | None = None, ray_init: dict | None = None, **ev_kwargs):
+    def __init__(
+        self,
+        model: str,
+        score: Callable,
+        *,
+        engines: int = 2,
+        chunk: int | None = None,
+        llm_kwargs: dict | None = None,
+        num_cpus_per_engine: float = 1,
+        num_gpus_per_engine: float = 0,
+        env: dict | None = None,
+        ray_init: dict | None = None,
+        **ev_kwargs,
+    ):
         import ray
 
         if engines < 1:
@@ -134,14 +145,18 @@ class EnginePool(Evaluator):
         actor_cls = ray.remote(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine)(EngineActor)
         self.actors = []
         for i in range(engines):
-            e = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
-                 os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+            e = {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            }
             if num_gpus_per_engine == 0:
                 if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                     e["VLLM_CPU_OMP_THREADS_BIND"] = str(i % ncpu)  # one core per CPU engine, no oversubscription
                 # OpenMP reads this when the runtime loads, i.e. before any Python runs in the actor; more
                 # threads than cores makes espert's kernels and vLLM's GEMMs stall on a busy machine
-                e.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(max(1, int(num_cpus_per_engine)))))
+                e.setdefault(
+                    "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(max(1, int(num_cpus_per_engine))))
+                )
             e.update(env or {})
             opts = actor_cls.options(runtime_env={"env_vars": e})
             self.actors.append(opts.remote(model, score, ev_kwargs, llm_kwargs or {}, e))
@@ -159,8 +174,9 @@ class EnginePool(Evaluator):
         if i in self.alive:
             self.alive.remove(i)
             self.dead.append(i)
-            log.warning("engine %d died (%s); its work is re-queued, %d engines left", i, type(err).__name__,
-                        len(self.alive))
+            log.warning(
+                "engine %d died (%s); its work is re-queued, %d engines left", i, type(err).__name__, len(self.alive)
+            )
         if not self.alive:
             raise RuntimeError("every engine of the pool died") from err
 
@@ -168,14 +184,15 @@ class EnginePool(Evaluator):
         self.traffic[key] = self.traffic.get(key, 0) + _nbytes(obj)
 
     # -- the Evaluator interface -------------------------------------------------------------------
-    def evaluate(self, members: Sequence[Member], sigma: float, prompts: Sequence[str],
-                 answers: Sequence[str]) -> list[float]:
+    def evaluate(
+        self, members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str]
+    ) -> list[float]:
         ray = self._ray
         members = [(int(s), int(g)) for s, g in members]
         self.traffic = {}
         n = len(members)
         size = self.chunk or max(1, math.ceil(n / (2 * max(1, len(self.alive)))))
-        queue = deque((i, members[i:i + size]) for i in range(0, n, size))
+        queue = deque((i, members[i : i + size]) for i in range(0, n, size))
         out: list[float | None] = [None] * n
         running: dict = {}  # ObjectRef -> (engine, start, chunk)
         prompts, answers = list(prompts), list(answers)
@@ -205,7 +222,7 @@ class EnginePool(Evaluator):
                 self._count("rewards_in", rewards)
                 if len(rewards) != len(chunk):
                     raise RuntimeError(f"engine {e} returned {len(rewards)} rewards for {len(chunk)} members")
-                out[start:start + len(chunk)] = [float(r) for r in rewards]
+                out[start : start + len(chunk)] = [float(r) for r in rewards]
         return [float(r) for r in out]
 
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
@@ -244,11 +261,14 @@ class EnginePool(Evaluator):
         ref_e = min(sums)
         for e, cs in sums.items():
             if exact(cs) != exact(sums[ref_e]):
-                raise ReplicaDivergence(f"{when}: engine {e} checksum {cs} != engine {ref_e} checksum {sums[ref_e]}; "
-                                        f"the replicas no longer hold the same weights")
+                raise ReplicaDivergence(
+                    f"{when}: engine {e} checksum {cs} != engine {ref_e} checksum {sums[ref_e]}; "
+                    f"the replicas no longer hold the same weights"
+                )
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-               lr: float | None = None) -> None:
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         seeds, coeffs = [int(s) for s in seeds], [float(c) for c in coeffs]
         msg = (seeds, coeffs, float(decay), None if lr is None else float(lr))
         for _ in self.alive:
@@ -292,6 +312,7 @@ class EnginePool(Evaluator):
 
 # ---- the ES loop's evaluator registry (espert.evaluators: "vllm" -> this builder) ----------------------
 
+
 def build_from_config(cfg, model_path: str, score) -> Evaluator:
     """``evaluator: vllm``: one engine (``cfg.vllm_engines`` <= 1) or an :class:`EnginePool`.
 
@@ -304,13 +325,21 @@ def build_from_config(cfg, model_path: str, score) -> Evaluator:
     rename = parse_rename(getattr(cfg, "vllm_rename", None))
     engines = int(getattr(cfg, "vllm_engines", 1) or 1)
     llm_kwargs = dict(dtype=cfg.dtype, tensor_parallel_size=int(getattr(cfg, "vllm_tensor_parallel_size", 1) or 1))
-    for field, arg in (("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
-                       ("vllm_max_model_len", "max_model_len")):
+    for field, arg in (
+        ("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
+        ("vllm_max_model_len", "max_model_len"),
+    ):
         if getattr(cfg, field, None) is not None:
             llm_kwargs[arg] = getattr(cfg, field)
-    ev_kwargs = dict(include=cfg.include, exclude=cfg.exclude, max_new_tokens=cfg.max_new_tokens,
-                     seed=cfg.seed, chat_template=cfg.chat_template, member_errors=cfg.member_errors,
-                     rename=rename)
+    ev_kwargs = dict(
+        include=cfg.include,
+        exclude=cfg.exclude,
+        max_new_tokens=cfg.max_new_tokens,
+        seed=cfg.seed,
+        chat_template=cfg.chat_template,
+        member_errors=cfg.member_errors,
+        rename=rename,
+    )
     if engines > 1:
         return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)
     return VLLMEvaluator(model_path, score, llm_kwargs=llm_kwargs, **ev_kwargs)

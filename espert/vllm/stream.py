@@ -91,8 +91,9 @@ def _chunks(rpc: Callable, chunk_bytes: int):
         k += 1
 
 
-def write_center(rpc: Callable, path: str, metadata: dict[str, str] | None = None,
-                 chunk_bytes: int = CHUNK_BYTES) -> str:
+def write_center(
+    rpc: Callable, path: str, metadata: dict[str, str] | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> str:
     """Stream the workers' center into a safetensors file at ``path``; returns its sha256.
 
     rpc: ``VLLMEvaluator.rpc``.  metadata: the header's ``__metadata__`` (string values).
@@ -126,7 +127,7 @@ def write_center(rpc: Callable, path: str, metadata: dict[str, str] | None = Non
                 view = memoryview(raw)
                 for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
                     f.seek(start + base[name] + lo * e)
-                    f.write(view[(s0 - a) * e:(s1 - a) * e])
+                    f.write(view[(s0 - a) * e : (s1 - a) * e])
             del got
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -153,8 +154,8 @@ def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torc
             src = torch.frombuffer(bytearray(raw), dtype=_DT[dt]) if b > a else torch.empty(0, dtype=_DT[dt])
             flat, cov = out[name].view(-1), seen[name]
             for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
-                piece, dst = src[s0 - a:s1 - a], flat[lo:lo + (s1 - s0)]
-                done = cov[lo:lo + (s1 - s0)]
+                piece, dst = src[s0 - a : s1 - a], flat[lo : lo + (s1 - s0)]
+                done = cov[lo : lo + (s1 - s0)]
                 if done.any() and not torch.equal(_bits(dst[done]), _bits(piece[done])):
                     raise ValueError(f"{name}: replicated pieces differ between ranks")
                 dst.copy_(piece)

@@ -50,15 +50,23 @@ QUANT_CONFIG = {
     "format": "int-quantized",
     "quantization_status": "compressed",
     "ignore": ["lm_head"],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                              "dynamic": True},
-    }},
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
 }
 
 # ---- the checkpoint ---------------------------------------------------------------------------
+
 
 def build_tiny_w8a8_model(save_dir: str, seed: int = 0, spec=None, asymmetric_activations: bool = False) -> dict:
     """Write :func:`espert.tiny.build_tiny_model` with every Linear but lm_head quantized to int8 W8A8.
@@ -105,6 +113,7 @@ def build_tiny_w8a8_model(save_dir: str, seed: int = 0, spec=None, asymmetric_ac
 
 # ---- load-time capture ------------------------------------------------------------------------
 
+
 def _unsupported(kernel) -> str | None:
     c = kernel.config
     if not c.input_symmetric:
@@ -143,8 +152,7 @@ def install() -> bool:
 
 def w8a8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of every layer the W8A8 capture saw (supported or not)."""
-    return [(n, m) for n, m in model.named_modules()
-            if hasattr(m, "_espert_codes") or hasattr(m, "_espert_w8a8_error")]
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "_espert_codes") or hasattr(m, "_espert_w8a8_error")]
 
 
 def has_w8a8(model: torch.nn.Module) -> bool:
@@ -152,6 +160,7 @@ def has_w8a8(model: torch.nn.Module) -> bool:
 
 
 # ---- repack -----------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def repack(layer: torch.nn.Module) -> None:
@@ -165,12 +174,18 @@ def repack(layer: torch.nn.Module) -> None:
     adj = getattr(layer, azp_name, None)
     if adj is not None:  # vLLM computes it for dynamic quant; unused when activations are symmetric
         adj.data.copy_(codes.t().sum(dim=0, keepdim=True, dtype=torch.float32) * scale.squeeze())
-    kernel.dnnl_handler = ops.create_onednn_scaled_mm(codes.t(), scale, torch.get_default_dtype(),
-                                                      getattr(layer, i_s, None) is None,
-                                                      not kernel.config.input_symmetric, 32)
+    kernel.dnnl_handler = ops.create_onednn_scaled_mm(
+        codes.t(),
+        scale,
+        torch.get_default_dtype(),
+        getattr(layer, i_s, None) is None,
+        not kernel.config.input_symmetric,
+        32,
+    )
 
 
 # ---- the center -------------------------------------------------------------------------------
+
 
 class _QView:
     """ParamView-like face of a W8A8 block for the worker's RPCs: ``tensor`` is the dequantized live
@@ -201,8 +216,10 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
     for prefix, m in w8a8_layers(model):
         err = getattr(m, "_espert_w8a8_error", None)
         if err is not None:
-            raise LayoutError(f"{prefix}.weight: W8A8 variant not supported by espert on vLLM-CPU: {err} "
-                              f"(supported: symmetric per-token activations, per-channel int8 weights; exclude it)")
+            raise LayoutError(
+                f"{prefix}.weight: W8A8 variant not supported by espert on vLLM-CPU: {err} "
+                f"(supported: symmetric per-token activations, per-channel int8 weights; exclude it)"
+            )
         if getattr(m, "bias", None) is not None:
             raise LayoutError(f"{prefix}.bias: biases of W8A8 layers are not mapped; exclude the layer")
         kind = _linear_kind(m)
@@ -214,23 +231,35 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
         codes = m._espert_codes
         scales = getattr(m, m._espert_kernel.layer_param_names[1]).data
         if scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:
-            raise LayoutError(f"{prefix}.weight_scale: expected float32 per-channel [{codes.shape[0]}, 1], got "
-                              f"{scales.dtype} {tuple(scales.shape)}")
+            raise LayoutError(
+                f"{prefix}.weight_scale: expected float32 per-channel [{codes.shape[0]}, 1], got "
+                f"{scales.dtype} {tuple(scales.shape)}"
+            )
         scales = scales.reshape(-1, 1)
         g = lambda a, d=None: getattr(m, a, d)  # noqa: E731
-        pieces = linear_pieces(kind, f"{prefix}.weight", tuple(codes.shape), logical_names=names,
-                               tp_rank=g("tp_rank", 0), tp_size=g("tp_size", 1), output_sizes=g("output_sizes"),
-                               num_heads=g("num_heads"), num_kv_heads=g("num_kv_heads"),
-                               total_num_heads=g("total_num_heads"), total_num_kv_heads=g("total_num_kv_heads"),
-                               head_size=g("head_size"), v_head_size=g("v_head_size"),
-                               num_kv_head_replicas=g("num_kv_head_replicas", 1))
+        pieces = linear_pieces(
+            kind,
+            f"{prefix}.weight",
+            tuple(codes.shape),
+            logical_names=names,
+            tp_rank=g("tp_rank", 0),
+            tp_size=g("tp_size", 1),
+            output_sizes=g("output_sizes"),
+            num_heads=g("num_heads"),
+            num_kv_heads=g("num_kv_heads"),
+            total_num_heads=g("total_num_heads"),
+            total_num_kv_heads=g("total_num_kv_heads"),
+            head_size=g("head_size"),
+            v_head_size=g("v_head_size"),
+            num_kv_head_replicas=g("num_kv_head_replicas", 1),
+        )
         used = False
         for pc in pieces:
             lname = rename(pc.name) if rename else pc.name
             if (include and not matches(lname, include)) or (exclude and matches(lname, exclude)):
                 continue
             n = pc.stop - pc.start
-            qw = QuantWeight("int8", codes[pc.start:pc.stop], scales[pc.start:pc.stop], n, codes.shape[1])
+            qw = QuantWeight("int8", codes[pc.start : pc.stop], scales[pc.start : pc.stop], n, codes.shape[1])
             blk = pc.block if pc.block != Block(0, 0, None, None) else None
             views.append(QuantParamView(lname, qw, blk))
             used = True
@@ -261,8 +290,9 @@ class W8A8Center:
             fviews = []
         if not fviews and not qviews:
             raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
-        self.float = CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None) \
-            if fviews else None
+        self.float = (
+            CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None) if fviews else None
+        )
         self.quant = QuantCenterStore(qviews, master=master == "float32") if qviews else None
         self.views = list(fviews) + [_QView(v) for v in qviews]
         self.repack_seconds, self.repacks = 0.0, 0
@@ -295,8 +325,9 @@ class W8A8Center:
             s.restore()
         self._repack()
 
-    def update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-               lr: float | None = None) -> None:
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         from espert.center import check_update_args
 
         seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)  # before either store moves

@@ -108,8 +108,14 @@ class ESWorkerExtension:
             return 0, 1
 
     # -- the RPC surface -------------------------------------------------------------------------
-    def es_setup(self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                 master: str = "float32", rename: dict[str, str] | None = None, check_names: bool = True) -> dict:
+    def es_setup(
+        self,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        master: str = "float32",
+        rename: dict[str, str] | None = None,
+        check_names: bool = True,
+    ) -> dict:
         """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
 
         rename: optional {vLLM unfused name: checkpoint name} for models whose names differ beyond
@@ -130,28 +136,44 @@ class ESWorkerExtension:
         if check_names:
             check = self._es_check_names
         else:
+
             def check(views):
                 return None
+
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, see espert/vllm/w8a8.py
             center = w8a8.W8A8Center(model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None)
             check(center.views)
             self._es_center = cpu_patch.RepackingCenter(center, model)
             rank, tp = self._es_rank()
             views = self._es_center.views
-            return {"rank": rank, "tp_size": tp, "params": [v.name for v in views],
-                    "numel": sum(v.numel for v in views), "center_bytes": self._es_center.nbytes, "device": "cpu"}
-        views = vllm_param_views(model, include=include, exclude=exclude,
-                                 rename=(lambda n: rename.get(n, n)) if rename else None)
+            return {
+                "rank": rank,
+                "tp_size": tp,
+                "params": [v.name for v in views],
+                "numel": sum(v.numel for v in views),
+                "center_bytes": self._es_center.nbytes,
+                "device": "cpu",
+            }
+        views = vllm_param_views(
+            model, include=include, exclude=exclude, rename=(lambda n: rename.get(n, n)) if rename else None
+        )
         check(views)
         device = views[0].tensor.device
         if master not in ("float32", "weights"):
             raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
-        center = CenterStore(views, master_dtype=torch.float32 if master == "float32" else None,
-                             pin=device.type == "cuda")
+        center = CenterStore(
+            views, master_dtype=torch.float32 if master == "float32" else None, pin=device.type == "cuda"
+        )
         self._es_center = cpu_patch.RepackingCenter(center, model)
         rank, tp = self._es_rank()
-        return {"rank": rank, "tp_size": tp, "params": [v.name for v in views],
-                "numel": sum(v.numel for v in views), "center_bytes": self._es_center.nbytes, "device": str(device)}
+        return {
+            "rank": rank,
+            "tp_size": tp,
+            "params": [v.name for v in views],
+            "numel": sum(v.numel for v in views),
+            "center_bytes": self._es_center.nbytes,
+            "device": str(device),
+        }
 
     def _es_check_names(self, views) -> None:
         from espert.vllm.params import LayoutError, logical_shape
@@ -162,15 +184,19 @@ class ESWorkerExtension:
             return
         missing = [v.name for v in views if v.name not in shapes]
         if missing:
-            raise LayoutError(f"{len(missing)} logical parameter names are not in the checkpoint ({missing[:4]}...): "
-                              f"noise would be keyed by the wrong names.  Map vLLM names to checkpoint names with "
-                              f"rename= (CLI: vllm_rename: ['vllm_name=checkpoint_name', ...]), or exclude them")
+            raise LayoutError(
+                f"{len(missing)} logical parameter names are not in the checkpoint ({missing[:4]}...): "
+                f"noise would be keyed by the wrong names.  Map vLLM names to checkpoint names with "
+                f"rename= (CLI: vllm_rename: ['vllm_name=checkpoint_name', ...]), or exclude them"
+            )
         for v in views:
             want = shapes[v.name]
             got = logical_shape(v.tensor.shape, v.block)
             if tuple(got) != tuple(want):
-                raise LayoutError(f"{v.name}: the live logical tensor is {tuple(got)}, the checkpoint's is "
-                                  f"{tuple(want)}; check rename= / vllm_rename")
+                raise LayoutError(
+                    f"{v.name}: the live logical tensor is {tuple(got)}, the checkpoint's is "
+                    f"{tuple(want)}; check rename= / vllm_rename"
+                )
 
     def es_perturb(self, seed: int, sigma: float, sign: int = 1) -> None:
         """Live weights <- center + sign·σ·ε(seed) (from the restored state), in place."""
@@ -182,11 +208,13 @@ class ESWorkerExtension:
         self._es_require().restore()
         self._es_sync()
 
-    def es_update(self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0,
-                  lr: float | None = None) -> None:
+    def es_update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
         """center <- decay·center + Σ coeffs[n]·ε(seeds[n]) on the host master (CPU op), then restore."""
-        self._es_require().update([int(s) for s in seeds], [float(c) for c in coeffs], float(decay),
-                                  None if lr is None else float(lr))
+        self._es_require().update(
+            [int(s) for s in seeds], [float(c) for c in coeffs], float(decay), None if lr is None else float(lr)
+        )
         self._es_sync()
 
     def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
@@ -202,8 +230,10 @@ class ESWorkerExtension:
         from espert.vllm.params import block_to_tuple
 
         c = self._es_require()
-        return [(v.name, list(t.shape), block_to_tuple(v.block), str(t.dtype).removeprefix("torch."))
-                for v, t in zip(c.views, c.centers)]
+        return [
+            (v.name, list(t.shape), block_to_tuple(v.block), str(t.dtype).removeprefix("torch."))
+            for v, t in zip(c.views, c.centers)
+        ]
 
     def es_center_chunk(self, k: int, chunk_bytes: int) -> tuple[int, int, int, bytes] | None:
         """The k-th chunk of this rank's center, ``(piece index, flat start, stop, raw bytes)`` of at most
@@ -233,8 +263,7 @@ class ESWorkerExtension:
         c = self._es_require()
         state = {k: unpack_tensor(v) for k, v in state.items()}
         local = split_logical(c.views, state)
-        local = {k: v.to(dtype=t.dtype) if v.dtype != t.dtype else v
-                 for (k, v), t in zip(local.items(), c.centers)}
+        local = {k: v.to(dtype=t.dtype) if v.dtype != t.dtype else v for (k, v), t in zip(local.items(), c.centers)}
         c.load_state_dict({k: v.contiguous() for k, v in local.items()})
         self._es_sync()
 
@@ -259,4 +288,3 @@ class ESWorkerExtension:
         from espert.vllm.params import block_to_tuple
 
         return [(v.name, list(v.tensor.shape), block_to_tuple(v.block)) for v in self._es_require().views]
-
