@@ -160,6 +160,30 @@ def linear_pieces(
     raise LayoutError(f"{vllm_name}: unknown linear kind {kind!r}")
 
 
+def layer_pieces(module, kind: str, vllm_name: str, local_shape: Sequence[int], logical_names) -> list:
+    """:func:`linear_pieces` with the tensor-parallel geometry read from the vLLM layer's attributes."""
+
+    def g(a, d=None):
+        return getattr(module, a, d)
+
+    return linear_pieces(
+        kind,
+        vllm_name,
+        local_shape,
+        logical_names=logical_names,
+        tp_rank=g("tp_rank", 0),
+        tp_size=g("tp_size", 1),
+        output_sizes=g("output_sizes"),
+        num_heads=g("num_heads"),
+        num_kv_heads=g("num_kv_heads"),
+        total_num_heads=g("total_num_heads"),
+        total_num_kv_heads=g("total_num_kv_heads"),
+        head_size=g("head_size"),
+        v_head_size=g("v_head_size"),
+        num_kv_head_replicas=g("num_kv_head_replicas", 1),
+    )
+
+
 def vocab_pieces(
     vllm_name: str,
     local_shape: Sequence[int],
@@ -297,23 +321,7 @@ def vllm_param_views(
                     f"{pname}: fused layer {prefix} is not in the model's packed_modules_mapping, so "
                     f"its checkpoint names are unknown"
                 )
-            g = lambda a, d=None: getattr(module, a, d)  # noqa: E731
-            pieces = linear_pieces(
-                kind,
-                pname,
-                tuple(p.shape),
-                logical_names=names,
-                tp_rank=g("tp_rank", 0),
-                tp_size=g("tp_size", 1),
-                output_sizes=g("output_sizes"),
-                num_heads=g("num_heads"),
-                num_kv_heads=g("num_kv_heads"),
-                total_num_heads=g("total_num_heads"),
-                total_num_kv_heads=g("total_num_kv_heads"),
-                head_size=g("head_size"),
-                v_head_size=g("v_head_size"),
-                num_kv_head_replicas=g("num_kv_head_replicas", 1),
-            )
+            pieces = layer_pieces(module, kind, pname, tuple(p.shape), names)
             if kind == "merged" and len(pieces) != len(names):
                 raise LayoutError(f"{pname}: {len(pieces)} fused outputs but {len(names)} checkpoint names")
         elif isinstance(module, VocabParallelEmbedding):

@@ -209,7 +209,7 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
     """QuantParamViews (logical names, Blocks as params.py) of the W8A8 layers, and those layers."""
     from espert.params import matches
     from espert.quant import QuantParamView, QuantWeight
-    from espert.vllm.params import LayoutError, _linear_kind, _logical_names, linear_pieces
+    from espert.vllm.params import LayoutError, _linear_kind, _logical_names, layer_pieces
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     views, layers = [], []
@@ -236,23 +236,7 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
                 f"{scales.dtype} {tuple(scales.shape)}"
             )
         scales = scales.reshape(-1, 1)
-        g = lambda a, d=None: getattr(m, a, d)  # noqa: E731
-        pieces = linear_pieces(
-            kind,
-            f"{prefix}.weight",
-            tuple(codes.shape),
-            logical_names=names,
-            tp_rank=g("tp_rank", 0),
-            tp_size=g("tp_size", 1),
-            output_sizes=g("output_sizes"),
-            num_heads=g("num_heads"),
-            num_kv_heads=g("num_kv_heads"),
-            total_num_heads=g("total_num_heads"),
-            total_num_kv_heads=g("total_num_kv_heads"),
-            head_size=g("head_size"),
-            v_head_size=g("v_head_size"),
-            num_kv_head_replicas=g("num_kv_head_replicas", 1),
-        )
+        pieces = layer_pieces(m, kind, f"{prefix}.weight", tuple(codes.shape), names)
         used = False
         for pc in pieces:
             lname = rename(pc.name) if rename else pc.name
