@@ -72,9 +72,12 @@ def live_codes(ev) -> dict[str, torch.Tensor]:
 
 
 def handler_errors(worker):
-    """Per W8A8 layer: max relative error of the layer's output (through its oneDNN handler) against the
-    int8 reference with the codes espert holds, and against the checkpoint codes' reference."""
-    from vllm import _custom_ops as ops
+    """Per W8A8 layer: max relative difference of the layer's live output (through its oneDNN handler)
+    from a handler built fresh by vLLM's own call from the codes espert holds, and from one built from
+    the checkpoint codes.  The reference is oneDNN itself, not an exact int32 GEMM: on an AVX2-only CPU
+    (no AVX-512 VNNI) vLLM's handler differs from the exact int32 result by up to 24% right after load,
+    before any espert edit (measured; oneDNN's non-VNNI int8 path is the likely cause)."""
+    from espert.vllm.w8a8 import repack
 
     torch.manual_seed(0)
     out = []
@@ -83,15 +86,18 @@ def handler_errors(worker):
             continue
         x = torch.randn(5, m._espert_codes.shape[1])
         y = m.quant_method.apply(m, x)
-        x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
-        s = m.weight_scale.reshape(1, -1)
-
-        def ref(codes):
-            return (x_q.int() @ codes.int().t()).float() * x_s.reshape(-1, 1) * s
-
-        new, old = ref(m._espert_codes), ref(m._espert_orig)
-        scale = new.abs().max()
-        out.append((name, float((y - new).abs().max() / scale), float((y - old).abs().max() / scale)))
+        held = m._espert_codes
+        refs = []
+        try:
+            for codes in (held, m._espert_orig):
+                m._espert_codes = codes
+                repack(m)
+                refs.append(m.quant_method.apply(m, x))
+        finally:
+            m._espert_codes = held
+            repack(m)
+        scale = refs[0].abs().max()
+        out.append((name, float((y - refs[0]).abs().max() / scale), float((y - refs[1]).abs().max() / scale)))
     return out
 
 
@@ -161,12 +167,12 @@ def test_codes_equal_perturb_outside_and_handlers_use_them(ev, model):
             assert torch.equal(inside[k], c), k
             moved += int((c != model[1][k].qweight).sum())
         assert moved > 1000
-        # the rebuilt oneDNN handlers compute with the perturbed codes: every layer's output equals the
-        # int8 reference (exact int32 GEMM of vLLM's own activation quantization, then the scales)
+        # the rebuilt oneDNN handlers compute with the perturbed codes: every layer's output equals that of
+        # a handler vLLM builds from the perturbed codes, and differs from the checkpoint codes' handler
         errs = ev.llm.collective_rpc(handler_errors)[0]
         assert len(errs) == 8
         for name, err_new, err_old in errs:
-            assert err_new < 1e-5 and err_old > 1e-3, (name, err_new, err_old)
+            assert err_new == 0.0 and err_old > 1e-3, (name, err_new, err_old)
     finally:
         ev.restore()
         ev.rpc("es_setup")
