@@ -42,6 +42,22 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
+# A short run that still checkpoints, evaluates and decays (resume, replay and run-directory tests).
+SMALL_RUN = dict(
+    iterations=6,
+    population=4,
+    prompts_per_iteration=6,
+    train_size=64,
+    eval_size=6,
+    max_new_tokens=5,
+    checkpoint_every=2,
+    eval_every=3,
+    sigma=0.05,
+    alpha=0.05,
+    weight_decay=0.01,
+)
+
+
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)

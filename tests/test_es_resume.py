@@ -9,23 +9,11 @@ import time
 
 import pytest
 import torch
+from conftest import SMALL_RUN as SMALL
 
 from espert import runs, train
 from espert.config import ESConfig
 
-SMALL = dict(
-    iterations=6,
-    population=4,
-    prompts_per_iteration=6,
-    train_size=64,
-    eval_size=6,
-    max_new_tokens=5,
-    checkpoint_every=2,
-    eval_every=3,
-    sigma=0.05,
-    alpha=0.05,
-    weight_decay=0.01,
-)
 FLAGS = [
     "--iterations",
     "6",

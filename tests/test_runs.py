@@ -15,25 +15,13 @@ import time
 
 import pytest
 import torch
+from conftest import SMALL_RUN as SMALL
 
 from espert import runs
 from espert.cli import main
 from espert.config import ESConfig
 from espert.trainer import train
 
-SMALL = dict(
-    iterations=6,
-    population=4,
-    prompts_per_iteration=6,
-    train_size=64,
-    eval_size=6,
-    max_new_tokens=5,
-    checkpoint_every=2,
-    eval_every=3,
-    sigma=0.05,
-    alpha=0.05,
-    weight_decay=0.01,
-)
 FLAGS = [a for k, v in SMALL.items() for a in (f"--{k.replace('_', '-')}", str(v))] + ["--no-progress"]
 #: Record fields that are wall-clock measurements (differ between any two runs).
 CLOCK = ("time", "seconds", "eval_seconds")
