@@ -178,6 +178,20 @@ def _same(store, snap):
     )
 
 
+def _member_call(store, data, op, decays):
+    """perturb (then restore) or update of a center with drawn, often invalid, arguments."""
+    if op == "perturb":
+        store.perturb(data.draw(seeds_st), data.draw(sigma_st), data.draw(sign_st))
+        store.restore()
+        return
+    n = data.draw(st.integers(0, 3))
+    store.update(
+        data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
+        data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
+        decay=data.draw(st.sampled_from(decays)),
+    )
+
+
 @FUZZ
 @given(data=st.data())
 def test_center_store_fuzz(data):
@@ -194,16 +208,8 @@ def test_center_store_fuzz(data):
         op = data.draw(st.sampled_from(["perturb", "update", "scale", "load"]))
         snap = _state(store)
         try:
-            if op == "perturb":
-                store.perturb(data.draw(seeds_st), data.draw(sigma_st), data.draw(sign_st))
-                store.restore()
-            elif op == "update":
-                n = data.draw(st.integers(0, 3))
-                store.update(
-                    data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
-                    data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
-                    decay=data.draw(st.sampled_from([1.0, 0.999, 0.0, math.nan])),
-                )
+            if op in ("perturb", "update"):
+                _member_call(store, data, op, [1.0, 0.999, 0.0, math.nan])
             elif op == "scale":
                 store.scale(data.draw(st.sampled_from([0.5, 1.0, -1.0, math.inf])))
                 store.restore()  # scale leaves the live weights to the next restore
@@ -241,16 +247,8 @@ def test_quant_center_store_fuzz(fmt, data):
         snap = ([m.clone() for m in store.masters], [q.qweight.clone() for q in qws])
         op = data.draw(st.sampled_from(["perturb", "update", "load"]))
         try:
-            if op == "perturb":
-                store.perturb(data.draw(seeds_st), data.draw(sigma_st), data.draw(sign_st))
-                store.restore()
-            elif op == "update":
-                n = data.draw(st.integers(0, 3))
-                store.update(
-                    data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
-                    data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
-                    decay=data.draw(st.sampled_from([1.0, 0.99, -1.0])),
-                )
+            if op in ("perturb", "update"):
+                _member_call(store, data, op, [1.0, 0.99, -1.0])
             else:
                 state = {k: v.clone() for k, v in store.state_dict().items()}
                 victim = data.draw(st.sampled_from(sorted(state)))
