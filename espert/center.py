@@ -165,16 +165,11 @@ class Optimizer:
         raise TypeError(f"optimizer must be a name, a dict or an Optimizer, got {type(spec).__name__}")
 
 
-def _rows_2d(t: torch.Tensor) -> tuple[int, int]:
-    """The [rows, cols] the ops see for a contiguous host tensor (1-D: one row)."""
-    cols = t.shape[-1] if t.dim() else 1
-    return (t.numel() // cols if cols else 0), cols
-
-
 def _chunks(t: torch.Tensor, block: ops.Block | None, limit: int):
     """Yield (flat slice of ``t`` as [k, cols], Block of that slice in the logical parameter), each of at
     most ``limit`` elements when rows allow (a single row longer than ``limit`` is split by columns)."""
-    rows, cols = _rows_2d(t)
+    g = ops._geometry(t, None)  # the [rows, cols] the ops see (contiguous host tensor; 1-D: one row)
+    rows, cols = g.rows, g.cols
     flat = t.view(rows, cols)
     b = block or ops.Block()
     lr = rows if b.logical_rows is None else b.logical_rows
