@@ -1,12 +1,12 @@
 // CPU kernel: one OpenMP region over the tiles of every entry of a launch plan (all tensors of
 // a call).  Tiles: gaussian 16 Philox groups (64 logical elements), rademacher 8 Philox calls
 // (1024 elements), lowrank 256 columns.  The per-lane math is noise.h inlined into loops the compiler
-// vectorizes; the same loops are compiled twice, for AVX-512 (with Philox written in intrinsics)
-// and for the baseline ISA, and the path is chosen at run time.  Both produce the same bits
-// (tests/test_ops.py).  Tile positions are computed in column space (int64), never as logical
-// indices, so elements up to logical index 2^64 - 1 are reached.
-// Must be built with -ffp-contract=off (exactness depends on it) and -fno-math-errno (else
-// sqrtf keeps an errno branch and the lane loop does not vectorize); see CMakeLists.txt.
+// vectorizes; the same loops are compiled three times, for AVX-512 and AVX2 (each with Philox and
+// the normal transform written in intrinsics) and for the baseline ISA, and the path is chosen at
+// run time.  All produce the same bits (tests/test_ops.py, tests/test_noise_spec_simd.py).  Tile positions are computed
+// in column space (int64), never as logical indices, so elements up to logical index 2^64 - 1 are reached. Must be
+// built with -ffp-contract=off (exactness depends on it) and -fno-math-errno (else sqrtf keeps an errno branch and the
+// lane loop does not vectorize); see CMakeLists.txt.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../apply.h"
+#include "normals_avx2.h"
 #include "normals_avx512.h"
 
 namespace espert {
@@ -28,6 +29,9 @@ constexpr int64_t kTilesPerTask = 64;  // 4096 elements (gaussian) per OpenMP ta
 constexpr int kRadTileCalls = 8;       // rademacher tiles: 8 Philox calls of 128 elements
 constexpr int kRadTileElems = 128 * kRadTileCalls;
 constexpr int kLowRankCols = 256;  // lowrank tiles: 256 columns (no Philox: bigger tiles, less overhead)
+
+// The instruction set a kernel instance is compiled for (chosen at run time, see apply_many_cpu).
+enum Isa : int { kGenericIsa = 0, kAvx2Isa = 1, kAvx512Isa = 2 };
 
 #define ESPERT_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq")))
 
@@ -69,13 +73,16 @@ ESPERT_AVX512 inline void philox_tile_avx512(uint64_t seed, uint64_t key, uint64
 }
 
 // The normals of one tile, in element order: n[4 j + lane] for group g0 + j.
-template <bool kAvx512>
+template <int kIsa>
 ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)[kTileElems]) {
   alignas(64) float n0[kTileGroups], n1[kTileGroups], n2[kTileGroups], n3[kTileGroups];
-  if constexpr (kAvx512) {
+  if constexpr (kIsa == kAvx512Isa) {
     alignas(64) uint32_t x[4][16];
     philox_tile_avx512(seed, key, g0, x);
     avx512::normals_tile16(x, n);  // the transform in intrinsics, already in element order
+    return;
+  } else if constexpr (kIsa == kAvx2Isa) {
+    avx2::normals_tile16(seed, key, g0, n);  // Philox and the transform in intrinsics, in element order
     return;
   } else {
 #pragma GCC ivdep
@@ -117,7 +124,7 @@ ESPERT_HD void store_row(void* data, int64_t i, int64_t row_stride, int64_t col0
   for (int64_t k = cf; k < ce; ++k) row[k] = add_to<DT>(row[k], acc[k - col0]);
 }
 
-template <int DT, bool kAvx512>
+template <int DT, int kIsa>
 ESPERT_HD void gaussian_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds, const float* coeffs) {
   const Block b = e.block();
   const uint64_t base = b.row_base(i);
@@ -131,7 +138,7 @@ ESPERT_HD void gaussian_tile(const PlanEntry& e, int64_t i, int64_t tile, const 
   for (int64_t m = e.member_begin; m < e.member_end; ++m) {
     const float c = fmul(coeffs[m], scale);
     alignas(64) float n[kTileElems];
-    tile_normals<kAvx512>(seeds[m], e.key, g0, n);
+    tile_normals<kIsa>(seeds[m], e.key, g0, n);
     for (int k = 0; k < kTileElems; ++k) acc[k] = fadd(acc[k], fmul(c, n[k]));
   }
   store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc);
@@ -198,14 +205,14 @@ ESPERT_HD void lowrank_tile(const PlanEntry& e, int64_t i, int64_t tile, const f
   store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, col0, col0 + len, acc);
 }
 
-template <int DT, bool kAvx512>
+template <int DT, int kIsa>
 ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin, int64_t t_end, const uint64_t* seeds,
                                const float* coeffs) {
   int64_t i = t_begin / tpr, tile = t_begin % tpr;
   for (int64_t t = t_begin; t < t_end; ++t) {
     switch (e.family) {
       case kGaussian:
-        gaussian_tile<DT, kAvx512>(e, i, tile, seeds, coeffs);
+        gaussian_tile<DT, kIsa>(e, i, tile, seeds, coeffs);
         break;
       case kRademacher:
         rademacher_tile<DT>(e, i, tile, seeds, coeffs);
@@ -221,35 +228,36 @@ ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin,
   }
 }
 
-template <bool kAvx512>
+template <int kIsa>
 ESPERT_HD void run_tiles(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
   switch (e.dtype) {
     case kFloat32:
-      run_entry_tiles<kFloat32, kAvx512>(e, tpr, b, end, s, c);
+      run_entry_tiles<kFloat32, kIsa>(e, tpr, b, end, s, c);
       break;
     case kFloat16:
-      run_entry_tiles<kFloat16, kAvx512>(e, tpr, b, end, s, c);
+      run_entry_tiles<kFloat16, kIsa>(e, tpr, b, end, s, c);
       break;
     default:
-      run_entry_tiles<kBFloat16, kAvx512>(e, tpr, b, end, s, c);
+      run_entry_tiles<kBFloat16, kIsa>(e, tpr, b, end, s, c);
       break;
   }
 }
 
 ESPERT_AVX512 void run_avx512(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s,
                               const float* c) {
-  run_tiles<true>(e, tpr, b, end, s, c);
+  run_tiles<kAvx512Isa>(e, tpr, b, end, s, c);
 }
 
-// The generic loops compiled for AVX2 (8 lanes instead of SSE2's 4; no FMA: the target adds none
-// and -ffp-contract=off forbids contraction anyway), for processors without AVX-512.
+// For processors without AVX-512: the Gaussian tile in AVX2 intrinsics (normals_avx2.h), the other
+// loops compiled for AVX2 (8 lanes instead of SSE2's 4; no FMA: the target adds none and
+// -ffp-contract=off forbids contraction anyway).
 __attribute__((target("avx2"))) void run_avx2(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end,
                                               const uint64_t* s, const float* c) {
-  run_tiles<false>(e, tpr, b, end, s, c);
+  run_tiles<kAvx2Isa>(e, tpr, b, end, s, c);
 }
 
 void run_generic(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
-  run_tiles<false>(e, tpr, b, end, s, c);
+  run_tiles<kGenericIsa>(e, tpr, b, end, s, c);
 }
 
 bool use_avx2() {

@@ -8,7 +8,7 @@
 // are exact (|values| <= 2^24).  GCC's auto-vectorization of the scalar loop reached about half the
 // speed of this (it spills the polynomial constants and blends through memory).
 //
-// Included by csrc/cpu/apply_cpu.cpp.  tests/test_noise_spec_avx512.py also compiles it against the
+// Included by csrc/cpu/apply_cpu.cpp.  tests/test_noise_spec_simd.py also compiles it against the
 // portable SIMDe implementation of these intrinsics (ESPERT_SIMDE defined), so its bits are checked
 // exhaustively on machines without AVX-512 as well.
 #pragma once
