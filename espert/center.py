@@ -38,6 +38,9 @@ from espert.noise import NoiseFamily
 from espert.params import ParamView, matches
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+#: State-dict names of optimizer state: ``optim.<slot>/<logical name>`` and the step counter.
+OPTIM_PREFIX = "optim."
+OPTIM_STEP = "optim.step"
 # Optimizer scratch (the update direction of a chunk) is bounded like restore staging.
 _CHUNK_ELEMS = ops.STAGING_BYTES // 4
 
@@ -371,15 +374,22 @@ class CenterStore:
             for m, c in zip(self.mirrors, self.centers):
                 ops.restore_(m, c)  # exact round-to-nearest-even, NaN bits kept
 
+    def state_views(self) -> list[ParamView]:
+        """The entries of :meth:`state_dict` as ParamViews over the host tensors: each center, then each
+        optimizer slot ``optim.<slot>/<name>`` with the Block of its view (a sharded or fused parameter's
+        slots are pieces of the logical slot exactly like its center), then ``optim.step`` (int64 [1],
+        whole) when the optimizer keeps state."""
+        out = [ParamView(v.name, c, v.block) for v, c in zip(self.views, self.centers)]
+        for s, ts in self.state.items():
+            out += [ParamView(f"{OPTIM_PREFIX}{s}/{v.name}", t, v.block) for v, t in zip(self.views, ts)]
+        if self.state:
+            out.append(ParamView(OPTIM_STEP, torch.tensor([self.step], dtype=torch.int64)))
+        return out
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Logical name -> center tensor (host), plus ``optim.<slot>/<name>`` and ``optim.step`` when the
         optimizer keeps state.  Blocks of one logical parameter are saved under their view names."""
-        out = {v.name: c for v, c in zip(self.views, self.centers)}
-        for s, ts in self.state.items():
-            out.update({f"optim.{s}/{v.name}": t for v, t in zip(self.views, ts)})
-        if self.state:
-            out["optim.step"] = torch.tensor([self.step], dtype=torch.int64)
-        return out
+        return {p.name: p.tensor for p in self.state_views()}
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The center by logical name (the same tensors as the centers in :meth:`state_dict`)."""
@@ -391,9 +401,9 @@ class CenterStore:
         expected = self.state_dict()
         check_state(state, expected)
         for name, dst in expected.items():
-            if name != "optim.step":
+            if name != OPTIM_STEP:
                 dst.copy_(state[name])
-        if "optim.step" in expected:
-            self.step = int(state["optim.step"].reshape(-1)[0])
+        if OPTIM_STEP in expected:
+            self.step = int(state[OPTIM_STEP].reshape(-1)[0])
         self._rebuild_mirrors()
         self.restore()

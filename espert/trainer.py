@@ -81,25 +81,6 @@ def resolve_tasks(
     return spec, source, _nonempty(train, spec), evalt
 
 
-#: Loop fields only the torch evaluator's center (``config_center``) implements so far, with their defaults.
-CENTER_FIELDS = {"noise": "gaussian", "optimizer": "sgd", "sigma_mode": "absolute"}
-
-
-def check_evaluator_supports(cfg: ESConfig) -> None:
-    """Refuse loop fields the chosen evaluator does not implement, before anything is written (a
-    recorded config must describe what ran).  The torch evaluator implements all of them."""
-    if cfg.evaluator == "torch":
-        return
-    bad = [f"{k}={getattr(cfg, k)!r}" for k, d in CENTER_FIELDS.items() if getattr(cfg, k) != d]
-    if cfg.weight_decay and cfg.weight_decay_exclude:
-        bad.append(f"weight_decay_exclude={cfg.weight_decay_exclude!r} (set it to [] to decay every moved tensor)")
-    if bad:
-        raise ValueError(
-            f"the {cfg.evaluator!r} evaluator does not implement {', '.join(bad)} yet; use the torch "
-            f"evaluator or the defaults"
-        )
-
-
 def _nonempty(task, spec):
     if task is None or len(task) == 0:
         raise ValueError(f"task {spec!r} has no training problems")
@@ -171,8 +152,9 @@ def noise_energy(evaluator) -> float | None:
     if views is not None:
         scales = getattr(center, "sigma_scales", None) or [1.0] * len(views)
         return float(sum(v.numel * s * s for v, s in zip(views, scales)))  # quantized: in code units
+    scales = getattr(evaluator, "sigma_scales", None) or {}  # vLLM: {logical name: s} with sigma_mode rms
     try:
-        return float(sum(t.numel() for t in evaluator.export_state().values()))
+        return float(sum(t.numel() * scales.get(n, 1.0) ** 2 for n, t in evaluator.export_state().items()))
     except Exception:  # noqa: BLE001 - a metric only; the run does not depend on it
         return None
 
@@ -219,7 +201,6 @@ def train(
         _refuse_python_task(run_dir)
     if cfg is None:
         raise ValueError("a new run needs a config (cfg=None is only for resuming)")
-    check_evaluator_supports(cfg)
     spec, source, train_task, eval_task = resolve_tasks(cfg, task, reward, prompts, eval_prompts)
     if spec != cfg.task:
         cfg = dataclasses.replace(cfg, task=spec)

@@ -228,19 +228,6 @@ def test_version1_run_directories_resume_and_replay(tmp_path, capsys):
     assert runs.replay(b, str(tmp_path / "replay"), echo=None)["matches_checkpoint"] is True
 
 
-def test_evaluators_without_the_center_features_refuse_them(tmp_path):
-    d = str(tmp_path / "run")
-    for kw, what in (
-        ({"optimizer": "adam"}, "optimizer='adam'"),
-        ({"noise": "rademacher"}, "noise='rademacher'"),
-        ({"sigma_mode": "rms"}, "sigma_mode='rms'"),
-        ({"weight_decay": 0.1}, "weight_decay_exclude="),
-    ):
-        with pytest.raises(ValueError, match=f"'vllm' evaluator does not implement {what}"):
-            train(ESConfig(**{**SMALL, "evaluator": "vllm", **kw}), d, progress=False, echo=None)
-    assert not os.path.exists(d)
-
-
 @pytest.mark.parametrize("noise", ["rademacher", "lowrank:2"])
 def test_noise_family_is_recorded_fixed_and_replayed(noise, tmp_path):
     d = str(tmp_path / "run")

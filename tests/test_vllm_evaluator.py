@@ -81,3 +81,73 @@ def test_backend_registered():
     from espert.vllm.pool import build_from_config
 
     assert get_builder("vllm") is build_from_config
+
+
+def test_loop_fields_give_the_torch_evaluators_centers(ev, tiny_dir, tmp_path):
+    """noise lowrank:2, adam, sigma_mode rms and weight decay with exclusions through vLLM: a few ES
+    iterations give the torch evaluator's rewards, centers and optimizer state bit for bit, and the
+    streamed checkpoint is the torch center's file byte for byte.  (The module's engine is set up again
+    with the loop fields, then given back its default center.)"""
+    from espert.es import ESConfig, apply_record, es_step, prompt_indices
+    from espert.evaluators import TorchEvaluator, config_center, load_model
+    from espert.evaluators.torch_model import optimizer_spec
+    from espert.runs import write_safetensors
+    from espert.vllm import VLLMEvaluator
+    from espert.vllm.stream import checkpoint_rms_scales
+
+    cfg = ESConfig(
+        population=4,
+        sigma=0.05,
+        alpha=0.02,
+        prompts_per_iteration=8,
+        iterations=3,
+        max_new_tokens=6,
+        noise="lowrank:2",
+        optimizer="adam",
+        sigma_mode="rms",
+        weight_decay=0.5,
+        weight_decay_exclude=["norm", "*embed_tokens*"],
+    )
+    task = load_task("copy", "train", n=64)
+    model, tok = load_model(tiny_dir)
+    tev = TorchEvaluator(model, tok, task.score, max_new_tokens=6, center=config_center(model, cfg))
+    scales = checkpoint_rms_scales(tiny_dir, cfg.dtype)
+    assert len(set(scales.values())) > 3  # real per-tensor scales
+    vev = VLLMEvaluator(
+        ev.llm,
+        task.score,
+        max_new_tokens=6,
+        noise=cfg.noise,
+        optimizer=optimizer_spec(cfg),
+        sigma_scales=scales,
+        no_decay=cfg.weight_decay_exclude,
+    )
+    start = vev.center_state()
+    try:
+        assert start["optim.step"].tolist() == [0] and "optim.v/model.layers.0.self_attn.k_proj.weight" in start
+        for t in range(1, 4):
+            idx = prompt_indices(cfg, t, len(task))
+            p, a = [task.prompts[i] for i in idx], [task.answers[i] for i in idx]
+            rec = es_step(vev, cfg, t, p, a)
+            assert tev.evaluate([tuple(m) for m in rec["members"]], rec["sigma"], p, a) == rec["rewards"]
+            apply_record(tev, rec)
+        got, want = vev.center_state(), tev.center_state()
+        assert sorted(got) == sorted(want) and want["optim.step"].tolist() == [3]
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        assert not torch.equal(got["model.norm.weight"], start["model.norm.weight"])  # moved, not decayed
+        assert sorted(vev.export_state()) == sorted(tev.export_state())
+        a, b = str(tmp_path / "vllm.safetensors"), str(tmp_path / "torch.safetensors")
+        assert vev.write_center(a) == write_safetensors(b, want)
+        # load_center takes the optimizer state back: the next update continues exactly
+        vev.load_center(start)
+        vev.load_center(got)
+        rec = {"seeds": [7, 8], "coeffs": [0.01, -0.02], "decay": 0.99, "alpha": 0.02}
+        apply_record(vev, rec)
+        apply_record(tev, rec)
+        got, want = vev.center_state(), tev.center_state()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+    finally:
+        vev.load_center(start)  # the base weights, then the module's default center again
+        ev.rpc("es_setup")

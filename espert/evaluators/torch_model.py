@@ -66,12 +66,27 @@ def rms_scales(views) -> list[float]:
     Computed from the weights as loaded (the base model), never from a trained center, so a
     resumed run and a replay get the same scales.
     """
-    out = []
-    for v in views:
-        n = v.tensor.numel()
-        rms = float(torch.linalg.vector_norm(v.tensor, dtype=torch.float64)) / n**0.5 if n else 0.0
-        out.append(rms if rms > 0 else 1.0)
-    return out
+    return [tensor_rms(v.tensor) for v in views]
+
+
+def tensor_rms(t: torch.Tensor) -> float:
+    """The ``sigma_mode: rms`` multiplier of one whole (logical) tensor of any float dtype: its RMS, computed
+    in float64 (1.0 for an all-zero or empty tensor).  The one formula: the vLLM evaluator applies it to
+    the checkpoint's logical tensors, so sharded and fused weights get the scale of the whole tensor."""
+    n = t.numel()
+    rms = float(torch.linalg.vector_norm(t, dtype=torch.float64)) / n**0.5 if n else 0.0
+    return rms if rms > 0 else 1.0
+
+
+def optimizer_spec(cfg) -> dict:
+    """The optimizer of a run config as the plain dict :class:`~espert.center.Optimizer` takes (picklable:
+    the vLLM evaluator sends it to its workers)."""
+    return {
+        "name": cfg.optimizer,
+        "beta1": cfg.optimizer_beta1,
+        "beta2": cfg.optimizer_beta2,
+        "eps": cfg.optimizer_eps,
+    }
 
 
 def config_center(model: torch.nn.Module, cfg, pin: bool = False):
@@ -88,18 +103,12 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
             )
         return model_quant_center(quantize_model(model, cfg.quant, group_size=cfg.quant_group_size), pin=pin)
     views = torch_param_views(model, include=cfg.include, exclude=cfg.exclude)
-    optimizer = {
-        "name": cfg.optimizer,
-        "beta1": cfg.optimizer_beta1,
-        "beta2": cfg.optimizer_beta2,
-        "eps": cfg.optimizer_eps,
-    }
     return CenterStore(
         views,
         master_dtype=torch.float32,
         pin=pin,
         noise=cfg.noise,
-        optimizer=optimizer,
+        optimizer=optimizer_spec(cfg),
         sigma_scales=rms_scales(views) if cfg.sigma_mode == "rms" else None,
         no_decay=cfg.weight_decay_exclude,
     )

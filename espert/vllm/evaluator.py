@@ -109,6 +109,13 @@ class VLLMEvaluator(Evaluator):
     models whose names differ from the checkpoint's beyond fusion; es_setup checks every logical
     name and shape against the checkpoint.
 
+    noise (``"gaussian" | "rademacher" | "lowrank:R"``), optimizer (a name or ``{"name", "beta1",
+    "beta2", "eps"}``), sigma_scales (``{logical name: σ multiplier}``, for ``sigma_mode: rms``: see
+    :func:`espert.vllm.stream.checkpoint_rms_scales`) and no_decay (name patterns weight decay
+    leaves alone): the center's loop fields, as ``CenterStore`` takes them; every worker builds its
+    center with them, keyed by logical names, so the centers equal the torch evaluator's bit for bit.
+    The optimizer state is part of :meth:`center_state` (``optim.<slot>/<name>``, ``optim.step``).
+
     Weights are edited only while the engine is idle: every perturb / restore / update /
     load_center raises (weights untouched) when the engine has requests in flight, and raises
     if vLLM then refuses to reset its prefix cache.  An online server must quiesce first (stop
@@ -131,6 +138,10 @@ class VLLMEvaluator(Evaluator):
         reset_prefix_cache: bool = True,
         master: str = "float32",
         rename: dict[str, str] | Sequence[str] | None = None,
+        noise: str = "gaussian",
+        optimizer: dict | str | None = None,
+        sigma_scales: dict[str, float] | None = None,
+        no_decay: Sequence[str] = (),
         llm_kwargs: dict | None = None,
     ):
         if member_errors not in ("raise", "nan"):
@@ -141,12 +152,24 @@ class VLLMEvaluator(Evaluator):
         seed = int(seed) % (1 << 31)  # ESConfig seeds are uint64; vLLM seeds numpy (< 2^32). Greedy ignores it.
         self.llm = make_llm(llm, **{"seed": seed, **(llm_kwargs or {})}) if self._owns else llm
         self.score = score
+        #: {logical name: σ multiplier} of sigma_mode rms (None: absolute); the trainer's step-norm metric reads it
+        self.sigma_scales = sigma_scales
         self.member_errors = member_errors
         self.reset_cache = reset_prefix_cache
         self.chat_template = chat_template
         try:
             self.info = self.llm.collective_rpc(
-                "es_setup", kwargs=dict(include=include, exclude=exclude, master=master, rename=parse_rename(rename))
+                "es_setup",
+                kwargs=dict(
+                    include=include,
+                    exclude=exclude,
+                    master=master,
+                    rename=parse_rename(rename),
+                    noise=noise,
+                    optimizer=optimizer,
+                    sigma_scales=sigma_scales,
+                    no_decay=list(no_decay),
+                ),
             )
         except AttributeError as e:
             raise RuntimeError(
@@ -263,11 +286,11 @@ class VLLMEvaluator(Evaluator):
         return self._pulled
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """The center: the copy the last :meth:`center_state` pulled when no weight changed since (then
-        forgotten), else a fresh pull."""
+        """The center without the optimizer state: from the copy the last :meth:`center_state` pulled when no
+        weight changed since (then forgotten), else from a fresh pull."""
         state = self._pulled if self._pulled is not None else self.center_state()
         self._pulled = None
-        return state
+        return without_optimizer_state(state)
 
     def write_center(self, path: str, metadata: dict[str, str] | None = None) -> str:
         """Stream the center straight into a safetensors file (driver memory: one chunk); returns its sha256.
@@ -286,7 +309,7 @@ class VLLMEvaluator(Evaluator):
         from espert.vllm.params import pack_tensor
 
         self._quiesced()
-        self.rpc("es_load_center", {k: pack_tensor(v.detach().to("cpu", torch.float32)) for k, v in state.items()})
+        self.rpc("es_load_center", {k: pack_tensor(host_state(v)) for k, v in state.items()})
         self._changed()
 
     def checksum(self) -> list[dict]:
@@ -297,6 +320,20 @@ class VLLMEvaluator(Evaluator):
         if self.llm is not None and self._owns:
             shutdown_llm(self.llm)
         self.llm = None
+
+
+def host_state(t: torch.Tensor) -> torch.Tensor:
+    """A center entry as the workers load it: on the host, floats as float32 (the master), integers (the
+    optimizer's step) unchanged."""
+    t = t.detach().to("cpu")
+    return t.to(torch.float32) if t.is_floating_point() else t
+
+
+def without_optimizer_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The centers of a center state (what an export holds): every entry but ``optim.*``."""
+    from espert.center import OPTIM_PREFIX
+
+    return {k: v for k, v in state.items() if not k.startswith(OPTIM_PREFIX)}
 
 
 def parse_rename(rename) -> dict[str, str] | None:

@@ -381,7 +381,14 @@ def block_slices(shape: Sequence[int], block: Block | None) -> tuple[slice, ...]
     return (slice(block.row_offset, block.row_offset + shape[0]), slice(block.col_offset, block.col_offset + shape[1]))
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: dtypes of center pieces: the floats, and int64 for the optimizer's step counter (``optim.step``).
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+_INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of a contiguous piece (an integer view of the same element size; no copy)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def pack_tensor(t: torch.Tensor) -> list:
@@ -391,8 +398,7 @@ def pack_tensor(t: torch.Tensor) -> list:
     name = str(t.dtype).removeprefix("torch.")
     if name not in _DTYPES:
         raise TypeError(f"cannot pack dtype {t.dtype}")
-    raw = t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy().tobytes()
-    return [name, list(t.shape), raw]
+    return [name, list(t.shape), bits(t).numpy().tobytes()]
 
 
 def unpack_tensor(x) -> torch.Tensor:
@@ -415,10 +421,6 @@ def tuple_to_block(t) -> Block | None:
     return None if t is None else Block(*t)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
-
-
 def assemble(shards: Sequence[Sequence[tuple[str, torch.Tensor, tuple | None]]]) -> dict[str, torch.Tensor]:
     """Logical tensors from every rank's ``(name, tensor, block tuple)`` pieces.
 
@@ -439,7 +441,7 @@ def assemble(shards: Sequence[Sequence[tuple[str, torch.Tensor, tuple | None]]])
                 raise ValueError(f"{name}: pieces disagree on the logical shape ({tuple(out[name].shape)} vs {shape})")
             idx = block_slices(t.shape, block)
             dst, seen = out[name][idx], covered[name][idx]
-            if seen.any() and not torch.equal(_bits(dst[seen]), _bits(t[seen])):
+            if seen.any() and not torch.equal(bits(dst[seen]), bits(t[seen])):
                 raise ValueError(f"{name}: replicated pieces differ between ranks")
             dst.copy_(t)
             seen.fill_(True)

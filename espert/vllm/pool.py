@@ -141,6 +141,7 @@ class EnginePool(Evaluator):
             ray.init(**{"include_dashboard": False, "log_to_driver": False, **(ray_init or {})})
         self._ray = ray
         self.chunk = chunk
+        self.sigma_scales = ev_kwargs.get("sigma_scales")  # as VLLMEvaluator.sigma_scales
         ncpu = os.cpu_count() or 1
         actor_cls = ray.remote(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine)(EngineActor)
         self.actors = []
@@ -289,10 +290,16 @@ class EnginePool(Evaluator):
 
         return {k: unpack_tensor(v) for k, v in self._first("center_state").items()}
 
+    def export_state(self) -> dict[str, torch.Tensor]:
+        from espert.vllm.evaluator import without_optimizer_state
+
+        return without_optimizer_state(self.center_state())
+
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
+        from espert.vllm.evaluator import host_state
         from espert.vllm.params import pack_tensor
 
-        ref = self._ray.put({k: pack_tensor(v.detach().float()) for k, v in state.items()})
+        ref = self._ray.put({k: pack_tensor(host_state(v)) for k, v in state.items()})
         self._check(self._broadcast("load_center", ref), "after load_center")
 
     def timings(self) -> dict[int, dict]:
@@ -318,9 +325,13 @@ def build_from_config(cfg, model_path: str, score) -> Evaluator:
 
     Reads optional config fields when present (``vllm_tensor_parallel_size``, ``vllm_engines``,
     ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``, ``vllm_rename``); defaults otherwise.
-    A malformed ``vllm_rename`` is refused before any engine starts.
+    The center's loop fields (``noise``, ``optimizer*``, ``sigma_mode``, ``weight_decay_exclude``) go to
+    every worker's center as :func:`espert.evaluators.torch_model.config_center` gives them to the torch
+    evaluator's.  A malformed ``vllm_rename`` is refused before any engine starts.
     """
+    from espert.evaluators.torch_model import optimizer_spec
     from espert.vllm.evaluator import VLLMEvaluator, parse_rename
+    from espert.vllm.stream import checkpoint_rms_scales
 
     rename = parse_rename(getattr(cfg, "vllm_rename", None))
     engines = int(getattr(cfg, "vllm_engines", 1) or 1)
@@ -339,6 +350,14 @@ def build_from_config(cfg, model_path: str, score) -> Evaluator:
         chat_template=cfg.chat_template,
         member_errors=cfg.member_errors,
         rename=rename,
+        # the center's loop fields, as config_center gives them to the torch evaluator's CenterStore
+        noise=cfg.noise,
+        optimizer=optimizer_spec(cfg),
+        no_decay=list(cfg.weight_decay_exclude) if cfg.weight_decay else [],
+        # rms scales: once, here, from the checkpoint's whole tensors, so every engine and rank gets the same
+        sigma_scales=checkpoint_rms_scales(model_path, cfg.dtype, cfg.include, cfg.exclude)
+        if cfg.sigma_mode == "rms"
+        else None,
     )
     if engines > 1:
         return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)

@@ -27,13 +27,13 @@ from typing import Callable
 
 import torch
 
-from espert.vllm.params import logical_shape, tuple_to_block
+from espert.vllm.params import bits, logical_shape, tuple_to_block
 
 #: Default chunk: 64 MiB.
 CHUNK_BYTES = 64 << 20
 
-_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 
 
 def chunk_plan(numels: list[int], esizes: list[int], chunk_bytes: int):
@@ -156,7 +156,7 @@ def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torc
             for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
                 piece, dst = src[s0 - a : s1 - a], flat[lo : lo + (s1 - s0)]
                 done = cov[lo : lo + (s1 - s0)]
-                if done.any() and not torch.equal(_bits(dst[done]), _bits(piece[done])):
+                if done.any() and not torch.equal(bits(dst[done]), bits(piece[done])):
                     raise ValueError(f"{name}: replicated pieces differ between ranks")
                 dst.copy_(piece)
                 done.fill_(True)
@@ -166,16 +166,9 @@ def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torc
     return out
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
-
-
-def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
-    """``{tensor name: shape}`` from the headers of a checkpoint's ``*.safetensors`` files (no tensor is read).
-
-    model: a local directory, or a Hub id already in the local cache.  None when no safetensors
-    checkpoint is found (then names cannot be checked).
-    """
+def _checkpoint_files(model: str) -> list[str] | None:
+    """The ``*.safetensors`` files of a local model directory or a Hub id already in the local cache (None:
+    none found)."""
     d = model if os.path.isdir(model) else None
     if d is None:
         try:
@@ -185,14 +178,57 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
         except Exception:  # noqa: BLE001 - not cached / not a Hub id: nothing to check against
             return None
     files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
-    if not files:
+    return [os.path.join(d, f) for f in files] or None
+
+
+def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
+    """``{tensor name: shape}`` from the headers of a checkpoint's ``*.safetensors`` files (no tensor is read).
+
+    model: a local directory, or a Hub id already in the local cache.  None when no safetensors
+    checkpoint is found (then names cannot be checked).
+    """
+    files = _checkpoint_files(model)
+    if files is None:
         return None
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        with open(os.path.join(d, f), "rb") as fh:
+        with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             head = json.loads(fh.read(n))
         for k, v in head.items():
             if k != "__metadata__":
                 shapes[k] = tuple(v["shape"])
     return shapes
+
+
+def checkpoint_rms_scales(model: str, dtype: str, include=None, exclude=None) -> dict[str, float]:
+    """``{checkpoint name: σ multiplier}`` for ``sigma_mode: rms``: :func:`~espert.evaluators.torch_model.tensor_rms`
+    of each whole tensor of the checkpoint, as loaded in ``dtype`` (what ``rms_scales`` sees in a
+    transformers model), for the names include / exclude select (patterns as in ``vllm_param_views``).
+
+    Computed on the driver, one tensor in memory at a time, and sent to every worker: a TP shard or a
+    piece of a fused parameter then gets the scale of its whole logical tensor, bit for bit the torch
+    evaluator's (a reduction over shards would differ in the last bits).  Raises when the model has no
+    safetensors checkpoint.
+    """
+    from safetensors import safe_open
+
+    from espert.evaluators.torch_model import tensor_rms, torch_dtype
+    from espert.params import matches
+
+    files = _checkpoint_files(model)
+    if files is None:
+        raise FileNotFoundError(
+            f"sigma_mode=rms with vLLM reads the base tensors from a safetensors checkpoint; {model} has none"
+        )
+    dt = torch_dtype(dtype)
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                if (include and not matches(name, include)) or (exclude and matches(name, exclude)):
+                    continue
+                t = st.get_tensor(name)
+                if t.is_floating_point():
+                    out[name] = tensor_rms(t.to(dt))
+    return out

@@ -4,13 +4,13 @@ Create the engine with ``LLM(model=..., worker_extension_cls="espert.vllm.worker
 enable_prefix_caching=False)``.  vLLM mixes this class into every worker (one per TP rank),
 so the methods below run next to the live weights; the driver calls them by name::
 
-    llm.collective_rpc("es_setup", kwargs=dict(include=None, exclude=None))
+    llm.collective_rpc("es_setup", kwargs=dict(include=None, exclude=None, optimizer="adam"))
     llm.collective_rpc("es_perturb", args=(seed, sigma, sign))   # in place, from the center
     llm.collective_rpc("es_restore")                             # exact: copies the host center back
-    llm.collective_rpc("es_update", args=(seeds, coeffs, decay)) # on the float32 host master
+    llm.collective_rpc("es_update", args=(seeds, coeffs, decay, lr))  # optimizer step on the host master
     llm.collective_rpc("es_checksum")                            # cheap exact fingerprint, per rank
 
-Only seeds, scalars and (for checkpoints) the float32 center cross the RPC.  All weight edits
+Only seeds, scalars and (for checkpoints) the float32 center and optimizer state cross the RPC.  All weight edits
 go through espert's fused ops on the live tensors (never reallocated: data pointers and CUDA
 graphs stay valid); the only copy of the weights is espert's CenterStore in host memory.
 
@@ -115,6 +115,10 @@ class ESWorkerExtension:
         master: str = "float32",
         rename: dict[str, str] | None = None,
         check_names: bool = True,
+        noise: str = "gaussian",
+        optimizer: dict | str | None = None,
+        sigma_scales: dict[str, float] | None = None,
+        no_decay: Sequence[str] = (),
     ) -> dict:
         """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
 
@@ -123,6 +127,13 @@ class ESWorkerExtension:
         check_names: refuse (LayoutError) unless every logical name is a tensor of the model's
         safetensors checkpoint with the same shape, so noise is keyed by the names a checkpoint
         (and transformers) uses; skipped when the model has no safetensors files.
+        noise, optimizer (a name or ``{"name", "beta1", "beta2", "eps"}``), no_decay (name patterns):
+        the loop fields, passed to :class:`~espert.center.CenterStore` as the torch evaluator does;
+        all of them see the logical (checkpoint) names, so every block of a parameter gets its noise,
+        optimizer state and decay rule.  sigma_scales: ``{logical name: σ multiplier}`` for
+        ``sigma_mode: rms``, computed once by the driver from the checkpoint's whole tensors (see
+        :func:`espert.vllm.stream.checkpoint_rms_scales`), so every TP rank and fused piece uses the
+        scale of its whole logical tensor; it must name every selected parameter.
 
         Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device"}``.
         Raises (naming the parameter) for layouts it cannot map, and RuntimeError when the
@@ -141,6 +152,15 @@ class ESWorkerExtension:
                 return None
 
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, see espert/vllm/w8a8.py
+            from espert.center import Optimizer
+
+            loop = (str(noise), Optimizer.of(optimizer).name, sigma_scales is not None, bool(no_decay))
+            if loop != ("gaussian", "sgd", False, False):
+                raise ValueError(
+                    f"W8A8 int8 models take noise=gaussian, optimizer=sgd, sigma_mode=absolute and no "
+                    f"weight_decay_exclude (got noise={noise!r}, optimizer={loop[1]!r}, "
+                    f"sigma_mode={'rms' if loop[2] else 'absolute'}, weight_decay_exclude={list(no_decay)})"
+                )
             center = w8a8.W8A8Center(model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None)
             check(center.views)
             self._es_center = cpu_patch.RepackingCenter(center, model)
@@ -161,8 +181,20 @@ class ESWorkerExtension:
         device = views[0].tensor.device
         if master not in ("float32", "weights"):
             raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
+        scales = None
+        if sigma_scales is not None:
+            missing = [v.name for v in views if v.name not in sigma_scales]
+            if missing:
+                raise ValueError(f"sigma_scales has no scale for {len(missing)} selected parameters ({missing[:4]})")
+            scales = [sigma_scales[v.name] for v in views]
         center = CenterStore(
-            views, master_dtype=torch.float32 if master == "float32" else None, pin=device.type == "cuda"
+            views,
+            master_dtype=torch.float32 if master == "float32" else None,
+            pin=device.type == "cuda",
+            noise=noise,
+            optimizer=optimizer,
+            sigma_scales=scales,
+            no_decay=list(no_decay),
         )
         self._es_center = cpu_patch.RepackingCenter(center, model)
         rank, tp = self._es_rank()
@@ -217,35 +249,45 @@ class ESWorkerExtension:
         )
         self._es_sync()
 
+    def _es_pieces(self) -> list:
+        """This rank's center pieces: a ParamView per entry of the center's state dict, with the Block of the
+        view it belongs to (centers, then optimizer slots ``optim.<slot>/<name>`` with their parameter's
+        Block, then ``optim.step``; see ``CenterStore.state_views``).  The W8A8 center: its views' centers."""
+        from espert.params import ParamView
+
+        c = self._es_require()
+        state_views = getattr(c, "state_views", None)
+        if state_views is not None:
+            return state_views()
+        return [ParamView(v.name, t, v.block) for v, t in zip(c.views, c.centers)]
+
     def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
         """This rank's center pieces ``(logical name, packed tensor, block tuple)`` in one message; see
         params.assemble.  Small models and tests; checkpoints stream with :meth:`es_center_chunk`."""
         from espert.vllm.params import block_to_tuple, pack_tensor
 
-        c = self._es_require()
-        return [(v.name, pack_tensor(t), block_to_tuple(v.block)) for v, t in zip(c.views, c.centers)]
+        return [(p.name, pack_tensor(p.tensor), block_to_tuple(p.block)) for p in self._es_pieces()]
 
     def es_center_layout(self) -> list[tuple[str, list, tuple | None, str]]:
         """``(logical name, local shape, block tuple, dtype name)`` of this rank's center pieces."""
         from espert.vllm.params import block_to_tuple
 
-        c = self._es_require()
         return [
-            (v.name, list(t.shape), block_to_tuple(v.block), str(t.dtype).removeprefix("torch."))
-            for v, t in zip(c.views, c.centers)
+            (p.name, list(p.tensor.shape), block_to_tuple(p.block), str(p.tensor.dtype).removeprefix("torch."))
+            for p in self._es_pieces()
         ]
 
     def es_center_chunk(self, k: int, chunk_bytes: int) -> tuple[int, int, int, bytes] | None:
         """The k-th chunk of this rank's center, ``(piece index, flat start, stop, raw bytes)`` of at most
         ``chunk_bytes`` bytes, or None past the end (see :mod:`espert.vllm.stream`)."""
+        from espert.vllm.params import bits
         from espert.vllm.stream import chunk_plan
 
-        centers = self._es_require().centers
-        plan = chunk_plan([t.numel() for t in centers], [t.element_size() for t in centers], int(chunk_bytes))
+        ts = [p.tensor for p in self._es_pieces()]
+        plan = chunk_plan([t.numel() for t in ts], [t.element_size() for t in ts], int(chunk_bytes))
         for j, (i, a, b) in enumerate(plan):
             if j == k:
-                t = centers[i].reshape(-1)[a:b]
-                return i, a, b, t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy().tobytes()
+                return i, a, b, bits(ts[i].reshape(-1)[a:b]).numpy().tobytes()
         return None
 
     def es_live_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
@@ -256,15 +298,16 @@ class ESWorkerExtension:
         return [(v.name, pack_tensor(v.tensor), block_to_tuple(v.block)) for v in c.views]
 
     def es_load_center(self, state: dict) -> None:
-        """Replace the center from full logical tensors (name -> tensor, or ``pack_tensor`` form); each rank
-        takes its blocks."""
+        """Replace the center (and optimizer state) from full logical tensors (name -> tensor, or
+        ``pack_tensor`` form), the entries of :meth:`es_center_layout`; each rank takes its blocks."""
         from espert.vllm.params import split_logical, unpack_tensor
 
         c = self._es_require()
+        pieces = self._es_pieces()
         state = {k: unpack_tensor(v) for k, v in state.items()}
-        local = split_logical(c.views, state)
-        local = {k: v.to(dtype=t.dtype) if v.dtype != t.dtype else v for (k, v), t in zip(local.items(), c.centers)}
-        c.load_state_dict({k: v.contiguous() for k, v in local.items()})
+        local = split_logical(pieces, state)
+        local = {p.name: local[p.name].to(dtype=p.tensor.dtype).contiguous() for p in pieces}
+        c.load_state_dict(local)
         self._es_sync()
 
     def es_checksum(self) -> dict:
