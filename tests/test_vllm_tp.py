@@ -78,3 +78,55 @@ def test_tp2_multiprocess_matches_transformers(ev, tiny_dir):
     )
     sums = ev.checksum()
     assert [s["rank"] for s in sums] == [0, 1]
+
+
+def test_tp2_loop_fields_give_the_torch_centers(ev, tiny_dir):
+    """noise lowrank:3, adam, sigma_mode rms and decay exclusions at TP=2: each rank updates its shards of q/k/v,
+    gate/up, o/down and the vocabulary with the scale of the whole logical tensor (computed once from the
+    checkpoint), and the reassembled centers and optimizer slots equal the torch evaluator's bit for bit."""
+    from espert.es import ESConfig, apply_record
+    from espert.evaluators import config_center, load_model
+    from espert.evaluators.torch_model import optimizer_spec, rms_scales
+    from espert.params import torch_param_views
+    from espert.vllm import VLLMEvaluator
+    from espert.vllm.stream import checkpoint_rms_scales
+
+    cfg = ESConfig(
+        noise="lowrank:3",
+        optimizer="adam",
+        sigma_mode="rms",
+        weight_decay=0.5,
+        alpha=0.02,
+        weight_decay_exclude=["norm", "bias"],
+    )
+    model, _ = load_model(tiny_dir)
+    scales = checkpoint_rms_scales(tiny_dir, cfg.dtype)
+    views = torch_param_views(model)
+    assert [scales[v.name] for v in views] == rms_scales(views)  # the torch evaluator's scales, exactly
+    host = config_center(model, cfg)
+    vev = VLLMEvaluator(
+        ev.llm,
+        ev.score,
+        noise=cfg.noise,
+        optimizer=optimizer_spec(cfg),
+        sigma_scales=scales,
+        no_decay=cfg.weight_decay_exclude,
+    )
+    start = vev.center_state()
+    try:
+        for t, seeds in enumerate(([11, 12, 13], [14, 15], [16]), 1):
+            rec = {"seeds": seeds, "coeffs": [0.03 / t] * len(seeds), "decay": 0.99, "alpha": 0.02}
+            apply_record(vev, rec)
+            apply_record(host, rec)
+        got, want = vev.center_state(), host.state_dict()
+        assert sorted(got) == sorted(want) and got["optim.step"].tolist() == [3]
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        vev.perturb(99, 0.05, 1)
+        host.perturb(99, 0.05, 1)
+        live = vev.live_state()
+        for v in host.views:
+            assert torch.equal(live[v.name], v.tensor), v.name
+    finally:
+        vev.load_center(start)
+        ev.rpc("es_setup")

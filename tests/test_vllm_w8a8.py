@@ -225,6 +225,21 @@ def test_es_iterations_update_codes_like_quant_center_store(ev, model):
         assert torch.equal(c, model[1][k].qweight), k
 
 
+def test_w8a8_refuses_the_float_loop_fields(ev):
+    """The W8A8 center moves int8 codes with gaussian noise and sgd only: other loop fields fail at setup with
+    one clear error, and the engine keeps the center it had."""
+    before = ev.checksum()
+    for kw, what in (
+        ({"optimizer": {"name": "adam"}}, "optimizer='adam'"),
+        ({"noise": "rademacher"}, "noise='rademacher'"),
+        ({"sigma_scales": {}}, "sigma_mode=rms"),
+        ({"no_decay": ["norm"]}, r"weight_decay_exclude=\['norm'\]"),
+    ):
+        with pytest.raises(ValueError, match=f"W8A8 int8 models take noise=gaussian.*{what}"):
+            ev.rpc("es_setup", **kw)
+    assert ev.checksum() == before
+
+
 def test_unsupported_variants_raise():
     from espert.vllm.params import LayoutError
     from espert.vllm.w8a8 import W8A8Center, _unsupported
