@@ -230,3 +230,33 @@ def test_bfloat16_live_weights_resume_and_replay(tmp_path):
     state, _ = center(a)
     assert all(v.dtype == torch.float32 for v in state.values())
     assert runs.replay(a, str(tmp_path / "r"), echo=None)["matches_checkpoint"] is True
+
+
+def test_vllm_adam_run_resumes_and_replays_bit_identically(tmp_path, monkeypatch):
+    """evaluator: vllm with adam, rademacher noise, sigma_mode rms and decay exclusions: the checkpoint holds the
+    optimizer state the workers keep (``optim.*``), a run crashed after a checkpoint resumes bit-identically to
+    an uninterrupted one, and replay (the torch center) rebuilds its checkpoint exactly."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: faster to start
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = ESConfig(
+        **{
+            **SMALL,
+            "evaluator": "vllm",
+            "vllm_max_model_len": 64,
+            "iterations": 4,
+            "optimizer": "adam",
+            "noise": "rademacher",
+            "sigma_mode": "rms",
+        }
+    )
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train(cfg, a, progress=False, echo=None)
+    with pytest.raises(Crash):
+        train(cfg, b, progress=False, echo=None, hook=crash_at(3, "updated"))  # after iteration 2's checkpoint
+    assert center(b)[1] == 2
+    train(cfg, b, resume=True, progress=False, echo=None)
+    assert_same_run(a, b, iterations=4)
+    state, _ = center(a)
+    assert state["optim.step"].tolist() == [4] and any(k.startswith("optim.v/") for k in state)
+    assert runs.replay(b, str(tmp_path / "r"), echo=None)["matches_checkpoint"] is True
