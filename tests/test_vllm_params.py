@@ -177,6 +177,40 @@ def test_kv_replicas_share_noise_and_split_logical_roundtrip():
             assert local[v.name].shape == v.tensor.shape
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_loop_fields_and_optimizer_pieces_equal_the_logical_center(tp):
+    """What the worker does with the loop fields, without vLLM: every rank's CenterStore over its fused, sharded
+    pieces (noise lowrank:2, adam, per-tensor σ scales of the whole tensors by name, decay exclusions by logical
+    name) gives, reassembled from ``state_views`` (centers, optimizer slots with their parameter's block,
+    ``optim.step``), the logical center's state dict bit for bit; split back, it loads into fresh ranks."""
+    from espert.evaluators.torch_model import tensor_rms
+
+    full = logical_model(torch.Generator().manual_seed(5))
+    scales = {n: tensor_rms(t) for n, t in full.items()}
+    loop = dict(noise="lowrank:2", optimizer="adam", no_decay=["*layernorm*", "bias"])
+    logical = [ParamView(n, t.clone()) for n, t in full.items()]
+    ref = CenterStore(logical, sigma_scales=[scales[v.name] for v in logical], **loop)
+    shards = [vllm_shards(full, r, tp) for r in range(tp)]
+    ranks = []
+    for r, (live, vr) in enumerate(shards):
+        views = rank_views(live, r, tp, vr)
+        ranks.append(CenterStore(views, sigma_scales=[scales[v.name] for v in views], **loop))
+    for t, seeds in enumerate(([3, 4, 5], [6], [7, 8]), 1):
+        for c in [ref, *ranks]:
+            c.update(seeds, [0.02 / t] * len(seeds), 0.95, lr=0.01)
+    want = ref.state_dict()
+    got = assemble([[(p.name, p.tensor, block_to_tuple(p.block)) for p in c.state_views()] for c in ranks])
+    assert sorted(got) == sorted(want) and got["optim.step"].tolist() == [3]
+    for n, w in want.items():
+        assert torch.equal(got[n], w), n
+    assert not torch.equal(want[f"{P}.input_layernorm.weight"], full[f"{P}.input_layernorm.weight"])
+    for r, (live, vr) in enumerate(shards):  # load: each rank takes its blocks of the logical state
+        fresh = CenterStore(rank_views(live, r, tp, vr), sigma_scales=ranks[r].sigma_scales, **loop)
+        fresh.load_state_dict({k: v.contiguous() for k, v in split_logical(fresh.state_views(), want).items()})
+        for a, b in zip(fresh.state_views(), ranks[r].state_views()):
+            assert torch.equal(a.tensor, b.tensor), a.name
+
+
 def test_assemble_rejects_disagreeing_replicas_and_gaps():
     a = torch.ones(2, 4)
     blk = (0, 0, 2, 4)
@@ -187,8 +221,8 @@ def test_assemble_rejects_disagreeing_replicas_and_gaps():
 
 
 def test_pack_roundtrip():
-    for dt in (torch.float32, torch.bfloat16, torch.float16):
-        t = torch.randn(3, 5).to(dt)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        t = (torch.randn(3, 5) * 1000).to(dt)
         assert torch.equal(unpack_tensor(pack_tensor(t)), t)
 
 

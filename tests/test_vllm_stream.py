@@ -82,7 +82,7 @@ def test_a_checkpoint_pulls_the_center_once(ev):
     try:
         c = ev.center_state()
         e = ev.export_state()
-        assert calls.count("es_center_layout") == 1 and e is c
+        assert calls.count("es_center_layout") == 1 and e.keys() == c.keys() and all(e[k] is c[k] for k in c)
         ev.perturb(1, 0.01, 1)
         ev.restore()
         ev.export_state()  # a weight changed in between: a fresh pull

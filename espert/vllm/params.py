@@ -381,8 +381,8 @@ def block_slices(shape: Sequence[int], block: Block | None) -> tuple[slice, ...]
     return (slice(block.row_offset, block.row_offset + shape[0]), slice(block.col_offset, block.col_offset + shape[1]))
 
 
-#: dtypes of center pieces: the floats, and int64 for the optimizer's step counter (``optim.step``).
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+#: dtype name -> dtype of center pieces: the floats, and int64 for the optimizer's step (``optim.step``).
+PIECE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
 
@@ -396,7 +396,7 @@ def pack_tensor(t: torch.Tensor) -> list:
     ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (which would otherwise turn nested tensors into lists)."""
     t = t.detach().to("cpu").contiguous()
     name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in PIECE_DTYPES:
         raise TypeError(f"cannot pack dtype {t.dtype}")
     return [name, list(t.shape), bits(t).numpy().tobytes()]
 
@@ -406,7 +406,7 @@ def unpack_tensor(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     name, shape, raw = x
-    dt = _DTYPES[name]
+    dt = PIECE_DTYPES[name]
     buf = bytearray(raw)
     if not buf:
         return torch.empty(tuple(shape), dtype=dt)

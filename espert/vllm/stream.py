@@ -27,12 +27,11 @@ from typing import Callable
 
 import torch
 
-from espert.vllm.params import bits, logical_shape, tuple_to_block
+from espert.vllm.params import PIECE_DTYPES, bits, logical_shape, tuple_to_block
 
 #: Default chunk: 64 MiB.
 CHUNK_BYTES = 64 << 20
 
-_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 
 
@@ -101,12 +100,12 @@ def write_center(
     """
     layouts = _layouts(rpc)
     logical = _logical(layouts)
-    order = sorted(logical, key=lambda n: (-_DT[logical[n][1]].itemsize, n))
+    order = sorted(logical, key=lambda n: (-PIECE_DTYPES[logical[n][1]].itemsize, n))
     header: dict = {"__metadata__": dict(sorted((metadata or {}).items()))} if metadata else {}
     off, base = 0, {}
     for name in order:
         shape, dt = logical[name]
-        n = _DT[dt].itemsize * int(torch.Size(shape).numel())
+        n = PIECE_DTYPES[dt].itemsize * int(torch.Size(shape).numel())
         header[name] = {"dtype": _ST[dt], "shape": list(shape), "data_offsets": [off, off + n]}
         base[name] = off
         off += n
@@ -123,7 +122,7 @@ def write_center(
                     continue
                 i, a, b, raw = g
                 name, shape, bt, dt = layouts[rank][i]
-                e = _DT[dt].itemsize
+                e = PIECE_DTYPES[dt].itemsize
                 view = memoryview(raw)
                 for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
                     f.seek(start + base[name] + lo * e)
@@ -143,7 +142,7 @@ def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torc
     """The workers' center as logical tensors (host), filled chunk by chunk; replicated pieces must agree."""
     layouts = _layouts(rpc)
     logical = _logical(layouts)
-    out = {n: torch.empty(s, dtype=_DT[dt]) for n, (s, dt) in logical.items()}
+    out = {n: torch.empty(s, dtype=PIECE_DTYPES[dt]) for n, (s, dt) in logical.items()}
     seen = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.bool) for n, (s, _) in logical.items()}
     for got in _chunks(rpc, chunk_bytes):
         for rank, g in enumerate(got):
@@ -151,7 +150,11 @@ def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torc
                 continue
             i, a, b, raw = g
             name, shape, bt, dt = layouts[rank][i]
-            src = torch.frombuffer(bytearray(raw), dtype=_DT[dt]) if b > a else torch.empty(0, dtype=_DT[dt])
+            src = (
+                torch.frombuffer(bytearray(raw), dtype=PIECE_DTYPES[dt])
+                if b > a
+                else torch.empty(0, dtype=PIECE_DTYPES[dt])
+            )
             flat, cov = out[name].view(-1), seen[name]
             for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
                 piece, dst = src[s0 - a : s1 - a], flat[lo : lo + (s1 - s0)]

@@ -159,7 +159,8 @@ class ESWorkerExtension:
                 raise ValueError(
                     f"W8A8 int8 models take noise=gaussian, optimizer=sgd, sigma_mode=absolute and no "
                     f"weight_decay_exclude (got noise={noise!r}, optimizer={loop[1]!r}, "
-                    f"sigma_mode={'rms' if loop[2] else 'absolute'}, weight_decay_exclude={list(no_decay)})"
+                    f"sigma_mode={'rms' if loop[2] else 'absolute'}, weight_decay_exclude={list(no_decay)}; "
+                    f"with weight_decay, set weight_decay_exclude: [] to decay every moved tensor)"
                 )
             center = w8a8.W8A8Center(model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None)
             check(center.views)
