@@ -134,8 +134,7 @@ def test_maj_subsets_has_less_order_dependence_than_first_k():
 
 
 def test_maj_votes_over_equivalence_classes():
-    from espert.eval.metrics import answer_classes
-    from espert.tasks.rewards import answer_equivalence
+    from espert.tasks.rewards import answer_classes, answer_equivalence
 
     # three correct samples in three spellings against two wrong "7": strings lose, classes win
     ext = ["\\frac{1}{2}", "0.5", "1/2", "7", "7"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from ..tasks.rewards import answer_classes
 from .metrics import (
     ACC_BIN_LABELS,
     MAJ_METHODS,
     SOLVE_RULES,
     accuracy_bin,
-    answer_classes,
     answer_entropy,
     k_values,
     maj_at_k,

@@ -26,7 +26,7 @@ import threading
 from collections import Counter
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # --------------------------------------------------------------------------- GSM8K
 
@@ -388,6 +388,35 @@ def answer_equivalence(task_name: Optional[str]):
     except ValueError:
         return None
     return ANSWER_EQUIVALENCE.get(key)
+
+
+def answer_classes(
+    extracted: Sequence[Optional[str]], equivalent: Optional[Callable[[str, str], bool]] = None
+) -> list[Optional[int]]:
+    """Equivalence-class label (0, 1, ...) of each sample's extracted answer; ``None`` stays ``None``.
+
+    Identical strings always share a class.  With ``equivalent(a, b) -> bool`` (the task's own
+    equivalence, see :func:`answer_equivalence`) a new string joins the class of
+    the first earlier class representative it is equivalent to, so ``\\frac{1}{2}``, ``0.5`` and
+    ``1/2`` are one answer on MATH.  Each distinct string is compared once per class (not per sample).
+    """
+    reps: list[str] = []
+    label_of: dict[str, int] = {}
+    out: list[Optional[int]] = []
+    for a in extracted:
+        if a is None:
+            out.append(None)
+            continue
+        if a not in label_of:
+            lab = None
+            if equivalent is not None:
+                lab = next((j for j, r in enumerate(reps) if equivalent(r, a)), None)
+            if lab is None:
+                reps.append(a)
+                lab = len(reps) - 1
+            label_of[a] = lab
+        out.append(label_of[a])
+    return out
 
 
 # --------------------------------------------------------------------------- copy
