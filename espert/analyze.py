@@ -541,7 +541,8 @@ def run_diagnostics(run_dir: str) -> dict:
     Recomputed from the logged members and rewards (so older runs work too); FLOPs come from the
     ``diagnostics`` the loop logged, when present.  Returns ``{"iterations": [...], "rows": [...]}``,
     one row per iteration with ``corr_pm``, ``kappa``, ``kappa_eval``, ``reward_std``,
-    ``reward_range`` and ``flops_total``, plus ``heldout`` [(t, mean)].
+    ``reward_range``, and from the logged diagnostics ``answer_js`` (bits) and ``flops_total`` (None
+    when not logged), plus ``heldout`` [(t, mean)].
     """
     from espert.diagnostics import antithetic_stats, reward_spread
     from espert.runs import LOG, iteration_records, read_log
@@ -563,6 +564,7 @@ def run_diagnostics(run_dir: str) -> dict:
                 "kappa_eval": a["kappa_eval"],
                 "reward_std": sp["std"],
                 "reward_range": sp["range"],
+                "answer_js": (logged.get("answers") or {}).get("js"),
                 "flops_total": logged.get("flops_total"),
             }
         )
@@ -586,7 +588,8 @@ def format_run_diagnostics(res: dict) -> str:
         lines.append(
             f"  {name}: Corr(X+,X-) {f(_mean(r['corr_pm'] for r in part))}, "
             f"kappa {f(_mean(r['kappa'] for r in part))}, kappa_eval {f(_mean(r['kappa_eval'] for r in part))}, "
-            f"reward std {f(_mean(r['reward_std'] for r in part))}"
+            f"reward std {f(_mean(r['reward_std'] for r in part))}, "
+            f"answer JS {f(_mean(r['answer_js'] for r in part))} bits"
         )
     tot = rows[-1]["flops_total"]
     lines.append(f"  forward FLOPs (cumulative): {'not logged' if tot is None else f'{tot:.3e}'}")
@@ -594,8 +597,9 @@ def format_run_diagnostics(res: dict) -> str:
 
 
 def plot_run_diagnostics(res: dict, out_dir: str) -> str:
-    """``estimator.png``: Corr(X+,X-), kappa, reward spread and held-out reward per iteration
-    (x: cumulative FLOPs when logged, else iterations)."""
+    """``estimator.png``: Corr(X+,X-), kappa, population diversity (reward spread; answer JS in bits on
+    a right axis, when logged) and held-out reward per iteration (x: cumulative FLOPs when logged,
+    else iterations)."""
     from espert.eval.plots import pyplot, save_figure
 
     plt = pyplot()
@@ -612,8 +616,15 @@ def plot_run_diagnostics(res: dict, out_dir: str) -> str:
     ax = axes[1]
     ax.plot(x, [np.nan if r["reward_std"] is None else r["reward_std"] for r in rows], label="std")
     ax.plot(x, [np.nan if r["reward_range"] is None else r["reward_range"] for r in rows], label="max - min")
-    ax.set_title("population reward spread")
-    ax.legend(fontsize=8)
+    ax.set_title("population diversity")
+    ax.set_ylabel("reward spread")
+    ax.legend(fontsize=8, loc="upper left")
+    if any(r["answer_js"] is not None for r in rows):
+        js = ax.twinx()
+        js.plot(x, [np.nan if r["answer_js"] is None else r["answer_js"] for r in rows], "k--", label="answer JS")
+        js.set_ylabel("answer JS divergence (bits)")
+        js.set_ylim(bottom=0)
+        js.legend(fontsize=8, loc="upper right")
     ax = axes[2]
     it_to_x = {r["iteration"]: xx for r, xx in zip(rows, x)}
     it_to_x[0] = 0.0 if use_flops else 0
@@ -684,7 +695,7 @@ def _write_json(path: str, obj) -> None:
 def add_subcommands(p: argparse.ArgumentParser) -> None:
     """``espert analyze run`` and ``espert analyze estimator`` (drift stays the flag-only default)."""
     sub = p.add_subparsers(dest="analyze_command", metavar="SUBCOMMAND")
-    r = sub.add_parser("run", help="estimator diagnostics of a training run (Corr(X+,X-), kappa, spread, FLOPs)")
+    r = sub.add_parser("run", help="estimator diagnostics of a training run (Corr(X+,X-), kappa, spread, answer JS, FLOPs)")
     r.add_argument("run_dir", metavar="RUN_DIR")
     r.add_argument("--plot-dir", metavar="DIR", help="write estimator.png here")
     r.add_argument("--json", metavar="FILE")

@@ -16,6 +16,7 @@ from espert import ops
 from espert.center import CenterStore
 from espert.noise import param_key
 from espert.params import ParamView
+from espert.tasks.rewards import answer_classes
 
 KEY = param_key("diagnostics.weight")
 
@@ -194,35 +195,59 @@ def js_divergence(distributions) -> float:
     return max(0.0, float(h(mix) - sum(h(p) for p in ps) / len(ps)))
 
 
-def population_js(member_answers) -> float | None:
-    """Mean over prompts of the JS divergence between members' answer distributions on that prompt.
+def population_js(member_answers, equivalent=None) -> dict:
+    """Answer diversity of a population on shared prompts: generalized JS divergence (bits) per prompt, averaged.
 
-    ``member_answers[m][p]``: the answers (a list of strings; several when sampled, ``None``
-    abstains) of member m on prompt p.  All members must answer the same prompts.
+    ``member_answers[m][p]``: member m's extracted answer (``str``; ``None``: nothing extracted or
+    the member failed) on prompt p, one per member and prompt (greedy decoding).  Per prompt the
+    answers are grouped into the task's equivalence classes (:func:`espert.tasks.rewards.answer_classes`
+    with ``equivalent``, e.g. ``answer_equivalence(task.name)``); each answering member's distribution
+    is a point mass on its class, so :func:`js_divergence` of them is the entropy of the class
+    histogram, in ``[0, log2(answering members)]``.  Prompts with fewer than two answering members are
+    left out.  Returns ``{"js": mean over the counted prompts (None: none counted), "prompts": how
+    many were counted, "abstain": fraction of (member, prompt) answers that are None}``.
     """
-    from collections import Counter
-
     if not member_answers:
-        return None
+        return {"js": None, "prompts": 0, "abstain": None}
     n_prompts = len(member_answers[0])
     if any(len(m) != n_prompts for m in member_answers):
         raise ValueError("every member must answer the same prompts")
-    vals = [
-        js_divergence([Counter(a for a in m[p] if a is not None) for m in member_answers]) for p in range(n_prompts)
-    ]
-    return float(np.mean(vals)) if vals else None
+    vals, abstain = [], 0
+    for p in range(n_prompts):
+        labels = answer_classes([m[p] for m in member_answers], equivalent)
+        answered = [{lab: 1} for lab in labels if lab is not None]
+        abstain += len(labels) - len(answered)
+        if len(answered) >= 2:
+            vals.append(js_divergence(answered))
+    total = n_prompts * len(member_answers)
+    return {
+        "js": float(np.mean(vals)) if vals else None,
+        "prompts": len(vals),
+        "abstain": abstain / total if total else None,
+    }
 
 
 def iteration_diagnostics(
-    rec: dict, n_params: int | None = None, tokens: int | None = None, flops_before: float = 0.0
+    rec: dict,
+    n_params: int | None = None,
+    tokens: int | None = None,
+    flops_before: float = 0.0,
+    member_answers=None,
+    equivalent=None,
 ) -> dict:
     """Per-iteration diagnostics of an ``iter`` log record: :func:`antithetic_stats` (antithetic runs),
-    :func:`reward_spread`, and, when ``n_params`` and ``tokens`` (processed this iteration) are known,
+    :func:`reward_spread`, when ``member_answers`` ([member][prompt], in the record's member order)
+    are given their :func:`population_js` as ``answers`` (``equivalent``: the task's answer
+    equivalence), and, when ``n_params`` and ``tokens`` (processed this iteration) are known,
     ``flops`` and the cumulative ``flops_total`` (``flops_before`` + this iteration)."""
     members, rewards = rec["members"], rec["rewards"]
     out = {"spread": reward_spread(rewards)}
     if any(sign < 0 for _, sign in members):
         out["antithetic"] = antithetic_stats(members, rewards)
+    if member_answers is not None:
+        if len(member_answers) != len(members):
+            raise ValueError(f"member_answers has {len(member_answers)} members, the iteration {len(members)}")
+        out["answers"] = population_js(member_answers, equivalent)
     if n_params is not None and tokens is not None:
         f = forward_flops(n_params, tokens)
         out.update(tokens=int(tokens), flops=f, flops_total=float(flops_before) + f)
@@ -268,17 +293,20 @@ def estimator_variance(
 
 
 class IterationMeter:
-    """Per-iteration diagnostics for the training loop, with cumulative forward FLOPs.
+    """Per-iteration diagnostics for the training loop, with cumulative forward FLOPs and answer diversity.
 
     FLOPs need the evaluator's processed-token counter (``tokens_processed``: prompt plus generated
     tokens of every rollout so far, kept by the torch evaluator) and the model's parameter count;
-    evaluators without them log no FLOPs.  ``records``: the run's earlier ``iter`` records, so a
-    resumed run continues the cumulative sum.
+    evaluators without them log no FLOPs.  Answer diversity needs the evaluator's ``member_answers``
+    (the extracted answers of its last ``evaluate``; evaluators built with the task's ``extract``),
+    grouped by ``equivalent`` (the task's answer equivalence; None: identical strings).
+    ``records``: the run's earlier ``iter`` records, so a resumed run continues the cumulative sum.
     """
 
-    def __init__(self, evaluator, records=()):
+    def __init__(self, evaluator, records=(), equivalent=None):
         model = getattr(evaluator, "model", None)
         self.evaluator = evaluator
+        self.equivalent = equivalent
         self.n_params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.tokens_seen = None
         last = [r.get("diagnostics") or {} for r in records]
@@ -289,9 +317,11 @@ class IterationMeter:
         self.tokens_seen = getattr(self.evaluator, "tokens_processed", None)
 
     def __call__(self, rec: dict) -> dict:
-        """:func:`iteration_diagnostics` of ``rec`` with the tokens processed since :meth:`start`."""
+        """:func:`iteration_diagnostics` of ``rec`` with the tokens processed since :meth:`start` and the
+        evaluator's ``member_answers`` (those of the iteration's ``evaluate``)."""
         now = getattr(self.evaluator, "tokens_processed", None)
         tokens = None if now is None or self.tokens_seen is None else now - self.tokens_seen
-        out = iteration_diagnostics(rec, self.n_params, tokens, self.flops_total)
+        answers = getattr(self.evaluator, "member_answers", None)
+        out = iteration_diagnostics(rec, self.n_params, tokens, self.flops_total, answers, self.equivalent)
         self.flops_total = out.get("flops_total", self.flops_total)
         return out

@@ -163,6 +163,9 @@ def iteration_metrics(rec: dict) -> dict:
     """The scalar metrics of an ``iter`` record (what trackers receive)."""
     m = {f"reward/{k}": v for k, v in rec["reward"].items() if v is not None}
     m.update({k: rec[k] for k in ("sigma", "alpha", "step_norm", "eval_seconds") if rec.get(k) is not None})
+    js = ((rec.get("diagnostics") or {}).get("answers") or {}).get("js")
+    if js is not None:
+        m["answers/js"] = js
     return m
 
 
@@ -233,10 +236,11 @@ def train(
                 f"held-out evaluation is off"
             )
         from espert.evaluators import build_evaluator
+        from espert.tasks.rewards import answer_equivalence
 
-        evaluator = build_evaluator(cfg, run.base_path, train_task.score)
+        evaluator = build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
         energy = noise_energy(evaluator)
-        meter = IterationMeter(evaluator, run.iterations())
+        meter = IterationMeter(evaluator, run.iterations(), answer_equivalence(train_task.name))
         start = run.restore(evaluator)
         T = cfg.iterations
         if start > T:
@@ -253,7 +257,7 @@ def train(
             def write_ahead(rec: dict) -> None:
                 rec["prompt_indices"] = idx
                 rec["time"] = time.time()
-                rec["diagnostics"] = meter(rec)  # Corr(X+,X-), kappa, reward spread, cumulative FLOPs
+                rec["diagnostics"] = meter(rec)  # Corr(X+,X-), kappa, reward spread, answer JS, cumulative FLOPs
                 run.append(rec)
                 if hook:
                     hook(rec["iteration"], "logged")

@@ -68,9 +68,42 @@ def test_js_divergence_known_values():
     assert dg.js_divergence([{"a": 1}, {"b": 1}, {"c": 1}, {"d": 1}]) == pytest.approx(2.0)
     # two members, each 50/50 over {a,b} vs {a,c}: H(mix) = 1.5, mean H = 1 -> 0.5 bit
     assert dg.js_divergence([{"a": 1, "b": 1}, {"a": 1, "c": 1}]) == pytest.approx(0.5)
-    assert dg.population_js([[["a"], ["x"]], [["b"], ["x"]]]) == pytest.approx(0.5)  # 1 bit, 0 bit
+
+
+def test_population_js_known_values():
+    # member_answers[member][prompt]; every member answers alike -> 0
+    same = dg.population_js([["7", "x"]] * 8)
+    assert same == {"js": 0.0, "prompts": 2, "abstain": 0.0}
+    # N members with pairwise different answers on every prompt -> the maximum log2(N)
+    for n in (2, 4, 8):
+        assert dg.population_js([[f"a{m}", f"b{m}"] for m in range(n)])["js"] == pytest.approx(np.log2(n))
+    # by hand, 4 members: prompt 0 answers a,a,b,c: H(1/2,1/4,1/4) = 1.5 bits; prompt 1 x,x,x and one
+    # abstention: 0; prompt 2 only one answering member: left out.  Mean over 2 prompts = 0.75 bits
+    res = dg.population_js([["a", "x", None], ["a", "x", None], ["b", "x", None], ["c", None, "y"]])
+    assert res["js"] == pytest.approx(0.75) and res["prompts"] == 2 and res["abstain"] == pytest.approx(4 / 12)
+    assert dg.population_js([[None], ["a"]]) == {"js": None, "prompts": 0, "abstain": 0.5}
     with pytest.raises(ValueError, match="same prompts"):
-        dg.population_js([[["a"]], [["a"], ["b"]]])
+        dg.population_js([["a"], ["a", "b"]])
+
+
+def test_population_js_counts_equivalent_answers_as_one():
+    from espert.tasks.rewards import answer_equivalence
+
+    members = [["0.5"], ["1/2"], ["0.50"], ["2"]]
+    # GSM8K: 0.5 = 1/2 = 0.50, so 3:1 -> H(3/4, 1/4) = 0.811 bits; as strings 4 answers -> 2 bits
+    h = -(0.75 * np.log2(0.75) + 0.25 * np.log2(0.25))
+    assert dg.population_js(members, answer_equivalence("gsm8k"))["js"] == pytest.approx(h)
+    assert dg.population_js(members)["js"] == pytest.approx(2.0)
+    assert dg.population_js([["\\frac{1}{2}"], ["0.5"]], answer_equivalence("math500"))["js"] == 0.0
+
+
+def test_population_js_is_the_js_of_the_members_prompt_answer_distributions():
+    # docs/eval.md: with every member answering, the mean over prompts of the per-prompt JS equals the
+    # generalized JS of each member's distribution over (prompt, answer) pairs, uniform over prompts
+    rng = np.random.default_rng(3)
+    answers = rng.integers(0, 3, size=(6, 10)).astype(str).tolist()
+    joint = [{(p, a): 1 for p, a in enumerate(m)} for m in answers]
+    assert dg.population_js(answers)["js"] == pytest.approx(dg.js_divergence(joint), abs=1e-12)
 
 
 def test_flops_and_iteration_diagnostics():
@@ -198,35 +231,65 @@ def test_analyze_run_on_a_logged_run(tmp_path, capsys):
     assert os.path.getsize(tmp_path / "p" / "estimator.png") > 0
     assert an.main(["run", str(tmp_path / "nope")]) == 2
     assert "no run log" in capsys.readouterr().err
+    assert "answer JS n/a bits" in out  # a log written before answer diversity was logged
+    # a run resumed by a version that logs answer diversity: iterations 3-5 have it
+    recs = [json.loads(line) for line in open(d / LOG)]
+    with open(d / LOG, "w") as f:
+        for r in recs:
+            if r.get("iteration", 0) >= 3 and r["kind"] == "iter":
+                r["diagnostics"]["answers"] = {"js": 0.1 * r["iteration"], "prompts": 4, "abstain": 0.0}
+            f.write(json.dumps(r) + "\n")
+    res = an.run_diagnostics(str(d))
+    assert [r["answer_js"] for r in res["rows"]] == [None, None, pytest.approx(0.3), pytest.approx(0.4), 0.5]
+    assert an.main(["run", str(d), "--plot-dir", str(tmp_path / "p2")]) == 0
+    out = capsys.readouterr().out
+    assert "first half: " in out and "answer JS n/a bits" in out and "answer JS 0.400 bits" in out
+    assert os.path.getsize(tmp_path / "p2" / "estimator.png") > 0
 
 
 def test_training_logs_per_iteration_diagnostics(tmp_path):
     from espert.config import ESConfig
-    from espert.runs import LOG, iteration_records, read_log
-    from espert.trainer import train
+    from espert.evaluators.torch_model import build
+    from espert.runs import BASE, LOG, iteration_records, read_log
+    from espert.tasks import load_task
+    from espert.tasks.rewards import answer_equivalence
+    from espert.trainer import iteration_metrics, train
 
     d = str(tmp_path / "run")
-    train(
-        ESConfig(iterations=2, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0),
-        d,
-        progress=False,
-        echo=None,
-    )
+    cfg = ESConfig(iterations=2, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0)
+    train(cfg, d, progress=False, echo=None)
     recs = iteration_records(read_log(os.path.join(d, LOG)))
     assert len(recs) == 2
     n_params = 83_648  # the tiny model
     total = 0.0
+    answers = []
     for rec in recs:
-        diag = rec["diagnostics"]
+        diag = dict(rec["diagnostics"])
+        answers.append(diag.pop("answers"))  # from the members' answers, which the log does not keep: below
         want = dg.iteration_diagnostics(rec, n_params, diag["tokens"], total)
         assert diag == json.loads(json.dumps(want))  # what the log holds is recomputable
+        js = answers[-1]["js"]
+        assert 0.0 <= js <= 2.0 and 1 <= answers[-1]["prompts"] <= 4  # 4 members: at most log2(4) bits
+        assert iteration_metrics(rec)["answers/js"] == js  # what trackers get
         assert diag["antithetic"]["pairs"] == 2 and diag["spread"]["n"] == 4
         # 4 members x 4 prompts: prompts of 6-8 tokens (<s>, 4-6 letters, '>') plus 1-8 generated tokens each
         assert 16 * 7 <= diag["tokens"] <= 16 * (8 + 8)
         total += diag["flops"]
         assert diag["flops_total"] == total
+    # iteration 1 scored members of the base model: scoring them again gives the answers it logged
+    task = load_task(cfg.task, "train", n=cfg.train_size)
+    ev = build(cfg, os.path.join(d, BASE), task.score, task.extract)
+    idx = recs[0]["prompt_indices"]
+    ev.evaluate(
+        [tuple(m) for m in recs[0]["members"]],
+        recs[0]["sigma"],
+        [task.prompts[i] for i in idx],
+        [task.answers[i] for i in idx],
+    )
+    assert answers[0] == dg.population_js(ev.member_answers, answer_equivalence(cfg.task))
     rows = an.run_diagnostics(d)["rows"]
     assert [r["iteration"] for r in rows] == [1, 2] and rows[-1]["flops_total"] == total
+    assert [r["answer_js"] for r in rows] == [a["js"] for a in answers]
     # a resumed run continues the cumulative count
     train(
         ESConfig(iterations=3, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0),
@@ -237,3 +300,26 @@ def test_training_logs_per_iteration_diagnostics(tmp_path):
     )
     third = iteration_records(read_log(os.path.join(d, LOG)))[2]["diagnostics"]
     assert third["flops_total"] == pytest.approx(total + third["flops"], rel=1e-12)
+
+
+def test_answer_diversity_in_the_loop_is_zero_for_identical_members_and_absent_without_answers(tmp_path, monkeypatch):
+    from espert.config import ESConfig
+    from espert.evaluators import EVALUATORS
+    from espert.evaluators.torch_model import build
+    from espert.runs import LOG, iteration_records, read_log
+    from espert.trainer import iteration_metrics, train
+
+    small = dict(iterations=1, population=4, prompts_per_iteration=8, eval_size=0, checkpoint_every=0)
+    # σ so small that every member generates the base model's completions: one answer per prompt
+    d = str(tmp_path / "same")
+    train(ESConfig(sigma=1e-9, **small), d, progress=False, echo=None)
+    (rec,) = iteration_records(read_log(os.path.join(d, LOG)))
+    assert len(set(rec["rewards"])) == 1
+    assert rec["diagnostics"]["answers"]["js"] == 0.0 and rec["diagnostics"]["answers"]["prompts"] >= 1
+    # a third-party builder without ``extract``: its evaluator has no member_answers, the run logs no JS
+    monkeypatch.setitem(EVALUATORS, "no_answers", lambda cfg, model_path, score: build(cfg, model_path, score))
+    d = str(tmp_path / "plain")
+    train(ESConfig(evaluator="no_answers", **small), d, progress=False, echo=None)
+    (rec,) = iteration_records(read_log(os.path.join(d, LOG)))
+    assert "answers" not in rec["diagnostics"] and "spread" in rec["diagnostics"]
+    assert "answers/js" not in iteration_metrics(rec)

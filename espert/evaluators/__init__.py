@@ -2,7 +2,9 @@
 
 ``ESConfig.evaluator`` names one.  Each name maps to the import path of its builder
 ``fn(cfg: ESConfig, model_path: str, score) -> Evaluator``, imported on first use, so importing
-this package costs nothing and an optional engine (vLLM) is only needed when it is chosen.
+this package costs nothing and an optional engine (vLLM) is only needed when it is chosen.  A builder
+that also takes a keyword ``extract`` (the task's answer extractor) is given it, and its evaluator
+fills ``member_answers`` (the loop's answer-diversity diagnostic); the built-in ones do.
 Built in: ``"torch"`` (transformers ``generate``) and ``"vllm"``.  Third parties add theirs with
 :func:`register_evaluator` (a builder or its ``"module:function"`` path).
 
@@ -12,6 +14,7 @@ Names below (``Evaluator``, ``ModelEvaluator``, ``TorchEvaluator``, ...) are loa
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import TYPE_CHECKING, Callable, Union
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,9 +50,13 @@ def get_builder(name: str) -> Builder:
     return b
 
 
-def build_evaluator(cfg: "ESConfig", model_path: str, score: Callable) -> "Evaluator":
-    """The evaluator named by ``cfg.evaluator`` for the model at ``model_path`` and reward ``score``."""
-    return get_builder(cfg.evaluator)(cfg, model_path, score)
+def build_evaluator(cfg: "ESConfig", model_path: str, score: Callable, extract: Callable | None = None) -> "Evaluator":
+    """The evaluator named by ``cfg.evaluator`` for the model at ``model_path`` and reward ``score``;
+    ``extract`` (a Task's ``extract``) goes to builders that take it (module docstring)."""
+    builder = get_builder(cfg.evaluator)
+    if extract is not None and "extract" in inspect.signature(builder).parameters:
+        return builder(cfg, model_path, score, extract=extract)
+    return builder(cfg, model_path, score)
 
 
 _LAZY = {

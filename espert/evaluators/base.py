@@ -23,6 +23,11 @@ Contract of an :class:`Evaluator` (what the loop relies on):
     The float32 master by logical (checkpoint) name; what checkpoints save and replay rebuilds.
 ``close()``
     Free the model.
+``member_answers`` (optional)
+    After ``evaluate``: ``member_answers[m][p]``, the task's extracted answer (``str``, or ``None``
+    when nothing was extracted or member m failed) of member m on prompt p; ``None`` when the
+    evaluator extracts no answers (built without the task's ``extract``, or it cannot).  The loop's
+    answer-diversity diagnostic reads it; an evaluator without it simply logs none.
 
 :class:`ModelEvaluator` implements all of it for backends that hold one :class:`~espert.center.Center`
 and can score the current live weights (``rollout``); a backend only writes ``rollout``.
@@ -35,7 +40,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -48,6 +53,9 @@ Member = tuple[int, int]  # (seed: uint64, sign: +1 | -1)
 
 class Evaluator(abc.ABC):
     """Abstract evaluator: see the module docstring for the contract."""
+
+    #: [member][prompt] extracted answers of the last ``evaluate`` (None: not extracted; see the module doc).
+    member_answers: list[list[str | None]] | None = None
 
     @abc.abstractmethod
     def evaluate(
@@ -92,6 +100,7 @@ def score_members(
     rollout,
     member_errors: str = "raise",
     timings: dict[str, float] | None = None,
+    answers_out: list | None = None,
 ) -> list[float]:
     """The member loop every evaluator shares: perturb → rollout → restore (in ``finally``) per member.
 
@@ -99,6 +108,8 @@ def score_members(
     Returns each member's mean reward; with member_errors="nan" a failing member scores ``nan``
     (logged), with "raise" the exception propagates after the weights are restored.  timings, if
     given, accumulates seconds under "perturb", "generate", "restore" and counts "members".
+    answers_out: when a list, rollout returns ``(rewards, extracted answers)`` instead and each
+    member's extracted answers (one per prompt; all ``None`` for a failed member) are appended to it.
     """
     if len(prompts) != len(answers) or not prompts:
         raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and {len(answers)}")
@@ -111,19 +122,31 @@ def score_members(
             t1 = time.perf_counter()
             t["perturb"] += t1 - t0
             rewards = rollout(prompts, answers)
+            if answers_out is not None:
+                rewards, extracted = rewards
             t["generate"] += time.perf_counter() - t1
         except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
             if member_errors == "raise":
                 raise
             log.warning("member (seed=%d, sign=%+d) failed, dropped: %r", seed, sign, e)
-            rewards = [math.nan]
+            rewards, extracted = [math.nan], [None] * len(prompts)
         finally:
             t2 = time.perf_counter()
             restore()
             t["restore"] += time.perf_counter() - t2
         t["members"] += 1
+        if answers_out is not None:
+            answers_out.append(list(extracted))
         out.append(math.fsum(rewards) / len(rewards) if rewards else math.nan)
     return out
+
+
+def score_and_extract(
+    score: Callable, extract: Callable, completions: Sequence[str], answers: Sequence
+) -> tuple[list[float], list[str | None]]:
+    """``(rewards, extracted)`` of ``completions``: the task's batched ``score(completions, answers)`` and
+    ``extract(completion, answer)`` (:meth:`espert.tasks.Task.extract`) of each completion."""
+    return list(score(completions, answers)), [extract(c, a) for c, a in zip(completions, answers)]
 
 
 class ModelEvaluator(Evaluator):
@@ -132,8 +155,13 @@ class ModelEvaluator(Evaluator):
     Subclasses implement :meth:`rollout` (per-prompt rewards of the live weights as they are now).
     member_errors: ``"raise"`` (default: an exception in a member's rollout propagates, after the
     weights are restored) or ``"nan"`` (the member gets reward ``nan``, is logged, and the loop
-    drops it from the update).
+    drops it from the update).  A subclass that sets :attr:`extract` also implements
+    ``rollout_answers(prompts, answers) -> (rewards, extracted answers)``, and :meth:`evaluate` then
+    fills :attr:`member_answers`.
     """
+
+    #: The task's answer extractor ``fn(completion, answer) -> str | None`` (a Task's ``extract``), or None.
+    extract: Callable | None = None
 
     def __init__(self, center: Center, member_errors: str = "raise"):
         if member_errors not in ("raise", "nan"):
@@ -146,9 +174,21 @@ class ModelEvaluator(Evaluator):
         """Per-prompt rewards in [0, 1] (``nan`` allowed) of the live weights, which it must not change."""
 
     def evaluate(self, members, sigma, prompts, answers):
-        return score_members(
-            members, sigma, prompts, answers, self.center.perturb, self.center.restore, self.rollout, self.member_errors
+        ext = None if self.extract is None else []
+        rollout = self.rollout if ext is None else self.rollout_answers
+        rewards = score_members(
+            members,
+            sigma,
+            prompts,
+            answers,
+            self.center.perturb,
+            self.center.restore,
+            rollout,
+            self.member_errors,
+            answers_out=ext,
         )
+        self.member_answers = ext
+        return rewards
 
     def evaluate_center(self, prompts, answers):
         return list(self.rollout(prompts, answers))

@@ -10,7 +10,7 @@ import torch
 from espert.center import Center, CenterStore
 from espert.params import torch_param_views
 
-from .base import ModelEvaluator
+from .base import ModelEvaluator, score_and_extract
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,8 +114,9 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
     )
 
 
-def build(cfg, model_path: str, score: Callable) -> "TorchEvaluator":
-    """The ``"torch"`` evaluator of a run config (registered in :mod:`espert.evaluators`)."""
+def build(cfg, model_path: str, score: Callable, extract: Callable | None = None) -> "TorchEvaluator":
+    """The ``"torch"`` evaluator of a run config (registered in :mod:`espert.evaluators`); extract: the
+    task's answer extractor (then ``member_answers`` is filled)."""
     model, tok = load_model(model_path, device=cfg.device, dtype=cfg.dtype)
     center = config_center(model, cfg, pin=next(model.parameters()).device.type == "cuda")
     return TorchEvaluator(
@@ -127,6 +128,7 @@ def build(cfg, model_path: str, score: Callable) -> "TorchEvaluator":
         chat_template=cfg.chat_template,
         member_errors=cfg.member_errors,
         center=center,
+        extract=extract,
     )
 
 
@@ -140,6 +142,8 @@ class TorchEvaluator(ModelEvaluator):
     batch_size: prompts per ``generate`` call.  chat_template: wrap prompts as a user message.
     center: the :class:`~espert.center.Center` of the model's weights (default: the float32
     :func:`model_center` of the selected parameters; include / exclude are then ignored).
+    extract: the task's answer extractor ``fn(completion, answer) -> str | None``; when given,
+    :meth:`evaluate` also records each member's extracted answers in ``member_answers``.
 
     A member's rollout: the tokenized prompts (cached) go through plain greedy ``generate`` (the
     model's stop tokens, nothing else from its generation config) in
@@ -160,6 +164,7 @@ class TorchEvaluator(ModelEvaluator):
         chat_template: bool = False,
         member_errors: str = "raise",
         center: Center | None = None,
+        extract: Callable | None = None,
     ):
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
@@ -167,7 +172,7 @@ class TorchEvaluator(ModelEvaluator):
         if center is None:
             center = model_center(model, include, exclude, pin=device.type == "cuda")
         super().__init__(center, member_errors)
-        self.model, self.tokenizer, self.score = model, tokenizer, score
+        self.model, self.tokenizer, self.score, self.extract = model, tokenizer, score, extract
         self.tokenizer.padding_side = "left"
         self.device = device
         self.batch_size = batch_size
@@ -225,6 +230,10 @@ class TorchEvaluator(ModelEvaluator):
 
     def rollout(self, prompts, answers):
         return list(self.score(self.generate(prompts), answers))
+
+    def rollout_answers(self, prompts, answers):
+        """``(rewards, extracted answers)`` of the live weights' completions (needs ``extract``)."""
+        return score_and_extract(self.score, self.extract, self.generate(prompts), answers)
 
     def close(self) -> None:
         self.model = None

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from espert.evaluators.base import Evaluator, Member, score_members
+from espert.evaluators.base import Evaluator, Member, score_and_extract, score_members
 from espert.vllm import WORKER_EXTENSION, cpu_patch
 
 log = logging.getLogger("espert.vllm")
@@ -105,6 +105,9 @@ class VLLMEvaluator(Evaluator):
     ``llm.reset_prefix_cache()`` after every weight change (on by default; required when the
     engine has prefix caching on).
 
+    extract: the task's answer extractor ``fn(completion, answer) -> str | None``; when given,
+    :meth:`evaluate` also records each member's extracted answers in ``member_answers``.
+
     rename: ``{vLLM unfused name: checkpoint name}`` (or ``["vllm_name=checkpoint_name", ...]``) for
     models whose names differ from the checkpoint's beyond fusion; es_setup checks every logical
     name and shape against the checkpoint.
@@ -143,6 +146,7 @@ class VLLMEvaluator(Evaluator):
         sigma_scales: dict[str, float] | None = None,
         no_decay: Sequence[str] = (),
         llm_kwargs: dict | None = None,
+        extract: Callable | None = None,
     ):
         if member_errors not in ("raise", "nan"):
             raise ValueError(f"member_errors must be 'raise' or 'nan', got {member_errors!r}")
@@ -151,7 +155,7 @@ class VLLMEvaluator(Evaluator):
         self._owns = isinstance(llm, str)
         seed = int(seed) % (1 << 31)  # ESConfig seeds are uint64; vLLM seeds numpy (< 2^32). Greedy ignores it.
         self.llm = make_llm(llm, **{"seed": seed, **(llm_kwargs or {})}) if self._owns else llm
-        self.score = score
+        self.score, self.extract = score, extract
         #: {logical name: σ multiplier} of sigma_mode rms (None: absolute); the trainer's step-norm metric reads it
         self.sigma_scales = sigma_scales
         self.member_errors = member_errors
@@ -239,6 +243,10 @@ class VLLMEvaluator(Evaluator):
     def rollout(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return list(self.score(self.generate(prompts), answers))
 
+    def rollout_answers(self, prompts: Sequence[str], answers: Sequence[str]) -> tuple[list[float], list]:
+        """``(rewards, extracted answers)`` of the live weights' completions (needs ``extract``)."""
+        return score_and_extract(self.score, self.extract, self.generate(prompts), answers)
+
     # -- the Evaluator interface -------------------------------------------------------------------
     def perturb(self, seed: int, sigma: float, sign: int = 1) -> None:
         self._quiesced()
@@ -253,9 +261,13 @@ class VLLMEvaluator(Evaluator):
     def evaluate(
         self, members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str]
     ) -> list[float]:
-        return score_members(
-            members, sigma, prompts, answers, self.perturb, self.restore, self.rollout, self.member_errors, self.timings
+        ext = None if self.extract is None else []
+        rollout = self.rollout if ext is None else self.rollout_answers
+        rewards = score_members(
+            members, sigma, prompts, answers, self.perturb, self.restore, rollout, self.member_errors, self.timings, ext
         )
+        self.member_answers = ext
+        return rewards
 
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return self.rollout(prompts, answers)

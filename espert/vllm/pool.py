@@ -7,7 +7,8 @@
 What travels per iteration (never weights):
 
     driver -> engine   members (seed: uint64, sign: ±1), σ, the prompts/answers (once per chunk)
-    engine -> driver   one float64 reward per member
+    engine -> driver   one float64 reward per member (+ the task's extracted answer per member per
+                       prompt, short strings, when the pool is given the task's ``extract``)
     driver -> engine   the update: seeds (8 B each), coefficients (float64 -> float32), decay
     engine -> driver   a checksum per TP rank (two exact int64 bit sums, a 16-byte hash, two float64 sums)
 
@@ -65,8 +66,10 @@ class EngineActor:
     def ready(self) -> dict:
         return {"pid": os.getpid(), "info": self.ev.info}
 
-    def evaluate(self, members, sigma, prompts, answers) -> list[float]:
-        return self.ev.evaluate([tuple(m) for m in members], sigma, prompts, answers)
+    def evaluate(self, members, sigma, prompts, answers) -> tuple[list[float], list | None]:
+        """The members' rewards and their extracted answers (``member_answers``; None without ``extract``)."""
+        rewards = self.ev.evaluate([tuple(m) for m in members], sigma, prompts, answers)
+        return rewards, self.ev.member_answers
 
     def evaluate_center(self, prompts, answers) -> list[float]:
         return self.ev.evaluate_center(prompts, answers)
@@ -195,6 +198,7 @@ class EnginePool(Evaluator):
         size = self.chunk or max(1, math.ceil(n / (2 * max(1, len(self.alive)))))
         queue = deque((i, members[i : i + size]) for i in range(0, n, size))
         out: list[float | None] = [None] * n
+        extracted: list | None = [None] * n  # member_answers; None once an engine returns none
         running: dict = {}  # ObjectRef -> (engine, start, chunk)
         prompts, answers = list(prompts), list(answers)
         # the prompts travel once per engine per iteration (ray.put), not once per chunk
@@ -215,7 +219,7 @@ class EnginePool(Evaluator):
             for ref in done:
                 e, start, chunk = running.pop(ref)
                 try:
-                    rewards = ray.get(ref)
+                    rewards, ext = ray.get(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as err:
                     queue.appendleft((start, chunk))
                     self._mark_dead(e, err)
@@ -224,6 +228,12 @@ class EnginePool(Evaluator):
                 if len(rewards) != len(chunk):
                     raise RuntimeError(f"engine {e} returned {len(rewards)} rewards for {len(chunk)} members")
                 out[start : start + len(chunk)] = [float(r) for r in rewards]
+                if ext is None:
+                    extracted = None
+                elif extracted is not None:
+                    self._count("answers_in", ext)
+                    extracted[start : start + len(chunk)] = ext
+        self.member_answers = extracted
         return [float(r) for r in out]
 
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
@@ -320,8 +330,9 @@ class EnginePool(Evaluator):
 # ---- the ES loop's evaluator registry (espert.evaluators: "vllm" -> this builder) ----------------------
 
 
-def build_from_config(cfg, model_path: str, score) -> Evaluator:
-    """``evaluator: vllm``: one engine (``cfg.vllm_engines`` <= 1) or an :class:`EnginePool`.
+def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
+    """``evaluator: vllm``: one engine (``cfg.vllm_engines`` <= 1) or an :class:`EnginePool`; extract:
+    the task's answer extractor (the evaluator then fills ``member_answers``).
 
     Reads optional config fields when present (``vllm_tensor_parallel_size``, ``vllm_engines``,
     ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``, ``vllm_rename``); defaults otherwise.
@@ -358,6 +369,7 @@ def build_from_config(cfg, model_path: str, score) -> Evaluator:
         sigma_scales=checkpoint_rms_scales(model_path, cfg.dtype, cfg.include, cfg.exclude)
         if cfg.sigma_mode == "rms"
         else None,
+        extract=extract,
     )
     if engines > 1:
         return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)
