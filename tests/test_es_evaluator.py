@@ -90,3 +90,25 @@ def test_update_moves_center_and_live_weights(tiny_dir):
     with pytest.raises(ValueError, match="finite"):
         ev.update([5], [float("nan")])
     assert all(torch.equal(v, after[k]) for k, v in ev.center_state().items())
+
+
+def test_member_answers_are_each_members_extracted_answers(tiny_dir, task):
+    model, tok = load_model(tiny_dir)
+    members = [(123, 1), (123, -1), (77, 1)]
+    plain = TorchEvaluator(model, tok, task.score, max_new_tokens=6)
+    r_plain = plain.evaluate(members, 0.5, task.prompts, task.answers)
+    assert plain.member_answers is None  # no extractor: no answers, nothing else changes
+    ev = TorchEvaluator(model, tok, task.score, max_new_tokens=6, extract=task.extract)
+    assert ev.evaluate(members, 0.5, task.prompts, task.answers) == r_plain
+    want = []
+    for seed, sign in members:  # by hand: perturb, generate, extract with the task, restore
+        ev.center.perturb(seed, 0.5, sign)
+        want.append([task.extract(c, a) for c, a in zip(ev.generate(task.prompts), task.answers)])
+        ev.center.restore()
+    assert ev.member_answers == want and want[0] != want[1]
+    # a failed member answers nothing
+    bad = Exploding(
+        model, tok, task.score, max_new_tokens=6, explode_on=(1,), member_errors="nan", extract=task.extract
+    )
+    bad.evaluate(members, 0.5, task.prompts, task.answers)
+    assert bad.member_answers == [want[0], [None] * len(task), want[2]]

@@ -86,7 +86,7 @@ def test_a_tracker_gets_the_metrics_of_log_jsonl(tmp_path, monkeypatch, plain):
     for r, e in zip(its, evals[1:]):
         want += [(r["iteration"], iteration_metrics(r)), (r["iteration"], {"heldout/mean": e["mean"]})]
     assert fake.calls == want
-    assert {"reward/std", "reward/mean", "step_norm", "sigma", "alpha"} <= set(fake.calls[1][1])
+    assert {"reward/std", "reward/mean", "step_norm", "sigma", "alpha", "answers/js"} <= set(fake.calls[1][1])
     assert same_log(d, plain)
 
 

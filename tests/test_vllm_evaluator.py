@@ -1,8 +1,9 @@
 """The vLLM evaluator through the ES loop: parity with the transformers evaluator, and training.
 
 - greedy fp32 decoding: the vLLM and torch evaluators give identical completions and rewards for
-  the same seeds on the same tiny model and prompts;
-- a few ES iterations through vLLM raise the reward of the center on the ``copy`` task;
+  the same seeds on the same tiny model and prompts, and the same extracted answers per member;
+- a few ES iterations through vLLM raise the reward of the center on the ``copy`` task, and the
+  loop's answer diversity is logged from the members' extracted answers;
 - the ``vllm`` evaluator is registered with the ES loop's evaluator registry.
 """
 
@@ -27,7 +28,9 @@ def ev(tiny_dir):
     from espert.vllm.evaluator import shutdown_llm
 
     task = load_task("copy", "train", n=64)
-    e = VLLMEvaluator(make_llm(tiny_dir, max_model_len=64, multiprocess=False), task.score, max_new_tokens=6)
+    e = VLLMEvaluator(
+        make_llm(tiny_dir, max_model_len=64, multiprocess=False), task.score, max_new_tokens=6, extract=task.extract
+    )
     yield e
     shutdown_llm(e.llm)
 
@@ -37,11 +40,12 @@ def test_parity_with_transformers_evaluator(ev, tiny_dir):
 
     task = load_task("copy", "train", n=24)
     model, tok = load_model(tiny_dir)
-    tev = TorchEvaluator(model, tok, task.score, max_new_tokens=6, batch_size=64)
+    tev = TorchEvaluator(model, tok, task.score, max_new_tokens=6, batch_size=64, extract=task.extract)
     assert ev.generate(task.prompts) == tev.generate(task.prompts)
     rv = ev.evaluate(MEMBERS, 0.05, task.prompts, task.answers)
     rt = tev.evaluate(MEMBERS, 0.05, task.prompts, task.answers)
     assert rv == rt
+    assert ev.member_answers == tev.member_answers and len(ev.member_answers) == len(MEMBERS)
     assert len(set(rv)) > 2  # the members really differ
     # after an update, still identical (same fp32 master arithmetic on both sides)
     start = ev.center_state()
@@ -57,6 +61,7 @@ def test_parity_with_transformers_evaluator(ev, tiny_dir):
 
 
 def test_es_training_through_vllm_raises_reward(ev):
+    from espert.diagnostics import IterationMeter
     from espert.es import ESConfig, es_step, prompt_indices
 
     task = load_task("copy", "train", n=64)
@@ -64,16 +69,19 @@ def test_es_training_through_vllm_raises_reward(ev):
     probe_p, probe_a = task.prompts[:16], task.answers[:16]
     cfg = ESConfig(population=8, sigma=0.05, alpha=0.025, prompts_per_iteration=16, iterations=4, max_new_tokens=6)
     r0 = float(np.mean(ev.evaluate_center(probe_p, probe_a)))
-    after = []
+    after, js = [], []
+    meter = IterationMeter(ev)  # the loop's diagnostics, as espert.train logs them
     try:
         for t in range(1, 5):
             idx = prompt_indices(cfg, t, len(task))
-            es_step(ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx])
+            rec = es_step(ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx])
+            js.append(meter(rec)["answers"]["js"])
             after.append(float(np.mean(ev.evaluate_center(probe_p, probe_a))))
+        assert all(0.0 <= j <= 3.0 for j in js) and max(js) > 0  # 8 members: at most log2(8) bits
         assert np.mean(after[2:]) > r0 + 0.05, (r0, after)  # iterations 3-4 (the loop's defaults move slowly at first)
     finally:
         ev.load_center(start)
-    print(f"copy reward of the center: {r0:.3f} -> {after}; timings {ev.timings}")
+    print(f"copy reward of the center: {r0:.3f} -> {after}; answer JS {js} bits; timings {ev.timings}")
 
 
 def test_backend_registered():

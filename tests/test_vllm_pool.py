@@ -1,6 +1,6 @@
 """A population over two vLLM engines in Ray actors vs one engine.
 
-- two engines give the same rewards and the same final center as one engine (bitwise);
+- two engines give the same rewards, extracted answers and final center as one engine (bitwise);
 - replicas compare checksums at every update and stop loudly on divergence;
 - a dead engine's members are re-queued on a live one, not lost: an engine process dies in the
   middle of scoring (os._exit), and later the last one is killed with ray.kill (the pool raises).
@@ -43,7 +43,9 @@ def single(tiny_dir):
     from espert.vllm import VLLMEvaluator, make_llm
     from espert.vllm.evaluator import shutdown_llm
 
-    e = VLLMEvaluator(make_llm(tiny_dir, max_model_len=64, multiprocess=False), TASK.score, max_new_tokens=6)
+    e = VLLMEvaluator(
+        make_llm(tiny_dir, max_model_len=64, multiprocess=False), TASK.score, max_new_tokens=6, extract=TASK.extract
+    )
     yield e
     shutdown_llm(e.llm)
 
@@ -63,6 +65,7 @@ def pool(tiny_dir, crash_file):
         CrashOnce(crash_file, TASK.score),
         engines=2,
         max_new_tokens=6,
+        extract=TASK.extract,
         llm_kwargs=dict(max_model_len=64),
         ray_init=dict(num_cpus=2, object_store_memory=128 << 20),
     )
@@ -87,6 +90,7 @@ def test_two_engines_equal_one_engine(pool, single):
         r_pool = pool.evaluate(m, 0.05, TASK.prompts, TASK.answers)
         r_one = single.evaluate(m, 0.05, TASK.prompts, TASK.answers)
         assert r_pool == r_one
+        assert pool.member_answers == single.member_answers and len(pool.member_answers) == len(m)
         seeds, coeffs = coefficients(m, r_one, normalize(r_one), 0.02)
         assert seeds
         pool.update(seeds, coeffs, 0.999)
@@ -115,6 +119,7 @@ def test_engine_dying_mid_iteration_loses_no_member(pool, single, crash_file):
     open(crash_file, "w").close()  # the next engine to score a chunk dies in the middle of it
     m = members(3)
     assert pool.evaluate(m, 0.05, TASK.prompts, TASK.answers) == single.evaluate(m, 0.05, TASK.prompts, TASK.answers)
+    assert pool.member_answers == single.member_answers  # the re-queued chunk's answers too
     assert not os.path.exists(crash_file) and len(pool.dead) == 1 and len(pool.alive) == 1
     pool.update([5], [0.01])
     single.update([5], [0.01])

@@ -179,7 +179,12 @@ def _pool(model: str, args) -> dict:
 
     task = load_task("copy", "train", n=args.prompts)
     pool = EnginePool(
-        model, task.score, engines=args.engines, max_new_tokens=8, llm_kwargs=dict(max_model_len=args.max_model_len)
+        model,
+        task.score,
+        engines=args.engines,
+        max_new_tokens=8,
+        extract=task.extract,  # as the training loop builds it: extracted answers travel back too
+        llm_kwargs=dict(max_model_len=args.max_model_len),
     )
     members = [(k, s) for k in range(args.members // 2) for s in (1, -1)]
     t0 = time.perf_counter()
