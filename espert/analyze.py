@@ -695,7 +695,9 @@ def _write_json(path: str, obj) -> None:
 def add_subcommands(p: argparse.ArgumentParser) -> None:
     """``espert analyze run`` and ``espert analyze estimator`` (drift stays the flag-only default)."""
     sub = p.add_subparsers(dest="analyze_command", metavar="SUBCOMMAND")
-    r = sub.add_parser("run", help="estimator diagnostics of a training run (Corr(X+,X-), kappa, spread, answer JS, FLOPs)")
+    r = sub.add_parser(
+        "run", help="estimator diagnostics of a training run (Corr(X+,X-), kappa, spread, answer JS, FLOPs)"
+    )
     r.add_argument("run_dir", metavar="RUN_DIR")
     r.add_argument("--plot-dir", metavar="DIR", help="write estimator.png here")
     r.add_argument("--json", metavar="FILE")
