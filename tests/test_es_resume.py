@@ -235,7 +235,8 @@ def test_bfloat16_live_weights_resume_and_replay(tmp_path):
 def test_vllm_adam_run_resumes_and_replays_bit_identically(tmp_path, monkeypatch):
     """evaluator: vllm with adam, rademacher noise, sigma_mode rms and decay exclusions: the checkpoint holds the
     optimizer state the workers keep (``optim.*``), a run crashed after a checkpoint resumes bit-identically to
-    an uninterrupted one, and replay (the torch center) rebuilds its checkpoint exactly."""
+    an uninterrupted one (answer diversity included), and replay (the torch center) rebuilds its checkpoint
+    exactly."""
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: faster to start
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -257,6 +258,11 @@ def test_vllm_adam_run_resumes_and_replays_bit_identically(tmp_path, monkeypatch
     assert center(b)[1] == 2
     train(cfg, b, resume=True, progress=False, echo=None)
     assert_same_run(a, b, iterations=4)
+    # the loop's answer diversity, from the vLLM members' extracted answers: logged, and equal after the resume
+    answers = [r["diagnostics"]["answers"] for r in iters(a)]
+    assert answers == [r["diagnostics"]["answers"] for r in iters(b)]
+    assert all(0.0 <= x["js"] <= 2.0 for x in answers if x["js"] is not None)  # 4 members: at most 2 bits
+    assert any(x["js"] is not None for x in answers)
     state, _ = center(a)
     assert state["optim.step"].tolist() == [4] and any(k.startswith("optim.v/") for k in state)
     assert runs.replay(b, str(tmp_path / "r"), echo=None)["matches_checkpoint"] is True
