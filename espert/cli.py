@@ -20,7 +20,7 @@ import time
 import typing
 from typing import Sequence
 
-from espert.config import RENAMED, ESConfig, deprecated, field_choices, field_help, field_type
+from espert.config import RENAMED, ESConfig, deprecated, field_choices, field_help, field_type, stored_run_config
 
 TRAIN_EPILOG = """examples:
   espert train                                   # main job: tiny model, copy task, CPU, a few minutes
@@ -45,7 +45,7 @@ def load_config_file(path: str) -> dict:
     doc = read_config_file(path)
     doc = {} if doc is None else doc
     if isinstance(doc, dict) and "format" in doc and isinstance(doc.get("config"), dict):
-        doc = doc["config"]  # a run directory's config.yaml
+        doc = stored_run_config(doc["config"])  # a run directory's config.yaml
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping of config fields")
     return doc

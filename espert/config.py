@@ -62,7 +62,15 @@ class ESConfig:
     model: str = opt(
         "tiny", "'tiny' (built from tiny_seed into RUN/base_model), a local HF model directory, or a Hub id"
     )
-    tiny_seed: int = opt(0, "seed of the tiny model's random initialization")
+    tiny_seed: int = opt(0, "seed of the tiny model's random initialization and pretraining")
+    pretrain_steps: int = opt(
+        600, "model 'tiny': steps of next-character pretraining on the built-in corpus before ES (0: random init)"
+    )
+    pretrain_reverse_share: float = opt(
+        0.5,
+        "model 'tiny': share of the pretraining lines that show the reversed string (s>reverse(s)); "
+        "the rest are copy lines (s>s)",
+    )
     task: str = opt(
         "copy",
         "copy | gsm8k | gsm8k_strict | math500 | countdown, or an import path "
@@ -182,6 +190,11 @@ class ESConfig:
         )
         need(0 <= self.seed < U64 and 0 <= self.tiny_seed < U64, "seed and tiny_seed must be in [0, 2^64)")
         need(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
+        need(self.pretrain_steps >= 0, f"pretrain_steps must be >= 0, got {self.pretrain_steps}")
+        need(
+            0 <= self.pretrain_reverse_share <= 1,
+            f"pretrain_reverse_share must be in [0, 1], got {self.pretrain_reverse_share}",
+        )
         need(self.prompts_per_iteration >= 1, "prompts_per_iteration must be >= 1")
         need(
             self.eval_size >= 0 and (self.train_size is None or self.train_size >= 1),
@@ -274,6 +287,14 @@ V1_FIELDS = frozenset(
 )
 #: Behaviour of version-1 runs for fields whose default changed since.
 LEGACY_DEFAULTS = {"prompt_sampler": "python_random", "weight_decay_exclude": [], "reward_std_floor": 0.0}
+#: Fields a run directory's config may lack because they came later, with the behaviour of the runs
+#: written before them (their tiny base model was not pretrained).
+RUN_ADDED_DEFAULTS = {"pretrain_steps": 0, "pretrain_reverse_share": 0.0}
+
+
+def stored_run_config(d: dict) -> dict:
+    """A run directory's stored config mapping with :data:`RUN_ADDED_DEFAULTS` filled in where absent."""
+    return {**RUN_ADDED_DEFAULTS, **d}
 
 
 def deprecated(msg: str) -> None:
@@ -388,6 +409,8 @@ __all__ = [
     "SCHEDULES",
     "RENAMED",
     "LEGACY_DEFAULTS",
+    "RUN_ADDED_DEFAULTS",
+    "stored_run_config",
     "config_table",
     "write_config_table",
     "field_help",

@@ -50,7 +50,7 @@ from typing import Callable
 import torch
 import yaml
 
-from espert.config import ESConfig
+from espert.config import ESConfig, stored_run_config
 from espert.es import apply_record
 
 FORMAT = "espert-run-v1"
@@ -612,6 +612,16 @@ def read_config_file(path: str):
         raise ValueError(f"{path}: invalid YAML: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def build_tiny_base(path: str, cfg: ESConfig) -> None:
+    """The tiny base model of a run with ``model: tiny``, written to ``path``: random init from
+    ``tiny_seed``, then ``pretrain_steps`` of pretraining on the copy/reverse mixture (deterministic)."""
+    from espert.tiny import build_tiny_model
+
+    build_tiny_model(
+        path, seed=cfg.tiny_seed, pretrain_steps=cfg.pretrain_steps, reverse_share=cfg.pretrain_reverse_share
+    )
+
+
 def read_run_config(run_dir: str) -> dict:
     """The parsed ``config.yaml`` of a run directory (clear errors when it is not one)."""
     path = os.path.join(run_dir, CONFIG)
@@ -622,6 +632,7 @@ def read_run_config(run_dir: str) -> dict:
     doc = read_config_file(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("config"), dict):
         raise RunError(f"{path}: not an espert run config (format {FORMAT})")
+    doc["config"] = stored_run_config(doc["config"])
     return doc
 
 
@@ -762,9 +773,7 @@ class Run:
         os.makedirs(tmp)
         try:
             if ref == BASE:
-                from espert.tiny import build_tiny_model
-
-                build_tiny_model(os.path.join(tmp, BASE), seed=cfg.tiny_seed)
+                build_tiny_base(os.path.join(tmp, BASE), cfg)
                 kill_point("setup-base")
             doc["base_fingerprint"] = base_fingerprint(
                 os.path.join(tmp, BASE) if ref == BASE else resolve_model_dir(ref)
@@ -788,11 +797,9 @@ class Run:
         """Build the tiny base model if the run uses one and it is missing (deterministic in tiny_seed);
         check the base model against the stored fingerprint."""
         if self.doc["base_model"] == BASE and not os.path.exists(os.path.join(self.base_path, "config.json")):
-            from espert.tiny import build_tiny_model
-
             tmp = self.file(f".{BASE}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
-            build_tiny_model(tmp, seed=self.cfg.tiny_seed)
+            build_tiny_base(tmp, self.cfg)
             shutil.rmtree(self.base_path, ignore_errors=True)
             os.replace(tmp, self.base_path)
             fsync_dir(self.path)

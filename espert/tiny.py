@@ -1,13 +1,15 @@
 """A tiny causal LM and a character-level tokenizer, built locally (no downloads).
 
-The main job (``espert train`` with no arguments) first pretrains this model briefly on a built-in
-corpus (:func:`pretrain`: next-character prediction on ``"cafe>cafe"`` lines over the copy task's
-*train* strings, about 300 steps, well under a minute on one core), then post-trains it with ES on
-the built-in ``copy`` task.  Brief pretraining plateaus at a model that can already do a little
-(greedy held-out copy reward about 0.7, a share of exact copies when sampling) but slips by a
-position on many strings: the situation of the seed papers, where post-training starts from a
-model that has the behaviour and has to make it reliable.  The directory written by
-:func:`build_tiny_model` is a standard Hugging Face model directory::
+The main job (``espert train`` with no arguments) first pretrains this model on a built-in
+corpus (:func:`pretrain`: next-character prediction, 600 steps, about half a minute on one core),
+then post-trains it with ES on the built-in ``copy`` task.  The corpus mixes two behaviours in the
+copy task's prompt format: half the lines are copies (``"cafe>cafe"``), half reversals
+(``"cafe>efac"``).  The pretrained model does each of them reliably and picks one per prompt
+(greedy on 128 held-out prompts: 48% exact copies, 41% exact reversals, copy reward 0.60), so ES
+has to shift a preference between two behaviours the base already has, not invent one: the
+situation of the seed papers, where post-training elicits a behaviour of the base.
+
+The directory written by :func:`build_tiny_model` is a standard Hugging Face model directory::
 
     config.json  generation_config.json  model.safetensors
     tokenizer.json  tokenizer_config.json  special_tokens_map.json (depending on the transformers version)
@@ -16,7 +18,8 @@ so it loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from
 and with vLLM (Llama architecture, head_dim 32, which vLLM's CPU attention supports).
 
 Everything is a deterministic function of the arguments: the same ``seed`` gives the same
-weights bit for bit (torch's CPU generator), and the tokenizer does not depend on any data.
+weights bit for bit (torch's CPU generator; pretraining on one thread, for a fixed torch build),
+and the tokenizer does not depend on any data.
 """
 
 from __future__ import annotations
@@ -92,26 +95,50 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     )
 
 
-def pretrain_corpus(n: int, seed: int = 0) -> list[str]:
-    """``n`` lines ``"{s}>{s}"``, ``s`` unique strings of the copy task's *train* pool (never a held-out
-    string).  Deterministic in ``seed``."""
+def pretrain_corpus(n: int, seed: int = 0, reverse_share: float = 0.0) -> list[str]:
+    """``n`` lines ``"{s}>{t}"`` over unique strings ``s`` of the copy task's *train* pool (never a
+    held-out string): ``t = s`` (copy) or, on a ``reverse_share`` of the lines, ``t = s[::-1]``.
+
+    Both behaviours share the copy task's prompt format, so a model pretrained on the mixture picks
+    one of them per prompt.  Deterministic in ``(n, seed, reverse_share)``.
+    """
+    import random
+
     from espert.tasks.copy_task import COPY_SEP, generate_copy_strings
 
-    return [s + COPY_SEP + s for s in generate_copy_strings(n, seed, heldout=False)]
+    if not 0.0 <= reverse_share <= 1.0:
+        raise ValueError(f"reverse_share must be in [0, 1], got {reverse_share}")
+    rng = random.Random(f"espert-tiny-corpus-{seed}")
+    strings = generate_copy_strings(n, seed, heldout=False)
+    return [s + COPY_SEP + (s[::-1] if rng.random() < reverse_share else s) for s in strings]
 
 
-def pretrain(model, tokenizer, steps: int, seed: int = 0, batch_size: int = 64, lr: float = 1e-2) -> list[float]:
+#: Pretraining learning rate.  1e-2 plateaus (greedy held-out copy reward ~0.7 after 300 steps,
+#: no better after 1000); 3e-3 copies every held-out string after 600 steps on copy lines alone.
+PRETRAIN_LR = 3e-3
+
+
+def pretrain(
+    model,
+    tokenizer,
+    steps: int,
+    seed: int = 0,
+    batch_size: int = 64,
+    lr: float = PRETRAIN_LR,
+    reverse_share: float = 0.0,
+) -> list[float]:
     """Next-character training of ``model`` in place on :func:`pretrain_corpus` (AdamW, cosine decay).
 
     Each line is ``<s> text </s>``; the loss is the mean cross-entropy over all characters and the
-    end token.  Deterministic in ``seed`` for a fixed torch build and thread count.  Returns the
-    loss of every step.
+    end token.  Runs on one CPU thread (restored afterwards), so the result is deterministic in the
+    arguments for a fixed torch build, whatever the machine's core count.  Returns the loss of
+    every step.
     """
     import torch
 
     if steps <= 0:
         return []
-    lines = pretrain_corpus(min(4096, steps * batch_size), seed)
+    lines = pretrain_corpus(min(4096, steps * batch_size), seed, reverse_share)
     enc = [tokenizer(t).input_ids + [tokenizer.eos_token_id] for t in lines]
     L = max(len(e) for e in enc)
     ids = torch.full((len(enc), L), tokenizer.pad_token_id, dtype=torch.long)
@@ -120,32 +147,44 @@ def pretrain(model, tokenizer, steps: int, seed: int = 0, batch_size: int = 64, 
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # reductions in the backward pass depend on the thread count
     model.train()
     model.requires_grad_(True)
     losses = []
-    for _ in range(steps):
-        batch = ids[torch.randint(0, len(ids), (batch_size,), generator=gen)]
-        mask = batch != tokenizer.pad_token_id
-        labels = batch.masked_fill(~mask, -100)
-        loss = model(input_ids=batch, attention_mask=mask.long(), labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    model.requires_grad_(False)
+    try:
+        for _ in range(steps):
+            batch = ids[torch.randint(0, len(ids), (batch_size,), generator=gen)]
+            mask = batch != tokenizer.pad_token_id
+            labels = batch.masked_fill(~mask, -100)
+            loss = model(input_ids=batch, attention_mask=mask.long(), labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+    finally:
+        torch.set_num_threads(threads)
+        model.eval()
+        model.requires_grad_(False)
     return losses
 
 
-def build_tiny_model(save_dir: str, seed: int = 0, spec: TinySpec | None = None, pretrain_steps: int = 0):
+def build_tiny_model(
+    save_dir: str,
+    seed: int = 0,
+    spec: TinySpec | None = None,
+    pretrain_steps: int = 0,
+    reverse_share: float = 0.0,
+    pretrain_lr: float = PRETRAIN_LR,
+):
     """Write a Llama-architecture tiny model + tokenizer to ``save_dir``; returns the model (float32, CPU).
 
     ``pretrain_steps`` = 0: random initialization.  Otherwise the model is then pretrained for that
-    many steps with :func:`pretrain` (seeded with ``seed``).  Deterministic in ``(seed, spec,
-    pretrain_steps)`` (pretraining: for a fixed torch build and thread count).  ``save_dir`` is
-    created; existing files in it are overwritten.  Also writes ``espert_tiny.json`` recording the
-    seed, spec and pretraining (steps, final loss).
+    many steps with :func:`pretrain` (seeded with ``seed``, learning rate ``pretrain_lr``) on
+    copy lines, ``reverse_share`` of them reversed.  Deterministic in the arguments (pretraining:
+    for a fixed torch build).  ``save_dir`` is created; existing files in it are overwritten.  Also
+    writes ``espert_tiny.json`` recording the seed, spec and pretraining (steps, corpus, lr, final loss).
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -176,25 +215,19 @@ def build_tiny_model(save_dir: str, seed: int = 0, spec: TinySpec | None = None,
         model = LlamaForCausalLM(config).to(torch.float32).eval()
     finally:
         torch.random.set_rng_state(state)
-    losses = pretrain(model, tok, pretrain_steps, seed=seed)
+    losses = pretrain(model, tok, pretrain_steps, seed=seed, reverse_share=reverse_share, lr=pretrain_lr)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False
     )
     model.save_pretrained(save_dir, safe_serialization=True)
     tok.save_pretrained(save_dir)
-    with open(os.path.join(save_dir, "espert_tiny.json"), "w", encoding="utf-8") as f:
-        json.dump(
-            {
-                "seed": seed,
-                "spec": asdict(spec),
-                "pretrain": {
-                    "steps": pretrain_steps,
-                    "corpus": "copy lines over the copy train pool",
-                    "final_loss": losses[-1] if losses else None,
-                },
-            },
-            f,
-            indent=2,
+    pre = {"steps": pretrain_steps, "corpus": "copy lines over the copy train pool"}
+    pre["final_loss"] = losses[-1] if losses else None
+    if pretrain_steps > 0:  # random-init bases keep the file of older versions (it is in run fingerprints)
+        pre.update(
+            corpus="copy and reversed lines over the copy train pool", reverse_share=reverse_share, lr=pretrain_lr
         )
+    with open(os.path.join(save_dir, "espert_tiny.json"), "w", encoding="utf-8") as f:
+        json.dump({"seed": seed, "spec": asdict(spec), "pretrain": pre}, f, indent=2)
         f.write("\n")
     return model

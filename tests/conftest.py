@@ -43,7 +43,9 @@ def tiny_dir(tmp_path_factory):
 
 
 # A short run that still checkpoints, evaluates and decays (resume, replay and run-directory tests).
+# pretrain_steps=0: a random-init tiny base; pretraining it (the main job's) would add ~30 s per run.
 SMALL_RUN = dict(
+    pretrain_steps=0,
     iterations=6,
     population=4,
     prompts_per_iteration=6,

@@ -256,7 +256,9 @@ def test_training_logs_per_iteration_diagnostics(tmp_path):
     from espert.trainer import iteration_metrics, train
 
     d = str(tmp_path / "run")
-    cfg = ESConfig(iterations=2, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0)
+    cfg = ESConfig(
+        iterations=2, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0, pretrain_steps=0
+    )
     train(cfg, d, progress=False, echo=None)
     recs = iteration_records(read_log(os.path.join(d, LOG)))
     assert len(recs) == 2
@@ -292,7 +294,9 @@ def test_training_logs_per_iteration_diagnostics(tmp_path):
     assert [r["answer_js"] for r in rows] == [a["js"] for a in answers]
     # a resumed run continues the cumulative count
     train(
-        ESConfig(iterations=3, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0),
+        ESConfig(
+            iterations=3, population=4, prompts_per_iteration=4, eval_size=4, checkpoint_every=0, pretrain_steps=0
+        ),
         d,
         resume=True,
         progress=False,
@@ -309,7 +313,7 @@ def test_answer_diversity_in_the_loop_is_zero_for_identical_members_and_absent_w
     from espert.runs import LOG, iteration_records, read_log
     from espert.trainer import iteration_metrics, train
 
-    small = dict(iterations=1, population=4, prompts_per_iteration=8, eval_size=0, checkpoint_every=0)
+    small = dict(iterations=1, population=4, prompts_per_iteration=8, eval_size=0, checkpoint_every=0, pretrain_steps=0)
     # σ so small that every member generates the base model's completions: one answer per prompt
     d = str(tmp_path / "same")
     train(ESConfig(sigma=1e-9, **small), d, progress=False, echo=None)

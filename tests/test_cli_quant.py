@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 ARGS = [
     "--iterations",
     "4",
+    "--pretrain-steps",  # random-init tiny base (pretraining costs ~30 s and is not what these tests check)
+    "0",
     "--population",
     "4",
     "--prompts-per-iteration",

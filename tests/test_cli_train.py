@@ -10,6 +10,8 @@ from espert import runs
 from espert.cli import build_parser, config_from_args, main
 
 TINY_FLAGS = [
+    "--pretrain-steps",  # random-init tiny base (pretraining costs ~30 s and is not what these tests check)
+    "0",
     "--iterations",
     "2",
     "--population",

@@ -21,8 +21,16 @@ from espert.config import ESConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+# pretrain_steps=0: a random-init tiny base (pretraining costs ~30 s and is not what these tests check)
 SMALL = dict(
-    iterations=2, population=4, prompts_per_iteration=4, eval_size=4, max_new_tokens=2, eval_every=1, checkpoint_every=1
+    pretrain_steps=0,
+    iterations=2,
+    population=4,
+    prompts_per_iteration=4,
+    eval_size=4,
+    max_new_tokens=2,
+    eval_every=1,
+    checkpoint_every=1,
 )
 LETTERS = [a + b + c + ">" for a in "abcdef" for b in "abcdef" for c in "abcdef"]
 

@@ -95,6 +95,7 @@ def test_step_norm_is_the_size_of_the_update():
 
 
 SMALL = dict(
+    pretrain_steps=0,  # random-init tiny base (pretraining costs ~30 s and is not what these tests check)
     iterations=3,
     population=4,
     prompts_per_iteration=4,

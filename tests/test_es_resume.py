@@ -15,6 +15,8 @@ from espert import runs, train
 from espert.config import ESConfig
 
 FLAGS = [
+    "--pretrain-steps",  # random-init tiny base (pretraining costs ~30 s and is not what these tests check)
+    "0",
     "--iterations",
     "6",
     "--population",

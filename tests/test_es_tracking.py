@@ -11,6 +11,7 @@ from espert.config import ESConfig
 from espert.trainer import iteration_metrics
 
 SMALL = dict(
+    pretrain_steps=0,  # random-init tiny base (pretraining costs ~30 s and is not what these tests check)
     iterations=2,
     population=4,
     prompts_per_iteration=4,

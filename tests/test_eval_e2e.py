@@ -161,7 +161,9 @@ def test_evaluate_run_reports_base_against_the_final_export(tmp_path):
 
     d = str(tmp_path / "run")
     train(
-        ESConfig(iterations=1, population=2, prompts_per_iteration=2, eval_size=2, checkpoint_every=0),
+        ESConfig(
+            iterations=1, population=2, prompts_per_iteration=2, eval_size=2, checkpoint_every=0, pretrain_steps=0
+        ),
         d,
         progress=False,
         echo=None,

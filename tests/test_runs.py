@@ -316,6 +316,27 @@ def test_old_run_directories_resume_and_replay(reference, tmp_path, capsys):
     one_line_error(capsys.readouterr().err, "not the one this run started from")
 
 
+def test_runs_from_before_pretraining_rebuild_a_random_init_base(reference, tmp_path, capsys):
+    """A run directory written before the tiny base was pretrained has no pretrain fields: its
+    missing base is rebuilt random-init (what it trained on), not with today's pretraining."""
+    import yaml
+
+    d = copy_run(reference, tmp_path / "run")
+    path = os.path.join(d, runs.CONFIG)
+    doc = yaml.safe_load(open(path, encoding="utf-8"))
+    for k in ("pretrain_steps", "pretrain_reverse_share"):
+        del doc["config"][k]
+    open(path, "w", encoding="utf-8").write(yaml.safe_dump(doc, sort_keys=False))
+    assert runs.read_run_config(d)["config"]["pretrain_steps"] == 0
+    shutil.rmtree(os.path.join(d, runs.BASE))
+    assert main(["train", "--run-dir", d, "--resume", "--iterations", "7", "--no-progress"]) == 0
+    assert main(["replay", d]) == 0
+    assert "bit-identical" in capsys.readouterr().err
+    assert sha(os.path.join(d, runs.BASE, "model.safetensors")) == sha(
+        os.path.join(reference, runs.BASE, "model.safetensors")
+    )
+
+
 # ---- 14: replay refuses a log that ends before the checkpoint ---------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from espert.tasks.copy_task import COPY_SEP, is_heldout_string
@@ -16,6 +17,23 @@ def test_corpus_is_copy_lines_over_train_strings_only():
     for line in lines:
         s, t = line.split(COPY_SEP)
         assert s == t and 4 <= len(s) <= 6 and not is_heldout_string(s)
+
+
+def test_mixed_corpus_reverses_a_share_of_the_lines():
+    copies = pretrain_corpus(2000, seed=0)
+    mixed = pretrain_corpus(2000, seed=0, reverse_share=0.3)
+    assert mixed == pretrain_corpus(2000, seed=0, reverse_share=0.3)
+    reversed_ = 0
+    for c, m in zip(copies, mixed):
+        s, t = m.split(COPY_SEP)
+        assert c.split(COPY_SEP)[0] == s and not is_heldout_string(s)  # same prompts as the copy corpus
+        if t != s:
+            assert t == s[::-1]
+            reversed_ += 1
+    assert 500 < reversed_ < 700  # ~30% of 2000, palindromes aside
+    assert all(a.split(COPY_SEP)[1] == a.split(COPY_SEP)[0][::-1] for a in pretrain_corpus(50, 0, reverse_share=1.0))
+    with pytest.raises(ValueError, match="reverse_share"):
+        pretrain_corpus(10, reverse_share=1.5)
 
 
 def test_pretraining_is_deterministic_and_lowers_the_loss(tmp_path):
