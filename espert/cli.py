@@ -127,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     tn = sub.add_parser(
         "tiny",
         help="build the tiny random model + char tokenizer into a directory",
-        description="Write the main job's tiny Llama-architecture model (random init) and its "
-        "character tokenizer as a standard HF model directory.",
+        description="Write the main job's tiny Llama-architecture model, random init (the main job "
+        "then pretrains it: ESConfig.pretrain_steps), and its character tokenizer as a standard HF "
+        "model directory.",
     )
     tn.add_argument("out_dir", metavar="OUT_DIR")
     tn.add_argument("--seed", type=int, default=0)

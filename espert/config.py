@@ -113,10 +113,10 @@ class ESConfig:
     )
     exclude: list[str] | None = opt(None, "never perturb parameters matching these patterns (default: none)")
     # -- ES --
-    iterations: int = opt(300, "ES iterations")
+    iterations: int = opt(80, "ES iterations")
     population: int = opt(32, "members per iteration (N; N/2 seeds when antithetic)")
     antithetic: bool = opt(True, "mirrored pairs (+eps, -eps) sharing a seed")
-    sigma: float = opt(0.02, "perturbation scale (with sigma_mode=rms: relative to each tensor's RMS)")
+    sigma: float = opt(0.01, "perturbation scale (with sigma_mode=rms: relative to each tensor's RMS)")
     sigma_schedule: Schedule = opt("constant", "sigma schedule from sigma to sigma_end")
     sigma_end: float | None = opt(None, "final sigma of a linear/cosine schedule")
     sigma_mode: SigmaMode = opt(
@@ -127,7 +127,7 @@ class ESConfig:
     noise: str = opt(
         "gaussian", "noise family: gaussian | rademacher | lowrank:R (see docs/noise.md); fixed for the life of a run"
     )
-    alpha: float = opt(0.01, "step size: theta += alpha/N * sum z_n eps_n (not divided by sigma)")
+    alpha: float = opt(0.005, "step size: theta += alpha/N * sum z_n eps_n (not divided by sigma)")
     alpha_schedule: Schedule = opt("constant", "alpha schedule from alpha to alpha_end")
     alpha_end: float | None = opt(None, "final alpha of a linear/cosine schedule")
     optimizer: OptimizerName = opt(
@@ -161,7 +161,7 @@ class ESConfig:
         "raise", "an exception in one member stops the run (raise), or drops that member (nan)"
     )
     # -- bookkeeping --
-    eval_every: int = opt(25, "held-out evaluation every N iterations (0: start and end only)")
+    eval_every: int = opt(20, "held-out evaluation every N iterations (0: start and end only)")
     checkpoint_every: int = opt(50, "checkpoint + export every N iterations (0: end only)")
     trackers: list[str] = opt(
         [],

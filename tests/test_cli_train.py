@@ -8,6 +8,7 @@ import pytest
 
 from espert import runs
 from espert.cli import build_parser, config_from_args, main
+from espert.config import ESConfig
 
 TINY_FLAGS = [
     "--pretrain-steps",  # random-init tiny base (pretraining costs ~30 s and is not what these tests check)
@@ -66,7 +67,7 @@ def test_precedence_defaults_file_flags(tmp_path):
     y.write_text("sigma: 0.01\npopulation: 8\nexclude: [embed_tokens]\nantithetic: false\n")
     cfg = parse(["train", "--config", str(y), "--population", "6"])
     assert (cfg.sigma, cfg.population, cfg.exclude, cfg.antithetic) == (0.01, 6, ["embed_tokens"], False)
-    assert cfg.alpha == 0.01  # default
+    assert cfg.alpha == ESConfig().alpha  # default
     t = tmp_path / "c.toml"
     t.write_text('sigma = 0.02\ninclude = ["mlp", "self_attn"]\nsigma_schedule = "linear"\nsigma_end = 0.01\n')
     cfg = parse(["train", "--config", str(t), "--antithetic"])
