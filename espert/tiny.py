@@ -5,7 +5,7 @@ corpus (:func:`pretrain`: next-character prediction, 600 steps, about half a min
 then post-trains it with ES on the built-in ``copy`` task.  The corpus mixes two behaviours in the
 copy task's prompt format: half the lines are copies (``"cafe>cafe"``), half reversals
 (``"cafe>efac"``).  The pretrained model does each of them reliably and picks one per prompt
-(greedy on 128 held-out prompts: 48% exact copies, 41% exact reversals, copy reward 0.60), so ES
+(greedy on 128 held-out prompts: 48% exact copies, 39% exact reversals, copy reward 0.60), so ES
 has to shift a preference between two behaviours the base already has, not invent one: the
 situation of the seed papers, where post-training elicits a behaviour of the base.
 
