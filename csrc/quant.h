@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "noise.h"
+#include "apply.h"
 
 namespace espert {
 namespace quant {
@@ -35,6 +35,7 @@ struct QuantArgs {
   int64_t scale_ld;       // row stride of grouped scales (elements)
   float* master;          // [N, K] row-major float32, code units (kUpdateMaster), else null
   int mode;               // Mode
+  int family;             // Family of apply.h: kGaussian or kRademacher (lowrank is refused)
   float qmin, qmax;       // clamp range in code units
   const uint64_t* seeds;  // [n]
   const float* coeffs;    // [n]
@@ -60,6 +61,8 @@ inline std::string check_codes(const QuantArgs& a) {
   if (a.scale_dtype != kFloat32 && a.scale_dtype != kFloat16 && a.scale_dtype != kBFloat16)
     return bad("scale dtype", a.scale_dtype);
   if (a.mode != kPerturb && a.mode != kUpdateMaster && a.mode != kUpdateNaive) return bad("mode", a.mode);
+  if (a.family == kLowRank) return "the quantized kernels take gaussian or rademacher noise, not lowrank";
+  if (a.family != kGaussian && a.family != kRademacher) return bad("noise family", a.family);
   return "";
 }
 
@@ -78,6 +81,25 @@ ESPERT_HD F4 sr_uniforms4(uint64_t seed, uint64_t key, uint64_t g) {
   const float sc = u2f(0x33800000u);  // 2^-24
   return F4{fmul((float)(x.x0 >> 8), sc), fmul((float)(x.x1 >> 8), sc), fmul((float)(x.x2 >> 8), sc),
             fmul((float)(x.x3 >> 8), sc)};
+}
+
+// ---- the noise of one group (elements 4g .. 4g+3, one row) --------------------------------------
+ESPERT_HD float plus_minus_one(uint32_t bit) { return u2f(0x3F800000u | ((bit & 1u) << 31)); }
+
+// rademacher (docs/noise.md §5.1): a group never straddles a 128-element Philox call, so its four
+// elements are bits 4(g & 7) .. 4(g & 7) + 3 of word (g >> 3) & 3 of call h = g >> 5 (bit 1: -1).
+ESPERT_HD F4 rademacher4(uint64_t seed, uint64_t key, uint64_t g) {
+  const uint32_t b = u4_word(rademacher_words(seed, key, g >> 5), (int)((g >> 3) & 3)) >> (4 * (uint32_t)(g & 7));
+  return F4{plus_minus_one(b), plus_minus_one(b >> 1), plus_minus_one(b >> 2), plus_minus_one(b >> 3)};
+}
+
+// ε of group g's four lanes in family FAM (kGaussian: spec v1; kRademacher: ±1, so c·ε is exact)
+template <int FAM>
+ESPERT_HD F4 group_noise4(uint64_t seed, uint64_t key, uint64_t g) {
+  if constexpr (FAM == kRademacher)
+    return rademacher4(seed, key, g);
+  else
+    return normals4(seed, key, g);
 }
 
 // ---- rounding helpers ----------------------------------------------------------------------
@@ -288,6 +310,23 @@ ESPERT_HD uint32_t edit_code(uint32_t code, float acc, float s, float u, float* 
   return E == kInt8 ? (uint32_t)(uint8_t)(int8_t)(int32_t)x : (uint32_t)(int32_t)x;
 }
 
+// acc[j][l] += Σ_m c_m ε_m of lane l of group gg[j], in member order
+template <int FAM, int G>
+ESPERT_HD void unit_members(const QuantArgs& a, const uint64_t (&gg)[G], float (&acc)[G][4]) {
+  for (int64_t m = 0; m < a.n; ++m) {
+    const uint64_t seed = a.seeds[m];
+    const float c = a.coeffs[m];
+    ESPERT_UNROLL
+    for (int j = 0; j < G; ++j) {
+      const F4 f = group_noise4<FAM>(seed, a.key, gg[j]);
+      acc[j][0] = fadd(acc[j][0], fmul(c, f.n0));
+      acc[j][1] = fadd(acc[j][1], fmul(c, f.n1));
+      acc[j][2] = fadd(acc[j][2], fmul(c, f.n2));
+      acc[j][3] = fadd(acc[j][3], fmul(c, f.n3));
+    }
+  }
+}
+
 // ---- one unit, start to end (the CUDA kernel's per-thread body; the CPU kernel tiles units) ------
 template <int E, int L, int MODE>
 ESPERT_HD void run_unit(const QuantArgs& a, int64_t u) {
@@ -302,18 +341,10 @@ ESPERT_HD void run_unit(const QuantArgs& a, int64_t u) {
     gg[j] = ((a.row_offset + (uint64_t)gn[j]) * a.logical_cols + a.col_offset + (uint64_t)gk[j]) >> 2;
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   }
-  for (int64_t m = 0; m < a.n; ++m) {
-    const uint64_t seed = a.seeds[m];
-    const float c = a.coeffs[m];
-    ESPERT_UNROLL
-    for (int j = 0; j < G; ++j) {
-      const F4 f = normals4(seed, a.key, gg[j]);
-      acc[j][0] = fadd(acc[j][0], fmul(c, f.n0));
-      acc[j][1] = fadd(acc[j][1], fmul(c, f.n1));
-      acc[j][2] = fadd(acc[j][2], fmul(c, f.n2));
-      acc[j][3] = fadd(acc[j][3], fmul(c, f.n3));
-    }
-  }
+  if (a.family == kRademacher)
+    unit_members<kRademacher, G>(a, gg, acc);
+  else
+    unit_members<kGaussian, G>(a, gg, acc);
   ESPERT_UNROLL
   for (int j = 0; j < G; ++j) {
     F4 uu{0.0f, 0.0f, 0.0f, 0.0f};

@@ -230,7 +230,7 @@ class Backend:
     supports: Callable[[torch.Tensor], bool]  # capability gate, on the (storage) tensor
     run: Callable | None  # (device, steps, seeds uint64 [N], coeffs float32 [N]) -> None
     unit_groups: Callable[[], int] | None = None  # GPU: Philox groups per launch unit (None: CPU tiles itself)
-    quant: Callable | None = None  # (qw, geometry, master, mode, seeds, coeffs, key) -> None
+    quant: Callable | None = None  # (qw, geometry, master, mode, seeds, coeffs, key, family name) -> None
 
 
 def sync_cpu_threads() -> None:

@@ -42,6 +42,7 @@ MARLIN_CHANNEL: tl.constexpr = tl.constexpr(_KIND["marlin_channel"])
 PERTURB: tl.constexpr = tl.constexpr(_MODE["perturb"])
 MASTER: tl.constexpr = tl.constexpr(_MODE["master"])
 NAIVE: tl.constexpr = tl.constexpr(_MODE["naive"])
+RADEMACHER: tl.constexpr = tl.constexpr(_C.FAMILY_CODES["rademacher"])
 UNITS_G = {_LAYOUT[name]: g for name, g in _C.QUANT_UNIT_GROUPS.items()}
 DEFAULT_BLOCK = 256
 
@@ -56,6 +57,32 @@ def _sr_uniforms4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi):
         (x2 >> 8).to(tl.float32) * 5.9604644775390625e-08,
         (x3 >> 8).to(tl.float32) * 5.9604644775390625e-08,
     )
+
+
+@triton.jit
+def _rademacher_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g, BLOCK: tl.constexpr):
+    """Σ_m coeffs[m]·ε(seeds[m]) of the four lanes of groups g (uint64 [BLOCK]) with rademacher ε
+    (quant.h rademacher4): a group lies inside one 128-element Philox call h = g >> 5, its lanes are
+    bits 4(g & 7) .. 4(g & 7) + 3 of word (g >> 3) & 3; c·(±1) is c with its sign bit flipped, exact."""
+    h = (g >> 5) | (1 << 62)
+    h_lo = h.to(tl.uint32)
+    h_hi = (h >> 32).to(tl.uint32)
+    q = ((g >> 3) & 3).to(tl.uint32)
+    sh = (4 * (g & 7)).to(tl.uint32)
+    acc0 = tl.zeros([BLOCK], tl.float32)
+    acc1 = tl.zeros([BLOCK], tl.float32)
+    acc2 = tl.zeros([BLOCK], tl.float32)
+    acc3 = tl.zeros([BLOCK], tl.float32)
+    for m in range(n):
+        seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
+        c = tl.load(coeffs_ptr + m).to(tl.uint32, bitcast=True)
+        x0, x1, x2, x3 = philox4x32_10(h_lo, h_hi, key_lo, key_hi, seed.to(tl.uint32), (seed >> 32).to(tl.uint32))
+        b = tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3))) >> sh
+        acc0 = acc0 + (c ^ ((b & 1) << 31)).to(tl.float32, bitcast=True)
+        acc1 = acc1 + (c ^ (((b >> 1) & 1) << 31)).to(tl.float32, bitcast=True)
+        acc2 = acc2 + (c ^ (((b >> 2) & 1) << 31)).to(tl.float32, bitcast=True)
+        acc3 = acc3 + (c ^ (((b >> 3) & 1) << 31)).to(tl.float32, bitcast=True)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -242,6 +269,7 @@ def _quant_kernel(
     LAYOUT: tl.constexpr,
     KIND: tl.constexpr,
     MODE: tl.constexpr,
+    FAMILY: tl.constexpr,
     G: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -278,7 +306,10 @@ def _quant_kernel(
         g = base >> 2
         g_lo = g.to(tl.uint32)
         g_hi = (g >> 32).to(tl.uint32)
-        a0, a1, a2, a3 = member_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g_lo, g_hi, BLOCK)
+        if FAMILY == RADEMACHER:
+            a0, a1, a2, a3 = _rademacher_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g, BLOCK)
+        else:
+            a0, a1, a2, a3 = member_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g_lo, g_hi, BLOCK)
         if MODE == PERTURB:
             u0, u1, u2, u3 = _sr_uniforms4(s0.to(tl.uint32), (s0 >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
         else:
@@ -374,6 +405,7 @@ def quant_apply(
     coeffs: torch.Tensor,
     key: int,
     *,
+    family: int = 0,
     block: int = DEFAULT_BLOCK,
 ) -> None:
     """Run the quantized kernel on a validated geometry (``espert.quant.ops.QGeometry``).
@@ -381,7 +413,9 @@ def quant_apply(
     geom.data: the storage (int8 / uint8 bytes or int32 words); scales: float32/16/bf16; master:
     float32 [N, K] or None; mode: a code of espert._C.QUANT_MODE_CODES; seeds int64 [n]
     (uint64 bit patterns), coeffs float32 [n], on the storage's device (at least one seed for perturb).
+    family: a code of espert._C.FAMILY_CODES, gaussian or rademacher.
     """
+    assert family in (_C.FAMILY_CODES["gaussian"], _C.FAMILY_CODES["rademacher"]), f"family code {family}"
     layout = _LAYOUT[geom.layout]
     units = _units(geom.layout, geom.N, geom.K)
     if units == 0:
@@ -419,6 +453,7 @@ def quant_apply(
             LAYOUT=layout,
             KIND=_KIND[geom.scale_kind],
             MODE=mode,
+            FAMILY=family,
             G=UNITS_G[layout],
             BLOCK=block,
             enable_fp_fusion=False,

@@ -42,13 +42,14 @@ def storage(qw):
     return qw.qweight.view(torch.uint8) if qw.fmt == "fp8" else qw.qweight
 
 
-def run(qw, mode, backend, block=None):
+def run(qw, mode, backend, block=None, noise="gaussian"):
     """Apply one op (perturb / master / naive) with ``backend``; returns (qw, master)."""
     master = initial_master(qw) if mode == "master" else None
     if mode == "perturb":
-        ops.perturb_(qw, 5, KEY, 2e-3, -1, block=block, backend=backend)
+        ops.perturb_(qw, 5, KEY, 2e-3, -1, block=block, backend=backend, noise=noise)
     else:
-        ops.es_update_(qw, [1, 2**64 - 1, 3], [3e-3, -2e-3, 1e-3], KEY, master=master, block=block, backend=backend)
+        seeds, coeffs = [1, 2**64 - 1, 3], [3e-3, -2e-3, 1e-3]
+        ops.es_update_(qw, seeds, coeffs, KEY, master=master, block=block, backend=backend, noise=noise)
     return qw, master
 
 
@@ -135,15 +136,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("noise_family", ["gaussian", "rademacher"])
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("mode", ["perturb", "master", "naive"])
 @pytest.mark.parametrize("fmt,kw", CASES, ids=[f"{f}-{'-'.join(map(str, k.values()))}" for f, k in CASES])
-def test_backends_match_reference(fmt, kw, mode, backend):
+def test_backends_match_reference(fmt, kw, mode, backend, noise_family):
     kw = dict(kw)
     group = kw.pop("group", 32)
     base = qweight(fmt, group=group, **kw)
-    want, m_want = run(base.clone(), mode, "reference")
-    got, m_got = run(base.clone(), mode, backend)
+    want, m_want = run(base.clone(), mode, "reference", noise=noise_family)
+    got, m_got = run(base.clone(), mode, backend, noise=noise_family)
     assert torch.equal(storage(got), storage(want))
     assert not torch.equal(storage(got), storage(base))  # the op did something
     if mode == "master":
@@ -162,7 +164,8 @@ def test_8bit_storage_orders_and_vllm_transposed_view(backend):
         assert torch.equal(unpack_codes(qw), unpack_codes(want))
 
 
-def test_same_noise_in_every_layout():
+@pytest.mark.parametrize("noise_family", ["gaussian", "rademacher"])
+def test_same_noise_in_every_layout(noise_family):
     """One logical int4 weight stored in the four int4 layouts moves identically (logical noise index)."""
     base = qweight("gptq", group=-1)
     codes, scales = unpack_codes(base), base.scales
@@ -173,13 +176,14 @@ def test_same_noise_in_every_layout():
             s = torch.from_numpy(F.marlin_permute_scales(scales.numpy(), False))
         qw = QuantWeight(fmt, torch.zeros(F.storage_shape(fmt, 128, 64), dtype=torch.int32), s, 128, 64, -1)
         F.pack_codes_(qw, codes)
-        ops.perturb_(qw, 11, KEY, 5e-3)
+        ops.perturb_(qw, 11, KEY, 5e-3, noise=noise_family)
         outs.append(unpack_codes(qw))
     assert all(torch.equal(o, outs[0]) for o in outs) and not torch.equal(outs[0], codes)
 
 
+@pytest.mark.parametrize("noise_family", ["gaussian", "rademacher"])
 @pytest.mark.parametrize("fmt", ["int8", "gptq", "marlin"])
-def test_shards_compose_to_the_whole(fmt):
+def test_shards_compose_to_the_whole(fmt, noise_family):
     """Row / column blocks (tensor-parallel shards) regenerate exactly their elements' noise."""
     n, k = 128, 128
     whole = qweight(fmt, n, k, group=-1)
@@ -194,10 +198,36 @@ def test_shards_compose_to_the_whole(fmt):
         cmp = quantize_weight(torch.zeros(n, k), fmt, -1)
         F.pack_codes_(cmp, ref_codes)
         cmp.scales = torch.ones_like(cmp.scales) * 0.004
-        ops.perturb_(cmp, 9, KEY, 3e-3)
-        ops.perturb_(part, 9, KEY, 3e-3, block=Block(r0, c0, n, k))
+        ops.perturb_(cmp, 9, KEY, 3e-3, noise=noise_family)
+        ops.perturb_(part, 9, KEY, 3e-3, block=Block(r0, c0, n, k), noise=noise_family)
         assert torch.equal(unpack_codes(part), unpack_codes(cmp)[r0:r1, c0:c1]), (r0, c0)
         del full
+
+
+@pytest.mark.parametrize("noise_family", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "awq", "marlin"])
+def test_quantized_weight_gets_the_noise_of_its_float_twin(fmt, backend, noise_family):
+    """The master update adds exactly fl(Σ c ε / s), with ε from the float kernels (a float32 zero
+    tensor updated with the same members, key and block holds Σ c ε): same noise, other code path."""
+    n, k = 128, 64
+    qw = qweight(fmt, n, k)
+    if fmt == "int8":  # vLLM's (K, N) .t() view of [N, K] storage
+        qw = QuantWeight("int8", qw.qweight.clone().t(), qw.scales, n, k, transposed=True)
+    blk = Block(64, 128, 320, 256)  # a shard of a logical [320, 256] weight
+    seeds, coeffs = [7, 2**63 + 5], [2e-3, -1e-3]
+    master = initial_master(qw)
+    before = master.clone()
+    ops.es_update_(qw, seeds, coeffs, KEY, master=master, block=blk, backend=backend, noise=noise_family)
+    twin = torch.zeros(n, k)
+    ops.es_update_(twin, seeds, coeffs, KEY, block=blk, noise=noise_family)
+    if noise_family == "rademacher":  # ±2e-3 ± 1e-3: two magnitudes
+        assert torch.unique(twin.abs()).numel() == 2
+    want = (before.numpy() + twin.numpy() / F.logical_scales(qw).numpy()).astype(np.float32)
+    lo, hi = qw.code_range
+    want = np.clip(want, np.float32(lo), np.float32(hi))
+    np.testing.assert_array_equal(master.numpy().view(np.int32), want.view(np.int32))
+    assert not torch.equal(master, before)
 
 
 # ---- exactness, statistics, fidelity, memory --------------------------------------------------------
@@ -392,9 +422,10 @@ def test_quant_cpu_isa_paths_agree():
         "w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02\n"
         "out = []\n"
         "for fmt in ('int8', 'fp8', 'gptq', 'awq', 'marlin'):\n"
+        "  for fam in ('gaussian', 'rademacher'):\n"
         "    qw = quantize_weight(w, fmt, group_size=128)\n"
-        "    ops.perturb_(qw, 3, 77, 0.01, -1, backend='cpu')\n"
-        "    ops.es_update_(qw, [1, 2], [0.01, -0.02], 77, backend='cpu')\n"
+        "    ops.perturb_(qw, 3, 77, 0.01, -1, backend='cpu', noise=fam)\n"
+        "    ops.es_update_(qw, [1, 2], [0.01, -0.02], 77, backend='cpu', noise=fam)\n"
         "    out.append(qw.qweight.contiguous().view(torch.uint8).numpy().tobytes().hex())\n"
         "print(_C.cpu_isa(), ''.join(out))"
     )

@@ -59,11 +59,17 @@ def test_one_backend_registry_serves_float_and_quantized_weights(monkeypatch):
         ops.perturb_(qw, 1, 2, 0.05)
 
 
-def test_quantized_weights_refuse_other_noise_families():
+def test_quantized_weights_refuse_lowrank_noise():
     from espert import ops
 
     qw = quantize_weight(torch.randn(16, 64) * 0.02, "int8")
     before = qw.qweight.clone()
-    with pytest.raises(ValueError, match="gaussian noise only"):
-        ops.perturb_(qw, 1, 2, 0.05, noise="rademacher")
+    with pytest.raises(ValueError, match="lowrank:4 is not implemented for them"):
+        ops.perturb_(qw, 1, 2, 0.05, noise="lowrank:4")
+    with pytest.raises(ValueError, match="lowrank:1 is not implemented"):
+        ops.es_update_(qw, [1], [0.1], 2, noise="lowrank:1")
+    with pytest.raises(ValueError, match="lowrank:2 is not implemented"):
+        QuantCenterStore([QuantParamView("layer.weight", qw)], noise="lowrank:2")
     assert torch.equal(before, qw.qweight)
+    ops.perturb_(qw, 1, 2, 0.05, noise="rademacher")  # the other families run
+    assert not torch.equal(before, qw.qweight)

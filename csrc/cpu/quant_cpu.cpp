@@ -17,6 +17,24 @@ namespace {
 
 constexpr int kTileGroups = 64;
 
+// acc[l][j] += Σ_m c_m ε_m of lane l of group gg[j], in member order, over a full tile (padding groups
+// are computed, never used, so the loop stays vectorized)
+template <int FAM>
+ESPERT_HD void tile_members(const QuantArgs& a, const uint64_t (&gg)[kTileGroups], float (&acc)[4][kTileGroups]) {
+  for (int64_t m = 0; m < a.n; ++m) {
+    const uint64_t seed = a.seeds[m];
+    const float c = a.coeffs[m];
+#pragma GCC ivdep
+    for (int j = 0; j < kTileGroups; ++j) {
+      const F4 f = group_noise4<FAM>(seed, a.key, gg[j]);
+      acc[0][j] = fadd(acc[0][j], fmul(c, f.n0));
+      acc[1][j] = fadd(acc[1][j], fmul(c, f.n1));
+      acc[2][j] = fadd(acc[2][j], fmul(c, f.n2));
+      acc[3][j] = fadd(acc[3][j], fmul(c, f.n3));
+    }
+  }
+}
+
 template <int E, int L, int MODE>
 ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
   using Ly = Lay<L>;
@@ -38,18 +56,10 @@ ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
     alignas(64) float acc[4][kTileGroups];
     for (int l = 0; l < 4; ++l)
       for (int j = 0; j < kTileGroups; ++j) acc[l][j] = 0.0f;
-    for (int64_t m = 0; m < a.n; ++m) {
-      const uint64_t seed = a.seeds[m];
-      const float c = a.coeffs[m];
-#pragma GCC ivdep
-      for (int j = 0; j < kTileGroups; ++j) {  // full tile (padding groups are computed, never used)
-        const F4 f = normals4(seed, a.key, gg[j]);
-        acc[0][j] = fadd(acc[0][j], fmul(c, f.n0));
-        acc[1][j] = fadd(acc[1][j], fmul(c, f.n1));
-        acc[2][j] = fadd(acc[2][j], fmul(c, f.n2));
-        acc[3][j] = fadd(acc[3][j], fmul(c, f.n3));
-      }
-    }
+    if (a.family == kRademacher)
+      tile_members<kRademacher>(a, gg, acc);
+    else
+      tile_members<kGaussian>(a, gg, acc);
     alignas(64) float us[4][kTileGroups];
     if (MODE == kPerturb) {
 #pragma GCC ivdep

@@ -209,7 +209,7 @@ def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
 # ---- backends ------------------------------------------------------------------------------
 
 
-def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str) -> tuple:
+def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str, family: str) -> tuple:
     return (
         g.data.data_ptr(),
         ELEM_CODES[g.elem],
@@ -227,22 +227,23 @@ def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str) -> tuple:
         g.scale_ld,
         0 if master is None else master.data_ptr(),
         MODES[mode],
+        ops.FAMILY_CODES[family],
         g.qmin,
         g.qmax,
     )
 
 
-def _run_cpu(qw, g, master, mode, seeds, coeffs, key):
+def _run_cpu(qw, g, master, mode, seeds, coeffs, key, family):
     sync_cpu_threads()
-    _C.quant_cpu(*_kernel_args(qw, g, master, mode), seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
+    _C.quant_cpu(*_kernel_args(qw, g, master, mode, family), seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
 
 
-def _run_cuda(qw, g, master, mode, seeds, coeffs, key):
+def _run_cuda(qw, g, master, mode, seeds, coeffs, key, family):
     dev = qw.qweight.device
     s = torch.from_numpy(seeds.view(np.int64)).to(dev)
     c = torch.from_numpy(coeffs).to(dev)
     _C.quant_cuda(
-        *_kernel_args(qw, g, master, mode),
+        *_kernel_args(qw, g, master, mode, family),
         s.data_ptr(),
         c.data_ptr(),
         len(seeds),
@@ -251,26 +252,28 @@ def _run_cuda(qw, g, master, mode, seeds, coeffs, key):
     )
 
 
-def _run_triton(qw, g, master, mode, seeds, coeffs, key):
+def _run_triton(qw, g, master, mode, seeds, coeffs, key, family):
     from espert.kernels.quant import quant_apply
 
     dev = qw.qweight.device
     s = torch.from_numpy(seeds.view(np.int64)).to(dev)
     c = torch.from_numpy(coeffs).to(dev)
-    quant_apply(g, qw.scales, master, MODES[mode], s, c, key)
+    quant_apply(g, qw.scales, master, MODES[mode], s, c, key, family=ops.FAMILY_CODES[family])
 
 
-def _run_reference(qw, g, master, mode, seeds, coeffs, key):
+def _run_reference(qw, g, master, mode, seeds, coeffs, key, family):
     from .formats import logical_scales, pack_codes_, unpack_codes
 
     idx = noise.block_indices((g.N, g.K), g.row_offset, g.col_offset, g.logical_cols)
     codes = unpack_codes(qw).numpy()
     scales = logical_scales(qw).numpy()
     if mode == "perturb":
-        new = ref.perturb_codes(codes, g.elem, scales, int(seeds[0]), key, float(coeffs[0]), g.qmin, g.qmax, idx)
+        new = ref.perturb_codes(
+            codes, g.elem, scales, int(seeds[0]), key, float(coeffs[0]), g.qmin, g.qmax, idx, family=family
+        )
     else:
         m = None if master is None else master.detach().cpu().numpy()
-        new, m2 = ref.update_codes(codes, m, g.elem, scales, seeds, coeffs, key, g.qmin, g.qmax, idx)
+        new, m2 = ref.update_codes(codes, m, g.elem, scales, seeds, coeffs, key, g.qmin, g.qmax, idx, family=family)
         if master is not None:
             master.copy_(torch.from_numpy(m2))
     pack_codes_(qw, torch.from_numpy(new))
@@ -289,12 +292,19 @@ def _runner(qw: QuantWeight, name: str | None):
 # ---- the ops -------------------------------------------------------------------------------
 
 
-def _gaussian_only(noise_family: str) -> None:
-    if str(noise.NoiseFamily.parse(noise_family)) != "gaussian":
+QUANT_FAMILIES = ("gaussian", "rademacher")  # the noise families the lattice kernels implement
+
+
+def quant_family(noise_family) -> str:
+    """The family name of a noise spelling the quantized kernels implement (``"gaussian"`` or
+    ``"rademacher"``); a ValueError naming it for ``lowrank:r`` (and for bad spellings)."""
+    fam = noise.NoiseFamily.parse(noise_family)
+    if fam.name not in QUANT_FAMILIES:
         raise ValueError(
-            f"quantized weights take gaussian noise only (their lattice kernels implement spec v1), "
-            f"got noise={noise_family!r}"
+            f"quantized weights take noise gaussian or rademacher; {fam} is not implemented for them "
+            f"(its A/Bᵀ staging exists for float weights only)"
         )
+    return fam.name
 
 
 @torch.no_grad()
@@ -316,7 +326,7 @@ def perturb_q(
     ``espert.ops.restore_`` (exact copy of the stored codes), never by a second perturb.  Returns ``qw``.
     Reached through ``espert.ops.perturb_``.
     """
-    _gaussian_only(noise)
+    family = quant_family(noise)
     if (
         isinstance(sigma, bool)
         or not isinstance(sigma, (int, float, np.floating))
@@ -329,7 +339,7 @@ def perturb_q(
     g = qgeometry(qw, block)
     key = _check_u64("key", key)
     seeds, coeffs = check_members([seed], [sign * float(sigma)])
-    _runner(qw, backend)(qw, g, None, "perturb", seeds, coeffs, key)
+    _runner(qw, backend)(qw, g, None, "perturb", seeds, coeffs, key, family)
     return qw
 
 
@@ -353,12 +363,13 @@ def es_update_q(
     All members' noise is regenerated per element in registers; each code (word) is read and written
     once.  Returns ``qw``.  Reached through ``espert.ops.es_update_``.
     """
-    _gaussian_only(noise)
+    family = quant_family(noise)
     g = qgeometry(qw, block)
     _check_master(qw, master)
     key = _check_u64("key", key)
     seed_arr, coeff32 = check_members(seeds, coeffs)
-    _runner(qw, backend)(qw, g, master, "master" if master is not None else "naive", seed_arr, coeff32, key)
+    mode = "master" if master is not None else "naive"
+    _runner(qw, backend)(qw, g, master, mode, seed_arr, coeff32, key, family)
     return qw
 
 

@@ -4,7 +4,8 @@ All float arithmetic is binary32, one rounding per operation, in the order writt
 (``csrc/quant.h``), CUDA and Triton kernels reproduce it bit for bit.  Per logical element
 (n, k) with logical index i, scale s (float32), members (seed_m, c_m):
 
-    acc  = Σ_m c_m·ε(seed_m, key, i)            (float32, from +0, in member order; as the bf16 op)
+    acc  = Σ_m c_m·ε(seed_m, key, i)            (float32, from +0, in member order; as the bf16 op;
+                                                 ε of the family: gaussian v1 or rademacher ±1)
     v    = acc / s                              (the step in code units)
 
 perturb (one member, c = sign·σ), u = sr_uniform(seed, key, i):
@@ -73,10 +74,11 @@ def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
     return (sign | np.where(a < np.uint32(0x3C800000), sub, normal)).astype(np.uint8)
 
 
-def _acc(seeds, coeffs, key: int, idx: np.ndarray) -> np.ndarray:
+def _acc(seeds, coeffs, key: int, idx: np.ndarray, family: str) -> np.ndarray:
+    eps = {"gaussian": noise.normal, "rademacher": noise.rademacher}[family]
     acc = np.zeros(idx.shape, dtype=np.float32)
     for s, c in zip(seeds, coeffs):
-        acc = acc + _f(c) * noise.normal(int(s), key, idx)
+        acc = acc + _f(c) * eps(int(s), key, idx)
     return acc
 
 
@@ -90,10 +92,12 @@ def perturb_codes(
     qmin: float,
     qmax: float,
     idx: np.ndarray,
+    family: str = "gaussian",
 ) -> np.ndarray:
     """Perturbed logical codes.  codes [N, K]: int32 (int8/int4) or uint8 e4m3 bits (fp8); scales [N, K]
-    float32; coeff = sign·σ; idx [N, K] uint64 logical indices.  Returns a new array like ``codes``."""
-    v = _acc([seed], [coeff], key, idx) / scales.astype(np.float32)
+    float32; coeff = sign·σ; idx [N, K] uint64 logical indices; family: ``"gaussian"`` or
+    ``"rademacher"``.  Returns a new array like ``codes``."""
+    v = _acc([seed], [coeff], key, idx, family) / scales.astype(np.float32)
     u = noise.sr_uniform(seed, key, idx)
     if elem == "fp8":
         y = e4m3_to_f32(codes) + v
@@ -116,10 +120,11 @@ def update_codes(
     qmin: float,
     qmax: float,
     idx: np.ndarray,
+    family: str = "gaussian",
 ):
     """The fused ES update.  With ``master`` (float32 [N, K], code units) returns (codes', master');
-    without (naive rounding of code + step) returns (codes', None)."""
-    v = _acc(seeds, coeffs, key, idx) / scales.astype(np.float32)
+    without (naive rounding of code + step) returns (codes', None).  family: as :func:`perturb_codes`."""
+    v = _acc(seeds, coeffs, key, idx, family) / scales.astype(np.float32)
     nan = e4m3_isnan(codes) if elem == "fp8" else np.zeros(codes.shape, dtype=bool)
     if master is not None:
         base = master.astype(np.float32)
