@@ -23,11 +23,15 @@ KEY = 12345
 FMTS = ["int8", "fp8", "gptq", "awq", "marlin"]
 
 
-@pytest.fixture(scope="module", params=FMTS)
-def qw(request):
+def _weight(fmt: str):
     n = max(64, (MIB << 20) // K // 64 * 64)
     w = torch.randn(n, K, generator=torch.Generator().manual_seed(0)) * 0.02
-    return quantize_weight(w, request.param, 128)
+    return quantize_weight(w, fmt, 128)
+
+
+@pytest.fixture(scope="module", params=FMTS)
+def qw(request):
+    return _weight(request.param)
 
 
 def _rec(benchmark, qw, kind):
@@ -40,6 +44,12 @@ def _rec(benchmark, qw, kind):
 def test_perturb_espert(benchmark, qw):
     _rec(benchmark, qw, "perturb")
     benchmark.pedantic(ops.perturb_, args=(qw, 1, KEY, 1e-3), rounds=3, warmup_rounds=1)
+
+
+def test_perturb_rademacher_int8_espert(benchmark):
+    qw = _weight("int8")
+    _rec(benchmark, qw, "perturb rademacher")
+    benchmark.pedantic(ops.perturb_, args=(qw, 1, KEY, 1e-3), kwargs={"noise": "rademacher"}, rounds=3, warmup_rounds=1)
 
 
 def test_update_n8_espert(benchmark, qw):

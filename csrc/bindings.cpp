@@ -17,8 +17,8 @@ void register_cast(py::module_& m);  // csrc/cpu/cast_cpu.cpp: exact float32 -> 
 static quant::QuantArgs make_qargs(uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld,
                                    uint64_t row_offset, uint64_t col_offset, uint64_t logical_cols, uintptr_t scales,
                                    int scale_dtype, int scale_kind, int64_t group, int64_t scale_ld, uintptr_t master,
-                                   int mode, int family, float qmin, float qmax, uintptr_t seeds, uintptr_t coeffs,
-                                   int64_t n, uint64_t key) {
+                                   int mode, int family, int64_t rank, uintptr_t stage_a, uintptr_t stage_b, float qmin,
+                                   float qmax, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
   quant::QuantArgs a;
   a.codes = reinterpret_cast<void*>(codes);
   a.elem = elem;
@@ -37,6 +37,9 @@ static quant::QuantArgs make_qargs(uintptr_t codes, int elem, int layout, int64_
   a.master = reinterpret_cast<float*>(master);
   a.mode = mode;
   a.family = family;
+  a.rank = rank;
+  a.stage_a = reinterpret_cast<const float*>(stage_a);
+  a.stage_b = reinterpret_cast<const float*>(stage_b);
   a.qmin = qmin;
   a.qmax = qmax;
   a.seeds = reinterpret_cast<const uint64_t*>(seeds);
@@ -100,26 +103,26 @@ PYBIND11_MODULE(_C, m) {
       "quant_cpu",
       [](uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld, uint64_t row_offset,
          uint64_t col_offset, uint64_t logical_cols, uintptr_t scales, int scale_dtype, int scale_kind, int64_t group,
-         int64_t scale_ld, uintptr_t master, int mode, int family, float qmin, float qmax, uintptr_t seeds,
-         uintptr_t coeffs, int64_t n, uint64_t key) {
-        const quant::QuantArgs a =
-            make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols, scales, scale_dtype,
-                       scale_kind, group, scale_ld, master, mode, family, qmin, qmax, seeds, coeffs, n, key);
+         int64_t scale_ld, uintptr_t master, int mode, int family, int64_t rank, uintptr_t stage_a, uintptr_t stage_b,
+         float qmin, float qmax, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
+        const quant::QuantArgs a = make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols,
+                                              scales, scale_dtype, scale_kind, group, scale_ld, master, mode, family,
+                                              rank, stage_a, stage_b, qmin, qmax, seeds, coeffs, n, key);
         py::gil_scoped_release release;
         quant::quant_cpu(a);
       },
       "Quantized codes in place: perturb (mode 0), update with a float32 master (1) or naive (2), with the "
-      "noise family code `family` (gaussian or rademacher).  Host pointers.");
+      "noise family code `family` (lowrank: rank and the staged factors A' [n, N, r], Bt [n, r, K]).  Host pointers.");
 #ifdef ESPERT_WITH_CUDA
   m.def(
       "quant_cuda",
       [](uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld, uint64_t row_offset,
          uint64_t col_offset, uint64_t logical_cols, uintptr_t scales, int scale_dtype, int scale_kind, int64_t group,
-         int64_t scale_ld, uintptr_t master, int mode, int family, float qmin, float qmax, uintptr_t seeds,
-         uintptr_t coeffs, int64_t n, uint64_t key, uintptr_t stream) {
-        const quant::QuantArgs a =
-            make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols, scales, scale_dtype,
-                       scale_kind, group, scale_ld, master, mode, family, qmin, qmax, seeds, coeffs, n, key);
+         int64_t scale_ld, uintptr_t master, int mode, int family, int64_t rank, uintptr_t stage_a, uintptr_t stage_b,
+         float qmin, float qmax, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key, uintptr_t stream) {
+        const quant::QuantArgs a = make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols,
+                                              scales, scale_dtype, scale_kind, group, scale_ld, master, mode, family,
+                                              rank, stage_a, stage_b, qmin, qmax, seeds, coeffs, n, key);
         const int err = quant::quant_cuda(a, reinterpret_cast<void*>(stream));
         if (err != 0) throw std::runtime_error("espert quant CUDA kernel failed with cudaError " + std::to_string(err));
       },

@@ -35,7 +35,10 @@ struct QuantArgs {
   int64_t scale_ld;       // row stride of grouped scales (elements)
   float* master;          // [N, K] row-major float32, code units (kUpdateMaster), else null
   int mode;               // Mode
-  int family;             // Family of apply.h: kGaussian or kRademacher (lowrank is refused)
+  int family;             // Family of apply.h
+  int64_t rank;           // kLowRank: r, and the block's staged factors (float32, made by the float kernels):
+  const float* stage_a;   //   A' = fl(K_r·A) [n, N, r]
+  const float* stage_b;   //   Bᵀ [n, r, K]
   float qmin, qmax;       // clamp range in code units
   const uint64_t* seeds;  // [n]
   const float* coeffs;    // [n]
@@ -61,8 +64,9 @@ inline std::string check_codes(const QuantArgs& a) {
   if (a.scale_dtype != kFloat32 && a.scale_dtype != kFloat16 && a.scale_dtype != kBFloat16)
     return bad("scale dtype", a.scale_dtype);
   if (a.mode != kPerturb && a.mode != kUpdateMaster && a.mode != kUpdateNaive) return bad("mode", a.mode);
-  if (a.family == kLowRank) return "the quantized kernels take gaussian or rademacher noise, not lowrank";
-  if (a.family != kGaussian && a.family != kRademacher) return bad("noise family", a.family);
+  if (a.family != kGaussian && a.family != kRademacher && a.family != kLowRank) return bad("noise family", a.family);
+  if (a.family == kLowRank && (a.rank < 1 || !a.stage_a || !a.stage_b))
+    return "lowrank needs rank >= 1 and staged factors";
   return "";
 }
 
@@ -310,15 +314,42 @@ ESPERT_HD uint32_t edit_code(uint32_t code, float acc, float s, float u, float* 
   return E == kInt8 ? (uint32_t)(uint8_t)(int8_t)(int32_t)x : (uint32_t)(int32_t)x;
 }
 
-// acc[j][l] += Σ_m c_m ε_m of lane l of group gg[j], in member order
+// lowrank: ε of lanes k0 .. k0+3 of block row n for member m, Σ_j fl(A'[m, n, j]·Bᵀ[m, j, k]) from +0 in j
+// order (the float kernel's sum, docs/noise.md §5.2)
+ESPERT_HD F4 lowrank4(const QuantArgs& a, int64_t m, int64_t n, int64_t k0) {
+  const float* ar = a.stage_a + (m * a.N + n) * a.rank;
+  const float* bt = a.stage_b + m * a.rank * a.K + k0;
+  float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+  for (int64_t j = 0; j < a.rank; ++j) {
+    const float aj = ar[j];
+    const float* b = bt + j * a.K;
+    t0 = fadd(t0, fmul(aj, b[0]));
+    t1 = fadd(t1, fmul(aj, b[1]));
+    t2 = fadd(t2, fmul(aj, b[2]));
+    t3 = fadd(t3, fmul(aj, b[3]));
+  }
+  return F4{t0, t1, t2, t3};
+}
+
+// ε of member m for group j of a tile or unit: (block row gn, first column gk, Philox group gg)
+template <int FAM>
+ESPERT_HD F4 member_noise4(const QuantArgs& a, int64_t m, uint64_t seed, int64_t gn, int64_t gk, uint64_t gg) {
+  if constexpr (FAM == kLowRank)
+    return lowrank4(a, m, gn, gk);
+  else
+    return group_noise4<FAM>(seed, a.key, gg);
+}
+
+// acc[j][l] += Σ_m c_m ε_m of lane l of group j, in member order
 template <int FAM, int G>
-ESPERT_HD void unit_members(const QuantArgs& a, const uint64_t (&gg)[G], float (&acc)[G][4]) {
+ESPERT_HD void unit_members(const QuantArgs& a, const int64_t (&gn)[G], const int64_t (&gk)[G], const uint64_t (&gg)[G],
+                            float (&acc)[G][4]) {
   for (int64_t m = 0; m < a.n; ++m) {
     const uint64_t seed = a.seeds[m];
     const float c = a.coeffs[m];
     ESPERT_UNROLL
     for (int j = 0; j < G; ++j) {
-      const F4 f = group_noise4<FAM>(seed, a.key, gg[j]);
+      const F4 f = member_noise4<FAM>(a, m, seed, gn[j], gk[j], gg[j]);
       acc[j][0] = fadd(acc[j][0], fmul(c, f.n0));
       acc[j][1] = fadd(acc[j][1], fmul(c, f.n1));
       acc[j][2] = fadd(acc[j][2], fmul(c, f.n2));
@@ -342,9 +373,11 @@ ESPERT_HD void run_unit(const QuantArgs& a, int64_t u) {
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   }
   if (a.family == kRademacher)
-    unit_members<kRademacher, G>(a, gg, acc);
+    unit_members<kRademacher, G>(a, gn, gk, gg, acc);
+  else if (a.family == kLowRank)
+    unit_members<kLowRank, G>(a, gn, gk, gg, acc);
   else
-    unit_members<kGaussian, G>(a, gg, acc);
+    unit_members<kGaussian, G>(a, gn, gk, gg, acc);
   ESPERT_UNROLL
   for (int j = 0; j < G; ++j) {
     F4 uu{0.0f, 0.0f, 0.0f, 0.0f};

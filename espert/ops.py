@@ -544,45 +544,99 @@ def _build_steps(
     stage = torch.empty(
         max(sum(n * r * (p[_F["rows"]] + p[_F["cols"]]) for p in c) for c in chunks), dtype=torch.float32, device=device
     )
-    base = stage.data_ptr()
-    k_bits = int(lowrank_scale(r).view(np.int32))
-    f32, gauss = DTYPE_CODES[torch.float32], FAMILY_CODES["gaussian"]
-    members = np.arange(n, dtype=_I64)
     for chunk in chunks:
         t = np.array(chunk, dtype=_I64)
-        u = t.view(np.uint64)
-        rows, cols = t[:, _F["rows"]], t[:, _F["cols"]]
-        size = n * r * (rows + cols)
-        sa = base + 4 * (np.cumsum(size) - size)  # [N, rows, r] A' then [N, r, cols] Bᵀ per piece
-        sb = sa + 4 * n * rows * r
-        t[:, _F["stage_a"]], t[:, _F["stage_b"]] = sa, sb
-        # fill entries, piece-major then member: A' (K_r·ε_v1 of [R, r]) and Bᵀ (ε_v1 of [r, C])
-        fills = []
-        for is_a in (True, False):
-            f = np.zeros((len(t), n, len(PLAN_FIELDS)), _I64)
-            fu = f.view(np.uint64)
-            f[..., _F["dtype"]], f[..., _F["family"]] = f32, gauss
-            f[..., _F["member_begin"]], f[..., _F["member_end"]] = members, members + 1
-            if is_a:
-                f[..., _F["data"]] = sa[:, None] + 4 * rows[:, None] * r * members
-                f[..., _F["rows"]], f[..., _F["cols"]], f[..., _F["row_stride"]] = rows[:, None], r, r
-                fu[..., _F["row_offset"]] = u[:, _F["row_offset"], None]
-                fu[..., _F["logical_cols"]] = r
-                fu[..., _F["key"]] = u[:, _F["key"], None] ^ np.uint64(LOWRANK_KEY_A)
-                f[..., _F["scale_bits"]] = k_bits
-            else:
-                f[..., _F["data"]] = sb[:, None] + 4 * r * cols[:, None] * members
-                f[..., _F["rows"]], f[..., _F["cols"]], f[..., _F["row_stride"]] = r, cols[:, None], cols[:, None]
-                fu[..., _F["col_offset"]] = u[:, _F["col_offset"], None]
-                fu[..., _F["logical_cols"]] = u[:, _F["logical_cols"], None]
-                fu[..., _F["key"]] = u[:, _F["key"], None] ^ np.uint64(LOWRANK_KEY_B)
-                f[..., _F["scale_bits"]] = _ONE_BITS
-            fills.append(f.reshape(-1, len(PLAN_FIELDS)))
-        ft, fg = _finish(np.concatenate(fills), unit_groups)
-        steps.append(_Step(ft, True, fg, zero=stage))
+        steps.append(_lowrank_fill_step(t, n, r, stage, unit_groups))
         at, ag = _finish(t, unit_groups)
         steps.append(_Step(at, False, ag))
     return steps  # the fill steps hold the staging buffer (zero=stage) until the call returns
+
+
+def _lowrank_fill_step(t: np.ndarray, n: int, r: int, stage: torch.Tensor, unit_groups: int | None) -> _Step:
+    """The fill step of lowrank plan entries ``t`` (int64 [E, len(PLAN_FIELDS)]: rows, cols, offsets,
+    logical_cols, key): lays out each entry's A' [n, rows, r] then Bᵀ [n, r, cols] (float32) in ``stage``
+    from its start, writes their addresses into t's stage_a / stage_b, and returns the Gaussian step
+    that fills them (run with coefficients 1): A' = K_r·ε_v1(key ^ LOWRANKA) of the logical [R, r]
+    matrix's rows, Bᵀ = ε_v1(key ^ LOWRANKB) of the logical [r, C] matrix's columns."""
+    k_bits = int(lowrank_scale(r).view(np.int32))
+    f32, gauss = DTYPE_CODES[torch.float32], FAMILY_CODES["gaussian"]
+    members = np.arange(n, dtype=_I64)
+    u = t.view(np.uint64)
+    rows, cols = t[:, _F["rows"]], t[:, _F["cols"]]
+    size = n * r * (rows + cols)
+    sa = stage.data_ptr() + 4 * (np.cumsum(size) - size)  # [N, rows, r] A' then [N, r, cols] Bᵀ per piece
+    sb = sa + 4 * n * rows * r
+    t[:, _F["stage_a"]], t[:, _F["stage_b"]] = sa, sb
+    # fill entries, piece-major then member: A' (K_r·ε_v1 of [R, r]) and Bᵀ (ε_v1 of [r, C])
+    fills = []
+    for is_a in (True, False):
+        f = np.zeros((len(t), n, len(PLAN_FIELDS)), _I64)
+        fu = f.view(np.uint64)
+        f[..., _F["dtype"]], f[..., _F["family"]] = f32, gauss
+        f[..., _F["member_begin"]], f[..., _F["member_end"]] = members, members + 1
+        if is_a:
+            f[..., _F["data"]] = sa[:, None] + 4 * rows[:, None] * r * members
+            f[..., _F["rows"]], f[..., _F["cols"]], f[..., _F["row_stride"]] = rows[:, None], r, r
+            fu[..., _F["row_offset"]] = u[:, _F["row_offset"], None]
+            fu[..., _F["logical_cols"]] = r
+            fu[..., _F["key"]] = u[:, _F["key"], None] ^ np.uint64(LOWRANK_KEY_A)
+            f[..., _F["scale_bits"]] = k_bits
+        else:
+            f[..., _F["data"]] = sb[:, None] + 4 * r * cols[:, None] * members
+            f[..., _F["rows"]], f[..., _F["cols"]], f[..., _F["row_stride"]] = r, cols[:, None], cols[:, None]
+            fu[..., _F["col_offset"]] = u[:, _F["col_offset"], None]
+            fu[..., _F["logical_cols"]] = u[:, _F["logical_cols"], None]
+            fu[..., _F["key"]] = u[:, _F["key"], None] ^ np.uint64(LOWRANK_KEY_B)
+            f[..., _F["scale_bits"]] = _ONE_BITS
+        fills.append(f.reshape(-1, len(PLAN_FIELDS)))
+    ft, fg = _finish(np.concatenate(fills), unit_groups)
+    return _Step(ft, True, fg, zero=stage)
+
+
+def lowrank_stage(
+    key: int,
+    rows: int,
+    cols: int,
+    row_offset: int,
+    col_offset: int,
+    logical_cols: int,
+    seeds: np.ndarray,
+    rank: int,
+    device,
+    backend: str,
+) -> tuple[torch.Tensor, int, int]:
+    """The lowrank:``rank`` factors of one [rows, cols] block at (row_offset, col_offset) of a logical
+    [R, logical_cols] parameter with key ``key``, for members ``seeds`` (uint64 [N]), made by the float
+    kernels of ``backend`` on ``device`` (the staging the float path uses; quantized weights read it).
+    Returns (stage float32 [N·r·(rows + cols)], address of A' [N, rows, r], address of Bᵀ [N, r, cols]):
+    A' = fl(K_r·A) of the block's rows, Bᵀ of its columns.  The caller keeps ``stage`` alive."""
+    n = len(seeds)
+    t = np.array(
+        [
+            _row(
+                0,
+                DTYPE_CODES[torch.float32],
+                rows,
+                cols,
+                cols,
+                row_offset,
+                col_offset,
+                logical_cols,
+                key,
+                _ONE_BITS,
+                FAMILY_CODES["lowrank"],
+                rank,
+                mb=0,
+                me=n,
+            )
+        ],
+        dtype=_I64,
+    )
+    stage = torch.empty(n * rank * (rows + cols), dtype=torch.float32, device=device)
+    be = BACKENDS[backend]
+    step = _lowrank_fill_step(t, n, rank, stage, be.unit_groups and be.unit_groups())
+    be.run(device, [step], seeds, np.ones(n, np.float32))
+    return stage, int(t[0, _F["stage_a"]]), int(t[0, _F["stage_b"]])
 
 
 # ---- the ops -------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ PERTURB: tl.constexpr = tl.constexpr(_MODE["perturb"])
 MASTER: tl.constexpr = tl.constexpr(_MODE["master"])
 NAIVE: tl.constexpr = tl.constexpr(_MODE["naive"])
 RADEMACHER: tl.constexpr = tl.constexpr(_C.FAMILY_CODES["rademacher"])
+LOWRANK: tl.constexpr = tl.constexpr(_C.FAMILY_CODES["lowrank"])
 UNITS_G = {_LAYOUT[name]: g for name, g in _C.QUANT_UNIT_GROUPS.items()}
 DEFAULT_BLOCK = 256
 
@@ -82,6 +83,37 @@ def _rademacher_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g, BLOCK: tl.const
         acc1 = acc1 + (c ^ (((b >> 1) & 1) << 31)).to(tl.float32, bitcast=True)
         acc2 = acc2 + (c ^ (((b >> 2) & 1) << 31)).to(tl.float32, bitcast=True)
         acc3 = acc3 + (c ^ (((b >> 3) & 1) << 31)).to(tl.float32, bitcast=True)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _lowrank_sum(stage_ptr, b_off, coeffs_ptr, n, rank, N, K, nl, k0, mask, BLOCK: tl.constexpr):
+    """Σ_m coeffs[m]·ε_m of lanes k0 .. k0+3 of block rows nl ([BLOCK] each) with lowrank ε from the
+    staged factors (quant.h lowrank4): A' [n, N, r] at stage_ptr, Bᵀ [n, r, K] at stage_ptr + b_off;
+    ε = Σ_j fl(A'[m, nl, j]·Bᵀ[m, j, k]) from +0 in j order."""
+    acc0 = tl.zeros([BLOCK], tl.float32)
+    acc1 = tl.zeros([BLOCK], tl.float32)
+    acc2 = tl.zeros([BLOCK], tl.float32)
+    acc3 = tl.zeros([BLOCK], tl.float32)
+    for m in range(n):
+        c = tl.load(coeffs_ptr + m)
+        a_row = stage_ptr + (m * N + nl) * rank
+        b_col = stage_ptr + b_off + m * rank * K + k0
+        t0 = tl.zeros([BLOCK], tl.float32)
+        t1 = tl.zeros([BLOCK], tl.float32)
+        t2 = tl.zeros([BLOCK], tl.float32)
+        t3 = tl.zeros([BLOCK], tl.float32)
+        for j in range(rank):
+            aj = tl.load(a_row + j, mask=mask, other=0.0)
+            bj = b_col + j * K
+            t0 = t0 + aj * tl.load(bj, mask=mask, other=0.0)
+            t1 = t1 + aj * tl.load(bj + 1, mask=mask, other=0.0)
+            t2 = t2 + aj * tl.load(bj + 2, mask=mask, other=0.0)
+            t3 = t3 + aj * tl.load(bj + 3, mask=mask, other=0.0)
+        acc0 = acc0 + c * t0
+        acc1 = acc1 + c * t1
+        acc2 = acc2 + c * t2
+        acc3 = acc3 + c * t3
     return acc0, acc1, acc2, acc3
 
 
@@ -252,6 +284,9 @@ def _quant_kernel(
     master_ptr,
     seeds_ptr,
     coeffs_ptr,
+    stage_ptr,
+    b_off,
+    rank,
     n_members,
     units,
     N,
@@ -308,6 +343,8 @@ def _quant_kernel(
         g_hi = (g >> 32).to(tl.uint32)
         if FAMILY == RADEMACHER:
             a0, a1, a2, a3 = _rademacher_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g, BLOCK)
+        elif FAMILY == LOWRANK:
+            a0, a1, a2, a3 = _lowrank_sum(stage_ptr, b_off, coeffs_ptr, n_members, rank, N, K, n, k0, mask, BLOCK)
         else:
             a0, a1, a2, a3 = member_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g_lo, g_hi, BLOCK)
         if MODE == PERTURB:
@@ -406,6 +443,8 @@ def quant_apply(
     key: int,
     *,
     family: int = 0,
+    rank: int = 0,
+    stage: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> None:
     """Run the quantized kernel on a validated geometry (``espert.quant.ops.QGeometry``).
@@ -413,9 +452,11 @@ def quant_apply(
     geom.data: the storage (int8 / uint8 bytes or int32 words); scales: float32/16/bf16; master:
     float32 [N, K] or None; mode: a code of espert._C.QUANT_MODE_CODES; seeds int64 [n]
     (uint64 bit patterns), coeffs float32 [n], on the storage's device (at least one seed for perturb).
-    family: a code of espert._C.FAMILY_CODES, gaussian or rademacher.
+    family: a code of espert._C.FAMILY_CODES; lowrank needs ``rank`` and ``stage`` (float32: A' [n, N, r]
+    then Bᵀ [n, r, K], from ``espert.ops.lowrank_stage``).
     """
-    assert family in (_C.FAMILY_CODES["gaussian"], _C.FAMILY_CODES["rademacher"]), f"family code {family}"
+    lowrank = family == _C.FAMILY_CODES["lowrank"]
+    assert family in _C.FAMILY_CODES.values() and (not lowrank or stage is not None), f"family code {family}"
     layout = _LAYOUT[geom.layout]
     units = _units(geom.layout, geom.N, geom.K)
     if units == 0:
@@ -427,6 +468,7 @@ def quant_apply(
         coeffs_n = seeds.numel()
     data = geom.data.view(torch.uint8) if geom.elem == "int8" else geom.data
     m = master if master is not None else data  # never read unless mode 1
+    st = stage if lowrank else m  # never read unless lowrank
     grid = (triton.cdiv(units, block),)
     # Triton launches on the current CUDA device: make it the storage's
     with torch.cuda.device(data.device) if data.is_cuda else contextlib.nullcontext():
@@ -436,6 +478,9 @@ def quant_apply(
             m,
             seeds,
             coeffs,
+            st,
+            coeffs_n * rank * geom.N,  # Bᵀ's offset in the stage (elements)
+            rank,
             coeffs_n,
             units,
             geom.N,

@@ -37,10 +37,13 @@ def _espert(*args):
     return subprocess.run([sys.executable, "-m", "espert", *args], capture_output=True, text=True, check=True)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "awq"])
-def test_train_quantized_then_replay_bit_identical(tmp_path, fmt):
+@pytest.mark.parametrize(
+    "fmt,noise", [("int8", "gaussian"), ("awq", "gaussian"), ("int8", "rademacher"), ("int8", "lowrank:2")]
+)
+def test_train_quantized_then_replay_bit_identical(tmp_path, fmt, noise):
     run = str(tmp_path / "run")
-    _espert("train", "--run-dir", run, "--quant", fmt, "--quant-group-size", "32", *ARGS)
+    quant = ["--quant", fmt, "--quant-group-size", "32", "--noise", noise]
+    _espert("train", "--run-dir", run, *quant, *ARGS)
     res = _espert("replay", run, "--out", str(tmp_path / "replay"))
     out = res.stdout + res.stderr
     assert "bit-identical" in out and ": yes" in out, out
@@ -49,7 +52,7 @@ def test_train_quantized_then_replay_bit_identical(tmp_path, fmt):
     from espert.quant import model_quant_center, quantize_model
 
     model, _ = load_model(os.path.join(run, "base_model"))
-    center = model_quant_center(quantize_model(model, fmt, group_size=32))
+    center = model_quant_center(quantize_model(model, fmt, group_size=32), noise=noise)
     center.load_state_dict(load_file(os.path.join(run, "center.safetensors")))
     exported = load_file(os.path.join(run, "export", "model.safetensors"))
     for name, value in center.export_state().items():
@@ -59,7 +62,7 @@ def test_train_quantized_then_replay_bit_identical(tmp_path, fmt):
     assert json.load(open(os.path.join(run, "export", "espert_export.json")))["iteration"] == 4
     # stop after 2 iterations, resume to 4: the same center, bit for bit
     part = str(tmp_path / "part")
-    _espert("train", "--run-dir", part, "--quant", fmt, "--quant-group-size", "32", *ARGS[:1], "2", *ARGS[2:])
+    _espert("train", "--run-dir", part, *quant, *ARGS[:1], "2", *ARGS[2:])
     _espert("train", "--run-dir", part, "--resume", "--iterations", "4", "--no-progress")
     a, b = load_file(os.path.join(run, "center.safetensors")), load_file(os.path.join(part, "center.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

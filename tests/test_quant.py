@@ -31,6 +31,7 @@ from espert.quant.reference import e4m3_to_f32, f32_to_e4m3
 ROOT = Path(__file__).resolve().parents[1]
 KEY = noise.param_key("model.layers.1.mlp.down_proj.weight")
 NVCC = shutil.which("nvcc")
+FAMILIES = ["gaussian", "rademacher", "lowrank:3"]  # every noise family (docs/noise.md §5)
 
 
 def qweight(fmt, n=128, k=64, group=32, seed=0, **kw):
@@ -136,7 +137,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("noise_family", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("noise_family", FAMILIES)
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("mode", ["perturb", "master", "naive"])
 @pytest.mark.parametrize("fmt,kw", CASES, ids=[f"{f}-{'-'.join(map(str, k.values()))}" for f, k in CASES])
@@ -164,7 +165,7 @@ def test_8bit_storage_orders_and_vllm_transposed_view(backend):
         assert torch.equal(unpack_codes(qw), unpack_codes(want))
 
 
-@pytest.mark.parametrize("noise_family", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("noise_family", FAMILIES)
 def test_same_noise_in_every_layout(noise_family):
     """One logical int4 weight stored in the four int4 layouts moves identically (logical noise index)."""
     base = qweight("gptq", group=-1)
@@ -181,7 +182,7 @@ def test_same_noise_in_every_layout(noise_family):
     assert all(torch.equal(o, outs[0]) for o in outs) and not torch.equal(outs[0], codes)
 
 
-@pytest.mark.parametrize("noise_family", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("noise_family", FAMILIES)
 @pytest.mark.parametrize("fmt", ["int8", "gptq", "marlin"])
 def test_shards_compose_to_the_whole(fmt, noise_family):
     """Row / column blocks (tensor-parallel shards) regenerate exactly their elements' noise."""
@@ -204,7 +205,7 @@ def test_shards_compose_to_the_whole(fmt, noise_family):
         del full
 
 
-@pytest.mark.parametrize("noise_family", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("noise_family", FAMILIES)
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "awq", "marlin"])
 def test_quantized_weight_gets_the_noise_of_its_float_twin(fmt, backend, noise_family):

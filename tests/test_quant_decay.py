@@ -59,17 +59,21 @@ def test_one_backend_registry_serves_float_and_quantized_weights(monkeypatch):
         ops.perturb_(qw, 1, 2, 0.05)
 
 
-def test_quantized_weights_refuse_lowrank_noise():
+def test_quantized_noise_family_errors_and_one_row_lowrank():
     from espert import ops
 
     qw = quantize_weight(torch.randn(16, 64) * 0.02, "int8")
     before = qw.qweight.clone()
-    with pytest.raises(ValueError, match="lowrank:4 is not implemented for them"):
-        ops.perturb_(qw, 1, 2, 0.05, noise="lowrank:4")
-    with pytest.raises(ValueError, match="lowrank:1 is not implemented"):
-        ops.es_update_(qw, [1], [0.1], 2, noise="lowrank:1")
-    with pytest.raises(ValueError, match="lowrank:2 is not implemented"):
-        QuantCenterStore([QuantParamView("layer.weight", qw)], noise="lowrank:2")
+    with pytest.raises(ValueError, match="unknown noise family 'uniform'"):
+        ops.perturb_(qw, 1, 2, 0.05, noise="uniform")
+    with pytest.raises(ValueError, match="unknown noise family"):
+        QuantCenterStore([QuantParamView("layer.weight", qw)], noise="lowrank")
+    with pytest.raises(ValueError, match="lowrank:1024 with 100 members .* more than 64 MiB of staging"):
+        ops.es_update_(qw, list(range(100)), [0.1] * 100, 2, master=torch.zeros(16, 64), noise="lowrank:1024")
     assert torch.equal(before, qw.qweight)
-    ops.perturb_(qw, 1, 2, 0.05, noise="rademacher")  # the other families run
-    assert not torch.equal(before, qw.qweight)
+    # a 1-row parameter takes the Gaussian under lowrank (docs/noise.md §5.2), as float weights do
+    row = quantize_weight(torch.randn(1, 64) * 0.02, "int8")
+    a, b = row.clone(), row.clone()
+    ops.perturb_(a, 1, 2, 0.05, noise="lowrank:4")
+    ops.perturb_(b, 1, 2, 0.05, noise="gaussian")
+    assert torch.equal(a.qweight, b.qweight) and not torch.equal(a.qweight, row.qweight)

@@ -11,8 +11,8 @@ from espert.tasks.copy_task import make_copy_task
 from espert.tiny import build_tiny_model
 
 
-@pytest.mark.parametrize("fmt", ["int8", "gptq"])
-def test_es_on_a_quantized_tiny_model_improves_heldout_copy(fmt, tmp_path):
+@pytest.mark.parametrize("fmt,noise", [("int8", "gaussian"), ("gptq", "gaussian"), ("int8", "rademacher")])
+def test_es_on_a_quantized_tiny_model_improves_heldout_copy(fmt, noise, tmp_path):
     build_tiny_model(str(tmp_path / "tiny"), seed=0)
     model, tok = load_model(str(tmp_path / "tiny"))
     quantize_model(model, fmt, group_size=32, exclude=())  # every Linear, lm_head included
@@ -20,7 +20,7 @@ def test_es_on_a_quantized_tiny_model_improves_heldout_copy(fmt, tmp_path):
     cfg = ESConfig(
         population=8, sigma=0.05, alpha=0.05, prompts_per_iteration=16, iterations=20, max_new_tokens=7, eval_size=64
     )
-    ev = QuantTorchEvaluator(model, tok, train.score, max_new_tokens=7, batch_size=64)
+    ev = QuantTorchEvaluator(model, tok, train.score, max_new_tokens=7, batch_size=64, noise=noise)
 
     def heldout():
         r = ev.evaluate_center(test.prompts, test.answers)

@@ -17,16 +17,17 @@ namespace {
 
 constexpr int kTileGroups = 64;
 
-// acc[l][j] += Σ_m c_m ε_m of lane l of group gg[j], in member order, over a full tile (padding groups
+// acc[l][j] += Σ_m c_m ε_m of lane l of group j, in member order, over a full tile (padding groups
 // are computed, never used, so the loop stays vectorized)
 template <int FAM>
-ESPERT_HD void tile_members(const QuantArgs& a, const uint64_t (&gg)[kTileGroups], float (&acc)[4][kTileGroups]) {
+ESPERT_HD void tile_members(const QuantArgs& a, const int64_t (&gn)[kTileGroups], const int64_t (&gk)[kTileGroups],
+                            const uint64_t (&gg)[kTileGroups], float (&acc)[4][kTileGroups]) {
   for (int64_t m = 0; m < a.n; ++m) {
     const uint64_t seed = a.seeds[m];
     const float c = a.coeffs[m];
 #pragma GCC ivdep
     for (int j = 0; j < kTileGroups; ++j) {
-      const F4 f = group_noise4<FAM>(seed, a.key, gg[j]);
+      const F4 f = member_noise4<FAM>(a, m, seed, gn[j], gk[j], gg[j]);
       acc[0][j] = fadd(acc[0][j], fmul(c, f.n0));
       acc[1][j] = fadd(acc[1][j], fmul(c, f.n1));
       acc[2][j] = fadd(acc[2][j], fmul(c, f.n2));
@@ -52,14 +53,20 @@ ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
     // one scale per group: group sizes are multiples of 8 and k0 % 4 == 0, so the 4 lanes share it
     alignas(64) float sc[kTileGroups];
     for (int j = 0; j < ng; ++j) sc[j] = load_scale(a, gn[j], gk[j]);
-    for (int j = ng; j < kTileGroups; ++j) gg[j] = gg[0];  // padding: a full tile keeps the loops vectorized
+    for (int j = ng; j < kTileGroups; ++j) {  // padding: a full tile keeps the loops vectorized
+      gn[j] = gn[0];
+      gk[j] = gk[0];
+      gg[j] = gg[0];
+    }
     alignas(64) float acc[4][kTileGroups];
     for (int l = 0; l < 4; ++l)
       for (int j = 0; j < kTileGroups; ++j) acc[l][j] = 0.0f;
     if (a.family == kRademacher)
-      tile_members<kRademacher>(a, gg, acc);
+      tile_members<kRademacher>(a, gn, gk, gg, acc);
+    else if (a.family == kLowRank)
+      tile_members<kLowRank>(a, gn, gk, gg, acc);
     else
-      tile_members<kGaussian>(a, gg, acc);
+      tile_members<kGaussian>(a, gn, gk, gg, acc);
     alignas(64) float us[4][kTileGroups];
     if (MODE == kPerturb) {
 #pragma GCC ivdep

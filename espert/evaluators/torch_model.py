@@ -96,12 +96,13 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
     if cfg.quant != "none":
         from espert.quant import model_quant_center, quantize_model
 
-        if (cfg.noise, cfg.optimizer, cfg.sigma_mode) != ("gaussian", "sgd", "absolute"):
+        if (cfg.optimizer, cfg.sigma_mode) != ("sgd", "absolute"):
             raise ValueError(
-                f"quant={cfg.quant!r} supports noise=gaussian, optimizer=sgd and sigma_mode=absolute "
-                f"(got {cfg.noise}, {cfg.optimizer}, {cfg.sigma_mode})"
+                f"quant={cfg.quant!r} supports optimizer=sgd and sigma_mode=absolute "
+                f"(got {cfg.optimizer}, {cfg.sigma_mode})"
             )
-        return model_quant_center(quantize_model(model, cfg.quant, group_size=cfg.quant_group_size), pin=pin)
+        quantized = quantize_model(model, cfg.quant, group_size=cfg.quant_group_size)
+        return model_quant_center(quantized, pin=pin, noise=cfg.noise)
     views = torch_param_views(model, include=cfg.include, exclude=cfg.exclude)
     return CenterStore(
         views,

@@ -23,6 +23,7 @@ import torch
 
 from espert import ops
 from espert.center import check_factor, check_state, check_update_args
+from espert.noise import NoiseFamily
 from espert.ops import Block
 from espert.params import LogicalParam
 
@@ -59,10 +60,14 @@ class QuantCenterStore:
     """Exact centers of quantized weights in host memory; same methods as :class:`espert.center.CenterStore`.
 
     views: QuantParamViews (weights on any device).  master: keep the float32 master (default).
-    pin: page-lock the host code copies (faster GPU restores).  Validates every view up front.
+    pin: page-lock the host code copies (faster GPU restores).  noise: the noise family
+    (``"gaussian"``, ``"rademacher"``, ``"lowrank:R"``; docs/noise.md §5).  Validates every view up front.
     """
 
-    def __init__(self, views: Sequence[QuantParamView], master: bool = True, pin: bool = False):
+    def __init__(
+        self, views: Sequence[QuantParamView], master: bool = True, pin: bool = False, noise: str = "gaussian"
+    ):
+        self.noise = str(NoiseFamily.parse(noise))
         names = [v.name for v in views]
         if len(set(names)) != len(names):
             raise ValueError(
@@ -152,7 +157,7 @@ class QuantCenterStore:
         if sign not in (1, -1):
             raise ValueError(f"sign must be +1 or -1, got {sign!r}")
         for v in self.views:
-            ops.perturb_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend)
+            ops.perturb_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend, noise=self.noise)
 
     def update(
         self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
@@ -165,7 +170,7 @@ class QuantCenterStore:
             self.scale(decay)
         for i, v in enumerate(self.views):
             m = None if self.masters is None else self.masters[i]
-            ops.es_update_(self.host[i], seeds, coeffs, v.key, master=m, block=v.block, backend="cpu")
+            ops.es_update_(self.host[i], seeds, coeffs, v.key, master=m, block=v.block, backend="cpu", noise=self.noise)
         self.restore()
 
     def export_state(self) -> dict[str, torch.Tensor]:

@@ -112,6 +112,8 @@ def quant_param_views(model: torch.nn.Module) -> list[QuantParamView]:
     return views
 
 
-def model_quant_center(model: torch.nn.Module, master: bool = True, pin: bool = False) -> QuantCenterStore:
-    """The host center of a quantized model's QuantLinear weights."""
-    return QuantCenterStore(quant_param_views(model), master=master, pin=pin)
+def model_quant_center(
+    model: torch.nn.Module, master: bool = True, pin: bool = False, noise: str = "gaussian"
+) -> QuantCenterStore:
+    """The host center of a quantized model's QuantLinear weights (noise: the noise family, docs/noise.md §5)."""
+    return QuantCenterStore(quant_param_views(model), master=master, pin=pin, noise=noise)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from espert import _C, noise, ops
+from espert.noise import NoiseFamily
 from espert.ops import STAGING_BYTES, U64, Block, _check_u64, check_members, sync_cpu_threads
 
 from . import reference as ref
@@ -59,6 +60,21 @@ class QGeometry:
     qmin: float
     qmax: float
     data: torch.Tensor  # the tensor whose data_ptr the kernels get (8-bit: uint8 view)
+    logical_rows: int
+
+
+@dataclass(frozen=True)
+class QNoise:
+    """The noise of one call as the kernels take it: the family name (``"lowrank"`` only on parameters
+    with more than one logical row) and, for lowrank, r and the block's staged factors made by the
+    float kernels (``stage`` keeps them alive; A' [n, N, r] at address ``stage_a``, Bᵀ [n, r, K] at
+    ``stage_b``; the reference backend computes them itself and stages nothing)."""
+
+    family: str
+    rank: int = 0
+    stage: torch.Tensor | None = None
+    stage_a: int = 0
+    stage_b: int = 0
 
 
 def _err(qw: QuantWeight, msg: str) -> ValueError:
@@ -184,7 +200,7 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
         raise _err(qw, f"logical shape [{lr}, {lc}] has more than 2^64 elements")
     if lc % 4 or co % 4:
         raise _err(qw, f"blocks need logical_cols and col_offset divisible by 4, got {lc} and {co}")
-    return QGeometry(elem, layout, N, K, ld, ro, co, lc, kind, g, scale_ld, float(qmin), float(qmax), data)
+    return QGeometry(elem, layout, N, K, ld, ro, co, lc, kind, g, scale_ld, float(qmin), float(qmax), data, lr)
 
 
 def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
@@ -209,7 +225,7 @@ def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
 # ---- backends ------------------------------------------------------------------------------
 
 
-def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str, family: str) -> tuple:
+def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str, qn: QNoise) -> tuple:
     return (
         g.data.data_ptr(),
         ELEM_CODES[g.elem],
@@ -227,23 +243,26 @@ def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str, family: str) 
         g.scale_ld,
         0 if master is None else master.data_ptr(),
         MODES[mode],
-        ops.FAMILY_CODES[family],
+        ops.FAMILY_CODES[qn.family],
+        qn.rank,
+        qn.stage_a,
+        qn.stage_b,
         g.qmin,
         g.qmax,
     )
 
 
-def _run_cpu(qw, g, master, mode, seeds, coeffs, key, family):
+def _run_cpu(qw, g, master, mode, seeds, coeffs, key, qn):
     sync_cpu_threads()
-    _C.quant_cpu(*_kernel_args(qw, g, master, mode, family), seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
+    _C.quant_cpu(*_kernel_args(qw, g, master, mode, qn), seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
 
 
-def _run_cuda(qw, g, master, mode, seeds, coeffs, key, family):
+def _run_cuda(qw, g, master, mode, seeds, coeffs, key, qn):
     dev = qw.qweight.device
     s = torch.from_numpy(seeds.view(np.int64)).to(dev)
     c = torch.from_numpy(coeffs).to(dev)
     _C.quant_cuda(
-        *_kernel_args(qw, g, master, mode, family),
+        *_kernel_args(qw, g, master, mode, qn),
         s.data_ptr(),
         c.data_ptr(),
         len(seeds),
@@ -252,28 +271,34 @@ def _run_cuda(qw, g, master, mode, seeds, coeffs, key, family):
     )
 
 
-def _run_triton(qw, g, master, mode, seeds, coeffs, key, family):
+def _run_triton(qw, g, master, mode, seeds, coeffs, key, qn):
     from espert.kernels.quant import quant_apply
 
     dev = qw.qweight.device
     s = torch.from_numpy(seeds.view(np.int64)).to(dev)
     c = torch.from_numpy(coeffs).to(dev)
-    quant_apply(g, qw.scales, master, MODES[mode], s, c, key, family=ops.FAMILY_CODES[family])
+    quant_apply(
+        g, qw.scales, master, MODES[mode], s, c, key, family=ops.FAMILY_CODES[qn.family], rank=qn.rank, stage=qn.stage
+    )
 
 
-def _run_reference(qw, g, master, mode, seeds, coeffs, key, family):
+def _run_reference(qw, g, master, mode, seeds, coeffs, key, qn):
     from .formats import logical_scales, pack_codes_, unpack_codes
 
     idx = noise.block_indices((g.N, g.K), g.row_offset, g.col_offset, g.logical_cols)
     codes = unpack_codes(qw).numpy()
     scales = logical_scales(qw).numpy()
+    family = f"lowrank:{qn.rank}" if qn.family == "lowrank" else qn.family
+    shape = (g.logical_rows, g.logical_cols)
     if mode == "perturb":
         new = ref.perturb_codes(
-            codes, g.elem, scales, int(seeds[0]), key, float(coeffs[0]), g.qmin, g.qmax, idx, family=family
+            codes, g.elem, scales, int(seeds[0]), key, float(coeffs[0]), g.qmin, g.qmax, idx, family=family, shape=shape
         )
     else:
         m = None if master is None else master.detach().cpu().numpy()
-        new, m2 = ref.update_codes(codes, m, g.elem, scales, seeds, coeffs, key, g.qmin, g.qmax, idx, family=family)
+        new, m2 = ref.update_codes(
+            codes, m, g.elem, scales, seeds, coeffs, key, g.qmin, g.qmax, idx, family=family, shape=shape
+        )
         if master is not None:
             master.copy_(torch.from_numpy(m2))
     pack_codes_(qw, torch.from_numpy(new))
@@ -285,26 +310,34 @@ for _name, _run in (("cpu", _run_cpu), ("cuda", _run_cuda), ("triton", _run_trit
 ops.register_quant_runner("reference", _run_reference, supports=lambda t: t.device.type == "cpu")
 
 
-def _runner(qw: QuantWeight, name: str | None):
-    return ops._backend(qw.qweight, name, "quant").quant
+def _noise(fam: NoiseFamily, g: QGeometry, key: int, seeds: np.ndarray, device, backend: str) -> QNoise:
+    """Validate the call's family for this weight and stage lowrank's factors (before any write)."""
+    if fam.name != "lowrank" or g.logical_rows == 1 or len(seeds) == 0:
+        # 1-row parameters take the Gaussian (noise.md §5.2); with no member the family does not matter
+        return QNoise("gaussian" if fam.name == "lowrank" else fam.name)
+    r = fam.rank
+    if g.logical_rows * r >= U64 or r * g.logical_cols >= U64:
+        raise ValueError(f"{fam} needs logical_rows·r and r·logical_cols below 2^64")
+    if 4 * len(seeds) * r * (g.N + g.K) > STAGING_BYTES:
+        raise ValueError(
+            f"{fam} with {len(seeds)} members on a quantized [{g.N}, {g.K}] block needs more than "
+            f"{STAGING_BYTES >> 20} MiB of staging; use fewer members per call"
+        )
+    if backend == "reference":
+        return QNoise("lowrank", r)
+    stage, sa, sb = ops.lowrank_stage(
+        key, g.N, g.K, g.row_offset, g.col_offset, g.logical_cols, seeds, r, device, backend
+    )
+    return QNoise("lowrank", r, stage, sa, sb)
+
+
+def _run(qw: QuantWeight, g: QGeometry, master, mode: str, seeds, coeffs, key: int, fam, backend: str | None):
+    be = ops._backend(qw.qweight, backend, "quant")
+    qn = _noise(fam, g, key, seeds, qw.qweight.device, be.name)
+    be.quant(qw, g, master, mode, seeds, coeffs, key, qn)
 
 
 # ---- the ops -------------------------------------------------------------------------------
-
-
-QUANT_FAMILIES = ("gaussian", "rademacher")  # the noise families the lattice kernels implement
-
-
-def quant_family(noise_family) -> str:
-    """The family name of a noise spelling the quantized kernels implement (``"gaussian"`` or
-    ``"rademacher"``); a ValueError naming it for ``lowrank:r`` (and for bad spellings)."""
-    fam = noise.NoiseFamily.parse(noise_family)
-    if fam.name not in QUANT_FAMILIES:
-        raise ValueError(
-            f"quantized weights take noise gaussian or rademacher; {fam} is not implemented for them "
-            f"(its A/Bᵀ staging exists for float weights only)"
-        )
-    return fam.name
 
 
 @torch.no_grad()
@@ -326,7 +359,7 @@ def perturb_q(
     ``espert.ops.restore_`` (exact copy of the stored codes), never by a second perturb.  Returns ``qw``.
     Reached through ``espert.ops.perturb_``.
     """
-    family = quant_family(noise)
+    fam = NoiseFamily.parse(noise)
     if (
         isinstance(sigma, bool)
         or not isinstance(sigma, (int, float, np.floating))
@@ -339,7 +372,7 @@ def perturb_q(
     g = qgeometry(qw, block)
     key = _check_u64("key", key)
     seeds, coeffs = check_members([seed], [sign * float(sigma)])
-    _runner(qw, backend)(qw, g, None, "perturb", seeds, coeffs, key, family)
+    _run(qw, g, None, "perturb", seeds, coeffs, key, fam, backend)
     return qw
 
 
@@ -363,13 +396,13 @@ def es_update_q(
     All members' noise is regenerated per element in registers; each code (word) is read and written
     once.  Returns ``qw``.  Reached through ``espert.ops.es_update_``.
     """
-    family = quant_family(noise)
+    fam = NoiseFamily.parse(noise)
     g = qgeometry(qw, block)
     _check_master(qw, master)
     key = _check_u64("key", key)
     seed_arr, coeff32 = check_members(seeds, coeffs)
     mode = "master" if master is not None else "naive"
-    _runner(qw, backend)(qw, g, master, mode, seed_arr, coeff32, key, family)
+    _run(qw, g, master, mode, seed_arr, coeff32, key, fam, backend)
     return qw
 
 

@@ -5,7 +5,7 @@ All float arithmetic is binary32, one rounding per operation, in the order writt
 (n, k) with logical index i, scale s (float32), members (seed_m, c_m):
 
     acc  = Σ_m c_m·ε(seed_m, key, i)            (float32, from +0, in member order; as the bf16 op;
-                                                 ε of the family: gaussian v1 or rademacher ±1)
+                                                 ε of the noise family: noise.family_noise)
     v    = acc / s                              (the step in code units)
 
 perturb (one member, c = sign·σ), u = sr_uniform(seed, key, i):
@@ -74,11 +74,10 @@ def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
     return (sign | np.where(a < np.uint32(0x3C800000), sub, normal)).astype(np.uint8)
 
 
-def _acc(seeds, coeffs, key: int, idx: np.ndarray, family: str) -> np.ndarray:
-    eps = {"gaussian": noise.normal, "rademacher": noise.rademacher}[family]
+def _acc(seeds, coeffs, key: int, idx: np.ndarray, family: str, shape: tuple[int, int]) -> np.ndarray:
     acc = np.zeros(idx.shape, dtype=np.float32)
     for s, c in zip(seeds, coeffs):
-        acc = acc + _f(c) * eps(int(s), key, idx)
+        acc = acc + _f(c) * noise.family_noise(family, int(s), key, idx, *shape)
     return acc
 
 
@@ -93,11 +92,13 @@ def perturb_codes(
     qmax: float,
     idx: np.ndarray,
     family: str = "gaussian",
+    shape: tuple[int, int] = (0, 0),
 ) -> np.ndarray:
     """Perturbed logical codes.  codes [N, K]: int32 (int8/int4) or uint8 e4m3 bits (fp8); scales [N, K]
-    float32; coeff = sign·σ; idx [N, K] uint64 logical indices; family: ``"gaussian"`` or
-    ``"rademacher"``.  Returns a new array like ``codes``."""
-    v = _acc([seed], [coeff], key, idx, family) / scales.astype(np.float32)
+    float32; coeff = sign·σ; idx [N, K] uint64 logical indices; family: a noise spelling
+    (``noise.family_noise``), shape: the logical [R, C] of the parameter (lowrank needs it).
+    Returns a new array like ``codes``."""
+    v = _acc([seed], [coeff], key, idx, family, shape) / scales.astype(np.float32)
     u = noise.sr_uniform(seed, key, idx)
     if elem == "fp8":
         y = e4m3_to_f32(codes) + v
@@ -121,10 +122,11 @@ def update_codes(
     qmax: float,
     idx: np.ndarray,
     family: str = "gaussian",
+    shape: tuple[int, int] = (0, 0),
 ):
     """The fused ES update.  With ``master`` (float32 [N, K], code units) returns (codes', master');
-    without (naive rounding of code + step) returns (codes', None).  family: as :func:`perturb_codes`."""
-    v = _acc(seeds, coeffs, key, idx, family) / scales.astype(np.float32)
+    without (naive rounding of code + step) returns (codes', None).  family, shape: as :func:`perturb_codes`."""
+    v = _acc(seeds, coeffs, key, idx, family, shape) / scales.astype(np.float32)
     nan = e4m3_isnan(codes) if elem == "fp8" else np.zeros(codes.shape, dtype=bool)
     if master is not None:
         base = master.astype(np.float32)
