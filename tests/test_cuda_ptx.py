@@ -80,10 +80,9 @@ def test_triton_quant_kernel_ptx_is_exact():
         assert re.search(r"\bdiv\.rn\.f32", text), name
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("source", ["csrc/cuda/apply_cuda.cu", "csrc/cuda/quant_cuda.cu"])
-def test_cuda_kernels_ptx_has_no_flush_to_zero(tmp_path, source):
-    ptx = tmp_path / "k.ptx"
+def nvcc_ptx(tmp_path: Path, source: str) -> str:
+    """PTX of a CUDA source compiled the way the build compiles it (sm_90, no FMA contraction)."""
+    ptx = tmp_path / (Path(source).stem + ".ptx")
     res = subprocess.run(
         [
             NVCC,
@@ -101,7 +100,29 @@ def test_cuda_kernels_ptx_has_no_flush_to_zero(tmp_path, source):
         text=True,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert_exact_ptx(source, ptx.read_text())
+    return ptx.read_text()
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("source", ["csrc/cuda/apply_cuda.cu", "csrc/cuda/quant_cuda.cu"])
+def test_cuda_kernels_ptx_has_no_flush_to_zero(tmp_path, source):
+    assert_exact_ptx(source, nvcc_ptx(tmp_path, source))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_cuda_kernel_compiles_to_exact_ptx(tmp_path):
+    text = nvcc_ptx(tmp_path, "csrc/cuda/apply_cuda.cu")
+    assert "apply_kernel" in text
+    # the exact operations are there (not only the forbidden ones absent)
+    assert re.search(r"\bdiv\.rn\.f32", text) and re.search(r"\bsqrt\.rn\.f32", text)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_quant_cuda_kernel_compiles_to_exact_ptx(tmp_path):
+    text = nvcc_ptx(tmp_path, "csrc/cuda/quant_cuda.cu")
+    assert text.count(".entry") >= 24  # 3 modes x (2 x 2 eight-bit + 4 int4 layouts)
+    assert re.search(r"\bdiv\.rn\.f32", text) and re.search(r"\bcvt\.rmi\.f32\.f32", text)
+    assert ".local" not in text  # everything in registers
 
 
 # IEEE floor where flush-to-zero differs (negative subnormals), at the sign of zero, at 2^23, inf, NaN
