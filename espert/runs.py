@@ -36,13 +36,13 @@ Tests kill a run at named points (:func:`kill_point`) through the environment va
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import signal
-import struct
 import time
 import zlib
 from typing import Callable
@@ -52,6 +52,14 @@ import yaml
 
 from espert.config import ESConfig, stored_run_config
 from espert.es import apply_record
+from espert.tensorfile import (
+    ST_TORCH,
+    TensorFileWriter,
+    as_chunks,
+    read_header,
+    write_chunks,
+    write_safetensors,  # noqa: F401 - re-exported: run files are written with it
+)
 
 FORMAT = "espert-run-v1"
 CONFIG, LOG, CENTER, EXPORT, BASE = "config.yaml", "log.jsonl", "center.safetensors", "export", "base_model"
@@ -120,59 +128,6 @@ def sha256_file(path: str) -> str:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
-    return h.hexdigest()
-
-
-# ---- safetensors, byte-deterministic ----------------------------------------------------------------
-
-ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-
-
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
-    """Write ``tensors`` (any shapes, dtypes in :data:`ST_DTYPES`) as a safetensors file; returns its sha256.
-
-    The safetensors library writes its metadata map in a per-process random order; here header keys
-    are sorted and tensors laid out by (element size descending, name), so the same tensors and
-    metadata always give the same bytes.
-    """
-    items = []
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        if t.dtype not in ST_DTYPES:
-            raise ValueError(f"{path}: cannot store {name} of dtype {t.dtype} in safetensors")
-        items.append((name, t))
-    items.sort(key=lambda kv: (-kv[1].element_size(), kv[0]))
-    header: dict = {"__metadata__": dict(sorted((metadata or {}).items()))} if metadata else {}
-    off = 0
-    for name, t in items:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
-        off += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # 8-byte aligned data, as the safetensors library writes it
-    h = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(head)), head):
-            f.write(chunk)
-            h.update(chunk)
-        for _, t in items:
-            if t.numel():
-                b = t.reshape(-1).view(torch.uint8).numpy()
-                f.write(b)
-                h.update(b)
     return h.hexdigest()
 
 
@@ -254,17 +209,17 @@ def checkpoint_hashes(records: list[dict]) -> dict[str, int]:
 # ---- centers and exports --------------------------------------------------------------------------
 
 
-def save_center(
-    path: str, state: dict[str, torch.Tensor], iteration: int, before_replace: Callable[[str], None] | None = None
-) -> str:
+def save_center(path: str, state, iteration: int, before_replace: Callable[[str], None] | None = None) -> str:
     """Atomically write the center (logical names) with its iteration as metadata; returns the file's sha256.
 
+    state: ``{name: tensor}`` or a chunk source (:mod:`espert.tensorfile`, e.g. an evaluator's
+    ``center_stream()``: then the driver holds one chunk, never the center); both give the same bytes.
     before_replace(sha256) runs once the new file is complete and before it replaces the old one
     (the run logs the checksum there).
     """
 
     def write(tmp):
-        sha = write_safetensors(tmp, state, {"format": "pt", "espert": FORMAT, "iteration": str(iteration)})
+        sha = write_chunks(tmp, state, {"format": "pt", "espert": FORMAT, "iteration": str(iteration)})
         kill_point("center-written", iteration)
         return sha
 
@@ -367,24 +322,56 @@ def resolve_model_dir(ref: str) -> str:
     return snapshot_download(ref, allow_patterns=patterns)
 
 
-def export_model(
-    state: dict[str, torch.Tensor], base_ref: str, out_dir: str, iteration: int | None = None, note: dict | None = None
-) -> str:
+#: Names of optimizer state in a center's pieces (``optim.<slot>/<name>``, ``optim.step``): not model weights.
+OPTIM_PREFIX = "optim."
+
+
+def _cast(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Center values as ``dtype`` (round to nearest even; elementwise, so a chunk casts like its tensor)."""
+    c = c.detach().to("cpu")
+    if not dtype.is_floating_point and c.dtype.is_floating_point:
+        # integer codes (e.g. a W8A8 master in code units): round, don't truncate
+        info = torch.iinfo(dtype)
+        c = c.round().clamp(info.min, info.max)
+    return c.to(dtype)
+
+
+def export_model(state, base_ref: str, out_dir: str, iteration: int | None = None, note: dict | None = None) -> str:
     """Write the center in the base model's own format to ``out_dir`` (replaced atomically as a whole).
 
-    Copies the base model's non-weight files (config, tokenizer, generation config, chat template)
-    and rewrites each of its ``*.safetensors`` files with every tensor named in ``state`` replaced
-    by the center, cast (round to nearest even) to that tensor's dtype in the base file.  The shard
-    layout and index stay those of the base, so ``AutoModelForCausalLM.from_pretrained`` and vLLM
-    load the result like the base.  Raises if a center name is missing from the base checkpoint.
+    state: ``{name: tensor}`` (an evaluator's ``export_state()``) or a chunk source
+    (:mod:`espert.tensorfile`, e.g. ``center_stream()``; driver memory: about one chunk).
+    Entries named ``optim.*`` (optimizer state) are not weights and are skipped.  Copies the base
+    model's non-weight files (config, tokenizer, generation config, chat template) and rewrites
+    each of its ``*.safetensors`` files with every tensor named in ``state`` replaced by the center,
+    cast (round to nearest even) chunk by chunk to that tensor's dtype in the base file; the other
+    tensors are copied.  The shard layout and index stay those of the base, so
+    ``AutoModelForCausalLM.from_pretrained`` and vLLM load the result like the base.  Raises (before
+    writing) if a center name is missing from the base checkpoint or has another shape there.
     """
-    from safetensors import safe_open
-
+    source = as_chunks(state)
+    names = {n: shape for n, (shape, _) in source.layout.items() if not n.startswith(OPTIM_PREFIX)}
     base = resolve_model_dir(base_ref)
     files = sorted(os.listdir(base))
     shards = [f for f in files if f.endswith(".safetensors")]
     if not shards:
         raise ValueError(f"{base} has no *.safetensors weights; export needs a safetensors checkpoint")
+    heads = {shard: read_header(os.path.join(base, shard)) for shard in shards}
+    where: dict[str, str] = {}  # center name -> its shard
+    for shard, (_, entries, _) in heads.items():
+        for k, e in entries.items():
+            if k in names:
+                if tuple(names[k]) != tuple(e["shape"]):
+                    raise ValueError(f"center {k} has shape {tuple(names[k])}, base has {tuple(e['shape'])}")
+                where[k] = shard
+            if e["dtype"] not in ST_TORCH:
+                raise ValueError(f"{os.path.join(base, shard)}: cannot store {k} of dtype {e['dtype']} in safetensors")
+    missing = sorted(set(names) - set(where))
+    if missing:
+        raise ValueError(
+            f"the base checkpoint {base} has no tensors named {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''}; cannot export in its format"
+        )
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -396,32 +383,25 @@ def export_model(
             src = os.path.join(base, f)
             if os.path.isfile(src) and not f.endswith(WEIGHT_SUFFIXES):
                 shutil.copyfile(src, os.path.join(tmp, f))
-        found = set()
-        for shard in shards:
-            with safe_open(os.path.join(base, shard), framework="pt") as fh:
-                meta = fh.metadata() or {"format": "pt"}
-                tensors = {}
-                for k in fh.keys():
-                    t = fh.get_tensor(k)
-                    if k in state:
-                        c = state[k]
-                        if tuple(c.shape) != tuple(t.shape):
-                            raise ValueError(f"center {k} has shape {tuple(c.shape)}, base has {tuple(t.shape)}")
-                        c = c.detach().to("cpu")
-                        if not t.dtype.is_floating_point and c.dtype.is_floating_point:
-                            # integer codes (e.g. a W8A8 master in code units): round, don't truncate
-                            info = torch.iinfo(t.dtype)
-                            c = c.round().clamp(info.min, info.max)
-                        t = c.to(t.dtype).contiguous()
-                        found.add(k)
-                    tensors[k] = t
-            write_safetensors(os.path.join(tmp, shard), tensors, meta)
-        missing = sorted(set(state) - found)
-        if missing:
-            raise ValueError(
-                f"the base checkpoint {base} has no tensors named {missing[:3]}"
-                f"{' ...' if len(missing) > 3 else ''}; cannot export in its format"
-            )
+        piece = max(1, int(source.chunk_bytes))
+        with contextlib.ExitStack() as stack:  # every shard open at once: the center's chunks come in its order
+            writers: dict[str, TensorFileWriter] = {}
+            for shard, (meta, entries, start) in heads.items():
+                layout = {k: (tuple(e["shape"]), ST_TORCH[e["dtype"]]) for k, e in entries.items()}
+                w = TensorFileWriter(os.path.join(tmp, shard), layout, meta or {"format": "pt"}, piece)
+                writers[shard] = stack.enter_context(w)
+                with open(os.path.join(base, shard), "rb") as fh:  # the base's other tensors: their bytes
+                    for k, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                        if k in where:
+                            continue
+                        a, b = e["data_offsets"]
+                        fh.seek(start + a)
+                        for off in range(0, b - a, piece):
+                            w.write_bytes(k, off, fh.read(min(piece, b - a - off)))
+            for k, offset, flat in source:
+                if k in where:
+                    w = writers[where[k]]
+                    w.write(k, offset, _cast(flat, w.layout[k][1]))
         with open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh:
             json.dump({"iteration": iteration, "base_model": base_ref, **(note or {})}, fh, indent=2)
         for f in os.listdir(tmp):
@@ -888,17 +868,24 @@ class Run:
         return last
 
     def checkpoint(self, evaluator, t: int) -> None:
-        """Save the center at iteration t (its sha256 logged first) and export it in the base model's format."""
+        """Save the center at iteration t (its sha256 logged first) and export it in the base model's format.
+
+        When the evaluator offers a chunk source (``center_stream()``, e.g. vLLM) both files are written
+        from it and the driver never holds the whole center; else from ``center_state()`` and
+        ``export_state()``.  Both routes give the same bytes."""
 
         def log_checksum(sha: str) -> None:  # write-ahead: a checkpoint file on disk is always one the log knows
             if checkpoint_hashes(self.records).get(sha) != t:
                 self.append({"kind": "checkpoint", "iteration": t, "file": CENTER, "sha256": sha})
             kill_point("checkpoint-logged", t)
 
-        save_center(self.file(CENTER), evaluator.center_state(), t, before_replace=log_checksum)
+        stream = evaluator.center_stream()
+        state = evaluator.center_state() if stream is None else stream
+        save_center(self.file(CENTER), state, t, before_replace=log_checksum)
+        del state  # (full-dict route) not held while the export is written
         self._verified = (_stat_key(os.stat(self.file(CENTER))), t)
         export_model(
-            evaluator.export_state(),
+            evaluator.export_state() if stream is None else stream,
             self.base_path,
             self.file(EXPORT),
             iteration=t,

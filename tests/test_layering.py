@@ -23,7 +23,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: package's __init__).  A new module must be placed here (test_every_module_has_a_layer).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("espert", "espert.config")),
-    ("noise", ("espert.noise", "espert.quant.formats", "espert.quant.reference", "espert.tasks", "espert.tiny")),
+    (
+        "noise",
+        (
+            "espert.noise",
+            "espert.quant.formats",
+            "espert.quant.reference",
+            "espert.tasks",
+            "espert.tiny",
+            "espert.tensorfile",
+        ),
+    ),
     ("ops", ("espert._C", "espert.ops", "espert.kernels", "espert.quant.ops")),
     (
         "params/center",
@@ -49,8 +59,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 #: (importer, imported) -> why this lazy import may go up a layer or close a cycle.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("espert.vllm.compat", "espert.runs"): "ES-at-Scale checkpoints use runs.write_safetensors (byte-deterministic "
-    "files); moving that writer below the evaluators removes this",
     ("espert.tasks.rewards", "espert.tasks.loaders"): "answer_equivalence resolves task aliases, which live with the "
     "loaders (moving ALIASES next to the rewards removes it)",
 }

@@ -21,6 +21,11 @@ Contract of an :class:`Evaluator` (what the loop relies on):
     update goes through the CPU op on the host master, so it is bit-identical everywhere.
 ``center_state() -> dict[str, Tensor]`` / ``load_center(state)``
     The float32 master by logical (checkpoint) name; what checkpoints save and replay rebuilds.
+``center_stream() -> chunk source | None``
+    Optional: the center as a chunk source (:mod:`espert.tensorfile`) for backends whose center
+    lives elsewhere (vLLM's workers); checkpoints and exports are then written chunk by chunk and
+    the driver never holds the whole center.  Default None: checkpoints use ``center_state()`` and
+    ``export_state()``.
 ``close()``
     Free the model.
 ``member_answers`` (optional)
@@ -85,6 +90,12 @@ class Evaluator(abc.ABC):
     def export_state(self) -> dict[str, torch.Tensor]:
         """The center as checkpoint values by logical name (what exports write); default: center_state()."""
         return self.center_state()
+
+    def center_stream(self):
+        """The center as a chunk source (``layout``, ``chunk_bytes``, iteration of ``(name, offset, flat
+        tensor)``; see :mod:`espert.tensorfile`) with the names and bytes of :meth:`center_state`, or None
+        (the default) when the backend has it in memory anyway: checkpoints then use the dicts."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model."""

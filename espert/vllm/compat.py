@@ -180,7 +180,7 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
             state = assemble(ranks)
         else:
             state = pull_center(lambda m, *a: [getattr(self, m)(*a)])
-        from espert.runs import write_safetensors
+        from espert.tensorfile import write_safetensors
 
         d = os.path.dirname(os.path.abspath(filepath))
         os.makedirs(d, exist_ok=True)

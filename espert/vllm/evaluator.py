@@ -190,7 +190,7 @@ class VLLMEvaluator(Evaluator):
         self._cache_key: tuple | None = None
         self._prompts: list = []
         self._pulled: dict[str, torch.Tensor] | None = None
-        #: Largest piece of the center one RPC carries (center_state, write_center).
+        #: Largest piece of the center one RPC carries (center_state, center_stream).
         from espert.vllm.stream import CHUNK_BYTES
 
         self.chunk_bytes = CHUNK_BYTES
@@ -304,12 +304,12 @@ class VLLMEvaluator(Evaluator):
         self._pulled = None
         return without_optimizer_state(state)
 
-    def write_center(self, path: str, metadata: dict[str, str] | None = None) -> str:
-        """Stream the center straight into a safetensors file (driver memory: one chunk); returns its sha256.
-        Same bytes as ``espert.runs.write_safetensors(path, center_state(), metadata)``."""
-        from espert.vllm.stream import write_center
+    def center_stream(self):
+        """The center as a chunk source streamed from the workers (:class:`espert.vllm.stream.CenterStream`,
+        chunks of ``chunk_bytes``): checkpoints and exports are written from it chunk by chunk."""
+        from espert.vllm.stream import CenterStream
 
-        return write_center(self.rpc, path, metadata, self.chunk_bytes)
+        return CenterStream(self.rpc, self.chunk_bytes)
 
     def live_state(self) -> dict[str, torch.Tensor]:
         """The live weights by logical name (host copies), reassembled over TP ranks."""

@@ -6,11 +6,13 @@ of at most ``chunk_bytes`` (flat element ranges of one local tensor), and the dr
 k-th chunk of every rank in one ``collective_rpc("es_center_chunk", k, chunk_bytes)``; each answer
 is ``(view index, start, stop, raw bytes)`` or None when that rank is done.
 
-- :func:`write_center` writes each chunk at its place in a preallocated safetensors file (a block of
-  a TP-sharded tensor lands as row segments at computed offsets), then hashes the file by reading it
-  back in chunks: the driver never holds more than one chunk of the center.  The bytes are exactly
-  those of :func:`espert.runs.write_safetensors` for the same tensors and metadata (sorted header,
-  tensors ordered by element size then name), so checkpoint hashes do not depend on the route.
+- :class:`CenterStream` is the center as a chunk source (:mod:`espert.tensorfile`): ``Run.checkpoint``
+  writes the checkpoint and the export from it (``VLLMEvaluator.center_stream``), each chunk at its
+  place in a preallocated safetensors file (a block of a TP-sharded tensor lands as row segments at
+  computed offsets): the driver never holds more than one chunk of the center.  The bytes are
+  exactly those of :func:`espert.tensorfile.write_safetensors` for the same tensors and metadata
+  (sorted header, tensors ordered by element size then name), so checkpoint hashes do not depend on
+  the route.  :func:`write_center` writes one file from it.
 - :func:`pull_center` fills preallocated logical tensors chunk by chunk (one copy: the result).
 
 Pieces replicated over ranks (k/v heads when tp > kv heads) are written by each rank that holds
@@ -19,20 +21,13 @@ them; :func:`pull_center` checks that they agree bit for bit.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import struct
 from typing import Callable
 
 import torch
 
+from espert.tensorfile import CHUNK_BYTES, read_header, write_chunks
 from espert.vllm.params import PIECE_DTYPES, bits, logical_shape, tuple_to_block
-
-#: Default chunk: 64 MiB.
-CHUNK_BYTES = 64 << 20
-
-_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 
 
 def chunk_plan(numels: list[int], esizes: list[int], chunk_bytes: int):
@@ -90,6 +85,32 @@ def _chunks(rpc: Callable, chunk_bytes: int):
         k += 1
 
 
+class CenterStream:
+    """The workers' center as a chunk source (:mod:`espert.tensorfile`): ``layout`` holds every logical
+    piece the workers list (``es_center_layout``), and each pass over it streams the center anew in
+    chunks of at most ``chunk_bytes``, yielding ``(logical name, logical flat offset, 1-D tensor)``
+    segments (a TP column block arrives as row segments).  Pieces replicated over ranks come once per
+    rank that holds them."""
+
+    def __init__(self, rpc: Callable, chunk_bytes: int = CHUNK_BYTES):
+        self.rpc, self.chunk_bytes = rpc, int(chunk_bytes)
+        self.layouts = _layouts(rpc)
+        self._logical = _logical(self.layouts)
+        self.layout = {n: (tuple(s), PIECE_DTYPES[dt]) for n, (s, dt) in self._logical.items()}
+
+    def __iter__(self):
+        for got in _chunks(self.rpc, self.chunk_bytes):
+            for rank, g in enumerate(got):
+                if g is None or g[2] <= g[1]:
+                    continue
+                i, a, b, raw = g
+                name, shape, bt, dt = self.layouts[rank][i]
+                src = torch.frombuffer(bytearray(raw), dtype=PIECE_DTYPES[dt])
+                for lo, s0, s1 in _segments(shape, bt, self._logical[name][0], a, b):
+                    yield name, lo, src[s0 - a : s1 - a]
+            del got
+
+
 def write_center(
     rpc: Callable, path: str, metadata: dict[str, str] | None = None, chunk_bytes: int = CHUNK_BYTES
 ) -> str:
@@ -98,44 +119,7 @@ def write_center(
     rpc: ``VLLMEvaluator.rpc``.  metadata: the header's ``__metadata__`` (string values).
     Peak extra driver memory: one chunk (plus the header).
     """
-    layouts = _layouts(rpc)
-    logical = _logical(layouts)
-    order = sorted(logical, key=lambda n: (-PIECE_DTYPES[logical[n][1]].itemsize, n))
-    header: dict = {"__metadata__": dict(sorted((metadata or {}).items()))} if metadata else {}
-    off, base = 0, {}
-    for name in order:
-        shape, dt = logical[name]
-        n = PIECE_DTYPES[dt].itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": _ST[dt], "shape": list(shape), "data_offsets": [off, off + n]}
-        base[name] = off
-        off += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    start = 8 + len(head)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        f.truncate(start + off)
-        for got in _chunks(rpc, chunk_bytes):
-            for rank, g in enumerate(got):
-                if g is None:
-                    continue
-                i, a, b, raw = g
-                name, shape, bt, dt = layouts[rank][i]
-                e = PIECE_DTYPES[dt].itemsize
-                view = memoryview(raw)
-                for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
-                    f.seek(start + base[name] + lo * e)
-                    f.write(view[(s0 - a) * e : (s1 - a) * e])
-            del got
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            buf = f.read(min(chunk_bytes, 1 << 24) or 1)
-            if not buf:
-                break
-            h.update(buf)
-    return h.hexdigest()
+    return write_chunks(path, CenterStream(rpc, chunk_bytes), metadata)
 
 
 def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torch.Tensor]:
@@ -195,12 +179,7 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
         return None
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            head = json.loads(fh.read(n))
-        for k, v in head.items():
-            if k != "__metadata__":
-                shapes[k] = tuple(v["shape"])
+        shapes.update({k: tuple(v["shape"]) for k, v in read_header(f)[1].items()})
     return shapes
 
 
