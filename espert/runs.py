@@ -402,6 +402,7 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
                 if k in where:
                     w = writers[where[k]]
                     w.write(k, offset, _cast(flat, w.layout[k][1]))
+                del flat  # a streamed chunk is freed before the next one arrives
         with open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh:
             json.dump({"iteration": iteration, "base_model": base_ref, **(note or {})}, fh, indent=2)
         for f in os.listdir(tmp):

@@ -158,7 +158,7 @@ class StateChunks:
 
 def as_chunks(state) -> StateChunks:
     """``state`` as a chunk source: a dict of tensors is wrapped in :class:`StateChunks`, a source is kept."""
-    return StateChunks(state) if isinstance(state, Mapping) else state
+    return state if hasattr(state, "layout") else StateChunks(state)  # (an ABC isinstance fills caches)
 
 
 def write_chunks(path: str, source, metadata: dict[str, str] | None = None) -> str:
@@ -168,6 +168,7 @@ def write_chunks(path: str, source, metadata: dict[str, str] | None = None) -> s
     with TensorFileWriter(path, source.layout, metadata, source.chunk_bytes) as w:
         for name, offset, flat in source:
             w.write(name, offset, flat)
+            del flat  # a streamed chunk is freed before the next one arrives
     return w.sha256()
 
 

@@ -153,8 +153,15 @@ def noise_energy(evaluator) -> float | None:
         scales = getattr(center, "sigma_scales", None) or [1.0] * len(views)
         return float(sum(v.numel * s * s for v, s in zip(views, scales)))  # quantized: in code units
     scales = getattr(evaluator, "sigma_scales", None) or {}  # vLLM: {logical name: s} with sigma_mode rms
+    from espert.runs import OPTIM_PREFIX
+
     try:
-        return float(sum(t.numel() * scales.get(n, 1.0) ** 2 for n, t in evaluator.export_state().items()))
+        stream = getattr(evaluator, "center_stream", lambda: None)()  # streaming: count its layout, pull nothing
+        if stream is not None:
+            sizes = {n: math.prod(s) for n, (s, _) in stream.layout.items() if not n.startswith(OPTIM_PREFIX)}
+        else:
+            sizes = {n: t.numel() for n, t in evaluator.export_state().items()}
+        return float(sum(k * scales.get(n, 1.0) ** 2 for n, k in sizes.items()))
     except Exception:  # noqa: BLE001 - a metric only; the run does not depend on it
         return None
 

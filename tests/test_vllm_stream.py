@@ -4,12 +4,18 @@
   bytes equal ``espert.runs.write_safetensors`` of the same state; the driver's peak extra memory
   is about one chunk (measured with tracemalloc, far below the center's size);
 - a checkpoint (``center_state`` then ``export_state``) pulls the center once;
+- a vLLM run's checkpoints and exports stream (``center_stream``): the files equal those of the
+  full-dict route byte for byte, the driver's peak extra memory during ``Run.checkpoint`` is a few
+  chunks (tracemalloc; the full-dict route holds the center), and resuming from a streamed
+  checkpoint, or rebuilding a damaged one from the log, gives the same bytes again;
 - weights are never edited while requests are in flight (vLLM's ``reset_prefix_cache()`` returns
   False then, which espert used to ignore);
 - es_setup checks every logical name and shape against the checkpoint (a wrong rename map used to
   key the noise by names the checkpoint does not have, silently).
 """
 
+import dataclasses
+import json
 import os
 import tracemalloc
 
@@ -18,6 +24,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -46,6 +53,7 @@ def test_center_streams_to_safetensors_in_bounded_chunks(ev, tmp_path):
 
     from espert.runs import write_safetensors
     from espert.vllm.params import assemble
+    from espert.vllm.stream import write_center
 
     ev.update([5, 6], [1e-3, -2e-3])  # a center that differs from the live bf16-free weights' history
     whole = assemble(ev.rpc("es_center_state"))  # the one-message route
@@ -54,7 +62,7 @@ def test_center_streams_to_safetensors_in_bounded_chunks(ev, tmp_path):
     ev.chunk_bytes = 8192
     tracemalloc.start()
     try:
-        sha = ev.write_center(str(tmp_path / "streamed.safetensors"), meta)
+        sha = write_center(ev.rpc, str(tmp_path / "streamed.safetensors"), meta, ev.chunk_bytes)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -138,3 +146,111 @@ def test_setup_checks_names_and_shapes_against_the_checkpoint(ev):
     assert parse_rename(None) is None and parse_rename({"a": "b"}) == {"a": "b"}
     with pytest.raises(ValueError, match="vllm_name=checkpoint_name"):
         parse_rename(["no_equals_sign"])
+
+
+def run_files(d):
+    """Every byte a run's checkpoint and export hold (the export's note names its run directory: left out)."""
+    from espert import runs
+
+    out = {runs.CENTER: open(os.path.join(d, runs.CENTER), "rb").read()}
+    ex = os.path.join(d, runs.EXPORT)
+    for f in sorted(os.listdir(ex)):
+        out[f"export/{f}"] = open(os.path.join(ex, f), "rb").read()
+    note = json.loads(out.pop("export/espert_export.json"))
+    assert note.pop("run") == os.path.abspath(d)
+    out["note"] = note
+    return out
+
+
+def test_run_checkpoints_stream_byte_identical_in_a_few_chunks(ev, tiny_dir, tmp_path, monkeypatch):
+    from test_runs import copy_run, damage
+
+    from espert import runs, train
+    from espert.config import ESConfig
+    from espert.vllm import VLLMEvaluator
+
+    base = load_file(os.path.join(tiny_dir, "model.safetensors"))
+    base = {k: base[k] for k in ev.center_state()}
+    center_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    chunk = 8192
+
+    class FullDict(VLLMEvaluator):
+        def center_stream(self):
+            return None
+
+    route = {"cls": VLLMEvaluator}
+
+    def build(cfg, model_path, score):  # the module's engine, reset to the base model (a fresh run's center)
+        ev.load_center(base)
+        e = route["cls"](ev.llm, score, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        e.chunk_bytes = chunk
+        return e
+
+    monkeypatch.setattr("espert.evaluators.build_evaluator", build)
+    peaks = []
+    checkpoint = runs.Run.checkpoint
+
+    def traced(self, evaluator, t):  # peak of Python objects (tracemalloc) + every byte torch allocated
+        from torch.profiler import ProfilerActivity, profile
+
+        tracemalloc.start()
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                checkpoint(self, evaluator, t)
+            py = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        peaks.append(py + sum(max(e.self_cpu_memory_usage, 0) for e in prof.events()))
+
+    monkeypatch.setattr(runs.Run, "checkpoint", traced)
+    cfg = ESConfig(
+        model=tiny_dir,
+        evaluator="vllm",
+        task="copy",
+        iterations=3,
+        population=2,
+        prompts_per_iteration=2,
+        train_size=8,
+        eval_size=0,
+        max_new_tokens=4,
+        checkpoint_every=1,
+        sigma=0.05,
+        alpha=0.05,
+    )
+    streamed, full = str(tmp_path / "streamed"), str(tmp_path / "full")
+    train(cfg, streamed, progress=False, echo=None)
+    stream_peaks, peaks[:] = peaks[:], []
+    route["cls"] = FullDict
+    train(cfg, full, progress=False, echo=None)
+    full_peaks, peaks[:] = peaks[:], []
+    route["cls"] = VLLMEvaluator
+
+    assert len(stream_peaks) == len(full_peaks) == 3  # a checkpoint per iteration
+    bound = 8 * chunk
+    assert center_bytes > 3 * bound  # the bound means something
+    assert max(stream_peaks) < bound, f"streamed checkpoints held {stream_peaks} bytes (center {center_bytes})"
+    assert min(full_peaks) > center_bytes, full_peaks  # the full-dict route allocates (at least) the center
+    a, b = run_files(streamed), run_files(full)
+    assert a == b and a["note"]["iteration"] == 3 and any(k.endswith(".safetensors") for k in a if "export/" in k)
+    ck = [
+        [r["sha256"] for r in runs.read_log(os.path.join(d, runs.LOG)) if r["kind"] == "checkpoint"]
+        for d in (streamed, full)
+    ]
+    assert ck[0] == ck[1] and len(set(ck[0])) == 3
+    assert load_file(os.path.join(streamed, runs.CENTER)).keys() == base.keys()
+
+    # resume from a streamed checkpoint (the engine is reset to the base model: the checkpoint must be read)
+    lines = []
+    resumed = str(tmp_path / "resumed")
+    train(dataclasses.replace(cfg, iterations=2), resumed, progress=False, echo=None)
+    train(cfg, resumed, resume=True, progress=False, echo=lines.append)
+    assert any("resumed at iteration 2 (checkpoint 2 + 0 replayed" in ln for ln in lines), lines
+    assert run_files(resumed) == a
+
+    # a damaged streamed checkpoint is named and rebuilt from the log, streamed again to the same bytes
+    lines = []
+    hurt = copy_run(streamed, tmp_path / "hurt")
+    damage(os.path.join(hurt, runs.CENTER), "flipped")
+    train(None, hurt, resume=True, progress=False, echo=lines.append)
+    assert any("damaged center checkpoint" in ln and "rebuilding" in ln for ln in lines), lines
+    assert run_files(hurt) == a

@@ -8,6 +8,8 @@ the logical tensors for every chunk size (including chunks smaller than a row), 
 ``pull_center`` the logical tensors, refusing replicated pieces that disagree.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -98,3 +100,92 @@ def test_uncovered_elements_are_an_error():
         pull_center(fake_rpc([rank_pieces(state, 0)]), 64)  # rank 1 missing
     with pytest.raises(ValueError, match="chunk_bytes"):
         list(chunk_plan([4], [4], 0))
+
+
+def base_model(tmp_path, state):
+    """A two-shard 'model directory' holding the logical tensors in other dtypes (bf16, f16, int8 codes),
+    a tensor that is not in the center, and a config file."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "base"
+    d.mkdir()
+    g = torch.Generator().manual_seed(1)
+    s1 = {
+        "q.weight": state["q.weight"].to(torch.bfloat16),
+        "k.weight": state["k.weight"].to(torch.float16),
+        "rotary.inv_freq": torch.randn(7, generator=g),  # not a center tensor: copied as it is
+    }
+    s2 = {
+        "o.weight": state["o.weight"],
+        "down.bias": state["down.bias"].to(torch.bfloat16),
+        "norm.weight": torch.zeros(6, dtype=torch.int8),  # a W8A8-style code tensor: the center rounds into it
+        "emb.weight": state["emb.weight"],
+    }
+    save_file(s1, str(d / "model-00001-of-00002.safetensors"), {"format": "pt"})
+    save_file(s2, str(d / "model-00002-of-00002.safetensors"), {"format": "pt", "note": "second"})
+    (d / "config.json").write_text('{"model_type": "test"}')
+    return str(d)
+
+
+def files(d):
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+
+
+@pytest.mark.parametrize("chunk_bytes", [12, 40, 1 << 20])
+def test_checkpoint_and_export_stream_to_the_bytes_of_the_dicts(tmp_path, chunk_bytes):
+    """save_center and export_model from a CenterStream (TP=2, optimizer slots in the layout, chunks
+    smaller than a row) write the files the full dicts give; the export casts chunk by chunk and
+    leaves the optimizer slots out."""
+    from espert import runs
+    from espert.vllm.stream import CenterStream
+
+    state = logical_state()
+    state["norm.weight"] = state["norm.weight"] * 100  # code units: rounding and clamping to int8 matter
+    slot = {"optim.m/q.weight": torch.randn(8, 6, generator=torch.Generator().manual_seed(2))}
+    ranks = [rank_pieces(state, r) for r in (0, 1)]
+    ranks[0].append(("optim.m/q.weight", slot["optim.m/q.weight"][:4], Block(0, 0, 8, 6)))
+    ranks[1].append(("optim.m/q.weight", slot["optim.m/q.weight"][4:], Block(4, 0, 8, 6)))
+    rpc = fake_rpc(ranks)
+    base = base_model(tmp_path, state)
+    full = {**state, **slot}
+
+    a = runs.save_center(str(tmp_path / "a.safetensors"), full, 4)
+    b = runs.save_center(str(tmp_path / "b.safetensors"), CenterStream(rpc, chunk_bytes), 4)
+    assert a == b and (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+    runs.export_model(state, base, str(tmp_path / "ea"), iteration=4)
+    runs.export_model(CenterStream(rpc, chunk_bytes), base, str(tmp_path / "eb"), iteration=4)
+    ea, eb = files(tmp_path / "ea"), files(tmp_path / "eb")
+    assert ea == eb and "config.json" in ea and len([f for f in ea if f.endswith(".safetensors")]) == 2
+
+    from safetensors.torch import load_file
+
+    got = {}
+    for f in ea:
+        if f.endswith(".safetensors"):
+            got.update(load_file(str(tmp_path / "eb" / f)))
+    assert "optim.m/q.weight" not in got
+    assert got["q.weight"].dtype == torch.bfloat16 and torch.equal(
+        got["q.weight"], state["q.weight"].to(torch.bfloat16)
+    )
+    assert torch.equal(got["norm.weight"], state["norm.weight"].round().clamp(-128, 127).to(torch.int8))
+    assert torch.equal(
+        got["rotary.inv_freq"], load_file(os.path.join(base, "model-00001-of-00002.safetensors"))["rotary.inv_freq"]
+    )
+
+
+def test_export_refuses_unknown_names_and_shapes_before_writing(tmp_path):
+    from espert import runs
+    from espert.vllm.stream import CenterStream
+
+    state = logical_state()
+    base = base_model(tmp_path, state)
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"no tensors named \['extra.weight'\]"):
+        runs.export_model({**state, "extra.weight": torch.zeros(2)}, base, out)
+    ranks = [rank_pieces(state, r) for r in (0, 1)]
+    ranks[0][4] = ("norm.weight", torch.zeros(3), None)
+    ranks[1][4] = ("norm.weight", torch.zeros(3), None)
+    with pytest.raises(ValueError, match=r"center norm.weight has shape \(3,\), base has \(6,\)"):
+        runs.export_model(CenterStream(fake_rpc(ranks), 64), base, out)
+    assert not os.path.exists(out) and os.listdir(tmp_path) == ["base"]

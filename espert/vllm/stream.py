@@ -82,6 +82,7 @@ def _chunks(rpc: Callable, chunk_bytes: int):
         if all(g is None for g in got):
             return
         yield got
+        del got  # not held while the next chunk arrives
         k += 1
 
 
@@ -108,7 +109,8 @@ class CenterStream:
                 src = torch.frombuffer(bytearray(raw), dtype=PIECE_DTYPES[dt])
                 for lo, s0, s1 in _segments(shape, bt, self._logical[name][0], a, b):
                     yield name, lo, src[s0 - a : s1 - a]
-            del got
+                del src, raw
+            del got  # not held while the next chunk arrives
 
 
 def write_center(
