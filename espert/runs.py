@@ -18,7 +18,8 @@ so it either holds a complete setup or does not exist.  Every file is written to
 name, fsynced and ``os.replace``d (the export directory is swapped in as a whole); each log line
 is written whole, flushed and fsynced *before* its update is applied, and a checkpoint's sha256
 is logged before the file replaces the previous one.  Safetensors files are written by
-:func:`write_safetensors` (sorted header keys), so identical runs give byte-identical files.
+:mod:`espert.tensorfile` (sorted header keys), so identical runs give byte-identical files, whether the
+center came as a dict or streamed in chunks (an evaluator's ``center_stream()``: vLLM).
 
 On open, a torn last log line (no newline: the process died mid-write) is dropped and the file
 truncated to the last complete line; any other damage (bad JSON, a checksum mismatch, also on a
