@@ -46,6 +46,11 @@ CHUNK_BYTES = 64 << 20
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
+def file_order(layout: Layout) -> list[str]:
+    """The names in the order their data lies in the file: element size descending, then name."""
+    return sorted(layout, key=lambda n: (-layout[n][1].itemsize, n))
+
+
 def read_header(path: str) -> tuple[dict[str, str], dict[str, dict], int]:
     """``(metadata, {name: {"dtype", "shape", "data_offsets"}}, data start)`` of a safetensors file (no
     tensor is read); ``data_offsets`` count from the data start, a byte offset in the file."""
@@ -71,12 +76,11 @@ class TensorFileWriter:
         for name, (_, dt) in layout.items():
             if dt not in ST_DTYPES:
                 raise ValueError(f"{path}: cannot store {name} of dtype {dt} in safetensors")
-        order = sorted(layout, key=lambda n: (-layout[n][1].itemsize, n))
         header: dict = {"__metadata__": dict(sorted((metadata or {}).items()))} if metadata else {}
         self.path, self.layout, self.chunk_bytes = path, layout, max(1, int(chunk_bytes))
         self._at: dict[str, tuple[int, int]] = {}  # name -> (absolute byte offset, bytes)
         off = 0
-        for name in order:
+        for name in file_order(layout):
             shape, dt = layout[name]
             n = dt.itemsize * int(torch.Size(shape).numel())
             header[name] = {"dtype": ST_DTYPES[dt], "shape": list(shape), "data_offsets": [off, off + n]}
@@ -90,6 +94,7 @@ class TensorFileWriter:
         self._f = open(path, "wb")
         self._h: hashlib._Hash | None = hashlib.sha256()
         self._end = 0
+        self._written = dict.fromkeys(layout, 0)  # bytes written per tensor (a gap is an error at close)
         self._put(0, struct.pack("<Q", len(head)) + head)
         self._f.truncate(self.size)
 
@@ -111,6 +116,7 @@ class TensorFileWriter:
             raise ValueError(f"{self.path}: {len(buf)} bytes at {offset} do not fit {name} ({n} bytes)")
         if len(buf):
             self._put(pos + offset, buf)
+            self._written[name] += len(buf)
 
     def write(self, name: str, offset: int, flat: torch.Tensor) -> None:
         """Elements ``[offset, offset + flat.numel())`` of tensor ``name`` (flat, of the layout's dtype)."""
@@ -121,10 +127,15 @@ class TensorFileWriter:
             b = flat.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
             self.write_bytes(name, offset * dt.itemsize, memoryview(b))
 
-    def close(self) -> None:
-        """Close the file (idempotent)."""
+    def close(self, check: bool = True) -> None:
+        """Close the file (idempotent).  check: raise ValueError naming a tensor that received fewer bytes
+        than it holds (its chunks did not cover it; pieces replicated over ranks may count twice)."""
         if not self._f.closed:
             self._f.close()
+            short = [(k, self._written[k], self._at[k][1]) for k in self.layout if self._written[k] < self._at[k][1]]
+            if check and short:
+                k, got, n = short[0]
+                raise ValueError(f"{self.path}: {k} received {got} of its {n} bytes (the chunks do not cover it)")
 
     def sha256(self) -> str:
         """Close the file and return its hash."""
@@ -141,7 +152,7 @@ class TensorFileWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(check=exc[0] is None)
 
 
 class StateChunks:
@@ -152,7 +163,7 @@ class StateChunks:
         self.layout: Layout = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
 
     def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
-        for name in sorted(self.layout, key=lambda n: (-self.layout[n][1].itemsize, n)):
+        for name in file_order(self.layout):
             yield name, 0, self.tensors[name].reshape(-1)
 
 

@@ -189,3 +189,17 @@ def test_export_refuses_unknown_names_and_shapes_before_writing(tmp_path):
     with pytest.raises(ValueError, match=r"center norm.weight has shape \(3,\), base has \(6,\)"):
         runs.export_model(CenterStream(fake_rpc(ranks), 64), base, out)
     assert not os.path.exists(out) and os.listdir(tmp_path) == ["base"]
+
+
+def test_a_stream_that_misses_elements_writes_no_checkpoint(tmp_path):
+    """A source whose chunks leave part of a tensor unwritten (here: rank 1 never answers) is an error
+    naming the tensor, and the old checkpoint stays: zeros are never saved as weights."""
+    from espert import runs
+    from espert.vllm.stream import CenterStream
+
+    state = logical_state()
+    path = str(tmp_path / "center.safetensors")
+    sha = runs.save_center(path, state, 1)
+    with pytest.raises(ValueError, match=r"q.weight received 96 of its 192 bytes \(the chunks do not cover it\)"):
+        runs.save_center(path, CenterStream(fake_rpc([rank_pieces(state, 0)]), 40), 2)
+    assert runs.sha256_file(path) == sha and os.listdir(tmp_path) == ["center.safetensors"]
