@@ -226,8 +226,8 @@ def test_run_checkpoints_stream_byte_identical_in_a_few_chunks(ev, tiny_dir, tmp
     route["cls"] = VLLMEvaluator
 
     assert len(stream_peaks) == len(full_peaks) == 3  # a checkpoint per iteration
-    bound = 8 * chunk
-    assert center_bytes > 3 * bound  # the bound means something
+    bound = 10 * chunk  # measured ~60 KB: ~2 chunks + headers, file buffers and the profiler's own objects
+    assert center_bytes > 4 * bound  # the bound means something
     assert max(stream_peaks) < bound, f"streamed checkpoints held {stream_peaks} bytes (center {center_bytes})"
     assert min(full_peaks) > center_bytes, full_peaks  # the full-dict route allocates (at least) the center
     a, b = run_files(streamed), run_files(full)
