@@ -323,10 +323,6 @@ def resolve_model_dir(ref: str) -> str:
     return snapshot_download(ref, allow_patterns=patterns)
 
 
-#: Names of optimizer state in a center's pieces (``optim.<slot>/<name>``, ``optim.step``): not model weights.
-OPTIM_PREFIX = "optim."
-
-
 def _cast(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Center values as ``dtype`` (round to nearest even; elementwise, so a chunk casts like its tensor)."""
     c = c.detach().to("cpu")
@@ -350,6 +346,8 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
     ``AutoModelForCausalLM.from_pretrained`` and vLLM load the result like the base.  Raises (before
     writing) if a center name is missing from the base checkpoint or has another shape there.
     """
+    from espert.center import OPTIM_PREFIX
+
     source = as_chunks(state)
     names = {n: shape for n, (shape, _) in source.layout.items() if not n.startswith(OPTIM_PREFIX)}
     base = resolve_model_dir(base_ref)

@@ -153,7 +153,7 @@ def noise_energy(evaluator) -> float | None:
         scales = getattr(center, "sigma_scales", None) or [1.0] * len(views)
         return float(sum(v.numel * s * s for v, s in zip(views, scales)))  # quantized: in code units
     scales = getattr(evaluator, "sigma_scales", None) or {}  # vLLM: {logical name: s} with sigma_mode rms
-    from espert.runs import OPTIM_PREFIX
+    from espert.center import OPTIM_PREFIX
 
     try:
         stream = getattr(evaluator, "center_stream", lambda: None)()  # streaming: count its layout, pull nothing
