@@ -180,10 +180,17 @@ def test_run_checkpoints_stream_byte_identical_in_a_few_chunks(ev, tiny_dir, tmp
 
     route = {"cls": VLLMEvaluator}
 
-    def build(cfg, model_path, score):  # the module's engine, reset to the base model (a fresh run's center)
+    def build(cfg, model_path, score, extract=None):  # the module's engine, reset to the base model
         ev.rpc("es_setup")
         ev.load_center(base)
-        e = route["cls"](ev.llm, score, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, optimizer=optimizer_spec(cfg))
+        e = route["cls"](
+            ev.llm,
+            score,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed,
+            optimizer=optimizer_spec(cfg),
+            extract=extract,
+        )
         e.chunk_bytes = chunk
         return e
 
