@@ -43,7 +43,10 @@ def test_triton_codes_derive_from_the_exports():
 
 
 E, L, S, M = _C.QUANT_ELEM_CODES, _C.QUANT_LAYOUT_CODES, _C.QUANT_SCALE_KIND_CODES, _C.QUANT_MODE_CODES
-VALID = dict(elem=E["int8"], layout=L["nk"], scale_dtype=0, scale_kind=S["channel"], mode=M["perturb"])
+F = _C.FAMILY_CODES
+VALID = dict(
+    elem=E["int8"], layout=L["nk"], scale_dtype=0, scale_kind=S["channel"], mode=M["perturb"], family=F["gaussian"]
+)
 BAD = [
     (dict(elem=7), "element kind code 7"),
     (dict(elem=-1), "element kind code -1"),
@@ -53,6 +56,8 @@ BAD = [
     (dict(scale_kind=5), "scale kind code 5"),
     (dict(scale_dtype=3), "scale dtype code 3"),
     (dict(mode=3), "mode code 3"),
+    (dict(family=9), "noise family code 9"),
+    (dict(family=F["lowrank"]), "lowrank"),  # lowrank without rank and staged factors
 ]
 
 
@@ -82,6 +87,10 @@ def test_cpu_kernel_rejects_unknown_codes_untouched(change, message):
             4,
             master.ctypes.data,
             a["mode"],
+            a["family"],
+            0,  # rank (lowrank only)
+            0,  # staged A' (lowrank only)
+            0,  # staged B^T (lowrank only)
             -128.0,
             127.0,
             seeds.ctypes.data,
