@@ -333,15 +333,18 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Entry point of ``espert compare``: 0, or 2 with a one-line error (e.g. TRL missing)."""
-    cc = CompareConfig.fast() if args.fast else CompareConfig()
-    try:
-        import torch
+    import torch
 
+    cc = CompareConfig.fast() if args.fast else CompareConfig()
+    threads = torch.get_num_threads()
+    try:
         torch.set_num_threads(1)
         run_compare(args.out, cc, echo=lambda s: print(s, file=sys.stderr))
     except (ImportError, ValueError, FileNotFoundError) as e:
         print(f"espert compare: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)  # a caller's process (tests, notebooks) keeps its thread count
     return 0
 
 

@@ -9,6 +9,20 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+#: torch's own set_num_threads.  An in-process vLLM CPU engine replaces ``torch.set_num_threads`` with a
+#: no-op for the whole process (vllm/v1/worker/cpu_worker.py, "after the thread binding"), so every
+#: later test would run with whatever thread count was current then (1 after a cpu_threads=1 run).
+_SET_NUM_THREADS = torch.set_num_threads
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Each test starts and ends with the session's torch thread count and a working set_num_threads."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads = _SET_NUM_THREADS
+    _SET_NUM_THREADS(threads)
+
 
 def bits(t: torch.Tensor) -> np.ndarray:
     """The raw bit patterns of a float tensor (any supported dtype) as an unsigned numpy array."""
