@@ -7,6 +7,11 @@ pytest.importorskip("vllm")
 
 def test_vllm_sampler_greedy_matches_transformers(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+
+    # a random-init model's logits are near ties, so greedy tokens follow the reduction order: one
+    # thread on both sides (the conftest fixture restores the count afterwards)
+    torch.set_num_threads(1)
     from espert.eval.samplers import TransformersSampler, VLLMSampler
     from espert.tasks import load_task
     from espert.tiny import build_tiny_model
