@@ -3,10 +3,11 @@
 // (1024 elements), lowrank 256 columns.  The per-lane math is noise.h inlined into loops the compiler
 // vectorizes; the same loops are compiled three times, for AVX-512 and AVX2 (each with Philox and
 // the normal transform written in intrinsics) and for the baseline ISA, and the path is chosen at
-// run time.  All produce the same bits (tests/test_ops.py, tests/test_noise_spec_simd.py).  Tile positions are computed
-// in column space (int64), never as logical indices, so elements up to logical index 2^64 - 1 are reached. Must be
-// built with -ffp-contract=off (exactness depends on it) and -fno-math-errno (else sqrtf keeps an errno branch and the
-// lane loop does not vectorize); see CMakeLists.txt.
+// run time.  All produce the same bits (tests/test_ops.py, tests/test_noise_spec_simd.py).
+// Tile positions are computed in column space (int64), never as logical indices, so elements up to
+// logical index 2^64 - 1 are reached.
+// Must be built with -ffp-contract=off (exactness depends on it) and -fno-math-errno (else
+// sqrtf keeps an errno branch and the lane loop does not vectorize); see CMakeLists.txt.
 #include <immintrin.h>
 
 #include <algorithm>
