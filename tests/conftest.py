@@ -24,6 +24,13 @@ def _torch_threads_restored():
     _SET_NUM_THREADS(threads)
 
 
+@pytest.fixture
+def set_torch_threads():
+    """torch's own thread setter, which works even after an in-process vLLM engine made
+    ``torch.set_num_threads`` a no-op (the autouse fixture above restores the count)."""
+    return _SET_NUM_THREADS
+
+
 def bits(t: torch.Tensor) -> np.ndarray:
     """The raw bit patterns of a float tensor (any supported dtype) as an unsigned numpy array."""
     t = t.detach().cpu().contiguous()

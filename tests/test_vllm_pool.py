@@ -74,6 +74,13 @@ def pool(tiny_dir, crash_file):
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def one_thread(set_torch_threads):
+    """The in-process engine on one thread, as each actor (OMP_NUM_THREADS=1): a random-init model's
+    near-tie logits make greedy tokens follow the reduction order."""
+    set_torch_threads(1)
+
+
 def exact(cs):
     from espert.vllm.worker import EXACT_FIELDS
 

