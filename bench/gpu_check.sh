@@ -83,6 +83,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
   export TRITON_INTERPRET=0  # real Triton (it decides at import time)
   T_TESTS=300 T_BENCH=150 T_MODEL=200
   DRYFLAG=()
+  TESTS=(tests/test_gpu.py tests/test_cuda_ptx.py)
 else
   say "dry run: CPU tensors, small sizes, interpreted Triton; build skipped (the installed espert._C is used)"
   "$PY" -c "from espert import _C; print('has_cuda', _C.has_cuda, 'cpu_isa', _C.cpu_isa())" 2>&1 | tee -a "$LOG"
@@ -90,10 +91,11 @@ else
   export ESPERT_GPU_DRY_RUN=1 TRITON_INTERPRET=1
   T_TESTS=900 T_BENCH=300 T_MODEL=300
   DRYFLAG=(--dry-run)
+  TESTS=(tests/test_gpu.py)  # the PTX checks need no GPU and already run in the test suite
 fi
 
 # ---- GPU tests, GPU benchmarks, the model-shaped check ---------------------------------------------------
-run "GPU tests" "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_gpu.py tests/test_cuda_ptx.py \
+run "GPU tests" "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfE "${TESTS[@]}" \
   --junitxml="$DIR/gpu_tests.xml"
 (cd bench && run "GPU benchmarks" "$T_BENCH" "$PY" -m pytest -q -p no:cacheprovider test_bench_gpu.py \
   --benchmark-json="$DIR/gpu_bench.json") || FAILED+=("GPU benchmarks")

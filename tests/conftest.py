@@ -9,6 +9,17 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.extended`` cases run only with ESPERT_SLOW=1 (CI runs one representative case each)."""
+    if os.environ.get("ESPERT_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="extended matrix: set ESPERT_SLOW=1")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)
+
+
 #: torch's own set_num_threads.  An in-process vLLM CPU engine replaces ``torch.set_num_threads`` with a
 #: no-op for the whole process (vllm/v1/worker/cpu_worker.py, "after the thread binding"), so every
 #: later test would run with whatever thread count was current then (1 after a cpu_threads=1 run).

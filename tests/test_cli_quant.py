@@ -3,8 +3,6 @@ float export that holds the dequantized center codes."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,18 +32,22 @@ ARGS = [
 
 
 def _espert(*args):
-    return subprocess.run([sys.executable, "-m", "espert", *args], capture_output=True, text=True, check=True)
+    """The CLI in this process (``python -m espert`` is exercised by test_chaos and test_runs)."""
+    from espert.cli import main
+
+    assert main(list(args)) == 0, args
 
 
 @pytest.mark.parametrize(
     "fmt,noise", [("int8", "gaussian"), ("awq", "gaussian"), ("int8", "rademacher"), ("int8", "lowrank:2")]
 )
-def test_train_quantized_then_replay_bit_identical(tmp_path, fmt, noise):
+def test_train_quantized_then_replay_bit_identical(tmp_path, capsys, fmt, noise):
     run = str(tmp_path / "run")
     quant = ["--quant", fmt, "--quant-group-size", "32", "--noise", noise]
     _espert("train", "--run-dir", run, *quant, *ARGS)
-    res = _espert("replay", run, "--out", str(tmp_path / "replay"))
-    out = res.stdout + res.stderr
+    capsys.readouterr()
+    _espert("replay", run, "--out", str(tmp_path / "replay"))
+    out = "".join(capsys.readouterr())
     assert "bit-identical" in out and ": yes" in out, out
     # the export is a float checkpoint whose quantized Linear weights are exactly the dequantized codes
     from espert.evaluators.torch_model import load_model

@@ -60,7 +60,11 @@ def test_docs_example_runs(tmp_path):
     doc = open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8").read()
     block = re.search(r"## Your own task or reward.*?```python\n(.*?)```", doc, re.S).group(1)
     assert len([ln for ln in block.splitlines() if ln.strip()]) <= 14
-    small = block.replace("iterations=40", "iterations=2").replace('"runs/first_letter"', repr(str(tmp_path / "r")))
+    small = (
+        block.replace("iterations=40", "iterations=2")
+        .replace("max_new_tokens=2)", "max_new_tokens=2, pretrain_steps=0)")  # a random-init base: ~30 s less
+        .replace('"runs/first_letter"', repr(str(tmp_path / "r")))
+    )
     assert small != block and "iterations=2" in small
     script = tmp_path / "example.py"
     script.write_text(small)
@@ -129,8 +133,11 @@ def test_task_objects_and_loaders(tmp_path):
     espert.train(None, d, resume=True, progress=False, echo=None)  # no object needed
 
 
-def test_import_path_from_yaml_trains_resumes_and_replays_via_cli(tmp_path):
-    """The failure of the issue: the CLI resume of a custom-reward run (no fake backend anywhere)."""
+def test_import_path_from_yaml_trains_resumes_and_replays_via_cli(tmp_path, capsys):
+    """The failure of the issue: the CLI resume of a custom-reward run (no fake backend anywhere).  The CLI
+    runs in this process (its ``main``), except the last call, which needs a process without the module."""
+    from espert.cli import main
+
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "answer": p[0]}) + "\n" for p in LETTERS[:120]))
     held = tmp_path / "held.jsonl"
@@ -138,18 +145,18 @@ def test_import_path_from_yaml_trains_resumes_and_replays_via_cli(tmp_path):
     y = tmp_path / "run.yaml"
     y.write_text(
         f"task: custom_rewards:first_letter\ntrain_data: {data}\neval_data: {held}\niterations: 2\n"
-        f"population: 4\nprompts_per_iteration: 4\neval_size: 5\nmax_new_tokens: 2\n"
+        f"population: 4\nprompts_per_iteration: 4\neval_size: 5\nmax_new_tokens: 2\npretrain_steps: 0\n"
     )
     d = str(tmp_path / "run")
-    p = cli("train", "--config", str(y), "--run-dir", d, "--no-progress")
-    assert p.returncode == 0, p.stderr[-2000:]
+    assert main(["train", "--config", str(y), "--run-dir", d, "--no-progress"]) == 0
     assert stored(d)["task"] == "custom_rewards:first_letter"
     assert [r["n"] for r in log(d) if r["kind"] == "eval"] == [5, 5]
-    p = cli("train", "--run-dir", d, "--resume", "--iterations", "3", "--no-progress")
-    assert p.returncode == 0, p.stderr[-2000:]
+    assert main(["train", "--run-dir", d, "--resume", "--iterations", "3", "--no-progress"]) == 0
     assert [r["iteration"] for r in log(d) if r["kind"] == "iter"] == [1, 2, 3]
-    p = cli("replay", d, "--out", str(tmp_path / "replay"))
-    assert p.returncode == 0 and "bit-identical" in p.stderr and ": yes" in p.stderr, p.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["replay", d, "--out", str(tmp_path / "replay")]) == 0
+    err = capsys.readouterr().err
+    assert "bit-identical" in err and ": yes" in err, err[-2000:]
     # the module disappears: resume refuses with a clear message, nothing is touched
     before = open(os.path.join(d, runs.LOG), "rb").read()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

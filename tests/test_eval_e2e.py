@@ -197,6 +197,8 @@ def test_main_job_cli_closes_with_the_base_vs_es_report(tmp_path, capsys):
                 "2",
                 "--checkpoint-every",
                 "0",
+                "--pretrain-steps",  # a random-init base: the report, not pretraining, is checked here
+                "0",
                 "--run-dir",
                 d,
                 "--no-progress",

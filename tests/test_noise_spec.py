@@ -10,7 +10,6 @@ espert/noise.py, which this reference does not import), agrees bit for bit with
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,8 +18,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SLOW = os.environ.get("ESPERT_SLOW") == "1"
-slow = pytest.mark.skipif(not SLOW, reason="exhaustive check: set ESPERT_SLOW=1")
 
 # ---- the reference, from docs/noise.md ------------------------------------------------------------
 F = np.float32
@@ -154,7 +151,7 @@ def words(stride: int) -> np.ndarray:
     return (k << np.uint32(8)) | ((k * np.uint32(2654435761)) >> np.uint32(24))
 
 
-STRIDES = [pytest.param(16, id="sample-2^20"), pytest.param(1, id="all-2^24", marks=slow)]
+STRIDES = [pytest.param(16, id="sample-2^20"), pytest.param(1, id="all-2^24", marks=pytest.mark.extended)]
 
 
 # ---- checks ---------------------------------------------------------------------------------------

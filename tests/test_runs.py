@@ -372,6 +372,8 @@ def test_bad_inputs_leave_no_directory(tmp_path, capsys):
         "4",
         "--max-new-tokens",
         "2",
+        "--pretrain-steps",
+        "0",
         "--no-progress",
     ]
     assert main(["train", "--run-dir", d, "--task", "no_such_task", *small]) == 2
@@ -422,6 +424,8 @@ def test_ctrl_c_during_startup_is_one_line(tmp_path, delay):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a shell's background job inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
