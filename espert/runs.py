@@ -55,6 +55,7 @@ from espert.config import ESConfig, stored_run_config
 from espert.es import apply_record
 from espert.tensorfile import (
     ST_TORCH,
+    FileChunks,
     TensorFileWriter,
     as_chunks,
     read_header,
@@ -870,9 +871,10 @@ class Run:
     def checkpoint(self, evaluator, t: int) -> None:
         """Save the center at iteration t (its sha256 logged first) and export it in the base model's format.
 
-        When the evaluator offers a chunk source (``center_stream()``, e.g. vLLM) both files are written
-        from it and the driver never holds the whole center; else from ``center_state()`` and
-        ``export_state()``.  Both routes give the same bytes."""
+        When the evaluator offers a chunk source (``center_stream()``, e.g. vLLM) the center file is
+        written from it and the export from that file, chunk by chunk: the workers are pulled once and
+        the driver never holds the whole center; else from ``center_state()`` and ``export_state()``.
+        Both routes give the same bytes."""
 
         def log_checksum(sha: str) -> None:  # write-ahead: a checkpoint file on disk is always one the log knows
             if checkpoint_hashes(self.records).get(sha) != t:
@@ -884,8 +886,8 @@ class Run:
         save_center(self.file(CENTER), state, t, before_replace=log_checksum)
         del state  # (full-dict route) not held while the export is written
         self._verified = (_stat_key(os.stat(self.file(CENTER))), t)
-        export_model(
-            evaluator.export_state() if stream is None else stream,
+        export_model(  # streamed: from the center file just written (the workers are pulled once)
+            evaluator.export_state() if stream is None else FileChunks(self.file(CENTER), stream.chunk_bytes),
             self.base_path,
             self.file(EXPORT),
             iteration=t,

@@ -167,6 +167,32 @@ class StateChunks:
             yield name, 0, self.tensors[name].reshape(-1)
 
 
+class FileChunks:
+    """A safetensors file as a chunk source: its tensors read back at most ``chunk_bytes`` at a time.
+
+    A streamed checkpoint exports from the center file it has just written instead of pulling the
+    center from the workers a second time."""
+
+    def __init__(self, path: str, chunk_bytes: int = CHUNK_BYTES):
+        _, self.entries, self.start = read_header(path)
+        self.path, self.chunk_bytes = path, max(1, int(chunk_bytes))
+        self.layout: Layout = {k: (tuple(e["shape"]), ST_TORCH[e["dtype"]]) for k, e in self.entries.items()}
+
+    def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        with open(self.path, "rb") as f:
+            for name, e in sorted(self.entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                dt = self.layout[name][1]
+                a, b = e["data_offsets"]
+                step = max(1, self.chunk_bytes // dt.itemsize) * dt.itemsize
+                f.seek(self.start + a)
+                for off in range(0, b - a, step):
+                    yield (
+                        name,
+                        off // dt.itemsize,
+                        torch.frombuffer(bytearray(f.read(min(step, b - a - off))), dtype=dt),
+                    )
+
+
 def as_chunks(state) -> StateChunks:
     """``state`` as a chunk source: a dict of tensors is wrapped in :class:`StateChunks`, a source is kept."""
     return state if hasattr(state, "layout") else StateChunks(state)  # (an ABC isinstance fills caches)

@@ -479,3 +479,23 @@ def test_write_safetensors_reads_back(tmp_path):
     assert back.keys() == tensors.keys()
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 6, 4096])
+def test_file_chunks_rewrite_a_file_byte_identically(tmp_path, chunk_bytes):
+    """A streamed checkpoint exports from its center file read back in chunks (FileChunks): any chunk size,
+    including one smaller than an element, gives the same tensors and bytes."""
+    from espert.tensorfile import FileChunks, write_chunks
+
+    state = {
+        "w": torch.randn(5, 7, generator=torch.Generator().manual_seed(0)),
+        "h": torch.arange(9, dtype=torch.bfloat16),
+        "optim.step": torch.tensor([3], dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+    }
+    src, dst = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    sha = runs.write_safetensors(src, state, {"iteration": "3"})
+    chunks = FileChunks(src, chunk_bytes)
+    assert all(flat.numel() * flat.element_size() <= max(chunk_bytes, flat.element_size()) for _, _, flat in chunks)
+    assert write_chunks(dst, chunks, {"iteration": "3"}) == sha
+    assert open(src, "rb").read() == open(dst, "rb").read()

@@ -114,10 +114,10 @@ def test_loop_fields_give_the_torch_evaluators_centers(ev, tiny_dir, tmp_path):
     with the loop fields, then given back its default center.)"""
     from espert.es import ESConfig, apply_record, es_step, prompt_indices
     from espert.evaluators import TorchEvaluator, config_center, load_model
-    from espert.evaluators.torch_model import optimizer_spec
     from espert.runs import write_safetensors
     from espert.tensorfile import write_chunks
     from espert.vllm import VLLMEvaluator
+    from espert.vllm.pool import center_kwargs
     from espert.vllm.stream import checkpoint_rms_scales
 
     cfg = ESConfig(
@@ -138,15 +138,7 @@ def test_loop_fields_give_the_torch_evaluators_centers(ev, tiny_dir, tmp_path):
     tev = TorchEvaluator(model, tok, task.score, max_new_tokens=6, center=config_center(model, cfg))
     scales = checkpoint_rms_scales(tiny_dir, cfg.dtype)
     assert len(set(scales.values())) > 3  # real per-tensor scales
-    vev = VLLMEvaluator(
-        ev.llm,
-        task.score,
-        max_new_tokens=6,
-        noise=cfg.noise,
-        optimizer=optimizer_spec(cfg),
-        sigma_scales=scales,
-        no_decay=cfg.weight_decay_exclude,
-    )
+    vev = VLLMEvaluator(ev.llm, task.score, max_new_tokens=6, **center_kwargs(cfg, tiny_dir))  # as the CLI builds it
     start = vev.center_state()
     try:
         assert start["optim.step"].tolist() == [0] and "optim.v/model.layers.0.self_attn.k_proj.weight" in start

@@ -198,9 +198,19 @@ def test_run_checkpoints_stream_byte_identical_in_a_few_chunks(ev, tiny_dir, tmp
     peaks = []
     checkpoint = runs.Run.checkpoint
 
+    passes = []  # per checkpoint: how many times the center was pulled from the workers
+
     def traced(self, evaluator, t):  # peak of Python objects (tracemalloc) + every byte torch allocated
         from torch.profiler import ProfilerActivity, profile
 
+        rpc, starts = evaluator.rpc, []
+
+        def counting(method, *args, **kwargs):
+            if method == "es_center_chunk" and args[0] == 0:  # a pass starts at chunk 0
+                starts.append(method)
+            return rpc(method, *args, **kwargs)
+
+        evaluator.rpc = counting
         tracemalloc.start()
         try:
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -208,7 +218,9 @@ def test_run_checkpoints_stream_byte_identical_in_a_few_chunks(ev, tiny_dir, tmp
             py = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
+            del evaluator.rpc
         peaks.append(py + sum(max(e.self_cpu_memory_usage, 0) for e in prof.events()))
+        passes.append(len(starts))
 
     monkeypatch.setattr(runs.Run, "checkpoint", traced)
     cfg = ESConfig(
@@ -229,6 +241,7 @@ def test_run_checkpoints_stream_byte_identical_in_a_few_chunks(ev, tiny_dir, tmp
     streamed, full = str(tmp_path / "streamed"), str(tmp_path / "full")
     train(cfg, streamed, progress=False, echo=None)
     stream_peaks, peaks[:] = peaks[:], []
+    assert passes == [1, 1, 1], passes  # the center file and the export from one pull
     route["cls"] = FullDict
     train(cfg, full, progress=False, echo=None)
     full_peaks, peaks[:] = peaks[:], []

@@ -86,9 +86,10 @@ def test_tp2_loop_fields_give_the_torch_centers(ev, tiny_dir):
     checkpoint), and the reassembled centers and optimizer slots equal the torch evaluator's bit for bit."""
     from espert.es import ESConfig, apply_record
     from espert.evaluators import config_center, load_model
-    from espert.evaluators.torch_model import optimizer_spec, rms_scales
+    from espert.evaluators.torch_model import rms_scales
     from espert.params import torch_param_views
     from espert.vllm import VLLMEvaluator
+    from espert.vllm.pool import center_kwargs
     from espert.vllm.stream import checkpoint_rms_scales
 
     cfg = ESConfig(
@@ -104,14 +105,7 @@ def test_tp2_loop_fields_give_the_torch_centers(ev, tiny_dir):
     views = torch_param_views(model)
     assert [scales[v.name] for v in views] == rms_scales(views)  # the torch evaluator's scales, exactly
     host = config_center(model, cfg)
-    vev = VLLMEvaluator(
-        ev.llm,
-        ev.score,
-        noise=cfg.noise,
-        optimizer=optimizer_spec(cfg),
-        sigma_scales=scales,
-        no_decay=cfg.weight_decay_exclude,
-    )
+    vev = VLLMEvaluator(ev.llm, ev.score, **center_kwargs(cfg, tiny_dir))  # as the CLI builds it
     start = vev.center_state()
     try:
         for t, seeds in enumerate(([11, 12, 13], [14, 15], [16]), 1):

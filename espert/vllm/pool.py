@@ -330,6 +330,25 @@ class EnginePool(Evaluator):
 # ---- the ES loop's evaluator registry (espert.evaluators: "vllm" -> this builder) ----------------------
 
 
+def center_kwargs(cfg, model_path: str) -> dict:
+    """The center's loop fields of ``cfg`` as :class:`VLLMEvaluator` / :class:`EnginePool` keywords
+    (``noise``, ``optimizer``, ``no_decay``, ``sigma_scales``), as
+    :func:`espert.evaluators.torch_model.config_center` gives them to the torch evaluator's CenterStore.
+    The rms scales are computed once, here, from the checkpoint's whole tensors, so every engine and TP
+    rank gets the same."""
+    from espert.evaluators.torch_model import optimizer_spec
+    from espert.vllm.stream import checkpoint_rms_scales
+
+    return dict(
+        noise=cfg.noise,
+        optimizer=optimizer_spec(cfg),
+        no_decay=list(cfg.weight_decay_exclude) if cfg.weight_decay else [],
+        sigma_scales=checkpoint_rms_scales(model_path, cfg.dtype, cfg.include, cfg.exclude)
+        if cfg.sigma_mode == "rms"
+        else None,
+    )
+
+
 def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
     """``evaluator: vllm``: one engine (``cfg.vllm_engines`` <= 1) or an :class:`EnginePool`; extract:
     the task's answer extractor (the evaluator then fills ``member_answers``).
@@ -340,9 +359,7 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
     every worker's center as :func:`espert.evaluators.torch_model.config_center` gives them to the torch
     evaluator's.  A malformed ``vllm_rename`` is refused before any engine starts.
     """
-    from espert.evaluators.torch_model import optimizer_spec
     from espert.vllm.evaluator import VLLMEvaluator, parse_rename
-    from espert.vllm.stream import checkpoint_rms_scales
 
     rename = parse_rename(getattr(cfg, "vllm_rename", None))
     engines = int(getattr(cfg, "vllm_engines", 1) or 1)
@@ -361,15 +378,8 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
         chat_template=cfg.chat_template,
         member_errors=cfg.member_errors,
         rename=rename,
-        # the center's loop fields, as config_center gives them to the torch evaluator's CenterStore
-        noise=cfg.noise,
-        optimizer=optimizer_spec(cfg),
-        no_decay=list(cfg.weight_decay_exclude) if cfg.weight_decay else [],
-        # rms scales: once, here, from the checkpoint's whole tensors, so every engine and rank gets the same
-        sigma_scales=checkpoint_rms_scales(model_path, cfg.dtype, cfg.include, cfg.exclude)
-        if cfg.sigma_mode == "rms"
-        else None,
         extract=extract,
+        **center_kwargs(cfg, model_path),
     )
     if engines > 1:
         return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)
