@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 from espert.es import coefficients, normalize  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
+from espert.tensorfile import write_chunks, write_safetensors  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 TASK = load_task("copy", "train", n=12)
@@ -91,7 +92,7 @@ def members(t):
     return [(1000 * t + k, g) for k in range(4) for g in (1, -1)]
 
 
-def test_two_engines_equal_one_engine(pool, single):
+def test_two_engines_equal_one_engine(pool, single, tmp_path):
     for t in (1, 2):
         m = members(t)
         r_pool = pool.evaluate(m, 0.05, TASK.prompts, TASK.answers)
@@ -110,6 +111,10 @@ def test_two_engines_equal_one_engine(pool, single):
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert exact(pool.checksum()[0]) == exact(single.checksum())
+    # checkpoints stream from one engine in bounded chunks: the same file as the single engine's center
+    pool.chunk_bytes = 4096
+    a, b = str(tmp_path / "pool.safetensors"), str(tmp_path / "one.safetensors")
+    assert write_chunks(a, pool.center_stream()) == write_safetensors(b, want)
 
 
 def test_divergence_stops_loudly(pool):
@@ -120,7 +125,7 @@ def test_divergence_stops_loudly(pool):
         pool.checksum()
 
 
-def test_engine_dying_mid_iteration_loses_no_member(pool, single, crash_file):
+def test_engine_dying_mid_iteration_loses_no_member(pool, single, crash_file, tmp_path):
     pool.load_center(single.center_state())  # resynchronise the drifted replica (the one call that ships weights)
     assert len(pool.checksums[-1]) == 2
     open(crash_file, "w").close()  # the next engine to score a chunk dies in the middle of it
@@ -131,6 +136,8 @@ def test_engine_dying_mid_iteration_loses_no_member(pool, single, crash_file):
     pool.update([5], [0.01])
     single.update([5], [0.01])
     assert exact(pool.checksum()[pool.alive[0]]) == exact(single.checksum())
+    a, b = str(tmp_path / "pool.safetensors"), str(tmp_path / "one.safetensors")
+    assert write_chunks(a, pool.center_stream()) == write_safetensors(b, single.center_state())
 
 
 def test_losing_every_engine_raises(pool):

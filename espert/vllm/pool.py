@@ -26,7 +26,8 @@ the pool (``dead`` lists it).  Losing every engine raises.
 Mapping to many nodes: nothing here assumes one machine.  Start Ray on a cluster
 (``ray start --head`` / ``ray start --address=...``), pass ``num_gpus_per_engine`` (e.g. the TP
 size) and Ray places one actor per GPU group anywhere in the cluster; only the bytes above
-cross the network.  ``load_center`` (resume) is the one call that sends weights, once.
+cross the network.  ``load_center`` (resume) is the one call that sends weights, once; checkpoints
+stream the center out of one engine in bounded chunks (``center_stream``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Callable, Sequence
 import torch
 
 from espert.evaluators.base import Evaluator, Member
+from espert.tensorfile import CHUNK_BYTES
 
 log = logging.getLogger("espert.vllm")
 
@@ -144,6 +146,7 @@ class EnginePool(Evaluator):
             ray.init(**{"include_dashboard": False, "log_to_driver": False, **(ray_init or {})})
         self._ray = ray
         self.chunk = chunk
+        self.chunk_bytes = CHUNK_BYTES  # center_stream's chunk size (as VLLMEvaluator.chunk_bytes)
         self.sigma_scales = ev_kwargs.get("sigma_scales")  # as VLLMEvaluator.sigma_scales
         ncpu = os.cpu_count() or 1
         actor_cls = ray.remote(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine)(EngineActor)
@@ -299,6 +302,14 @@ class EnginePool(Evaluator):
         from espert.vllm.params import unpack_tensor
 
         return {k: unpack_tensor(v) for k, v in self._first("center_state").items()}
+
+    def center_stream(self):
+        """The center streamed from a live engine in chunks of ``chunk_bytes`` (the replicas hold the same
+        center, checked at every update): checkpoints and exports are written from it chunk by chunk.  An
+        engine that dies mid-stream is marked dead and the same chunk is asked of the next one."""
+        from espert.vllm.stream import CenterStream
+
+        return CenterStream(lambda method, *args: self._first("rpc", method, *args), self.chunk_bytes)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         from espert.vllm.evaluator import without_optimizer_state
