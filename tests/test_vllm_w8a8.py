@@ -144,7 +144,8 @@ def test_perturb_changes_outputs_restore_is_exact(ev, model):
         ev.rpc("es_setup")
 
 
-def test_codes_equal_perturb_outside_and_handlers_use_them(ev, model):
+@pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
+def test_codes_equal_perturb_outside_and_handlers_use_them(ev, model, noise):
     seed, sigma, sign = 2**64 - 7, 0.02, -1
 
     def keep_orig(worker):
@@ -156,9 +157,9 @@ def test_codes_equal_perturb_outside_and_handlers_use_them(ev, model):
     outside = {}
     for name, qw in model[1].items():
         q = QuantWeight("int8", qw.qweight.clone(), qw.scales.clone(), qw.out_features, qw.in_features)
-        espert_ops.perturb_(q, seed, param_key(name), sigma, sign)
+        espert_ops.perturb_(q, seed, param_key(name), sigma, sign, noise=noise)
         outside[name] = q.qweight
-    ev.rpc("es_setup", include=PROJ)
+    ev.rpc("es_setup", include=PROJ, noise=noise)
     try:
         ev.perturb(seed, sigma, sign)
         inside = live_codes(ev)
@@ -178,11 +179,12 @@ def test_codes_equal_perturb_outside_and_handlers_use_them(ev, model):
         ev.rpc("es_setup")
 
 
-def test_es_iterations_update_codes_like_quant_center_store(ev, model):
+@pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
+def test_es_iterations_update_codes_like_quant_center_store(ev, model, noise):
     from espert.es import ESConfig, es_step, prompt_indices
 
     task = load_task("copy", "train", n=16)
-    ev.rpc("es_setup")  # float params + W8A8 codes
+    ev.rpc("es_setup", noise=noise)  # float params + W8A8 codes
     start = ev.center_state()
     host = QuantCenterStore(
         [
@@ -190,7 +192,8 @@ def test_es_iterations_update_codes_like_quant_center_store(ev, model):
                 k, QuantWeight("int8", qw.qweight.clone(), qw.scales.clone(), qw.out_features, qw.in_features)
             )
             for k, qw in model[1].items()
-        ]
+        ],
+        noise=noise,
     )
     records = []
     cfg = ESConfig(
@@ -226,16 +229,15 @@ def test_es_iterations_update_codes_like_quant_center_store(ev, model):
 
 
 def test_w8a8_refuses_the_float_loop_fields(ev):
-    """The W8A8 center moves int8 codes with gaussian noise and sgd only: other loop fields fail at setup with
+    """The W8A8 center moves int8 codes with sgd only (any noise family): other loop fields fail at setup with
     one clear error, and the engine keeps the center it had."""
     before = ev.checksum()
     for kw, what in (
         ({"optimizer": {"name": "adam"}}, "optimizer='adam'"),
-        ({"noise": "rademacher"}, "noise='rademacher'"),
         ({"sigma_scales": {}}, "sigma_mode=rms"),
         ({"no_decay": ["norm"]}, r"weight_decay_exclude=\['norm'\]"),
     ):
-        with pytest.raises(ValueError, match=f"W8A8 int8 models take noise=gaussian.*{what}"):
+        with pytest.raises(ValueError, match=f"W8A8 int8 models take optimizer=sgd.*{what}"):
             ev.rpc("es_setup", **kw)
     assert ev.checksum() == before
 

@@ -260,7 +260,15 @@ class W8A8Center:
     ``repack_seconds`` / ``repacks``: accumulated rebuild time and count of layer rebuilds.
     """
 
-    def __init__(self, model: torch.nn.Module, include=None, exclude=None, master: str = "float32", rename=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        include=None,
+        exclude=None,
+        master: str = "float32",
+        rename=None,
+        noise: str = "gaussian",
+    ):
         from espert.center import CenterStore
         from espert.quant import QuantCenterStore
         from espert.vllm.params import vllm_param_views
@@ -275,9 +283,11 @@ class W8A8Center:
         if not fviews and not qviews:
             raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
         self.float = (
-            CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None) if fviews else None
+            CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None, noise=noise)
+            if fviews
+            else None
         )
-        self.quant = QuantCenterStore(qviews, master=master == "float32") if qviews else None
+        self.quant = QuantCenterStore(qviews, master=master == "float32", noise=noise) if qviews else None
         self.views = list(fviews) + [_QView(v) for v in qviews]
         self.repack_seconds, self.repacks = 0.0, 0
 

@@ -154,15 +154,17 @@ class ESWorkerExtension:
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, see espert/vllm/w8a8.py
             from espert.center import Optimizer
 
-            loop = (str(noise), Optimizer.of(optimizer).name, sigma_scales is not None, bool(no_decay))
-            if loop != ("gaussian", "sgd", False, False):
+            loop = (Optimizer.of(optimizer).name, sigma_scales is not None, bool(no_decay))
+            if loop != ("sgd", False, False):
                 raise ValueError(
-                    f"W8A8 int8 models take noise=gaussian, optimizer=sgd, sigma_mode=absolute and no "
-                    f"weight_decay_exclude (got noise={noise!r}, optimizer={loop[1]!r}, "
-                    f"sigma_mode={'rms' if loop[2] else 'absolute'}, weight_decay_exclude={list(no_decay)}; "
+                    f"W8A8 int8 models take optimizer=sgd, sigma_mode=absolute and no "
+                    f"weight_decay_exclude (got optimizer={loop[0]!r}, "
+                    f"sigma_mode={'rms' if loop[1] else 'absolute'}, weight_decay_exclude={list(no_decay)}; "
                     f"with weight_decay, set weight_decay_exclude: [] to decay every moved tensor)"
                 )
-            center = w8a8.W8A8Center(model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None)
+            center = w8a8.W8A8Center(
+                model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None, noise=noise
+            )
             check(center.views)
             self._es_center = cpu_patch.RepackingCenter(center, model)
             rank, tp = self._es_rank()
