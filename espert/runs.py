@@ -46,7 +46,7 @@ import shutil
 import signal
 import time
 import zlib
-from typing import Callable
+from typing import Callable, Iterator, Mapping
 
 import torch
 import yaml
@@ -228,12 +228,39 @@ def save_center(path: str, state, iteration: int, before_replace: Callable[[str]
     return atomic_write(path, write, before_replace)
 
 
-def load_center(path: str, known: dict[str, int] | None = None) -> tuple[dict[str, torch.Tensor], int]:
+class CenterFile(Mapping):
+    """A center checkpoint's tensors, each read from the file when asked for (``load_center(lazy=True)``):
+    a resume hands the center to the evaluator one tensor at a time (a vLLM engine gets one message per
+    tensor), so the driver never holds the whole center."""
+
+    def __init__(self, path: str, keys: list[str]):
+        self.path, self._keys = path, list(keys)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self._keys:
+            raise KeyError(name)
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def load_center(
+    path: str, known: dict[str, int] | None = None, lazy: bool = False
+) -> tuple[Mapping[str, torch.Tensor], int]:
     """``(state, iteration)`` of a center checkpoint.
 
     known: sha256 -> iteration of the checkpoints a run logged; when given (and not empty), the
-    file must be one of them.  Raises FileNotFoundError, or :class:`RunError` naming the file and
-    the problem (empty, checksum not in the log, not a safetensors file, no iteration).
+    file must be one of them.  lazy: ``state`` is a :class:`CenterFile` (header and checksum checked
+    now, tensors read when asked for) instead of a dict.  Raises FileNotFoundError, or
+    :class:`RunError` naming the file and the problem (empty, checksum not in the log, not a
+    safetensors file, no iteration).
     """
     from safetensors import safe_open
 
@@ -252,7 +279,7 @@ def load_center(path: str, known: dict[str, int] | None = None) -> tuple[dict[st
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-            state = {k: f.get_tensor(k) for k in f.keys()}
+            state = CenterFile(path, sorted(f.keys())) if lazy else {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
         raise RunError(
             f"{path}: damaged center checkpoint: not a readable safetensors file "
@@ -812,11 +839,11 @@ class Run:
         return evals[-1] if evals else None
 
     # -- state --
-    def load_checkpoint(self) -> tuple[dict[str, torch.Tensor], int]:
+    def load_checkpoint(self, lazy: bool = False) -> tuple[Mapping[str, torch.Tensor], int]:
         """The verified center checkpoint (see :func:`load_center`); FileNotFoundError or RunError otherwise."""
         path = self.file(CENTER)
         known = checkpoint_hashes(self.records)
-        state, it = load_center(path, known)
+        state, it = load_center(path, known, lazy)
         if not known:  # written by an older espert: no checksum to compare with
             self.echo(f"[espert] note: {path} has no checksum in {LOG} (older espert); loaded unverified")
         self._verified = (_stat_key(os.stat(path)), it)
@@ -831,7 +858,7 @@ class Run:
         key = _stat_key(os.stat(path))
         if self._verified is None or self._verified[0] != key:
             try:
-                _, it = load_center(path, checkpoint_hashes(self.records))
+                _, it = load_center(path, checkpoint_hashes(self.records), lazy=True)
             except (RunError, OSError):
                 it = None
             self._verified = (key, it)
@@ -849,7 +876,7 @@ class Run:
         start, rebuilt = 0, False
         if os.path.exists(self.file(CENTER)):
             try:
-                state, start = self.load_checkpoint()
+                state, start = self.load_checkpoint(lazy=True)  # read tensor by tensor by the evaluator
             except RunError as e:
                 self.echo(f"[espert] warning: {e}; rebuilding the center from the base model and {LOG}")
                 rebuilt = True

@@ -286,3 +286,49 @@ def test_run_checkpoints_stream_byte_identical_in_a_few_chunks(ev, tiny_dir, tmp
     assert run_files(hurt) == a
     ev.rpc("es_setup")  # the module's engine back to its plain center at the base model
     ev.load_center(base)
+
+
+def test_load_center_sends_one_tensor_per_message_and_is_all_or_nothing(ev, tmp_path):
+    """A resume hands the checkpoint to the workers tensor by tensor (a lazily read runs.CenterFile), so the
+    driver reads and sends one tensor at a time, not the center; a bad or missing tensor leaves the center
+    untouched."""
+    from espert import runs
+
+    start = ev.center_state()
+    ev.update([7], [2e-3])
+    moved = ev.center_state()
+    path = str(tmp_path / "c.safetensors")
+    runs.save_center(path, moved, 1)
+    ev.load_center(start)
+    state, it = runs.load_center(path, lazy=True)
+    assert it == 1 and isinstance(state, runs.CenterFile) and sorted(state) == sorted(moved)
+
+    calls, sent, rpc = [], [], ev.rpc
+
+    def counting(method, *args, **kwargs):
+        calls.append(method)
+        if method == "es_load_tensor":
+            sent.append(len(args[1][2]))  # the packed tensor's raw bytes
+        return rpc(method, *args, **kwargs)
+
+    ev.rpc = counting
+    try:
+        ev.load_center(state)
+    finally:
+        del ev.rpc
+    assert calls == ["es_load_begin"] + ["es_load_tensor"] * len(moved) + ["es_load_commit"]
+    got = ev.center_state()
+    assert all(torch.equal(bits(got[k]), bits(moved[k])) for k in moved)
+    sizes = sorted(t.numel() * t.element_size() for t in moved.values())
+    assert sorted(sent) == sizes and sum(sizes) > 8 * sizes[-1]  # each message one tensor, not the center
+
+    before = ev.checksum()
+    name = sorted(moved)[0]
+    bad = dict(start, **{name: torch.zeros(3)})
+    with pytest.raises(Exception, match="shape"):
+        ev.load_center(bad)
+    missing = {k: v for k, v in start.items() if k != name}
+    with pytest.raises(Exception, match=name.replace(".", r"\.")):
+        ev.load_center(missing)
+    assert ev.checksum() == before  # neither touched the center nor the live weights
+    ev.load_center(start)

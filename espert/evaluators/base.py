@@ -45,7 +45,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -84,8 +84,9 @@ class Evaluator(abc.ABC):
         """The exact center (float32 master) by logical parameter name, on the host."""
 
     @abc.abstractmethod
-    def load_center(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace the center exactly (names, shapes and dtypes must match) and restore the weights."""
+    def load_center(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the center exactly (names, shapes and dtypes must match) and restore the weights.  A
+        resume passes a lazily read checkpoint (``runs.CenterFile``: each tensor read when asked for)."""
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The center as checkpoint values by logical name (what exports write); default: center_state()."""
@@ -214,4 +215,5 @@ class ModelEvaluator(Evaluator):
         return self.center.export_state()
 
     def load_center(self, state):
-        self.center.load_state_dict(state)
+        # a lazy checkpoint (runs.CenterFile) is read whole here: the model is in this process anyway
+        self.center.load_state_dict(dict(state) if isinstance(state, Mapping) else state)

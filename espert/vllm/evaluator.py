@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -317,11 +317,17 @@ class VLLMEvaluator(Evaluator):
 
         return assemble(self.rpc("es_live_state"))
 
-    def load_center(self, state: dict[str, torch.Tensor]) -> None:
+    def load_center(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the center (logical names, as :meth:`center_state` gives it), one tensor per message: the
+        workers stage each, and replace the center only when all arrived (an error leaves it untouched).
+        With a lazily read checkpoint (a resume's ``runs.CenterFile``) the driver holds one tensor at a time."""
         from espert.vllm.params import pack_tensor
 
         self._quiesced()
-        self.rpc("es_load_center", {k: pack_tensor(host_state(v)) for k, v in state.items()})
+        self.rpc("es_load_begin")
+        for k in state:
+            self.rpc("es_load_tensor", k, pack_tensor(host_state(state[k])))
+        self.rpc("es_load_commit")
         self._changed()
 
     def checksum(self) -> list[dict]:

@@ -302,15 +302,39 @@ class ESWorkerExtension:
 
     def es_load_center(self, state: dict) -> None:
         """Replace the center (and optimizer state) from full logical tensors (name -> tensor, or
-        ``pack_tensor`` form), the entries of :meth:`es_center_layout`; each rank takes its blocks."""
+        ``pack_tensor`` form), the entries of :meth:`es_center_layout`; each rank takes its blocks.
+        One message; :meth:`es_load_begin` / :meth:`es_load_tensor` / :meth:`es_load_commit` take the
+        same tensors one per message."""
+        self.es_load_begin()
+        for k, v in state.items():
+            self.es_load_tensor(k, v)
+        self.es_load_commit()
+
+    def es_load_begin(self) -> None:
+        """Start a center load: tensors are staged by :meth:`es_load_tensor` (the center is untouched until
+        :meth:`es_load_commit`; a new begin drops an unfinished load)."""
+        self._es_require()
+        self._es_staged: dict[str, torch.Tensor] | None = {}
+
+    def es_load_tensor(self, name: str, value) -> None:
+        """Stage one full logical tensor (tensor or ``pack_tensor`` form); this rank keeps its block of it."""
         from espert.vllm.params import split_logical, unpack_tensor
 
-        c = self._es_require()
-        pieces = self._es_pieces()
-        state = {k: unpack_tensor(v) for k, v in state.items()}
-        local = split_logical(pieces, state)
-        local = {p.name: local[p.name].to(dtype=p.tensor.dtype).contiguous() for p in pieces}
-        c.load_state_dict(local)
+        staged = getattr(self, "_es_staged", None)
+        if staged is None:
+            raise RuntimeError("es_load_tensor without es_load_begin")
+        pieces = [p for p in self._es_pieces() if p.name == name]  # empty: not on this rank (or unknown)
+        local = split_logical(pieces, {name: unpack_tensor(value)})
+        for p in pieces:
+            staged[p.name] = local[p.name].to(dtype=p.tensor.dtype).contiguous()
+
+    def es_load_commit(self) -> None:
+        """Replace the center with the staged tensors (every entry of this rank's center must be staged;
+        checked before anything is copied), then restore the live weights."""
+        staged, self._es_staged = getattr(self, "_es_staged", None), None
+        if staged is None:
+            raise RuntimeError("es_load_commit without es_load_begin")
+        self._es_require().load_state_dict(staged)
         self._es_sync()
 
     def es_checksum(self) -> dict:
