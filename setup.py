@@ -58,5 +58,5 @@ setup(
         "compare": ["trl>=1.16", "accelerate", "transformers", "tokenizers", "matplotlib", "math-verify", "datasets"],
         "dev": ["pytest", "pytest-benchmark", "pybind11>=2.12", "ninja", "cmake>=3.18", "scipy"],
     },
-    entry_points={"console_scripts": ["espert=espert.cli:main"]},
+    entry_points={"console_scripts": ["espert=espert.cli:run"]},
 )

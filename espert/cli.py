@@ -206,6 +206,22 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def run() -> None:
+    """The ``espert`` console script and ``python -m espert``: :func:`main`'s code as the exit status.
+
+    After a Ctrl-C the process ends with ``os._exit(130)``: a KeyboardInterrupt that arrived while C
+    code ran Python (pybind11's ``py::exec`` in an import) leaves CPython's "unhandled Ctrl-C" flag set
+    although main() caught it, and CPython would then end the process by SIGINT instead of code 130.
+    Nothing is left to clean up: run directories are crash-safe (write-ahead log, atomic files).
+    """
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:  # Ctrl-C at any moment, imports included: one line, exit code 130
         return _main(argv)
