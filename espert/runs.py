@@ -413,18 +413,12 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
         piece = max(1, int(source.chunk_bytes))
         with contextlib.ExitStack() as stack:  # every shard open at once: the center's chunks come in its order
             writers: dict[str, TensorFileWriter] = {}
-            for shard, (meta, entries, start) in heads.items():
-                layout = {k: (tuple(e["shape"]), ST_TORCH[e["dtype"]]) for k, e in entries.items()}
-                w = TensorFileWriter(os.path.join(tmp, shard), layout, meta or {"format": "pt"}, piece)
+            for shard, (meta, _, _) in heads.items():
+                others = FileChunks(os.path.join(base, shard), piece, skip=where)  # the base's other tensors
+                w = TensorFileWriter(os.path.join(tmp, shard), others.layout, meta or {"format": "pt"}, piece)
                 writers[shard] = stack.enter_context(w)
-                with open(os.path.join(base, shard), "rb") as fh:  # the base's other tensors: their bytes
-                    for k, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                        if k in where:
-                            continue
-                        a, b = e["data_offsets"]
-                        fh.seek(start + a)
-                        for off in range(0, b - a, piece):
-                            w.write_bytes(k, off, fh.read(min(piece, b - a - off)))
+                for k, offset, flat in others:
+                    w.write(k, offset, flat)
             for k, offset, flat in source:
                 if k in where:
                     w = writers[where[k]]

@@ -171,16 +171,19 @@ class FileChunks:
     """A safetensors file as a chunk source: its tensors read back at most ``chunk_bytes`` at a time.
 
     A streamed checkpoint exports from the center file it has just written instead of pulling the
-    center from the workers a second time."""
+    center from the workers a second time; an export copies the base's other tensors with it.
+    skip: names whose data is not read (``layout`` still lists every tensor of the file)."""
 
-    def __init__(self, path: str, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, path: str, chunk_bytes: int = CHUNK_BYTES, skip=()):
         _, self.entries, self.start = read_header(path)
-        self.path, self.chunk_bytes = path, max(1, int(chunk_bytes))
+        self.path, self.chunk_bytes, self.skip = path, max(1, int(chunk_bytes)), frozenset(skip)
         self.layout: Layout = {k: (tuple(e["shape"]), ST_TORCH[e["dtype"]]) for k, e in self.entries.items()}
 
     def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
         with open(self.path, "rb") as f:
             for name, e in sorted(self.entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                if name in self.skip:
+                    continue
                 dt = self.layout[name][1]
                 a, b = e["data_offsets"]
                 step = max(1, self.chunk_bytes // dt.itemsize) * dt.itemsize

@@ -315,6 +315,9 @@ class ESWorkerExtension:
         :meth:`es_load_commit`; a new begin drops an unfinished load)."""
         self._es_require()
         self._es_staged: dict[str, torch.Tensor] | None = {}
+        self._es_load_pieces: dict[str, list] = {}  # logical name -> this rank's pieces of it
+        for p in self._es_pieces():
+            self._es_load_pieces.setdefault(p.name, []).append(p)
 
     def es_load_tensor(self, name: str, value) -> None:
         """Stage one full logical tensor (tensor or ``pack_tensor`` form); this rank keeps its block of it."""
@@ -323,7 +326,7 @@ class ESWorkerExtension:
         staged = getattr(self, "_es_staged", None)
         if staged is None:
             raise RuntimeError("es_load_tensor without es_load_begin")
-        pieces = [p for p in self._es_pieces() if p.name == name]  # empty: not on this rank (or unknown)
+        pieces = self._es_load_pieces.get(name, [])  # empty: not on this rank (or unknown)
         local = split_logical(pieces, {name: unpack_tensor(value)})
         for p in pieces:
             staged[p.name] = local[p.name].to(dtype=p.tensor.dtype).contiguous()
@@ -331,7 +334,7 @@ class ESWorkerExtension:
     def es_load_commit(self) -> None:
         """Replace the center with the staged tensors (every entry of this rank's center must be staged;
         checked before anything is copied), then restore the live weights."""
-        staged, self._es_staged = getattr(self, "_es_staged", None), None
+        staged, self._es_staged, self._es_load_pieces = getattr(self, "_es_staged", None), None, {}
         if staged is None:
             raise RuntimeError("es_load_commit without es_load_begin")
         self._es_require().load_state_dict(staged)
