@@ -38,6 +38,7 @@ import contextlib
 import functools
 import logging
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -91,6 +92,34 @@ def wrap_once(owner, attr: str, replacement) -> bool:
     return True
 
 
+#: The repacking layers of this process, by the address of their plain weight (weak references).
+_LAYERS: dict[int, "weakref.ref[_LazyLinear]"] = {}
+
+
+@torch.library.custom_op("espert::cpu_packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The packed GEMM of the layer whose plain weight is ``weight``, repacked first if stale, as one opaque operator.
+
+    vLLM compiles the model (``enforce_eager=False``, its default) with Dynamo, which traces
+    :meth:`_LazyLinear.__call__` once: the ``stale`` test is resolved at trace time and the oneDNN
+    handler of that moment becomes a constant of the graph, so later repacks were never seen and
+    edits of every Linear weight were silently ignored.  Through this operator the graph holds only
+    the call; the staleness test and the handler lookup run at every forward.  The layer is found
+    from its weight (a graph input), not from a constant, so a compiled graph that vLLM loads from
+    its cache for another engine of the same model finds that engine's layers.
+    """
+    ref = _LAYERS.get(weight.data_ptr())
+    lazy = ref() if ref is not None else None
+    if lazy is None or lazy.layer.weight.data_ptr() != weight.data_ptr():
+        raise RuntimeError("espert: no repacking layer holds this weight (was the model loaded without espert's patch?)")
+    return lazy.run(x, weight, bias)
+
+
+@_packed_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 class _LazyLinear:
     """``layer.cpu_linear``: vLLM's packed GEMM, rebuilt from the plain weight first when the layer is stale."""
 
@@ -101,6 +130,7 @@ class _LazyLinear:
         self.stale = True
         self.seconds = 0.0  # time spent repacking
         self.repacks = 0
+        _LAYERS[layer.weight.data_ptr()] = weakref.ref(self)
 
     def repack(self) -> None:
         t0 = time.perf_counter()
@@ -112,10 +142,15 @@ class _LazyLinear:
         self.seconds += time.perf_counter() - t0
         self.repacks += 1
 
-    def __call__(self, x, weight, bias):
+    def run(self, x, weight, bias):
         if self.stale:
             self.repack()
         return self.packed(x, weight, bias)
+
+    def __call__(self, x, weight, bias):
+        if torch.compiler.is_compiling():  # a traced graph must not bake in the handler (see the op above)
+            return torch.ops.espert.cpu_packed_linear(x, weight, bias)
+        return self.run(x, weight, bias)
 
 
 def _dispatch(original, layer: torch.nn.Module, remove_weight: bool) -> None:

@@ -135,9 +135,13 @@ class ESWorkerExtension:
         :func:`espert.vllm.stream.checkpoint_rms_scales`), so every TP rank and fused piece uses the
         scale of its whole logical tensor; it must name every selected parameter.
 
-        Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device"}``.
-        Raises (naming the parameter) for layouts it cannot map, and RuntimeError when the
-        CPU prepack patch did not take effect.
+        Ends with a self-test (:mod:`espert.vllm.selftest`): one tensor of each module kind is
+        perturbed and restored, and the engine's forward pass must change and then come back bit
+        for bit; otherwise :class:`~espert.vllm.selftest.EditsNotVisible` is raised (weights restored).
+
+        Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device",
+        "self_test": [probed logical names]}``.  Raises (naming the parameter) for layouts it cannot
+        map, and RuntimeError when the CPU prepack patch did not take effect.
         """
         from espert.center import CenterStore
         from espert.vllm.params import vllm_param_views
@@ -166,17 +170,7 @@ class ESWorkerExtension:
                 model, include, exclude, master, (lambda n: rename.get(n, n)) if rename else None, noise=noise
             )
             check(center.views)
-            self._es_center = cpu_patch.RepackingCenter(center, model)
-            rank, tp = self._es_rank()
-            views = self._es_center.views
-            return {
-                "rank": rank,
-                "tp_size": tp,
-                "params": [v.name for v in views],
-                "numel": sum(v.numel for v in views),
-                "center_bytes": self._es_center.nbytes,
-                "device": "cpu",
-            }
+            return self._es_install(cpu_patch.RepackingCenter(center, model), model, "cpu")
         views = vllm_param_views(
             model, include=include, exclude=exclude, rename=(lambda n: rename.get(n, n)) if rename else None
         )
@@ -199,15 +193,24 @@ class ESWorkerExtension:
             sigma_scales=scales,
             no_decay=list(no_decay),
         )
-        self._es_center = cpu_patch.RepackingCenter(center, model)
+        return self._es_install(cpu_patch.RepackingCenter(center, model), model, str(device))
+
+    def _es_install(self, center, model: torch.nn.Module, device: str) -> dict:
+        """Run the self-test (edits must reach the forward pass; :mod:`espert.vllm.selftest`), then make
+        ``center`` this worker's center.  A failed self-test raises and leaves the previous center."""
+        from espert.vllm.selftest import check_edits_reach_forward
+
+        probed = check_edits_reach_forward(self.model_runner, model, center.views, cpu_patch.RepackingCenter)
+        self._es_center = center
         rank, tp = self._es_rank()
         return {
             "rank": rank,
             "tp_size": tp,
-            "params": [v.name for v in views],
-            "numel": sum(v.numel for v in views),
-            "center_bytes": self._es_center.nbytes,
-            "device": str(device),
+            "params": [v.name for v in center.views],
+            "numel": sum(v.numel for v in center.views),
+            "center_bytes": center.nbytes,
+            "device": device,
+            "self_test": probed,
         }
 
     def _es_check_names(self, views) -> None:

