@@ -12,9 +12,13 @@ on engine 0 and ``load_weights_from_disk(path)`` on every engine.  Checked:
 - the update equals espert's own update (CenterStore on the transformers model) with coefficients
   α/N·c, bitwise, and every engine ends with the same center and weights;
 - an engine that moved on its own is brought back by the broadcast (full copy);
-- checkpoints load back exactly; the .pth beside the .safetensors holds the same tensors;
+- checkpoints: the file at their path holds exactly the engine's ``named_parameters()`` (names,
+  shapes, dtype bf16, bits), the float32 master beside it loads back exactly (the measured failure:
+  their loader raised ``KeyError: 'model.layers.0.self_attn.qkv_proj.weight'`` on espert's file);
+- their older scripts' update, N stacked ``perturb_self_weights(seed, coeff, False)`` on engine 0
+  then ``broadcast_all_weights``, equals N one-seed updates on every engine (it used to raise);
 - noise differs between equally shaped tensors for one seed (their issue #46).
-Runtime: ~1 min (two engines start).
+The engines run in bf16, as their trainer's default precision.  Runtime: ~1 min (two engines start).
 """
 
 import os
@@ -50,7 +54,7 @@ def engines(tiny_dir):
             .options(runtime_env={"env_vars": env})
             .remote(
                 model=tiny_dir,
-                dtype="float32",
+                dtype="bfloat16",
                 worker_extension_cls=COMPAT,
                 enable_prefix_caching=False,
                 enforce_eager=True,
@@ -76,16 +80,30 @@ def center(engine):
 
 
 def bits(t):
-    return t.contiguous().view(torch.int32)
+    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-def test_their_trainer_sequence(engines, tiny_dir, tmp_path):
+def named_parameters(engine):
+    return ray.get(
+        engine.collective_rpc.remote(
+            lambda self: {n: p.detach().cpu().clone() for n, p in self.model_runner.model.named_parameters()}
+        )
+    )[0]
+
+
+def reference(tiny_dir):
+    """espert's own CenterStore over the transformers model in the engines' dtype."""
     from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
-    from vllm.utils.network_utils import get_ip, get_open_port
 
     from espert.center import CenterStore
     from espert.params import torch_param_views
+
+    return CenterStore(torch_param_views(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16)))
+
+
+def test_their_trainer_sequence(engines, tiny_dir, tmp_path):
+    from vllm import SamplingParams
+    from vllm.utils.network_utils import get_ip, get_open_port
 
     # init_inter_engine_group runs on all engines at once (they rendezvous), as in their trainer
     addr, port = get_ip(), get_open_port()
@@ -127,8 +145,7 @@ def test_their_trainer_sequence(engines, tiny_dir, tmp_path):
     ray.get(engines[0].collective_rpc.remote("update_weights_from_seeds", args=(seeds, coeffs, ALPHA, N)))
     ray.get([e.collective_rpc.remote("broadcast_all_weights", args=(0,)) for e in engines])
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    ref = CenterStore(torch_param_views(hf))
+    ref = reference(tiny_dir)
     ref.update(seeds, [ALPHA / N * c for c in coeffs])
     want = ref.state_dict()
     for e in engines:
@@ -145,26 +162,65 @@ def test_their_trainer_sequence(engines, tiny_dir, tmp_path):
     ray.get([e.collective_rpc.remote("broadcast_all_weights", args=(0,)) for e in engines])
     assert exact(engines[1]) == after
 
-    # checkpoints: safetensors beside their .pth, both loadable; load restores exactly
+    # checkpoints: their format at their path (the engine's names, shapes and dtype), the float32 master
+    # beside it; a load brings back the exact center
     path = str(tmp_path / "ckpt" / "pytorch_model.pth")
     ray.get(engines[0].collective_rpc.remote("save_self_weights_to_disk", args=(path,)))
     from safetensors.torch import load_file
 
-    st = load_file(str(tmp_path / "ckpt" / "pytorch_model.safetensors"))
-    pth = torch.load(path, weights_only=True)
-    assert sorted(st) == sorted(pth) == sorted(want)
-    assert all(torch.equal(bits(st[k]), bits(pth[k])) for k in st)
+    from espert.vllm.compat import master_path
+
+    master = load_file(master_path(path))
+    assert master_path(path) == str(tmp_path / "ckpt" / "pytorch_model.safetensors")
+    assert sorted(master) == sorted(want) and all(torch.equal(bits(master[k]), bits(want[k])) for k in want)
+    theirs = torch.load(path, weights_only=True)
+    live = named_parameters(engines[0])
+    assert list(theirs) == list(live)  # vLLM's names (qkv_proj, gate_up_proj), in the engine's order
+    for k in live:
+        assert theirs[k].dtype == live[k].dtype == torch.bfloat16 and theirs[k].shape == live[k].shape, k
+        assert torch.equal(bits(theirs[k]), bits(live[k])), k
     ray.get(engines[1].collective_rpc.remote("update_weights_from_seeds", args=([8], [1.0], ALPHA, N)))
     ray.get(engines[0].collective_rpc.remote("perturb_self_weights", args=(3, SIGMA, True)))
     ray.get([e.collective_rpc.remote("load_weights_from_disk", args=(path,)) for e in engines])
     assert exact(engines[0]) == exact(engines[1]) == after
+    # their file alone (no master beside it) loads too: the live weights come back bit for bit, and the
+    # center becomes their bf16 values (the float32 master's extra bits are what the master file keeps)
+    os.remove(master_path(path))
+    ray.get(engines[1].collective_rpc.remote("load_weights_from_disk", args=(path,)))
+    back = named_parameters(engines[1])
+    assert all(torch.equal(bits(back[k]), bits(live[k])) for k in live)
 
 
-def test_meaning_differences_are_loud_and_noise_is_per_parameter(engines):
+def test_stacked_perturbs_are_one_seed_updates(engines, tiny_dir):
+    """Their archived accelerated script: N ``perturb_self_weights(seed, coeff, False)`` on engine 0, no restore,
+    then ``broadcast_all_weights(0)`` on every engine."""
+    from vllm.utils.network_utils import get_ip, get_open_port
+
+    addr, port = get_ip(), get_open_port()
+    ray.get(
+        [e.collective_rpc.remote("init_inter_engine_group", args=(addr, port, i, 2)) for i, e in enumerate(engines)]
+    )
+    start = center(engines[0])  # engine 1 may differ: the broadcast brings it to engine 0's center
+    stack = [(11, 0.004), (12, -0.002), (13, 0.001)]
+    for seed, coeff in stack:
+        ray.get(engines[0].collective_rpc.remote("perturb_self_weights", args=(seed, coeff, False)))
+    ray.get([e.collective_rpc.remote("broadcast_all_weights", args=(0,)) for e in engines])
+    ref = reference(tiny_dir)
+    ref.load_state_dict(start)
+    for seed, coeff in stack:
+        ref.update([seed], [coeff])
+    want = ref.state_dict()
+    for e in engines:
+        got = center(e)
+        assert all(torch.equal(bits(got[k]), bits(want[k])) for k in want)
+    assert exact(engines[0]) == exact(engines[1])
+    live = named_parameters(engines[0])  # the live weights are the new center's, not a perturbation off it
+    assert torch.equal(bits(live["model.norm.weight"]), bits(want["model.norm.weight"].to(torch.bfloat16)))
+
+
+def test_noise_is_per_parameter(engines):
     e = engines[0]
     ray.get(e.collective_rpc.remote("perturb_self_weights", args=(5, SIGMA, False)))
-    with pytest.raises(Exception, match="twice without restore"):
-        ray.get(e.collective_rpc.remote("perturb_self_weights", args=(6, SIGMA, False)))
     from espert.vllm.params import assemble
 
     live = assemble(ray.get(e.collective_rpc.remote("es_live_state")))

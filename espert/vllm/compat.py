@@ -20,18 +20,20 @@ and the trainer runs unchanged.  Same method names, arguments and meaning; under
 Where the meaning differs (docs/vllm.md lists these):
 
 - ``restore_self_weights(seed, sigma)`` ignores its arguments (the restore is exact);
-- ``perturb_self_weights`` perturbs from the center: a second perturb without a restore in between
-  raises instead of stacking two perturbations;
+- ``perturb_self_weights`` perturbs from the center.  Their weights are additive, so a
+  perturbation that no restore undid stays: when another perturb, an update, a broadcast or a save
+  comes first, espert makes it part of the float32 center as a one-seed update.  Their older
+  scripts' update (N stacked ``perturb_self_weights(seed_i, α/N·z_i, False)`` on engine 0, then
+  ``broadcast_all_weights``) is thus N one-seed updates, exactly and on every engine;
 - ``update_weights_from_seeds`` applies the step (α/N)·Σ cᵢ·εᵢ with the coefficient α/N·cᵢ rounded
   once to float32 per seed (ES-at-Scale accumulates Σ cᵢ·εᵢ, then multiplies by α/N); the noise
   itself is espert's, not ``torch.randn`` with a per-tensor generator, so numbers differ from
   ES-at-Scale's for the same seeds by design;
-- ``save_self_weights_to_disk(path)`` writes the float32 center by checkpoint (logical) name as
-  safetensors at ``path`` with the suffix ``.safetensors`` *and* a ``torch.save`` of the same tensor
-  dict at ``path`` (their format, loadable with ``torch.load(weights_only=True)``);
-  ``load_weights_from_disk(path)`` prefers the ``.safetensors`` beside ``path`` and never unpickles
-  arbitrary objects (``weights_only=True``).  A ``.pth`` written by ES-at-Scale itself (vLLM's fused
-  parameter names) is loaded too, at tensor parallel size 1;
+- ``save_self_weights_to_disk(path)`` writes their format at ``path`` (the engine's parameter names
+  and dtype, which their ``load_weights_from_disk`` and eval read) and the float32 master beside it
+  (:func:`master_path`), from which ``load_weights_from_disk(path)`` resumes exactly.  Loading
+  never unpickles arbitrary objects (``weights_only=True``); a ``.pth`` written by ES-at-Scale
+  itself loads too, at tensor parallel size 1;
 - ``init_inter_engine_group`` builds a TCP-store group (``StatelessProcessGroup``), not NCCL, so it
   works on CPU engines too; only metadata, seeds and checksums cross it (and a whole center only
   for an engine that diverged).
@@ -39,6 +41,7 @@ Where the meaning differs (docs/vllm.md lists these):
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Sequence
 
@@ -47,9 +50,14 @@ import torch
 from espert.vllm.worker import EXACT_FIELDS, ESWorkerExtension
 
 
-def _st_path(path: str) -> str:
+log = logging.getLogger("espert.vllm")
+
+
+def master_path(path: str) -> str:
+    """Where :meth:`ESAtScaleWorkerExtension.save_self_weights_to_disk` puts the float32 master for ``path``:
+    ``<root>.safetensors`` (``<root>.master.safetensors`` when ``path`` itself ends in ``.safetensors``)."""
     root, ext = os.path.splitext(path)
-    return path if ext == ".safetensors" else root + ".safetensors"
+    return root + (".master.safetensors" if ext == ".safetensors" else ".safetensors")
 
 
 class ESAtScaleWorkerExtension(ESWorkerExtension):
@@ -63,11 +71,27 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
     def _compat(self):
         if getattr(self, "_es_center", None) is None:
             self.es_setup()
-            self._compat_perturbed = False
-            self._compat_pending = []
+            self._compat_reset()
         if not hasattr(self, "_compat_pending"):  # es_setup was called directly
-            self._compat_perturbed, self._compat_pending = False, []
+            self._compat_reset()
         return self._es_center
+
+    def _compat_reset(self) -> None:
+        self._compat_outstanding = None  # (seed, signed scale) of a perturbation not undone yet
+        self._compat_pending = []  # the updates applied since the last broadcast: [(seeds, coeffs)]
+
+    def _compat_apply(self, seeds: list[int], coeffs: list[float]) -> None:
+        """center += Σ coeffs·ε(seeds) (float32 master), live weights restored; recorded for the broadcast."""
+        self._es_center.update(seeds, coeffs)
+        self._compat_pending.append((seeds, coeffs))
+
+    def _compat_commit(self) -> None:
+        """An outstanding perturbation becomes part of the center (their weights are additive: what was
+        not subtracted stays), as a one-seed update."""
+        if self._compat_outstanding is not None:
+            seed, scale = self._compat_outstanding
+            self._compat_outstanding = None
+            self._compat_apply([seed], [scale])
 
     # -- ES-at-Scale's surface -----------------------------------------------------------------
     def save_self_initial_weights(self) -> bool:
@@ -77,38 +101,41 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         return True
 
     def perturb_self_weights(self, seed: int, noise_scale: float, negate: bool = False) -> bool:
-        """Live weights <- center ± noise_scale·ε(seed) (minus when negate), in place."""
-        center = self._compat()
-        if self._compat_perturbed:
-            raise RuntimeError(
-                "perturb_self_weights called twice without restore_self_weights: espert perturbs "
-                "from the exact center and does not stack perturbations; restore first"
-            )
-        center.perturb(int(seed), float(noise_scale), -1 if negate else 1)
-        self._compat_perturbed = True
+        """Live weights <- center ± noise_scale·ε(seed) (minus when negate), in place.
+
+        A perturbation that is still outstanding (no restore since) is first made part of the
+        center, as ``update_weights_from_seeds([its seed], ...)`` would: so their older scripts'
+        update, N stacked ``perturb_self_weights(seed_i, coeff_i, False)`` calls, equals N one-seed
+        updates of the float32 master, exactly (docs/vllm.md).
+        """
+        self._compat()
+        self._compat_commit()
+        scale = -float(noise_scale) if negate else float(noise_scale)
+        self._es_center.perturb(int(seed), abs(scale), -1 if negate else 1)
+        self._compat_outstanding = (int(seed), scale)
         self._es_sync()
         return True
 
     def restore_self_weights(self, seed: int | None = None, sigma: float | None = None) -> bool:
         """Live weights <- the exact center.  seed and sigma are accepted and ignored (nothing is subtracted)."""
         self._compat().restore()
-        self._compat_perturbed = False
+        self._compat_outstanding = None
         self._es_sync()
         return True
 
     def update_weights_from_seeds(
         self, seeds: Sequence[int], coeffs: Sequence[float], alpha: float, population_size: int
     ) -> bool:
-        """center <- center + (alpha/population_size)·Σ coeffs[i]·ε(seeds[i]) (float32 master), then restore."""
-        center = self._compat()
+        """center <- center + (alpha/population_size)·Σ coeffs[i]·ε(seeds[i]) (float32 master), then restore.
+
+        An outstanding perturbation is made part of the center first (see :meth:`perturb_self_weights`).
+        """
+        self._compat()
         if isinstance(population_size, bool) or not isinstance(population_size, int) or population_size < 1:
             raise ValueError(f"population_size must be an int >= 1, got {population_size!r}")
         scale = float(alpha) / float(population_size)
-        seeds = [int(s) for s in seeds]
-        scaled = [scale * float(c) for c in coeffs]
-        center.update(seeds, scaled)
-        self._compat_perturbed = False
-        self._compat_pending.append((seeds, scaled))
+        self._compat_commit()
+        self._compat_apply([int(s) for s in seeds], [scale * float(c) for c in coeffs])
         self._es_sync()
         return True
 
@@ -136,6 +163,11 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
             raise RuntimeError("broadcast_all_weights needs init_inter_engine_group first")
         src = int(src_rank)
         mine = group.rank == src
+        if mine:  # the source's weights are what it broadcasts, an outstanding perturbation included
+            self._compat_commit()
+        elif self._compat_outstanding is not None:  # overwritten by the source's weights
+            center.restore()
+            self._compat_outstanding = None
         msg = group.broadcast_obj((self._compat_pending, self._exact()) if mine else None, src=src)
         if not mine:
             if self._compat_pending:  # this engine moved on its own: only a full copy can fix it
@@ -157,15 +189,28 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
                         "after loading its center"
                     )
         self._compat_pending = []
-        self._compat_perturbed = False
         self._es_sync()
         return True
 
     def save_self_weights_to_disk(self, filepath: str) -> bool:
-        """Write the float32 center by checkpoint name: safetensors beside ``filepath`` and ``torch.save`` at it."""
+        """Write ``filepath`` in their format and the float32 master beside it in espert's.
+
+        - ``filepath``: ``torch.save`` of ``{vLLM parameter name: tensor}`` over the engine's
+          ``named_parameters()``, in the engine's dtype: what their ``load_weights_from_disk`` and
+          eval read (2 bytes per parameter in bf16).  At tensor parallel size > 1 it is not written
+          (one file cannot hold every rank's shards under their loader; theirs is TP=1 too).
+        - :func:`master_path` (``<root>.safetensors``): the float32 center by logical (checkpoint)
+          name, 4 bytes per parameter, so that :meth:`load_weights_from_disk` resumes exactly.
+
+        An outstanding perturbation is made part of the center first (their weights are additive).
+        Both files are written to a temporary name and renamed, so a crash leaves the old ones.
+        """
+        from espert.runs import atomic_write
+        from espert.tensorfile import write_safetensors
         from espert.vllm.stream import pull_center
 
         self._compat()
+        self._compat_commit()
         rank, tp = self._es_rank()
         if tp > 1:
             import torch.distributed as dist
@@ -180,19 +225,21 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
             state = assemble(ranks)
         else:
             state = pull_center(lambda m, *a: [getattr(self, m)(*a)])
-        from espert.tensorfile import write_safetensors
-
-        d = os.path.dirname(os.path.abspath(filepath))
-        os.makedirs(d, exist_ok=True)
-        write_safetensors(_st_path(filepath), state, {"format": "pt"})
-        if _st_path(filepath) != filepath:
-            torch.save(state, filepath)
+        os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
+        atomic_write(master_path(filepath), lambda tmp: write_safetensors(tmp, state, {"format": "pt"}))
+        if tp == 1:
+            engine = {n: p.detach().cpu().clone() for n, p in self._es_model().named_parameters()}
+            atomic_write(filepath, lambda tmp: torch.save(engine, tmp))
+        else:
+            log.warning("save_self_weights_to_disk: tensor_parallel_size=%d, wrote only %s", tp, master_path(filepath))
         return True
 
     def load_weights_from_disk(self, filepath: str) -> bool:
-        """Load a center saved by :meth:`save_self_weights_to_disk` (or an ES-at-Scale ``.pth``) exactly."""
+        """Load a checkpoint exactly: the float32 master beside ``filepath`` when there is one (see
+        :meth:`save_self_weights_to_disk`), else ``filepath`` itself: logical names (an older espert
+        checkpoint) or the engine's vLLM names (their ``.pth``, or ours without its master; TP=1)."""
         center = self._compat()
-        st = _st_path(filepath)
+        st = master_path(filepath)
         if os.path.exists(st):
             from safetensors.torch import load_file
 
@@ -208,8 +255,7 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
             self.es_load_center({k: state[k] for k in names})
         else:
             self._load_vllm_named(state, filepath)
-        self._compat_perturbed = False
-        self._compat_pending = []
+        self._compat_reset()
         return True
 
     # -- helpers ---------------------------------------------------------------------------------
