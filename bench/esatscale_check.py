@@ -112,10 +112,9 @@ def _import_theirs(checkout: str):
         mod = importlib.util.module_from_spec(spec)
         exec(compile(src, path, "exec"), mod.__dict__)
         sys.modules[spec.name] = mod
-    from ray.util.placement_group import placement_group
-
     from es_at_scale.trainer import es_trainer
     from es_at_scale.utils.worker_extension import WorkerExtension
+    from ray.util.placement_group import placement_group
 
     es_trainer.ESNcclLLM = CPUEngine
     es_trainer.placement_group = lambda bundles, **kw: placement_group([{"CPU": 1}] * len(bundles), **kw)
@@ -206,7 +205,8 @@ def main(argv=None) -> int:
             args.out, "espert-check", f"checkpoint-es_fine_tuned_iteration_{ITERATIONS}", "pytorch_model.pth"
         )
         results["checkpoint_bytes"] = {
-            f: os.path.getsize(os.path.join(os.path.dirname(final), f)) for f in sorted(os.listdir(os.path.dirname(final)))
+            f: os.path.getsize(os.path.join(os.path.dirname(final), f))
+            for f in sorted(os.listdir(os.path.dirname(final)))
         }
 
         def params(worker):

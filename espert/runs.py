@@ -58,6 +58,9 @@ from espert.tensorfile import (
     FileChunks,
     TensorFileWriter,
     as_chunks,
+    atomic_write,
+    atomic_write_text,
+    fsync_dir,
     read_header,
     write_chunks,
     write_safetensors,  # noqa: F401 - re-exported: run files are written with it
@@ -85,44 +88,6 @@ def kill_point(name: str, iteration: int | None = None) -> None:
 
 
 # ---- atomic files ----------------------------------------------------------------------------------
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory (makes renames in it durable); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write: Callable[[str], object], before_replace: Callable[[object], None] | None = None):
-    """``r = write(tmp_path)``, fsync it, ``before_replace(r)``, then ``os.replace`` it onto ``path`` and fsync
-    the directory.  Returns r."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        r = write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        if before_replace is not None:
-            before_replace(r)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-    return r
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_write(path, write)
 
 
 def sha256_file(path: str) -> str:

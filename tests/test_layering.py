@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.vllm.params",
         ),
     ),
-    ("evaluators", ("espert.evaluators", "espert.quant.evaluator", "espert.vllm")),
+    ("evaluators", ("espert.evaluators", "espert.vllm")),
     ("es", ("espert.es",)),
     ("train/runs", ("espert.runs", "espert.trainer", "espert.tracking")),
     (
@@ -58,10 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 #: (importer, imported) -> why this lazy import may go up a layer or close a cycle.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("espert.tasks.rewards", "espert.tasks.loaders"): "answer_equivalence resolves task aliases, which live with the "
-    "loaders (moving ALIASES next to the rewards removes it)",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def layer_of(mod: str) -> int:

@@ -1,12 +1,12 @@
 """End to end: ES on a quantized tiny model (codes perturbed and updated in place) improves held-out
-reward on the ``copy`` task, through the unchanged ES step and the QuantTorchEvaluator."""
+reward on the ``copy`` task, through the unchanged ES step and a TorchEvaluator whose center is the
+quantized codes (``model_quant_center``)."""
 
 import pytest
 
 from espert.es import ESConfig, es_step, prompt_indices
-from espert.evaluators.torch_model import load_model
-from espert.quant import quantize_model
-from espert.quant.evaluator import QuantTorchEvaluator
+from espert.evaluators.torch_model import TorchEvaluator, load_model
+from espert.quant import model_quant_center, quantize_model
 from espert.tasks.copy_task import make_copy_task
 from espert.tiny import build_tiny_model
 
@@ -20,7 +20,8 @@ def test_es_on_a_quantized_tiny_model_improves_heldout_copy(fmt, noise, tmp_path
     cfg = ESConfig(
         population=8, sigma=0.05, alpha=0.05, prompts_per_iteration=16, iterations=20, max_new_tokens=7, eval_size=64
     )
-    ev = QuantTorchEvaluator(model, tok, train.score, max_new_tokens=7, batch_size=64, noise=noise)
+    center = model_quant_center(model, noise=noise)
+    ev = TorchEvaluator(model, tok, train.score, max_new_tokens=7, batch_size=64, center=center)
 
     def heldout():
         r = ev.evaluate_center(test.prompts, test.answers)

@@ -15,13 +15,12 @@ from .loaders import (
     COUNTDOWN_PROMPT,
     GSM8K_PROMPT,
     MATH_PROMPT,
-    canonical_task_name,
-    known_tasks,
     load_jsonl_task,
     load_task,
     reward_task,
 )
 from .rewards import (
+    canonical_task_name,
     copy_extract,
     copy_reward,
     countdown_answer,
@@ -31,6 +30,7 @@ from .rewards import (
     countdown_reward,
     gsm8k_extract,
     gsm8k_reward,
+    known_tasks,
     last_boxed,
     math_equal,
     math_extract,

@@ -9,17 +9,10 @@ from typing import Any, Callable, Iterator, Optional
 from .base import PromptReward, Task, reward_fn_task
 from .copy_task import make_copy_task
 from .rewards import (
-    copy_extract,
-    copy_reward,
+    REWARDS,
+    canonical_task_name,
     countdown_answer,
-    countdown_extract,
-    countdown_reward,
-    gsm8k_extract,
-    gsm8k_extract_strict,
-    gsm8k_reward,
-    gsm8k_reward_strict,
-    math_extract,
-    math_reward,
+    known_tasks,
 )
 
 GSM8K_PROMPT = '{question}\nLet\'s think step by step and output the final answer after "####".'
@@ -39,29 +32,6 @@ HUB_SOURCES = {
 }
 #: Countdown on the Hub only has a ``train`` split; its last rows form our ``test`` split.
 COUNTDOWN_TEST_SIZE = 1024
-
-#: Reward and extractor of every known task name.
-REWARDS: dict[str, tuple[Callable, Callable]] = {
-    "gsm8k": (gsm8k_reward, gsm8k_extract),
-    "gsm8k_strict": (gsm8k_reward_strict, gsm8k_extract_strict),
-    "math500": (math_reward, math_extract),
-    "countdown": (countdown_reward, countdown_extract),
-    "copy": (copy_reward, copy_extract),
-}
-ALIASES = {"math": "math500", "math-500": "math500", "gsm8k-strict": "gsm8k_strict"}
-
-
-def known_tasks() -> list[str]:
-    """Names accepted by :func:`load_task` and :func:`reward_task`."""
-    return sorted(REWARDS)
-
-
-def canonical_task_name(name: str) -> str:
-    """Resolve aliases (``math`` -> ``math500``); raise ``ValueError`` for unknown names."""
-    key = ALIASES.get(name.lower(), name.lower())
-    if key not in REWARDS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known_tasks())}")
-    return key
 
 
 def reward_task(name: str) -> Task:

@@ -381,8 +381,6 @@ def answer_equivalence(task_name: Optional[str]):
 
     GSM8K: exact numeric equality; MATH: :func:`math_equal` (math-verify); others: ``None``.
     """
-    from .loaders import canonical_task_name
-
     try:
         key = canonical_task_name(task_name) if task_name else None
     except ValueError:
@@ -452,3 +450,27 @@ def copy_extract(completion: str, answer: Optional[str] = None) -> Optional[str]
     if answer is not None:
         s = s[: len(answer)]
     return s or None
+
+
+#: Reward and extractor of every known task name.
+REWARDS: dict[str, tuple[Callable, Callable]] = {
+    "gsm8k": (gsm8k_reward, gsm8k_extract),
+    "gsm8k_strict": (gsm8k_reward_strict, gsm8k_extract_strict),
+    "math500": (math_reward, math_extract),
+    "countdown": (countdown_reward, countdown_extract),
+    "copy": (copy_reward, copy_extract),
+}
+ALIASES = {"math": "math500", "math-500": "math500", "gsm8k-strict": "gsm8k_strict"}
+
+
+def known_tasks() -> list[str]:
+    """Names accepted by :func:`load_task` and :func:`reward_task`."""
+    return sorted(REWARDS)
+
+
+def canonical_task_name(name: str) -> str:
+    """Resolve aliases (``math`` -> ``math500``); raise ``ValueError`` for unknown names."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in REWARDS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known_tasks())}")
+    return key

@@ -111,7 +111,9 @@ def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     ref = _LAYERS.get(weight.data_ptr())
     lazy = ref() if ref is not None else None
     if lazy is None or lazy.layer.weight.data_ptr() != weight.data_ptr():
-        raise RuntimeError("espert: no repacking layer holds this weight (was the model loaded without espert's patch?)")
+        raise RuntimeError(
+            "espert: no repacking layer holds this weight (was the model loaded without espert's patch?)"
+        )
     return lazy.run(x, weight, bias)
 
 

@@ -82,7 +82,11 @@ def _forward(runner):
 
 def _shares_lm_head(model: torch.nn.Module, t: torch.Tensor) -> bool:
     w = getattr(getattr(model, "lm_head", None), "weight", None)
-    return isinstance(w, torch.Tensor) and w.numel() > 0 and w.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    return (
+        isinstance(w, torch.Tensor)
+        and w.numel() > 0
+        and w.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    )
 
 
 def check_edits_reach_forward(runner, model: torch.nn.Module, views, wrap) -> list[str]:
