@@ -70,6 +70,12 @@ def probe_views(views) -> list:
     return [chosen[k] for k in KINDS if k in chosen]
 
 
+def _logits(runner, hidden):
+    """Logits of ``hidden``, or None on the TP ranks that vLLM does not gather them to."""
+    out = runner.model.compute_logits(hidden)
+    return None if out is None else out.clone()
+
+
 def _forward(runner):
     """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not)."""
     ids = runner.input_ids.gpu[:PROBE_TOKENS]
@@ -77,7 +83,27 @@ def _forward(runner):
     ids.copy_(torch.arange(1, PROBE_TOKENS + 1, device=ids.device) % vocab)
     hidden, _ = runner._dummy_run(PROBE_TOKENS, force_attention=True)
     hidden = hidden[:PROBE_TOKENS].clone()
-    return hidden, runner.model.compute_logits(hidden).clone()
+    return hidden, _logits(runner, hidden)
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _all_ranks(ok: bool) -> bool:
+    """Whether ``ok`` holds on every TP rank: the ranks must raise together, or the others would wait in
+    the next forward's collectives forever."""
+    try:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # noqa: BLE001 - not initialised: a single worker
+        return ok
+    if group.world_size == 1:
+        return ok
+    flag = torch.tensor([int(ok)])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return bool(flag.item())
 
 
 def _shares_lm_head(model: torch.nn.Module, t: torch.Tensor) -> bool:
@@ -106,17 +132,18 @@ def check_edits_reach_forward(runner, model: torch.nn.Module, views, wrap) -> li
         base_h, base_logits = _forward(runner)
         for v in probes:
             one = wrap(CenterStore([v]), model)
+            moved = back = False
             try:
                 one.perturb(SEED, SIGMA)
                 h, _ = _forward(runner)
-                # lm_head (or an embedding tied to it) must move the logits of the unperturbed hidden states
-                head = kind_of(v.name) == "lm_head" or _shares_lm_head(model, v.tensor)
                 moved = kind_of(v.name) == "lm_head" or not torch.equal(h, base_h)
-                if head:
-                    moved = moved and not torch.equal(runner.model.compute_logits(base_h), base_logits)
+                # lm_head (or an embedding tied to it) must move the logits of the unperturbed hidden
+                # states (on the ranks that hold logits)
+                if (kind_of(v.name) == "lm_head" or _shares_lm_head(model, v.tensor)) and base_logits is not None:
+                    moved = moved and not torch.equal(_logits(runner, base_h), base_logits)
             finally:
                 one.restore()
-            if not moved:
+            if not _all_ranks(moved):
                 raise EditsNotVisible(
                     f"espert self-test: perturbing {v.name} ({kind_of(v.name)}) did not change the engine's "
                     f"forward pass, so ES would train on rewards that ignore the perturbation.  A compiled or "
@@ -124,7 +151,8 @@ def check_edits_reach_forward(runner, model: torch.nn.Module, views, wrap) -> li
                     f"create the LLM with enforce_eager=True"
                 )
             h, logits = _forward(runner)
-            if not (torch.equal(h, base_h) and torch.equal(logits, base_logits)):
+            back = torch.equal(h, base_h) and _same(logits, base_logits)
+            if not _all_ranks(back):
                 raise EditsNotVisible(
                     f"espert self-test: after restoring {v.name} exactly, the engine's forward pass differs "
                     f"from before the edit (the engine computes from a stale or non-deterministic copy of "
