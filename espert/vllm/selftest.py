@@ -90,28 +90,52 @@ def _same(a, b) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-def _all_ranks(ok: bool) -> bool:
-    """Whether ``ok`` holds on every TP rank: the ranks must raise together, or the others would wait in
-    the next forward's collectives forever."""
+def _tp_group():
+    """vLLM's tensor-parallel group, or None for a single worker."""
     try:
         from vllm.distributed import get_tp_group
 
         group = get_tp_group()
     except Exception:  # noqa: BLE001 - not initialised: a single worker
-        return ok
-    if group.world_size == 1:
+        return None
+    return group if group.world_size > 1 else None
+
+
+def _all_ranks(ok: bool) -> bool:
+    """Whether ``ok`` holds on every TP rank: the ranks must raise together, or the others would wait in
+    the next forward's collectives forever."""
+    group = _tp_group()
+    if group is None:
         return ok
     flag = torch.tensor([int(ok)])
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
     return bool(flag.item())
 
 
-def _shares_lm_head(model: torch.nn.Module, t: torch.Tensor) -> bool:
-    w = getattr(getattr(model, "lm_head", None), "weight", None)
-    return (
-        isinstance(w, torch.Tensor)
-        and w.numel() > 0
-        and w.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+def _names_on_any_rank(names: list[str]) -> list[str]:
+    """The probe names of every TP rank, in :data:`KINDS` order: a rank may hold no piece of a tensor (a
+    vocab shard of padding rows), yet it must run the same forwards as the others."""
+    group = _tp_group()
+    if group is None:
+        return names
+    every: list = [None] * group.world_size
+    torch.distributed.all_gather_object(every, names, group=group.cpu_group)
+    by_kind: dict[str, str] = {}
+    for ns in every:  # ranks choose by the same rule, so a kind's name agrees wherever it exists
+        for n in ns:
+            by_kind.setdefault(kind_of(n), n)
+    return [by_kind[k] for k in KINDS if k in by_kind]
+
+
+def _tied_embedding(model: torch.nn.Module) -> bool:
+    """Whether lm_head computes from an input embedding's storage (the same on every TP rank)."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if not isinstance(head, torch.Tensor) or head.numel() == 0:
+        return False
+    ptr = head.untyped_storage().data_ptr()
+    return any(
+        "embed" in n and p.untyped_storage().data_ptr() == ptr
+        for n, p in model.named_parameters(remove_duplicate=False)
     )
 
 
@@ -125,27 +149,34 @@ def check_edits_reach_forward(runner, model: torch.nn.Module, views, wrap) -> li
     """
     from espert.center import CenterStore
 
-    probes = [v for v in probe_views(views) if getattr(v, "qv", None) is None and v.tensor.is_floating_point()]
-    if not probes:
+    local = {v.name: v for v in probe_views(views) if getattr(v, "qv", None) is None and v.tensor.is_floating_point()}
+    names = _names_on_any_rank(list(local))
+    if not names:
         return []
+    tied = _tied_embedding(model)
     with torch.inference_mode():
         base_h, base_logits = _forward(runner)
-        for v in probes:
-            one = wrap(CenterStore([v]), model)
-            moved = back = False
+        for name in names:
+            v = local.get(name)  # None: this rank holds no piece of it, and only joins the forwards
+            one = wrap(CenterStore([v]), model) if v is not None else None
+            head = kind_of(name) == "lm_head" or (kind_of(name) == "embedding" and tied)
             try:
-                one.perturb(SEED, SIGMA)
+                if one is not None:
+                    one.perturb(SEED, SIGMA)
                 h, _ = _forward(runner)
-                moved = kind_of(v.name) == "lm_head" or not torch.equal(h, base_h)
+                moved = kind_of(name) == "lm_head" or not torch.equal(h, base_h)
                 # lm_head (or an embedding tied to it) must move the logits of the unperturbed hidden
-                # states (on the ranks that hold logits)
-                if (kind_of(v.name) == "lm_head" or _shares_lm_head(model, v.tensor)) and base_logits is not None:
-                    moved = moved and not torch.equal(_logits(runner, base_h), base_logits)
+                # states (computed on every rank: it is collective), on the ranks that hold its piece
+                if head:
+                    logits = _logits(runner, base_h)
+                    if v is not None and base_logits is not None:
+                        moved = moved and not torch.equal(logits, base_logits)
             finally:
-                one.restore()
+                if one is not None:
+                    one.restore()
             if not _all_ranks(moved):
                 raise EditsNotVisible(
-                    f"espert self-test: perturbing {v.name} ({kind_of(v.name)}) did not change the engine's "
+                    f"espert self-test: perturbing {name} ({kind_of(name)}) did not change the engine's "
                     f"forward pass, so ES would train on rewards that ignore the perturbation.  A compiled or "
                     f"graph-captured engine is running from a copy of the weights espert cannot refresh: "
                     f"create the LLM with enforce_eager=True"
@@ -154,8 +185,8 @@ def check_edits_reach_forward(runner, model: torch.nn.Module, views, wrap) -> li
             back = torch.equal(h, base_h) and _same(logits, base_logits)
             if not _all_ranks(back):
                 raise EditsNotVisible(
-                    f"espert self-test: after restoring {v.name} exactly, the engine's forward pass differs "
+                    f"espert self-test: after restoring {name} exactly, the engine's forward pass differs "
                     f"from before the edit (the engine computes from a stale or non-deterministic copy of "
                     f"the weights); create the LLM with enforce_eager=True"
                 )
-    return [v.name for v in probes]
+    return names
