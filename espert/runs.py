@@ -810,12 +810,7 @@ class Run:
     # -- log --
     def append(self, rec: dict) -> None:
         """Append one record as a whole line (with its crc32), flushed and fsynced."""
-        line = log_line(rec)
-        if os.environ.get(KILL_ENV) == f"log-torn:{rec.get('iteration')}" and rec.get("kind") == "iter":
-            self._log.write(line[: len(line) // 2])  # a process killed in the middle of the write
-            self._log.flush()
-            kill_point("log-torn", rec.get("iteration"))
-        self._log.write(line)
+        self._log.write(log_line(rec))
         self._log.flush()
         os.fsync(self._log.fileno())
         self.records.append(rec)
@@ -968,28 +963,6 @@ class Run:
 
 def _dump_config(doc: dict) -> str:
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
-
-
-# ---- helpers used by the loop and the CLI ---------------------------------------------------------------
-
-
-def load_tasks(cfg: ESConfig):
-    """``(train_task, eval_task or None)`` from the config."""
-    from espert.tasks import load_task
-
-    train = load_task(cfg.task, "train", n=cfg.train_size, path=cfg.train_data)
-    if len(train) == 0:
-        raise ValueError(f"task {cfg.task!r} has no training problems")
-    evalt = None
-    if cfg.eval_size > 0:
-        evalt = load_task(cfg.task, cfg.eval_split, n=cfg.eval_size, path=cfg.eval_data)
-    return train, evalt
-
-
-def build_run_evaluator(run: Run, train_task):
-    from espert.evaluators import build_evaluator
-
-    return build_evaluator(run.cfg, run.base_path, train_task.score)
 
 
 def replay(
