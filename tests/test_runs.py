@@ -265,7 +265,7 @@ def test_unchanged_base_is_not_hashed_again(local_model_run, monkeypatch):
     model, d = local_model_run
     fp = runs.read_run_config(d)["base_fingerprint"]
     calls = []
-    monkeypatch.setattr(runs, "sha256_file", lambda p: calls.append(p) or "x")
+    monkeypatch.setattr(runs.fingerprint, "sha256_file", lambda p: calls.append(p) or "x")
     runs.check_base(model, fp)
     assert calls == []  # same size, times and inode: the stored hashes stand
     shutil.copyfile(os.path.join(model, "model.safetensors"), os.path.join(model, "m.tmp"))
