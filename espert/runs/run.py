@@ -380,42 +380,6 @@ class Run:
             note={"run": os.path.abspath(self.path)},
         )
 
-    def finish_iteration(self, evaluator, eval_task, t: int, hook: Callable[[int, str], None] | None = None):
-        """Do what iteration t's bookkeeping still lacks: its held-out evaluation and its checkpoint, when the
-        config has them at t.  On resume at t this finishes an iteration a kill cut short.  Returns the
-        eval record it wrote, or None."""
-        cfg, T = self.cfg, self.cfg.iterations
-        rec = None
-        due_eval = t in (0, T) or (cfg.eval_every and t % cfg.eval_every == 0)
-        if (
-            eval_task is not None
-            and due_eval
-            and not any(r.get("kind") == "eval" and r.get("iteration") == t for r in self.records)
-        ):
-            rec = self.evaluate_heldout(evaluator, eval_task, t)
-        due_ck = t > 0 and (t == T or (cfg.checkpoint_every and t % cfg.checkpoint_every == 0))
-        if due_ck and self.checkpoint_iteration() != t:
-            self.checkpoint(evaluator, t)
-            if hook:
-                hook(t, "checkpointed")
-        return rec
-
-    def evaluate_heldout(self, evaluator, task, t: int) -> dict:
-        """Mean reward of the center θ_t on the held-out problems; logged as an ``eval`` record."""
-        t0 = time.time()
-        rewards = evaluator.evaluate_center(task.prompts, task.answers)
-        kill_point("evaluated", t)
-        rec = {
-            "kind": "eval",
-            "iteration": t,
-            "mean": sum(rewards) / len(rewards) if rewards else None,
-            "n": len(rewards),
-            "seconds": round(time.time() - t0, 4),
-            "time": time.time(),
-        }
-        self.append(rec)
-        return rec
-
     def summary(self) -> dict:
         evals = [r for r in self.records if r.get("kind") == "eval"]
         its = self.iterations()
