@@ -290,7 +290,7 @@ def make_old_style(run_dir):
     """Turn a run directory into what espert wrote before this change: a size-only base fingerprint, no
     checksums in the log, no checkpoint records."""
     doc = runs.read_run_config(run_dir)
-    doc["base_fingerprint"] = runs._fingerprint_v1(os.path.join(run_dir, doc["base_model"]))
+    doc["base_fingerprint"] = runs.legacy.fingerprint_v1(os.path.join(run_dir, doc["base_model"]))
     runs.atomic_write_text(os.path.join(run_dir, runs.CONFIG), runs._dump_config(doc))
     log = os.path.join(run_dir, runs.LOG)
     lines = [json.dumps(r, separators=(",", ":")) for r in runs.read_log(log) if r["kind"] != "checkpoint"]

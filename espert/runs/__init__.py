@@ -35,6 +35,7 @@ Tests kill a run at named points (:func:`kill_point`) through the environment va
 ``ESPERT_TEST_KILL_AT=POINT[:ITERATION]``.
 """
 
+from espert.runs import legacy  # noqa: F401 - the upgrade rules of earlier run formats
 from espert.runs.checkpoint import CenterFile, load_center, save_center
 from espert.runs.export import export_iteration, export_model, is_hub_id, resolve_model_dir
 from espert.runs.files import (
@@ -55,7 +56,7 @@ from espert.runs.files import (
     read_config_file,
     sha256_file,
 )
-from espert.runs.fingerprint import _fingerprint_v1, base_fingerprint, check_base  # noqa: F401 - tests write old runs
+from espert.runs.fingerprint import base_fingerprint, check_base
 from espert.runs.log import checkpoint_hashes, iteration_records, log_line, read_log
 from espert.runs.replay import replay
 from espert.runs.run import (

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Callable
 
-from espert.runs.files import MODEL_SUFFIXES, WEIGHT_SUFFIXES, RunError, sha256_file, stat_key
+from espert.runs.files import MODEL_SUFFIXES, RunError, sha256_file, stat_key
+from espert.runs.legacy import check_base_v1
 
 
 def base_fingerprint(ref: str, known: dict | None = None) -> dict | None:
@@ -32,41 +32,17 @@ def base_fingerprint(ref: str, known: dict | None = None) -> dict | None:
     return {"version": 2, "files": files}
 
 
-def _fingerprint_v1(ref: str) -> dict:
-    """The fingerprint of runs made before version 2: config.json and the weight files' names and sizes."""
-    h = hashlib.sha256()
-    cfg = os.path.join(ref, "config.json")
-    if os.path.exists(cfg):
-        with open(cfg, "rb") as f:
-            h.update(f.read())
-    for f in sorted(os.listdir(ref)):
-        if f.endswith(WEIGHT_SUFFIXES):
-            h.update(f"{f}:{os.path.getsize(os.path.join(ref, f))}\n".encode())
-    return {"sha256": h.hexdigest()}
-
-
 def check_base(path: str, want: dict | None, echo: Callable[[str], None] | None = None) -> None:
     """Raise :class:`RunError` saying what changed unless the model at ``path`` is the one ``want`` describes.
 
-    An old (version 1) fingerprint is compared as far as it goes (config.json, weight file names and
-    sizes), and a note says that the weight contents cannot be verified.
+    An old (version 1) fingerprint is compared as far as it goes (:func:`espert.runs.legacy.check_base_v1`).
     """
     if want is None:
         return
     if not os.path.isdir(path):
         raise RunError(f"the base model directory {path} is missing")
-    if "files" not in want:
-        if _fingerprint_v1(path) != want:
-            raise RunError(
-                f"the base model at {path} is not the one this run started from: config.json or the "
-                f"weight files' names or sizes differ. Replay and resume need the original base model"
-            )
-        if echo:
-            echo(
-                f"[espert] note: this run directory records only config.json and weight file sizes of its base "
-                f"model (older espert), so the weight contents at {path} cannot be verified"
-            )
-        return
+    if "files" not in want:  # version 1
+        return check_base_v1(path, want, echo)
     have = base_fingerprint(path, want)["files"]
     old = want["files"]
     changes = [f"{n}: missing" for n in sorted(set(old) - set(have))]

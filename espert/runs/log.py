@@ -33,7 +33,7 @@ def _parse_line(line: bytes) -> tuple[dict | None, str]:
         return None, f"not valid JSON ({e})"
     if not isinstance(rec, dict):
         return None, "not a JSON object"
-    crc = rec.pop("crc32", None)  # records written before checksums have none
+    crc = rec.pop("crc32", None)  # legacy rule 3: records written before checksums have none
     if crc is not None and crc != f"{zlib.crc32(_body(rec).encode()):08x}":
         return None, "checksum mismatch (the line was changed after it was written)"
     return rec, ""

@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 import torch
 import yaml
 
-from espert.config import ESConfig, stored_run_config
+from espert.config import ESConfig
 from espert.es import apply_record
 from espert.runs.checkpoint import load_center, save_center
 from espert.runs.export import export_iteration, export_model, resolve_model_dir
@@ -35,6 +35,7 @@ from espert.runs.files import (
     stat_key,
 )
 from espert.runs.fingerprint import base_fingerprint, check_base
+from espert.runs.legacy import abandoned_setup, upgrade
 from espert.runs.log import checkpoint_hashes, iteration_records, log_line, read_log
 from espert.tensorfile import FileChunks
 
@@ -104,23 +105,11 @@ def read_run_config(run_dir: str) -> dict:
     doc = read_config_file(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("config"), dict):
         raise RunError(f"{path}: not an espert run config (format {FORMAT})")
-    doc["config"] = stored_run_config(doc["config"])
-    return doc
+    return upgrade(doc)  # earlier versions of the format: espert.runs.legacy
 
 
 def _holds_run(run_dir: str) -> bool:
     return any(os.path.exists(os.path.join(run_dir, n)) for n in (CONFIG, LOG, CENTER, EXPORT))
-
-
-def _abandoned_setup(run_dir: str) -> bool:
-    """What a killed setup of older espert versions left: no config, an empty log, at most a base model."""
-    names = set(os.listdir(run_dir))
-    log = os.path.join(run_dir, LOG)
-    return (
-        CONFIG not in names
-        and (not os.path.exists(log) or os.path.getsize(log) == 0)
-        and all(n in (LOG, BASE) or n.startswith(f".{BASE}.tmp-") for n in names)
-    )
 
 
 def _remove_stale_setups(parent: str, name: str) -> None:
@@ -216,13 +205,13 @@ class Run:
             return run
         if cfg is None:
             raise ValueError("a new run needs a config (cfg=None is only for resuming)")
-        if os.path.isdir(run_dir) and _holds_run(run_dir) and not _abandoned_setup(run_dir):
+        if os.path.isdir(run_dir) and _holds_run(run_dir) and not abandoned_setup(run_dir):
             raise FileExistsError(
                 f"{run_dir} already holds an espert run; pass --resume to continue it, or choose another --run-dir"
             )
         if os.path.exists(run_dir) and not os.path.isdir(run_dir):
             raise FileExistsError(f"{run_dir} exists and is not a directory")
-        if os.path.isdir(run_dir) and os.listdir(run_dir) and not _abandoned_setup(run_dir):
+        if os.path.isdir(run_dir) and os.listdir(run_dir) and not abandoned_setup(run_dir):
             raise FileExistsError(f"{run_dir} is not empty and holds no espert run; choose another --run-dir")
         ref = model_ref(cfg)
         check_inputs(cfg, ref)
@@ -254,7 +243,7 @@ class Run:
             open(os.path.join(tmp, LOG), "wb").close()
             fsync_dir(tmp)
             kill_point("setup-done")
-            if os.path.isdir(run_dir) and os.listdir(run_dir):  # an abandoned setup of an older espert
+            if os.path.isdir(run_dir) and os.listdir(run_dir):  # legacy.abandoned_setup: replaced as a whole
                 shutil.rmtree(run_dir)
             os.replace(tmp, run_dir)  # also onto an empty directory: a single atomic rename
             fsync_dir(parent)
@@ -303,7 +292,7 @@ class Run:
         path = self.file(CENTER)
         known = checkpoint_hashes(self.records)
         state, it = load_center(path, known, lazy)
-        if not known:  # written by an older espert: no checksum to compare with
+        if not known:  # legacy rule 4: written by an older espert, no checksum to compare with
             self.echo(f"[espert] note: {path} has no checksum in {LOG} (older espert); loaded unverified")
         self._verified = (stat_key(os.stat(path)), it)
         return state, it
