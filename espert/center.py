@@ -59,6 +59,10 @@ class Center(Protocol):
     def nbytes(self) -> int:
         """Host memory held (centers, masters, optimizer state, mirrors), in bytes."""
 
+    def noise_energy(self) -> float:
+        """Σ_t n_t·s_t² over the moved tensors (n_t elements, σ scale s_t; quantized: in code units), what
+        :func:`espert.es.step_norm` needs."""
+
     def restore(self) -> None:
         """Write the exact center back into every live weight."""
 
@@ -268,6 +272,11 @@ class CenterStore:
         """Host memory held by centers, optimizer state and mirrors, in bytes."""
         ts = self.centers + [t for ts in self.state.values() for t in ts] + (self.mirrors or [])
         return sum(t.numel() * t.element_size() for t in ts)
+
+    def noise_energy(self) -> float:
+        """Σ_t n_t·s_t² over the views (s_t: the ``sigma_scales``, default 1)."""
+        scales = self.sigma_scales or [1.0] * len(self.views)
+        return float(sum(v.numel * s * s for v, s in zip(self.views, scales)))
 
     def _items(self, tensors: Sequence[torch.Tensor]) -> list[tuple]:
         return [(t, v.key, v.block) for t, v in zip(tensors, self.views)]

@@ -20,7 +20,7 @@ import time
 import typing
 from typing import Sequence
 
-from espert.config import RENAMED, ESConfig, deprecated, field_choices, field_help, field_type, stored_run_config
+from espert.config import RENAMED, ESConfig, deprecated, field_choices, field_help, field_type
 
 TRAIN_EPILOG = """examples:
   espert train                                   # main job: tiny model, copy task, CPU, a few minutes
@@ -38,14 +38,16 @@ TRAIN_EPILOG = """examples:
 
 def load_config_file(path: str) -> dict:
     """A flat mapping of ESConfig fields from YAML or TOML (a run's own config.yaml works too)."""
-    from espert.runs import read_config_file  # syntax errors: one line naming the file and position
+    from espert.runs import legacy, read_config_file  # syntax errors: one line naming the file and position
 
     if not path.endswith((".yaml", ".yml", ".toml")):
         raise ValueError(f"config file must end in .yaml, .yml or .toml: {path}")
     doc = read_config_file(path)
     doc = {} if doc is None else doc
     if isinstance(doc, dict) and "format" in doc and isinstance(doc.get("config"), dict):
-        doc = stored_run_config(doc["config"])  # a run directory's config.yaml
+        doc = legacy.upgrade_config(doc["config"])  # a run directory's config.yaml
+    elif isinstance(doc, dict):
+        doc = legacy.v1_defaults(doc)  # a version-1 run's config section copied into a file
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping of config fields")
     return doc

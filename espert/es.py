@@ -90,7 +90,7 @@ def prompt_indices(cfg: ESConfig, t: int, pool: int) -> list[int]:
     p = cfg.prompts_per_iteration
     if p >= pool:
         return list(range(pool))
-    if cfg.prompt_sampler == "python_random":
+    if cfg.prompt_sampler == "python_random":  # version-1 runs (espert.runs.legacy, rule 1a)
         return random.Random(derive_seed("prompts", cfg.seed, t, 0)).sample(range(pool), p)
     moved: dict[int, int] = {}  # sparse Fisher–Yates: only the swapped slots are stored
     out = []

@@ -14,18 +14,14 @@ with
 
 :class:`StateChunks` makes one from a dict of tensors; ``espert.vllm.stream.CenterStream`` streams
 one out of vLLM's workers.
-
-:func:`atomic_write` puts any file (these, checkpoints, logs' neighbours) in place whole or not at
-all: a temporary name, fsync, rename, fsync of the directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
@@ -223,41 +219,3 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
     metadata always give the same bytes (also through :func:`write_chunks`).
     """
     return write_chunks(path, StateChunks(tensors), metadata)
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory (makes renames in it durable); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write: Callable[[str], object], before_replace: Callable[[object], None] | None = None):
-    """``r = write(tmp_path)``, fsync it, ``before_replace(r)``, then ``os.replace`` it onto ``path`` and fsync
-    the directory.  Returns r."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        r = write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        if before_replace is not None:
-            before_replace(r)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-    return r
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_write(path, write)

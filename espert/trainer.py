@@ -18,83 +18,14 @@ Resume rules enforced here (beyond the config check of :meth:`espert.runs.Run.op
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
-import re
 import time
 from typing import Any, Callable
 
 from espert.config import ESConfig
 from espert.diagnostics import IterationMeter
 from espert.es import es_step, prompt_indices
-
-#: How the task of a run was given (logged in its ``task`` record).
-TASK_SOURCES = ("builtin", "import", "python")
-#: ``config.yaml``'s ``task`` for a Python object that has no import path.
-PYTHON_PREFIX = "python:"
-
-
-def resolve_tasks(
-    cfg: ESConfig, task: Any = None, reward: Callable | None = None, prompts: Any = None, eval_prompts: Any = None
-) -> tuple[str, str, Any, Any]:
-    """``(spec, source, train_task, eval_task or None)`` for a run.
-
-    task: None (use ``cfg.task``), a Task, a loader ``fn(split) -> Task``, a reward
-    ``fn(prompts, completions, answers)`` or an import path string.  reward + prompts: a reward
-    function and its training problems (a list of prompts, of ``{"prompt", "answer"}`` dicts or of
-    pairs, a JSONL path or a ``datasets`` split); eval_prompts: held-out problems in the same form
-    (default: ``cfg.eval_data``; none: no held-out evaluation).  spec is what ``config.yaml``
-    records as ``task``: the import path when the object can be re-imported, else
-    ``python:NAME``.  source: ``builtin``, ``import`` (the config alone rebuilds the task) or
-    ``python`` (a resume must be given the same objects again).
-    """
-    from espert.tasks import load_task
-    from espert.tasks.loaders import custom_task, import_object, object_path
-
-    if reward is not None:
-        if task is not None:
-            raise ValueError("give either task= or reward= (with prompts=), not both")
-        if prompts is None and cfg.train_data is None:
-            raise ValueError("reward= needs prompts= (a list, a JSONL path or a datasets split) or train_data")
-        task = reward
-    if task is None and ":" not in cfg.task:  # a built-in task, as before
-        train = load_task(cfg.task, "train", n=cfg.train_size, path=cfg.train_data)
-        evalt = load_task(cfg.task, cfg.eval_split, n=cfg.eval_size, path=cfg.eval_data) if cfg.eval_size else None
-        return cfg.task, "builtin", _nonempty(train, cfg.task), evalt
-    if task is None or isinstance(task, str):
-        spec = task or cfg.task
-        obj, source = import_object(spec), "import"
-    else:
-        obj, spec = task, object_path(task)
-        name = getattr(task, "name", None) or getattr(task, "__name__", None) or "custom"
-        # problems given from Python are not in the config: such a run resumes only from Python
-        source = "import" if spec is not None and prompts is None and eval_prompts is None else "python"
-        spec = spec or PYTHON_PREFIX + (re.sub(r"\W", "_", name).lstrip("_0123456789") or "custom")
-    name = spec.rsplit(":", 1)[-1]
-    train = custom_task(obj, "train", n=cfg.train_size, path=cfg.train_data, name=name, problems_from=prompts)
-    evalt = None
-    if cfg.eval_size:
-        evalt = custom_task(
-            obj, cfg.eval_split, n=cfg.eval_size, path=cfg.eval_data, name=name, problems_from=eval_prompts
-        )
-    return spec, source, _nonempty(train, spec), evalt
-
-
-def _nonempty(task, spec):
-    if task is None or len(task) == 0:
-        raise ValueError(f"task {spec!r} has no training problems")
-    return task
-
-
-def task_fingerprint(*tasks) -> str:
-    """sha256 of the problems (prompts and answers) of the given tasks (None: absent)."""
-    h = hashlib.sha256()
-    for t in tasks:
-        doc = None if t is None else [t.prompts, t.answers]
-        h.update(json.dumps(doc, default=str, ensure_ascii=False).encode())
-        h.update(b"\n")
-    return h.hexdigest()
+from espert.tasks import resolve_tasks, task_fingerprint
 
 
 def _stored_config(run_dir: str) -> ESConfig:
@@ -145,25 +76,44 @@ def _check_prompt_log(cfg: ESConfig, run, pool: int) -> None:
             )
 
 
-def noise_energy(evaluator) -> float | None:
-    """Σ_t n_t·s_t² over the moved tensors (see :func:`espert.es.step_norm`); None when unknown."""
-    center = getattr(evaluator, "center", None)
-    views = getattr(center, "views", None)
-    if views is not None:
-        scales = getattr(center, "sigma_scales", None) or [1.0] * len(views)
-        return float(sum(v.numel * s * s for v, s in zip(views, scales)))  # quantized: in code units
-    scales = getattr(evaluator, "sigma_scales", None) or {}  # vLLM: {logical name: s} with sigma_mode rms
-    from espert.center import OPTIM_PREFIX
+def finish_iteration(run, evaluator, eval_task, t: int, hook: Callable[[int, str], None] | None = None):
+    """Do what iteration t's bookkeeping still lacks: its held-out evaluation and its checkpoint, when the
+    config has them at t.  On resume at t this finishes an iteration a kill cut short.  Returns the
+    eval record it wrote, or None."""
+    cfg, T = run.cfg, run.cfg.iterations
+    rec = None
+    due_eval = t in (0, T) or (cfg.eval_every and t % cfg.eval_every == 0)
+    if (
+        eval_task is not None
+        and due_eval
+        and not any(r.get("kind") == "eval" and r.get("iteration") == t for r in run.records)
+    ):
+        rec = evaluate_heldout(run, evaluator, eval_task, t)
+    due_ck = t > 0 and (t == T or (cfg.checkpoint_every and t % cfg.checkpoint_every == 0))
+    if due_ck and run.checkpoint_iteration() != t:
+        run.checkpoint(evaluator, t)
+        if hook:
+            hook(t, "checkpointed")
+    return rec
 
-    try:
-        stream = getattr(evaluator, "center_stream", lambda: None)()  # streaming: count its layout, pull nothing
-        if stream is not None:
-            sizes = {n: math.prod(s) for n, (s, _) in stream.layout.items() if not n.startswith(OPTIM_PREFIX)}
-        else:
-            sizes = {n: t.numel() for n, t in evaluator.export_state().items()}
-        return float(sum(k * scales.get(n, 1.0) ** 2 for n, k in sizes.items()))
-    except Exception:  # noqa: BLE001 - a metric only; the run does not depend on it
-        return None
+
+def evaluate_heldout(run, evaluator, task, t: int) -> dict:
+    """Mean reward of the center θ_t on the held-out problems; logged as an ``eval`` record."""
+    from espert.runs import kill_point
+
+    t0 = time.time()
+    rewards = evaluator.evaluate_center(task.prompts, task.answers)
+    kill_point("evaluated", t)
+    rec = {
+        "kind": "eval",
+        "iteration": t,
+        "mean": sum(rewards) / len(rewards) if rewards else None,
+        "n": len(rewards),
+        "seconds": round(time.time() - t0, 4),
+        "time": time.time(),
+    }
+    run.append(rec)
+    return rec
 
 
 def iteration_metrics(rec: dict) -> dict:
@@ -246,7 +196,7 @@ def train(
         from espert.tasks.rewards import answer_equivalence
 
         evaluator = build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
-        energy = noise_energy(evaluator)
+        energy = evaluator.noise_energy()
         meter = IterationMeter(evaluator, run.iterations(), answer_equivalence(train_task.name))
         start = run.restore(evaluator)
         T = cfg.iterations
@@ -254,7 +204,7 @@ def train(
             raise ValueError(f"{run_dir} already logged {start} iterations, more than iterations={T}")
         trackers = Trackers(cfg.trackers, run.path, cfg.tracker_project, cfg.to_dict(), say)
         # iteration `start`'s evaluation and checkpoint, if a kill cut them off (or the base model's, at 0)
-        ev = run.finish_iteration(evaluator, eval_task, start, hook)
+        ev = finish_iteration(run, evaluator, eval_task, start, hook)
         if ev is not None:
             trackers.log({"heldout/mean": ev["mean"]}, start)
         bar = _progress(progress, T, start)
@@ -284,7 +234,7 @@ def train(
             trackers.log(iteration_metrics(rec), t)
             if rec["skipped"]:
                 say(f"[espert] iteration {t}: every member failed; update skipped")
-            ev = run.finish_iteration(evaluator, eval_task, t, hook)  # held-out evaluation and checkpoint when due
+            ev = finish_iteration(run, evaluator, eval_task, t, hook)  # held-out evaluation and checkpoint when due
             if ev is not None:
                 trackers.log({"heldout/mean": ev["mean"]}, t)
             if bar is not None:
@@ -321,4 +271,4 @@ def _progress(enabled: bool, total: int, initial: int):
     return tqdm(total=total, initial=initial, desc="espert train", unit="it", dynamic_ncols=True)
 
 
-__all__ = ["train", "resolve_tasks", "task_fingerprint", "iteration_metrics", "noise_energy"]
+__all__ = ["train", "resolve_tasks", "task_fingerprint", "iteration_metrics", "finish_iteration", "evaluate_heldout"]

@@ -3,7 +3,8 @@ row), resume each time, and end exactly where an uninterrupted run ends: the sam
 and the same log records.
 
 Kills come from a seeded RNG (random moments) and from the named kill points of espert.runs
-(``ESPERT_TEST_KILL_AT``).  To keep the suite short on two cores, most runs are forked from one
+(``ESPERT_TEST_KILL_AT``); ``log-torn:N`` (half of iteration N's log line written, then SIGKILL) is this
+file's own hook around ``Run.append``, installed in the zygote.  To keep the suite short on two cores, most runs are forked from one
 "zygote" process that has already imported espert, torch and transformers; the first run and the
 final resume are fresh ``python -m espert`` processes.
 """
@@ -25,6 +26,18 @@ import json, os, signal, sys, time
 import espert.cli, espert.runs, espert.trainer, espert.evaluators.torch_model, espert.tasks, tqdm  # noqa: E401
 import transformers
 from transformers.models.llama import modeling_llama  # noqa: F401
+
+
+def torn_append(self, rec, append=espert.runs.Run.append):  # the test hook of kill point "log-torn:N"
+    if os.environ.get("ESPERT_TEST_KILL_AT") == f"log-torn:{rec.get('iteration')}" and rec.get("kind") == "iter":
+        line = espert.runs.log_line(rec)
+        self._log.write(line[: len(line) // 2])  # a process killed in the middle of the write
+        self._log.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    append(self, rec)
+
+
+espert.runs.Run.append = torn_append
 print("ready", flush=True)
 for line in sys.stdin:
     req = json.loads(line)

@@ -12,6 +12,7 @@ import pytest
 from espert import config as C
 from espert.cli import build_parser, config_from_args, main
 from espert.config import ESConfig
+from espert.runs import legacy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,11 +126,11 @@ def v1_config(**kw) -> dict:
     """A config dict exactly as version-1 run directories stored it (every v1 field, 'backend')."""
     d = ESConfig(**kw).to_dict()
     d["backend"] = d.pop("evaluator")
-    return {k: v for k, v in d.items() if k in C.V1_FIELDS}
+    return {k: v for k, v in d.items() if k in legacy.V1_FIELDS}
 
 
 def test_v1_run_configs_keep_their_old_behaviour(capsys):
-    old = ESConfig.from_dict(v1_config(weight_decay=0.1))
+    old = ESConfig.from_dict(legacy.upgrade_config(v1_config(weight_decay=0.1)))  # as read_run_config reads it
     assert (old.prompt_sampler, old.weight_decay_exclude, old.reward_std_floor) == ("python_random", [], 0.0)
     new = ESConfig.from_dict({"weight_decay": 0.1})  # a user's partial config gets today's defaults
     assert (new.prompt_sampler, new.weight_decay_exclude, new.reward_std_floor) == (
@@ -137,7 +138,7 @@ def test_v1_run_configs_keep_their_old_behaviour(capsys):
         list(C.NO_DECAY_DEFAULT),
         1e-6,
     )
-    assert C.V1_FIELDS - {"backend"} <= {f.name for f in dataclasses.fields(ESConfig)}
+    assert legacy.V1_FIELDS - {"backend"} <= {f.name for f in dataclasses.fields(ESConfig)}
 
 
 def test_new_fields_round_trip_through_yaml_and_flags(tmp_path):

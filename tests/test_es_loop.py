@@ -204,8 +204,8 @@ def test_version1_run_directories_resume_and_replay(tmp_path, capsys):
     """A run directory from before config.py (key 'backend', no new fields) resumes and replays exactly."""
     import yaml
 
-    from espert import config as C
     from espert.cli import main
+    from espert.runs import legacy as C
 
     legacy = dict(prompt_sampler="python_random", weight_decay_exclude=[], reward_std_floor=0.0)
     kw = {**SMALL, "weight_decay": 0.1, **legacy}

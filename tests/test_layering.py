@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.tasks",
             "espert.tiny",
             "espert.tensorfile",
+            "espert.runs.files",  # atomic writes: stdlib only (vLLM's drop-in writes its files with them)
         ),
     ),
     ("ops", ("espert._C", "espert.ops", "espert.kernels", "espert.quant.ops")),
@@ -50,7 +51,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("evaluators", ("espert.evaluators", "espert.vllm")),
     ("es", ("espert.es",)),
-    ("train/runs", ("espert.runs", "espert.trainer", "espert.tracking")),
+    ("runs", ("espert.runs",)),
+    ("train", ("espert.trainer", "espert.tracking")),
     (
         "cli/eval",
         ("espert.cli", "espert.__main__", "espert.eval", "espert.analyze", "espert.compare", "espert.vllm.bench"),

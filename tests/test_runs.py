@@ -265,7 +265,7 @@ def test_unchanged_base_is_not_hashed_again(local_model_run, monkeypatch):
     model, d = local_model_run
     fp = runs.read_run_config(d)["base_fingerprint"]
     calls = []
-    monkeypatch.setattr(runs, "sha256_file", lambda p: calls.append(p) or "x")
+    monkeypatch.setattr(runs.fingerprint, "sha256_file", lambda p: calls.append(p) or "x")
     runs.check_base(model, fp)
     assert calls == []  # same size, times and inode: the stored hashes stand
     shutil.copyfile(os.path.join(model, "model.safetensors"), os.path.join(model, "m.tmp"))
@@ -290,7 +290,7 @@ def make_old_style(run_dir):
     """Turn a run directory into what espert wrote before this change: a size-only base fingerprint, no
     checksums in the log, no checkpoint records."""
     doc = runs.read_run_config(run_dir)
-    doc["base_fingerprint"] = runs._fingerprint_v1(os.path.join(run_dir, doc["base_model"]))
+    doc["base_fingerprint"] = runs.legacy.fingerprint_v1(os.path.join(run_dir, doc["base_model"]))
     runs.atomic_write_text(os.path.join(run_dir, runs.CONFIG), runs._dump_config(doc))
     log = os.path.join(run_dir, runs.LOG)
     lines = [json.dumps(r, separators=(",", ":")) for r in runs.read_log(log) if r["kind"] != "checkpoint"]

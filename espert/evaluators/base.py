@@ -26,6 +26,10 @@ Contract of an :class:`Evaluator` (what the loop relies on):
     lives elsewhere (vLLM's workers); checkpoints and exports are then written chunk by chunk and
     the driver never holds the whole center.  Default None: checkpoints use ``center_state()`` and
     ``export_state()``.
+``noise_energy() -> float | None``
+    Σ_t n_t·s_t² over the moved tensors (n_t elements, σ scale s_t), for the ``step_norm`` metric
+    (:func:`espert.es.step_norm`); None when unknown.  Default: every tensor of the center
+    (:func:`center_energy`) at scale 1; a :class:`ModelEvaluator` asks its center.
 ``close()``
     Free the model.
 ``member_answers`` (optional)
@@ -49,7 +53,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from espert.center import Center
+from espert.center import OPTIM_PREFIX, Center
 
 log = logging.getLogger("espert.evaluators")
 
@@ -98,8 +102,28 @@ class Evaluator(abc.ABC):
         (the default) when the backend has it in memory anyway: checkpoints then use the dicts."""
         return None
 
+    def noise_energy(self) -> float | None:
+        """Σ_t n_t·s_t² over the moved tensors (see the module docstring); None when unknown."""
+        return center_energy(self)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model."""
+
+
+def center_energy(evaluator: Evaluator, scales: Mapping[str, float] | None = None) -> float | None:
+    """Σ_t n_t·s_t² over the center's tensors (optimizer state excluded): sizes from the evaluator's chunk
+    source when it streams (its layout only: nothing is pulled), else from ``export_state()``; s_t from
+    ``scales`` (logical name -> σ multiplier, default 1).  None when the center cannot be read."""
+    scales = scales or {}
+    try:
+        stream = evaluator.center_stream()
+        if stream is not None:
+            sizes = {n: math.prod(s) for n, (s, _) in stream.layout.items() if not n.startswith(OPTIM_PREFIX)}
+        else:
+            sizes = {n: t.numel() for n, t in evaluator.export_state().items()}
+        return float(sum(k * scales.get(n, 1.0) ** 2 for n, k in sizes.items()))
+    except Exception:  # noqa: BLE001 - a metric only; the run does not depend on it
+        return None
 
 
 def score_members(
@@ -213,6 +237,9 @@ class ModelEvaluator(Evaluator):
 
     def export_state(self):
         return self.center.export_state()
+
+    def noise_energy(self):
+        return self.center.noise_energy()
 
     def load_center(self, state):
         # a lazy checkpoint (runs.CenterFile) is read whole here: the model is in this process anyway

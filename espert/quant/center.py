@@ -116,6 +116,10 @@ class QuantCenterStore:
             total += sum(m.numel() * 4 for m in self.masters)
         return total
 
+    def noise_energy(self) -> float:
+        """Σ_t n_t over the views: the noise is in code units, σ scale 1 for every view."""
+        return float(sum(v.numel for v in self.views))
+
     def _zero_points(self) -> list[torch.Tensor | None]:
         """Per master, the code-domain zero point it decays towards (None: 0), computed before any mutation."""
         out = []

@@ -19,6 +19,7 @@ from .loaders import (
     load_task,
     reward_task,
 )
+from .resolve import PYTHON_PREFIX, TASK_SOURCES, resolve_tasks, task_fingerprint
 from .rewards import (
     canonical_task_name,
     copy_extract,
@@ -45,6 +46,10 @@ __all__ = [
     "load_task",
     "load_jsonl_task",
     "reward_task",
+    "resolve_tasks",
+    "task_fingerprint",
+    "TASK_SOURCES",
+    "PYTHON_PREFIX",
     "known_tasks",
     "canonical_task_name",
     "make_copy_task",

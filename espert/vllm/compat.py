@@ -204,7 +204,8 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         An outstanding perturbation is made part of the center first (their weights are additive).
         Both files are written to a temporary name and renamed, so a crash leaves the old ones.
         """
-        from espert.tensorfile import atomic_write, write_safetensors
+        from espert.runs.files import atomic_write
+        from espert.tensorfile import write_safetensors
         from espert.vllm.stream import pull_center
 
         self._compat()

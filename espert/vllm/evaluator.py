@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from espert.evaluators.base import Evaluator, Member, score_and_extract, score_members
+from espert.evaluators.base import Evaluator, Member, center_energy, score_and_extract, score_members
 from espert.vllm import WORKER_EXTENSION, cpu_patch
 
 log = logging.getLogger("espert.vllm")
@@ -310,6 +310,10 @@ class VLLMEvaluator(Evaluator):
         from espert.vllm.stream import CenterStream
 
         return CenterStream(self.rpc, self.chunk_bytes)
+
+    def noise_energy(self) -> float | None:
+        """Σ_t n_t·s_t² from the streamed center's layout (nothing is pulled), s_t: :attr:`sigma_scales`."""
+        return center_energy(self, self.sigma_scales)
 
     def live_state(self) -> dict[str, torch.Tensor]:
         """The live weights by logical name (host copies), reassembled over TP ranks."""

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from espert.evaluators.base import Evaluator, Member
+from espert.evaluators.base import Evaluator, Member, center_energy
 from espert.tensorfile import CHUNK_BYTES
 
 log = logging.getLogger("espert.vllm")
@@ -310,6 +310,10 @@ class EnginePool(Evaluator):
         from espert.vllm.stream import CenterStream
 
         return CenterStream(lambda method, *args: self._first("rpc", method, *args), self.chunk_bytes)
+
+    def noise_energy(self) -> float | None:
+        """As :meth:`espert.vllm.evaluator.VLLMEvaluator.noise_energy` (one engine's layout, nothing pulled)."""
+        return center_energy(self, self.sigma_scales)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         from espert.vllm.evaluator import without_optimizer_state

@@ -1,0 +1,169 @@
+"""The base model's files (a directory or a Hugging Face Hub id) and the export of a center in its format."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+
+import torch
+
+from espert.runs.files import WEIGHT_SUFFIXES, fsync_dir, kill_point
+from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
+
+
+def is_hub_id(ref: str) -> bool:
+    """A Hugging Face Hub id (``name`` or ``org/name``) rather than a path."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", ref)) and ".." not in ref
+
+
+def resolve_model_dir(ref: str) -> str:
+    """A local directory holding the model files of ``ref``: a directory, or a Hub id (local cache first).
+
+    Fails fast with one clear message when the model is neither a directory nor in the local cache
+    and the Hub does not answer, or has no such model.
+    """
+    if os.path.isdir(ref):
+        return ref
+    if not is_hub_id(ref):
+        raise FileNotFoundError(f"model directory not found: {ref}")
+    from huggingface_hub import constants, snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+    try:
+        return snapshot_download(ref, allow_patterns=patterns, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached: ask the Hub below
+        pass
+    where = f"the Hugging Face Hub ({constants.ENDPOINT})"
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(
+            f"model {ref!r} is not a local directory and not in the local Hugging Face cache, and HF_HUB_OFFLINE is set"
+        )
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:  # one short request first, so an unreachable Hub costs seconds, not a minute of retries
+        HfApi().model_info(ref, timeout=10)
+    except GatedRepoError:
+        raise FileNotFoundError(
+            f"model {ref!r} on {where} is gated: accept its license and log in (hf auth login)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"model {ref!r}: no such local directory, and no such model on {where} "
+            f"(or it is private: log in with hf auth login)"
+        ) from None
+    except HfHubHTTPError as e:
+        code = getattr(getattr(e, "response", None), "status_code", None)
+        raise FileNotFoundError(
+            f"model {ref!r} is not a local directory or cached, and {where} answered "
+            f"HTTP {code}: {str(e).splitlines()[0]}"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - network errors come from several libraries
+        raise FileNotFoundError(
+            f"model {ref!r} is not a local directory or cached, and {where} cannot be "
+            f"reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+    return snapshot_download(ref, allow_patterns=patterns)
+
+
+def _cast(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Center values as ``dtype`` (round to nearest even; elementwise, so a chunk casts like its tensor)."""
+    c = c.detach().to("cpu")
+    if not dtype.is_floating_point and c.dtype.is_floating_point:
+        # integer codes (e.g. a W8A8 master in code units): round, don't truncate
+        info = torch.iinfo(dtype)
+        c = c.round().clamp(info.min, info.max)
+    return c.to(dtype)
+
+
+def export_model(state, base_ref: str, out_dir: str, iteration: int | None = None, note: dict | None = None) -> str:
+    """Write the center in the base model's own format to ``out_dir`` (replaced atomically as a whole).
+
+    state: ``{name: tensor}`` (an evaluator's ``export_state()``) or a chunk source
+    (:mod:`espert.tensorfile`, e.g. ``center_stream()``; driver memory: about one chunk).
+    Entries named ``optim.*`` (optimizer state) are not weights and are skipped.  Copies the base
+    model's non-weight files (config, tokenizer, generation config, chat template) and rewrites
+    each of its ``*.safetensors`` files with every tensor named in ``state`` replaced by the center,
+    cast (round to nearest even) chunk by chunk to that tensor's dtype in the base file; the other
+    tensors are copied.  The shard layout and index stay those of the base, so
+    ``AutoModelForCausalLM.from_pretrained`` and vLLM load the result like the base.  Raises (before
+    writing) if a center name is missing from the base checkpoint or has another shape there.
+    """
+    from espert.center import OPTIM_PREFIX
+
+    source = as_chunks(state)
+    names = {n: shape for n, (shape, _) in source.layout.items() if not n.startswith(OPTIM_PREFIX)}
+    base = resolve_model_dir(base_ref)
+    files = sorted(os.listdir(base))
+    shards = [f for f in files if f.endswith(".safetensors")]
+    if not shards:
+        raise ValueError(f"{base} has no *.safetensors weights; export needs a safetensors checkpoint")
+    heads = {shard: read_header(os.path.join(base, shard)) for shard in shards}
+    where: dict[str, str] = {}  # center name -> its shard
+    for shard, (_, entries, _) in heads.items():
+        for k, e in entries.items():
+            if k in names:
+                if tuple(names[k]) != tuple(e["shape"]):
+                    raise ValueError(f"center {k} has shape {tuple(names[k])}, base has {tuple(e['shape'])}")
+                where[k] = shard
+            if e["dtype"] not in ST_TORCH:
+                raise ValueError(f"{os.path.join(base, shard)}: cannot store {k} of dtype {e['dtype']} in safetensors")
+    missing = sorted(set(names) - set(where))
+    if missing:
+        raise ValueError(
+            f"the base checkpoint {base} has no tensors named {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''}; cannot export in its format"
+        )
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp, old = f"{out_dir}.tmp-{os.getpid()}", f"{out_dir}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        for f in files:
+            src = os.path.join(base, f)
+            if os.path.isfile(src) and not f.endswith(WEIGHT_SUFFIXES):
+                shutil.copyfile(src, os.path.join(tmp, f))
+        piece = max(1, int(source.chunk_bytes))
+        with contextlib.ExitStack() as stack:  # every shard open at once: the center's chunks come in its order
+            writers: dict[str, TensorFileWriter] = {}
+            for shard, (meta, _, _) in heads.items():
+                others = FileChunks(os.path.join(base, shard), piece, skip=where)  # the base's other tensors
+                w = TensorFileWriter(os.path.join(tmp, shard), others.layout, meta or {"format": "pt"}, piece)
+                writers[shard] = stack.enter_context(w)
+                for k, offset, flat in others:
+                    w.write(k, offset, flat)
+            for k, offset, flat in source:
+                if k in where:
+                    w = writers[where[k]]
+                    w.write(k, offset, _cast(flat, w.layout[k][1]))
+                del flat  # a streamed chunk is freed before the next one arrives
+        with open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh:
+            json.dump({"iteration": iteration, "base_model": base_ref, **(note or {})}, fh, indent=2)
+        for f in os.listdir(tmp):
+            with open(os.path.join(tmp, f), "rb+") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        if os.path.exists(out_dir):
+            os.replace(out_dir, old)
+            kill_point("export-swap", iteration)
+        os.replace(tmp, out_dir)
+        fsync_dir(parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def export_iteration(export_dir: str) -> int | None:
+    """The iteration an export directory holds (None: absent or unreadable)."""
+    try:
+        with open(os.path.join(export_dir, "espert_export.json"), encoding="utf-8") as f:
+            it = json.load(f).get("iteration")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return it if isinstance(it, int) else None

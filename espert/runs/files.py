@@ -1,0 +1,119 @@
+"""The files of a run directory: their names, atomic writes, checksums, config-file parsing, kill points.
+
+Every file of a run is written to a temporary name, fsynced and ``os.replace``d (:func:`atomic_write`).
+Tests kill a run at named points (:func:`kill_point`) through the environment variable
+``ESPERT_TEST_KILL_AT=POINT[:ITERATION]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from typing import Callable
+
+import yaml
+
+FORMAT = "espert-run-v1"
+CONFIG, LOG, CENTER, EXPORT, BASE = "config.yaml", "log.jsonl", "center.safetensors", "export", "base_model"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+#: Files of a model directory that its fingerprint covers: weights, configs, tokenizer, remote code.
+MODEL_SUFFIXES = WEIGHT_SUFFIXES + (".json", ".model", ".txt", ".tiktoken", ".jinja", ".py")
+KILL_ENV = "ESPERT_TEST_KILL_AT"
+
+
+class RunError(ValueError):
+    """A run directory (or one of its files) is damaged or does not match; the message names the file."""
+
+
+def kill_point(name: str, iteration: int | None = None) -> None:
+    """SIGKILL this process here when ``ESPERT_TEST_KILL_AT`` is ``name`` or ``name:iteration`` (chaos tests)."""
+    want = os.environ.get(KILL_ENV)
+    if want and want in (name, f"{name}:{iteration}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- atomic files ----------------------------------------------------------------------------------
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory (makes renames in it durable); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[str], object], before_replace: Callable[[object], None] | None = None):
+    """``r = write(tmp_path)``, fsync it, ``before_replace(r)``, then ``os.replace`` it onto ``path`` and fsync
+    the directory.  Returns r."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        r = write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace(r)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return r
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def stat_key(st: os.stat_result) -> str:
+    # ctime and inode change whenever a file is rewritten or replaced, and cannot be set back by hand
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+
+
+def read_config_file(path: str):
+    """The parsed YAML (``.yaml``/``.yml``/anything else) or TOML (``.toml``) document at ``path``.
+
+    Raises FileNotFoundError, or ValueError with one line naming the file and the position of a
+    syntax error.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    if path.endswith(".toml"):
+        import tomllib
+
+        try:
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: invalid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: invalid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        what = " ".join(str(x) for x in (e.context, e.problem) if x)
+        raise ValueError(f"{path}: invalid YAML at {where}{what}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: invalid YAML: not UTF-8 text ({e.reason} at byte {e.start})") from None

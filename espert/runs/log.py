@@ -1,0 +1,86 @@
+"""The write-ahead log ``log.jsonl``: one JSON object per line, each with a ``crc32`` of the rest of the line.
+
+On open, a torn last line (no newline: the process died mid-write) is dropped and the file
+truncated to the last complete line; any other damage (bad JSON, a checksum mismatch, also on a
+complete last line) is an error naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+from espert.runs.files import LOG, RunError
+
+
+def _body(rec: dict) -> str:
+    return json.dumps(rec, allow_nan=False, separators=(",", ":"))
+
+
+def log_line(rec: dict) -> bytes:
+    """One log line: the record's compact JSON with a ``crc32`` of that JSON appended as its last key."""
+    body = _body(rec)
+    crc = f'"crc32":"{zlib.crc32(body.encode()):08x}"'
+    return (body[:-1] + ("," if len(rec) else "") + crc + "}\n").encode()
+
+
+def _parse_line(line: bytes) -> tuple[dict | None, str]:
+    """``(record, "")`` or ``(None, problem)``; a record whose crc32 does not match is a problem."""
+    try:
+        rec = json.loads(line)
+    except ValueError as e:
+        return None, f"not valid JSON ({e})"
+    if not isinstance(rec, dict):
+        return None, "not a JSON object"
+    crc = rec.pop("crc32", None)  # legacy rule 3: records written before checksums have none
+    if crc is not None and crc != f"{zlib.crc32(_body(rec).encode()):08x}":
+        return None, "checksum mismatch (the line was changed after it was written)"
+    return rec, ""
+
+
+def read_log(path: str, repair: bool = False) -> list[dict]:
+    """Records of a run log.  A torn last line (no newline) is dropped (and, with ``repair``, cut from the file).
+
+    Raises :class:`RunError` naming the file and line for any other damage: a complete line (one
+    that ends in a newline) that is not valid JSON or fails its checksum, wherever it is.
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    records, pos, lineno = [], 0, 0
+    while pos < len(data):
+        lineno += 1
+        end = data.find(b"\n", pos)
+        if end < 0:  # torn tail: the process died while writing it (its update was never applied)
+            if repair:
+                with open(path, "rb+") as f:
+                    f.truncate(pos)
+                    os.fsync(f.fileno())
+            break
+        rec, problem = _parse_line(data[pos:end])
+        if rec is None:
+            where = "the last line" if not data[end + 1 :] else "not the last line"
+            raise RunError(
+                f"{path}: line {lineno} is damaged: {problem} ({where}); refusing to guess. The "
+                f"records before it are intact; restore the file from a backup, or replay up to "
+                f"the last intact iteration"
+            )
+        records.append(rec)
+        pos = end + 1
+    return records
+
+
+def iteration_records(records: list[dict], path: str = LOG) -> list[dict]:
+    """The ``iter`` records, checked to be iterations 1..last without gaps or repeats."""
+    its = [r for r in records if r.get("kind") == "iter"]
+    for i, r in enumerate(its, 1):
+        if r.get("iteration") != i:
+            raise RunError(f"{path}: expected iteration {i}, found {r.get('iteration')}")
+    return its
+
+
+def checkpoint_hashes(records: list[dict]) -> dict[str, int]:
+    """sha256 -> iteration of every checkpoint the log recorded."""
+    return {r["sha256"]: r["iteration"] for r in records if r.get("kind") == "checkpoint" and "sha256" in r}

@@ -1,0 +1,89 @@
+"""Replay: rebuild a run's center from its base model and log alone, on the CPU."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import torch
+
+from espert.config import ESConfig
+from espert.es import apply_record
+from espert.runs.checkpoint import load_center, save_center
+from espert.runs.export import export_iteration, export_model, resolve_model_dir
+from espert.runs.files import BASE, CENTER, EXPORT, LOG, RunError
+from espert.runs.fingerprint import check_base
+from espert.runs.log import checkpoint_hashes, iteration_records, read_log
+from espert.runs.run import read_run_config
+
+
+def replay(
+    run_dir: str, out_dir: str | None = None, upto: int | None = None, echo: Callable[[str], None] | None = print
+) -> dict:
+    """Rebuild a run's center from its base model and log alone, on the CPU.
+
+    Writes ``OUT/center.safetensors`` and ``OUT/export/`` (default OUT: RUN/replay) and compares
+    with the run's own checkpoint when that is at the same iteration.  upto: stop after this
+    iteration (default: the last logged one).  Returns ``{"iteration", "out", "matches_checkpoint"}``
+    (``matches_checkpoint`` is None when there is nothing to compare with, False when the
+    checkpoint differs or is damaged).  Refuses (RunError) a base model that is not the run's, and a
+    log that ends before the run's checkpoint or export (records are missing).
+    """
+    from espert.evaluators import config_center, load_model
+
+    echo = echo or (lambda s: None)
+    doc = read_run_config(run_dir)
+    cfg = ESConfig.from_dict(doc["config"])
+    base = os.path.join(run_dir, BASE) if doc["base_model"] == BASE else resolve_model_dir(doc["base_model"])
+    check_base(base, doc.get("base_fingerprint"), echo)
+    log = os.path.join(run_dir, LOG)
+    records = read_log(log)
+    its = iteration_records(records, log)
+    last_logged = its[-1]["iteration"] if its else 0
+    ck = os.path.join(run_dir, CENTER)
+    ref = ck_error = None
+    if os.path.exists(ck):
+        try:
+            ref = load_center(ck, checkpoint_hashes(records))
+        except RunError as e:
+            ck_error = str(e)
+    ahead = max(
+        [it for it in (ref and ref[1], export_iteration(os.path.join(run_dir, EXPORT))) if it is not None]
+        + [r["iteration"] for r in records if r.get("kind") in ("checkpoint", "eval")],
+        default=0,
+    )
+    if ahead > last_logged:
+        raise RunError(
+            f"{log} ends at iteration {last_logged}, but the run's checkpoint, export or log reached "
+            f"iteration {ahead}: update records are missing, so replay cannot rebuild its weights"
+        )
+    if upto is not None:
+        if not 0 <= upto <= len(its):
+            raise ValueError(f"--upto {upto} is outside the logged iterations 0..{len(its)}")
+        its = its[:upto]
+    model, _ = load_model(base, device="cpu", dtype=cfg.dtype)
+    center = config_center(model, cfg)  # the center training built (quantization, optimizer, decay exclusions)
+    t0 = time.time()
+    for rec in its:
+        apply_record(center, rec)  # a Center has the Evaluator's update signature
+    last = its[-1]["iteration"] if its else 0
+    out_dir = out_dir or os.path.join(run_dir, "replay")
+    os.makedirs(out_dir, exist_ok=True)
+    state = center.state_dict()
+    save_center(os.path.join(out_dir, CENTER), state, last)
+    export_model(
+        center.export_state(), base, os.path.join(out_dir, EXPORT), iteration=last, note={"replayed_from": run_dir}
+    )
+    match = None
+    if ck_error is not None and upto is None:
+        match = False
+    elif ref is not None and ref[1] == last:
+        match = set(ref[0]) == set(state) and all(torch.equal(ref[0][n], state[n]) for n in state)
+    echo(
+        f"[espert] replayed {len(its)} updates in {time.time() - t0:.1f}s -> {out_dir}"
+        + ("" if match is None or ck_error else f"; bit-identical to {ck}: {'yes' if match else 'NO'}")
+    )
+    if ck_error is not None:
+        echo(f"[espert] cannot compare with the run's checkpoint: {ck_error}")
+    return {"iteration": last, "out": out_dir, "matches_checkpoint": match}
