@@ -58,6 +58,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("FAMILY_CODES") = py::dict(py::arg("gaussian") = (int)kGaussian, py::arg("rademacher") = (int)kRademacher,
                                     py::arg("lowrank") = (int)kLowRank);
   m.attr("PLAN_FIELDS") = py::make_tuple(ESPERT_PLAN_FIELDS);
+  m.def("units_per_row", &units_per_row, py::arg("family"), py::arg("cols"), py::arg("unit_groups"),
+        "Launch units per row of `cols` columns in noise family `family`, a unit being `unit_groups` groups of 4 "
+        "elements (at least 1): the formula of the CPU tiles, the CUDA launch and espert/ops.py.");
   m.def(
       "check_plan",
       [](uintptr_t plan, int64_t n_entries, int64_t n_members) {
