@@ -71,11 +71,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "apply_many_cpu",
       [](uintptr_t plan, int64_t n_entries, uintptr_t seeds, uintptr_t coeffs, int64_t n_members) {
-        const auto* p = reinterpret_cast<const PlanEntry*>(plan);
-        if (const char* err = check_plan(p, n_entries, n_members)) throw py::value_error(err);
-        py::gil_scoped_release release;
-        apply_many_cpu(p, n_entries, reinterpret_cast<const uint64_t*>(seeds), reinterpret_cast<const float*>(coeffs),
-                       n_members);
+        py::gil_scoped_release release;  // apply_many_cpu checks the plan first (std::invalid_argument: ValueError)
+        apply_many_cpu(reinterpret_cast<const PlanEntry*>(plan), n_entries, reinterpret_cast<const uint64_t*>(seeds),
+                       reinterpret_cast<const float*>(coeffs), n_members);
       },
       "In place, for every entry of the int64 launch plan [n_entries, len(PLAN_FIELDS)]: w += sum_n c_n * eps.  "
       "One OpenMP region over all entries.  Host pointers.");
