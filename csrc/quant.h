@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "apply.h"
@@ -76,6 +77,36 @@ inline std::string check_codes(const QuantArgs& a) {
 #else
 #define ESPERT_BAD_CODE() __builtin_trap()
 #endif
+
+// QUANT_SWITCH(a, E, L, MODE, body): the element kind, layout and mode codes of QuantArgs `a` as
+// constexpr ints E, L, MODE inside body (the static-switch idiom of apply.h), for the 8 (element
+// kind, layout) pairs that exist times the 3 modes.  Host code only; an unknown code or pair throws
+// std::invalid_argument with check_codes' message (quant_cpu / quant_cuda check first).
+#define ESPERT_QUANT_CASE(A, ELEM, LAYOUT, E, L, MODE, ...) \
+  if ((A).elem == ELEM && (A).layout == LAYOUT) {           \
+    constexpr static int E = ELEM, L = LAYOUT;              \
+    return [&] {                                            \
+      switch ((A).mode) {                                   \
+        ESPERT_CASE(kPerturb, MODE, __VA_ARGS__)            \
+        ESPERT_CASE(kUpdateMaster, MODE, __VA_ARGS__)       \
+        ESPERT_CASE(kUpdateNaive, MODE, __VA_ARGS__)        \
+        default:                                            \
+          throw std::invalid_argument(check_codes(A));      \
+      }                                                     \
+    }();                                                    \
+  }
+#define QUANT_SWITCH(A, E, L, MODE, ...)                            \
+  [&] {                                                             \
+    ESPERT_QUANT_CASE(A, kInt8, kNK, E, L, MODE, __VA_ARGS__)       \
+    ESPERT_QUANT_CASE(A, kInt8, kKN, E, L, MODE, __VA_ARGS__)       \
+    ESPERT_QUANT_CASE(A, kFP8, kNK, E, L, MODE, __VA_ARGS__)        \
+    ESPERT_QUANT_CASE(A, kFP8, kKN, E, L, MODE, __VA_ARGS__)        \
+    ESPERT_QUANT_CASE(A, kInt4, kGPTQ, E, L, MODE, __VA_ARGS__)     \
+    ESPERT_QUANT_CASE(A, kInt4, kAWQ, E, L, MODE, __VA_ARGS__)      \
+    ESPERT_QUANT_CASE(A, kInt4, kCpuW4A16, E, L, MODE, __VA_ARGS__) \
+    ESPERT_QUANT_CASE(A, kInt4, kMarlin, E, L, MODE, __VA_ARGS__)   \
+    throw std::invalid_argument(check_codes(A));                    \
+  }()
 
 // ---- the stochastic-rounding stream: group g' = g | 2^63, u = (x >> 8) * 2^-24 -----------------
 ESPERT_HD F4 sr_uniforms4(uint64_t seed, uint64_t key, uint64_t g) {
