@@ -47,6 +47,55 @@ struct QuantArgs {
   uint64_t key;
 };
 
+// One call of the quantized kernels as a row of 26 int64 fields, in the order of
+// ESPERT_QUANT_FIELDS (exported to Python as _C.QUANT_FIELDS; espert/quant/ops.py builds the row
+// from those names).  Pointers are addresses; unsigned fields are their bit patterns; qmin/qmax are
+// float32 bits.  args() gives the typed QuantArgs the kernels take.
+struct QuantEntry {
+  int64_t codes, elem, layout, N, K, ld;
+  uint64_t row_offset, col_offset, logical_cols;
+  int64_t scales, scale_dtype, scale_kind, group, scale_ld, master, mode, family, rank, stage_a, stage_b;
+  int64_t qmin_bits, qmax_bits;
+  int64_t seeds, coeffs, n;
+  uint64_t key;
+  QuantArgs args() const {
+    QuantArgs a;
+    a.codes = reinterpret_cast<void*>(codes);
+    a.elem = (int)elem;
+    a.layout = (int)layout;
+    a.N = N;
+    a.K = K;
+    a.ld = ld;
+    a.row_offset = row_offset;
+    a.col_offset = col_offset;
+    a.logical_cols = logical_cols;
+    a.scales = reinterpret_cast<const void*>(scales);
+    a.scale_dtype = (int)scale_dtype;
+    a.scale_kind = (int)scale_kind;
+    a.group = group;
+    a.scale_ld = scale_ld;
+    a.master = reinterpret_cast<float*>(master);
+    a.mode = (int)mode;
+    a.family = (int)family;
+    a.rank = rank;
+    a.stage_a = reinterpret_cast<const float*>(stage_a);
+    a.stage_b = reinterpret_cast<const float*>(stage_b);
+    a.qmin = u2f((uint32_t)qmin_bits);
+    a.qmax = u2f((uint32_t)qmax_bits);
+    a.seeds = reinterpret_cast<const uint64_t*>(seeds);
+    a.coeffs = reinterpret_cast<const float*>(coeffs);
+    a.n = n;
+    a.key = key;
+    return a;
+  }
+};
+static_assert(sizeof(QuantEntry) == 26 * sizeof(int64_t), "QuantEntry must match the int64 row");
+
+#define ESPERT_QUANT_FIELDS                                                                                       \
+  "codes", "elem", "layout", "N", "K", "ld", "row_offset", "col_offset", "logical_cols", "scales", "scale_dtype", \
+      "scale_kind", "group", "scale_ld", "master", "mode", "family", "rank", "stage_a", "stage_b", "qmin_bits",   \
+      "qmax_bits", "seeds", "coeffs", "n", "key"
+
 // Why the codes of `a` cannot run, or "" when they can: an unknown element kind, layout, scale kind,
 // scale dtype or mode, or a layout of the other element kind.  quant_cpu and quant_cuda check it first
 // and throw std::invalid_argument, so no code ever falls through to another code's kernel.
