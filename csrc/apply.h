@@ -9,6 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+
 #include "noise.h"
 
 namespace espert {
@@ -17,6 +20,52 @@ namespace espert {
 enum Family : int { kGaussian = 0, kRademacher = 1, kLowRank = 2 };
 constexpr int kNumDTypes = 3;
 constexpr int kNumFamilies = 3;
+
+// ---- dispatch: a runtime code -> a constexpr int inside a lambda body (FlashAttention's
+// static_switch.h idiom).  Host code only; the body is instantiated once per code:
+//   DTYPE_SWITCH(e.dtype, DT, [&] { run<DT>(e); });
+// An unknown code throws std::invalid_argument (callers check codes first, so this is a backstop).
+#define ESPERT_CASE(CODE, NAME, ...)  \
+  case CODE: {                        \
+    constexpr static int NAME = CODE; \
+    return __VA_ARGS__();             \
+  }
+#define ESPERT_UNKNOWN(WHAT, VALUE) \
+  default:                          \
+    throw std::invalid_argument("unknown " WHAT " code " + std::to_string(VALUE))
+
+#define DTYPE_SWITCH(VALUE, NAME, ...)          \
+  [&] {                                         \
+    switch (VALUE) {                            \
+      ESPERT_CASE(kFloat32, NAME, __VA_ARGS__)  \
+      ESPERT_CASE(kFloat16, NAME, __VA_ARGS__)  \
+      ESPERT_CASE(kBFloat16, NAME, __VA_ARGS__) \
+      ESPERT_UNKNOWN("dtype", VALUE);           \
+    }                                           \
+  }()
+
+#define FAMILY_SWITCH(VALUE, NAME, ...)           \
+  [&] {                                           \
+    switch (VALUE) {                              \
+      ESPERT_CASE(kGaussian, NAME, __VA_ARGS__)   \
+      ESPERT_CASE(kRademacher, NAME, __VA_ARGS__) \
+      ESPERT_CASE(kLowRank, NAME, __VA_ARGS__)    \
+      ESPERT_UNKNOWN("noise family", VALUE);      \
+    }                                             \
+  }()
+
+// Launch units per row of a block of `cols` columns in noise family `family`, a unit being
+// `unit_groups` groups of 4 elements; at least 1.  A Philox row may start anywhere inside a group
+// (gaussian) or a 128-element call (rademacher: whole calls of 32 groups); lowrank groups start at
+// column 0.  The CPU tiles (apply_cpu.cpp), the CUDA launch (apply_cuda.cu) and, through
+// _C.units_per_row, espert/ops.py use this one formula.
+ESPERT_HD int64_t units_per_row(int64_t family, int64_t cols, int64_t unit_groups) {
+  const int64_t groups = family == kLowRank      ? (cols + 3) / 4
+                         : family == kRademacher ? 32 * ((cols + 254) / 128)
+                                                 : (cols + 6) / 4;
+  const int64_t units = (groups + unit_groups - 1) / unit_groups;
+  return units > 1 ? units : 1;
+}
 
 // One row of the launch plan: 18 int64 fields, layout-identical to a row of the numpy table.
 struct PlanEntry {

@@ -13,42 +13,6 @@ namespace espert {
 void register_cast(py::module_& m);  // csrc/cpu/cast_cpu.cpp: exact float32 -> bf16/fp16 for restore_
 }
 
-// Quantized-weight kernels (csrc/quant.h); espert/quant/ops.py validates every argument first.
-static quant::QuantArgs make_qargs(uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld,
-                                   uint64_t row_offset, uint64_t col_offset, uint64_t logical_cols, uintptr_t scales,
-                                   int scale_dtype, int scale_kind, int64_t group, int64_t scale_ld, uintptr_t master,
-                                   int mode, int family, int64_t rank, uintptr_t stage_a, uintptr_t stage_b, float qmin,
-                                   float qmax, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
-  quant::QuantArgs a;
-  a.codes = reinterpret_cast<void*>(codes);
-  a.elem = elem;
-  a.layout = layout;
-  a.N = N;
-  a.K = K;
-  a.ld = ld;
-  a.row_offset = row_offset;
-  a.col_offset = col_offset;
-  a.logical_cols = logical_cols;
-  a.scales = reinterpret_cast<const void*>(scales);
-  a.scale_dtype = scale_dtype;
-  a.scale_kind = scale_kind;
-  a.group = group;
-  a.scale_ld = scale_ld;
-  a.master = reinterpret_cast<float*>(master);
-  a.mode = mode;
-  a.family = family;
-  a.rank = rank;
-  a.stage_a = reinterpret_cast<const float*>(stage_a);
-  a.stage_b = reinterpret_cast<const float*>(stage_b);
-  a.qmin = qmin;
-  a.qmax = qmax;
-  a.seeds = reinterpret_cast<const uint64_t*>(seeds);
-  a.coeffs = reinterpret_cast<const float*>(coeffs);
-  a.n = n;
-  a.key = key;
-  return a;
-}
-
 PYBIND11_MODULE(_C, m) {
   register_cast(m);
   m.doc() = "espert compiled kernels (CPU, and CUDA when built with nvcc)";
@@ -58,6 +22,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("FAMILY_CODES") = py::dict(py::arg("gaussian") = (int)kGaussian, py::arg("rademacher") = (int)kRademacher,
                                     py::arg("lowrank") = (int)kLowRank);
   m.attr("PLAN_FIELDS") = py::make_tuple(ESPERT_PLAN_FIELDS);
+  m.def("units_per_row", &units_per_row, py::arg("family"), py::arg("cols"), py::arg("unit_groups"),
+        "Launch units per row of `cols` columns in noise family `family`, a unit being `unit_groups` groups of 4 "
+        "elements (at least 1): the formula of the CPU tiles, the CUDA launch and espert/ops.py.");
   m.def(
       "check_plan",
       [](uintptr_t plan, int64_t n_entries, int64_t n_members) {
@@ -68,11 +35,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "apply_many_cpu",
       [](uintptr_t plan, int64_t n_entries, uintptr_t seeds, uintptr_t coeffs, int64_t n_members) {
-        const auto* p = reinterpret_cast<const PlanEntry*>(plan);
-        if (const char* err = check_plan(p, n_entries, n_members)) throw py::value_error(err);
-        py::gil_scoped_release release;
-        apply_many_cpu(p, n_entries, reinterpret_cast<const uint64_t*>(seeds), reinterpret_cast<const float*>(coeffs),
-                       n_members);
+        py::gil_scoped_release release;  // apply_many_cpu checks the plan first (std::invalid_argument: ValueError)
+        apply_many_cpu(reinterpret_cast<const PlanEntry*>(plan), n_entries, reinterpret_cast<const uint64_t*>(seeds),
+                       reinterpret_cast<const float*>(coeffs), n_members);
       },
       "In place, for every entry of the int64 launch plan [n_entries, len(PLAN_FIELDS)]: w += sum_n c_n * eps.  "
       "One OpenMP region over all entries.  Host pointers.");
@@ -99,34 +64,26 @@ PYBIND11_MODULE(_C, m) {
     m.attr("QUANT_MODE_CODES") = py::dict(py::arg("perturb") = (int)kPerturb, py::arg("master") = (int)kUpdateMaster,
                                           py::arg("naive") = (int)kUpdateNaive);
   }
+  m.attr("QUANT_FIELDS") = py::make_tuple(ESPERT_QUANT_FIELDS);
   m.def(
       "quant_cpu",
-      [](uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld, uint64_t row_offset,
-         uint64_t col_offset, uint64_t logical_cols, uintptr_t scales, int scale_dtype, int scale_kind, int64_t group,
-         int64_t scale_ld, uintptr_t master, int mode, int family, int64_t rank, uintptr_t stage_a, uintptr_t stage_b,
-         float qmin, float qmax, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key) {
-        const quant::QuantArgs a = make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols,
-                                              scales, scale_dtype, scale_kind, group, scale_ld, master, mode, family,
-                                              rank, stage_a, stage_b, qmin, qmax, seeds, coeffs, n, key);
+      [](uintptr_t entry) {
+        const quant::QuantArgs a = reinterpret_cast<const quant::QuantEntry*>(entry)->args();
         py::gil_scoped_release release;
         quant::quant_cpu(a);
       },
-      "Quantized codes in place: perturb (mode 0), update with a float32 master (1) or naive (2), with the "
-      "noise family code `family` (lowrank: rank and the staged factors A' [n, N, r], Bt [n, r, K]).  Host pointers.");
+      "Quantized codes in place, for the int64 row [len(QUANT_FIELDS)] at address `entry`: perturb (mode 0), update "
+      "with a float32 master (1) or naive (2), with the noise family code `family` (lowrank: rank and the staged "
+      "factors A' [n, N, r], Bt [n, r, K]).  Host pointers.");
 #ifdef ESPERT_WITH_CUDA
   m.def(
       "quant_cuda",
-      [](uintptr_t codes, int elem, int layout, int64_t N, int64_t K, int64_t ld, uint64_t row_offset,
-         uint64_t col_offset, uint64_t logical_cols, uintptr_t scales, int scale_dtype, int scale_kind, int64_t group,
-         int64_t scale_ld, uintptr_t master, int mode, int family, int64_t rank, uintptr_t stage_a, uintptr_t stage_b,
-         float qmin, float qmax, uintptr_t seeds, uintptr_t coeffs, int64_t n, uint64_t key, uintptr_t stream) {
-        const quant::QuantArgs a = make_qargs(codes, elem, layout, N, K, ld, row_offset, col_offset, logical_cols,
-                                              scales, scale_dtype, scale_kind, group, scale_ld, master, mode, family,
-                                              rank, stage_a, stage_b, qmin, qmax, seeds, coeffs, n, key);
+      [](uintptr_t entry, uintptr_t stream) {
+        const quant::QuantArgs a = reinterpret_cast<const quant::QuantEntry*>(entry)->args();
         const int err = quant::quant_cuda(a, reinterpret_cast<void*>(stream));
         if (err != 0) throw std::runtime_error("espert quant CUDA kernel failed with cudaError " + std::to_string(err));
       },
-      "Like quant_cpu, with device pointers and a cudaStream_t handle.");
+      "Like quant_cpu (the row on the host), with device pointers in the row and a cudaStream_t handle.");
 #endif
 #ifdef ESPERT_WITH_CUDA
   m.attr("has_cuda") = true;

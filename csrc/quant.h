@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "apply.h"
@@ -46,6 +47,55 @@ struct QuantArgs {
   uint64_t key;
 };
 
+// One call of the quantized kernels as a row of 26 int64 fields, in the order of
+// ESPERT_QUANT_FIELDS (exported to Python as _C.QUANT_FIELDS; espert/quant/ops.py builds the row
+// from those names).  Pointers are addresses; unsigned fields are their bit patterns; qmin/qmax are
+// float32 bits.  args() gives the typed QuantArgs the kernels take.
+struct QuantEntry {
+  int64_t codes, elem, layout, N, K, ld;
+  uint64_t row_offset, col_offset, logical_cols;
+  int64_t scales, scale_dtype, scale_kind, group, scale_ld, master, mode, family, rank, stage_a, stage_b;
+  int64_t qmin_bits, qmax_bits;
+  int64_t seeds, coeffs, n;
+  uint64_t key;
+  QuantArgs args() const {
+    QuantArgs a;
+    a.codes = reinterpret_cast<void*>(codes);
+    a.elem = (int)elem;
+    a.layout = (int)layout;
+    a.N = N;
+    a.K = K;
+    a.ld = ld;
+    a.row_offset = row_offset;
+    a.col_offset = col_offset;
+    a.logical_cols = logical_cols;
+    a.scales = reinterpret_cast<const void*>(scales);
+    a.scale_dtype = (int)scale_dtype;
+    a.scale_kind = (int)scale_kind;
+    a.group = group;
+    a.scale_ld = scale_ld;
+    a.master = reinterpret_cast<float*>(master);
+    a.mode = (int)mode;
+    a.family = (int)family;
+    a.rank = rank;
+    a.stage_a = reinterpret_cast<const float*>(stage_a);
+    a.stage_b = reinterpret_cast<const float*>(stage_b);
+    a.qmin = u2f((uint32_t)qmin_bits);
+    a.qmax = u2f((uint32_t)qmax_bits);
+    a.seeds = reinterpret_cast<const uint64_t*>(seeds);
+    a.coeffs = reinterpret_cast<const float*>(coeffs);
+    a.n = n;
+    a.key = key;
+    return a;
+  }
+};
+static_assert(sizeof(QuantEntry) == 26 * sizeof(int64_t), "QuantEntry must match the int64 row");
+
+#define ESPERT_QUANT_FIELDS                                                                                       \
+  "codes", "elem", "layout", "N", "K", "ld", "row_offset", "col_offset", "logical_cols", "scales", "scale_dtype", \
+      "scale_kind", "group", "scale_ld", "master", "mode", "family", "rank", "stage_a", "stage_b", "qmin_bits",   \
+      "qmax_bits", "seeds", "coeffs", "n", "key"
+
 // Why the codes of `a` cannot run, or "" when they can: an unknown element kind, layout, scale kind,
 // scale dtype or mode, or a layout of the other element kind.  quant_cpu and quant_cuda check it first
 // and throw std::invalid_argument, so no code ever falls through to another code's kernel.
@@ -76,6 +126,36 @@ inline std::string check_codes(const QuantArgs& a) {
 #else
 #define ESPERT_BAD_CODE() __builtin_trap()
 #endif
+
+// QUANT_SWITCH(a, E, L, MODE, body): the element kind, layout and mode codes of QuantArgs `a` as
+// constexpr ints E, L, MODE inside body (the static-switch idiom of apply.h), for the 8 (element
+// kind, layout) pairs that exist times the 3 modes.  Host code only; an unknown code or pair throws
+// std::invalid_argument with check_codes' message (quant_cpu / quant_cuda check first).
+#define ESPERT_QUANT_CASE(A, ELEM, LAYOUT, E, L, MODE, ...) \
+  if ((A).elem == ELEM && (A).layout == LAYOUT) {           \
+    constexpr static int E = ELEM, L = LAYOUT;              \
+    return [&] {                                            \
+      switch ((A).mode) {                                   \
+        ESPERT_CASE(kPerturb, MODE, __VA_ARGS__)            \
+        ESPERT_CASE(kUpdateMaster, MODE, __VA_ARGS__)       \
+        ESPERT_CASE(kUpdateNaive, MODE, __VA_ARGS__)        \
+        default:                                            \
+          throw std::invalid_argument(check_codes(A));      \
+      }                                                     \
+    }();                                                    \
+  }
+#define QUANT_SWITCH(A, E, L, MODE, ...)                            \
+  [&] {                                                             \
+    ESPERT_QUANT_CASE(A, kInt8, kNK, E, L, MODE, __VA_ARGS__)       \
+    ESPERT_QUANT_CASE(A, kInt8, kKN, E, L, MODE, __VA_ARGS__)       \
+    ESPERT_QUANT_CASE(A, kFP8, kNK, E, L, MODE, __VA_ARGS__)        \
+    ESPERT_QUANT_CASE(A, kFP8, kKN, E, L, MODE, __VA_ARGS__)        \
+    ESPERT_QUANT_CASE(A, kInt4, kGPTQ, E, L, MODE, __VA_ARGS__)     \
+    ESPERT_QUANT_CASE(A, kInt4, kAWQ, E, L, MODE, __VA_ARGS__)      \
+    ESPERT_QUANT_CASE(A, kInt4, kCpuW4A16, E, L, MODE, __VA_ARGS__) \
+    ESPERT_QUANT_CASE(A, kInt4, kMarlin, E, L, MODE, __VA_ARGS__)   \
+    throw std::invalid_argument(check_codes(A));                    \
+  }()
 
 // ---- the stochastic-rounding stream: group g' = g | 2^63, u = (x >> 8) * 2^-24 -----------------
 ESPERT_HD F4 sr_uniforms4(uint64_t seed, uint64_t key, uint64_t g) {

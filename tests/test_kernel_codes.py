@@ -61,41 +61,77 @@ BAD = [
 ]
 
 
+def test_quant_row_is_built_from_the_exported_field_names():
+    from espert.quant import ops as qops
+
+    assert len(_C.QUANT_FIELDS) == 26 and len(set(_C.QUANT_FIELDS)) == 26
+    fields = {name: i + 1 for i, name in enumerate(_C.QUANT_FIELDS)}
+    fields["key"] = 2**64 - 1  # unsigned fields keep their bit patterns
+    row = qops._quant_row(**fields)
+    assert row.dtype == np.int64 and row[:-1].tolist() == list(range(1, 26)) and row.view(np.uint64)[-1] == 2**64 - 1
+    with pytest.raises(ValueError, match="missing or unknown"):
+        qops._quant_row(**dict(fields, extra=0))
+    del fields["key"]
+    with pytest.raises(ValueError, match="missing or unknown"):
+        qops._quant_row(**fields)
+
+
 @pytest.mark.parametrize("change,message", BAD, ids=[m for _, m in BAD])
 def test_cpu_kernel_rejects_unknown_codes_untouched(change, message):
+    from espert.quant import ops as qops
+
     a = dict(VALID, **change)
     codes = np.arange(256, dtype=np.uint8)  # [4, 64] int8 codes (or [4, 16] int32 words)
     before = codes.copy()
     scales = np.full(64, 0.01, np.float32)
     master = np.zeros(256, np.float32)
     seeds, coeffs = np.array([5], np.uint64), np.array([1.0], np.float32)
+    row = qops._quant_row(
+        codes=codes.ctypes.data,
+        elem=a["elem"],
+        layout=a["layout"],
+        N=4,
+        K=64,
+        ld=64,
+        row_offset=0,
+        col_offset=0,
+        logical_cols=64,
+        scales=scales.ctypes.data,
+        scale_dtype=a["scale_dtype"],
+        scale_kind=a["scale_kind"],
+        group=64,
+        scale_ld=4,
+        master=master.ctypes.data,
+        mode=a["mode"],
+        family=a["family"],
+        rank=0,  # lowrank only
+        stage_a=0,  # staged A' (lowrank only)
+        stage_b=0,  # staged B^T (lowrank only)
+        qmin_bits=np.float32(-128.0).view(np.int32),
+        qmax_bits=np.float32(127.0).view(np.int32),
+        seeds=seeds.ctypes.data,
+        coeffs=coeffs.ctypes.data,
+        n=1,
+        key=3,
+    )
     with pytest.raises(ValueError, match=message):
-        _C.quant_cpu(
-            codes.ctypes.data,
-            a["elem"],
-            a["layout"],
-            4,
-            64,
-            64,
-            0,
-            0,
-            64,
-            scales.ctypes.data,
-            a["scale_dtype"],
-            a["scale_kind"],
-            64,
-            4,
-            master.ctypes.data,
-            a["mode"],
-            a["family"],
-            0,  # rank (lowrank only)
-            0,  # staged A' (lowrank only)
-            0,  # staged B^T (lowrank only)
-            -128.0,
-            127.0,
-            seeds.ctypes.data,
-            coeffs.ctypes.data,
-            1,
-            3,
-        )
+        _C.quant_cpu(row.ctypes.data)
     assert np.array_equal(codes, before)
+
+
+def test_units_per_row_is_the_ops_formula():
+    """_C.units_per_row (csrc/apply.h: the CPU tiles, the CUDA launch) equals the units_per_row that
+    espert/ops.py writes into a launch plan (``_finish``), over families, widths and unit sizes."""
+    from espert import ops
+
+    cols = np.array(sorted(set(range(0, 3000)) | {2**k + d for k in range(12, 40) for d in (-255, -1, 0, 1, 127)}))
+    P = {name: i for i, name in enumerate(_C.PLAN_FIELDS)}
+    for family in F.values():
+        for unit_groups in (1, 3, 16, 64, 256, 1024, getattr(_C, "CUDA_UNIT_GROUPS", 1024)):
+            t = np.zeros((len(cols), len(_C.PLAN_FIELDS)), np.int64)
+            t[:, P["rows"]], t[:, P["cols"]], t[:, P["row_stride"]], t[:, P["logical_cols"]] = 1, cols, cols, cols
+            t[:, P["family"]], t[:, P["member_end"]] = family, 1
+            t, _ = ops._finish(t, unit_groups)
+            want = t[:, P["units_per_row"]].tolist()
+            got = [_C.units_per_row(family, int(c), unit_groups) for c in t[:, P["cols"]]]
+            assert got == want, (family, unit_groups)

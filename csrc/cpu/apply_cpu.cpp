@@ -103,16 +103,12 @@ ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)
   }
 }
 
-// Tiles per row of an entry, by family (bounds: a row may start anywhere inside a group).
+// Tiles per row of an entry: units of one tile's groups (lowrank: 4-column groups).
 inline int64_t tiles_per_row(const PlanEntry& e) {
-  switch (e.family) {
-    case kGaussian:
-      return ((e.cols + 6) / 4 + kTileGroups - 1) / kTileGroups;
-    case kRademacher:
-      return (e.cols + 127 + kRadTileElems - 1) / kRadTileElems;
-    default:
-      return (e.cols + kLowRankCols - 1) / kLowRankCols;
-  }
+  const int64_t tile_groups = e.family == kGaussian     ? kTileGroups
+                              : e.family == kRademacher ? 32 * kRadTileCalls
+                                                        : kLowRankCols / 4;
+  return units_per_row(e.family, e.cols, tile_groups);
 }
 
 // Stores acc[k - col0] into columns [cf, ce) of a row.
@@ -206,22 +202,17 @@ ESPERT_HD void lowrank_tile(const PlanEntry& e, int64_t i, int64_t tile, const f
   store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, col0, col0 + len, acc);
 }
 
-template <int DT, int kIsa>
+template <int DT, int FAM, int kIsa>
 ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin, int64_t t_end, const uint64_t* seeds,
                                const float* coeffs) {
   int64_t i = t_begin / tpr, tile = t_begin % tpr;
   for (int64_t t = t_begin; t < t_end; ++t) {
-    switch (e.family) {
-      case kGaussian:
-        gaussian_tile<DT, kIsa>(e, i, tile, seeds, coeffs);
-        break;
-      case kRademacher:
-        rademacher_tile<DT>(e, i, tile, seeds, coeffs);
-        break;
-      default:
-        lowrank_tile<DT>(e, i, tile, coeffs);
-        break;
-    }
+    if constexpr (FAM == kGaussian)
+      gaussian_tile<DT, kIsa>(e, i, tile, seeds, coeffs);
+    else if constexpr (FAM == kRademacher)
+      rademacher_tile<DT>(e, i, tile, seeds, coeffs);
+    else
+      lowrank_tile<DT>(e, i, tile, coeffs);
     if (++tile == tpr) {
       tile = 0;
       ++i;
@@ -229,36 +220,39 @@ ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin,
   }
 }
 
-template <int kIsa>
-ESPERT_HD void run_tiles(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
-  switch (e.dtype) {
-    case kFloat32:
-      run_entry_tiles<kFloat32, kIsa>(e, tpr, b, end, s, c);
-      break;
-    case kFloat16:
-      run_entry_tiles<kFloat16, kIsa>(e, tpr, b, end, s, c);
-      break;
-    default:
-      run_entry_tiles<kBFloat16, kIsa>(e, tpr, b, end, s, c);
-      break;
-  }
-}
-
+template <int DT, int FAM>
 ESPERT_AVX512 void run_avx512(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s,
                               const float* c) {
-  run_tiles<kAvx512Isa>(e, tpr, b, end, s, c);
+  run_entry_tiles<DT, FAM, kAvx512Isa>(e, tpr, b, end, s, c);
 }
 
 // For processors without AVX-512: the Gaussian tile in AVX2 intrinsics (normals_avx2.h), the other
 // loops compiled for AVX2 (8 lanes instead of SSE2's 4; no FMA: the target adds none and
 // -ffp-contract=off forbids contraction anyway).
+template <int DT, int FAM>
 __attribute__((target("avx2"))) void run_avx2(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end,
                                               const uint64_t* s, const float* c) {
-  run_tiles<kAvx2Isa>(e, tpr, b, end, s, c);
+  run_entry_tiles<DT, FAM, kAvx2Isa>(e, tpr, b, end, s, c);
 }
 
+template <int DT, int FAM>
 void run_generic(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
-  run_tiles<kGenericIsa>(e, tpr, b, end, s, c);
+  run_entry_tiles<DT, FAM, kGenericIsa>(e, tpr, b, end, s, c);
+}
+
+// Tiles [b, end) of entry e, with its dtype and family as template arguments, on the ISA's path.  The
+// dispatch lambdas stay outside the target("...") functions, so the tile loops keep their ISA.
+void run_tiles(Isa isa, const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
+  DTYPE_SWITCH(e.dtype, DT, [&] {
+    FAMILY_SWITCH(e.family, FAM, [&] {
+      if (isa == kAvx512Isa)
+        run_avx512<DT, FAM>(e, tpr, b, end, s, c);
+      else if (isa == kAvx2Isa)
+        run_avx2<DT, FAM>(e, tpr, b, end, s, c);
+      else
+        run_generic<DT, FAM>(e, tpr, b, end, s, c);
+    });
+  });
 }
 
 bool use_avx2() {
@@ -323,7 +317,7 @@ void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* se
   }
   const int64_t total = start[n_entries];
   const int64_t ntasks = (total + kTilesPerTask - 1) / kTilesPerTask;
-  const bool avx = use_avx512(), avx2 = use_avx2();
+  const Isa isa = use_avx512() ? kAvx512Isa : use_avx2() ? kAvx2Isa : kGenericIsa;
   // one thread team for the whole call; a team costs more than a few tasks (tiny calls, busy machines)
 #pragma omp parallel for schedule(dynamic, 1) if (ntasks >= 4)
   for (int64_t task = 0; task < ntasks; ++task) {
@@ -333,12 +327,7 @@ void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* se
     while (b < end) {
       while (start[k + 1] <= b) ++k;  // skip empty entries
       const int64_t e_end = std::min(end, start[k + 1]);
-      if (avx)
-        run_avx512(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
-      else if (avx2)
-        run_avx2(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
-      else
-        run_generic(plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
+      run_tiles(isa, plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
       b = e_end;
     }
   }

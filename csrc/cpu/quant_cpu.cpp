@@ -36,7 +36,7 @@ ESPERT_HD void tile_members(const QuantArgs& a, const int64_t (&gn)[kTileGroups]
   }
 }
 
-template <int E, int L, int MODE>
+template <int E, int L, int MODE, int FAM>
 ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
   using Ly = Lay<L>;
   constexpr int G = Ly::G;
@@ -61,12 +61,7 @@ ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
     alignas(64) float acc[4][kTileGroups];
     for (int l = 0; l < 4; ++l)
       for (int j = 0; j < kTileGroups; ++j) acc[l][j] = 0.0f;
-    if (a.family == kRademacher)
-      tile_members<kRademacher>(a, gn, gk, gg, acc);
-    else if (a.family == kLowRank)
-      tile_members<kLowRank>(a, gn, gk, gg, acc);
-    else
-      tile_members<kGaussian>(a, gn, gk, gg, acc);
+    tile_members<FAM>(a, gn, gk, gg, acc);
     alignas(64) float us[4][kTileGroups];
     if (MODE == kPerturb) {
 #pragma GCC ivdep
@@ -99,18 +94,18 @@ ESPERT_HD void run_tiles(const QuantArgs& a, int64_t u_begin, int64_t u_end) {
   }
 }
 
-template <int E, int L, int MODE>
+template <int E, int L, int MODE, int FAM>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq"))) void run_avx512(const QuantArgs& a, int64_t b,
                                                                               int64_t e) {
-  run_tiles<E, L, MODE>(a, b, e);
+  run_tiles<E, L, MODE, FAM>(a, b, e);
 }
 
-template <int E, int L, int MODE>
+template <int E, int L, int MODE, int FAM>
 void run_generic(const QuantArgs& a, int64_t b, int64_t e) {
-  run_tiles<E, L, MODE>(a, b, e);
+  run_tiles<E, L, MODE, FAM>(a, b, e);
 }
 
-template <int E, int L, int MODE>
+template <int E, int L, int MODE, int FAM>
 void run(const QuantArgs& a) {
   const int64_t units = Lay<L>::units(a.N, a.K);
   const int64_t per_task = 16 * (kTileGroups / Lay<L>::G);  // 16 tiles, 4096 elements
@@ -120,59 +115,9 @@ void run(const QuantArgs& a) {
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t b = t * per_task, e = std::min(units, b + per_task);
     if (avx)
-      run_avx512<E, L, MODE>(a, b, e);
+      run_avx512<E, L, MODE, FAM>(a, b, e);
     else
-      run_generic<E, L, MODE>(a, b, e);
-  }
-}
-
-template <int E, int L>
-void by_mode(const QuantArgs& a) {
-  switch (a.mode) {
-    case kPerturb:
-      run<E, L, kPerturb>(a);
-      break;
-    case kUpdateMaster:
-      run<E, L, kUpdateMaster>(a);
-      break;
-    case kUpdateNaive:
-      run<E, L, kUpdateNaive>(a);
-      break;
-    default:
-      throw std::invalid_argument(check_codes(a));
-  }
-}
-
-template <int E>
-void by_layout(const QuantArgs& a) {
-  if constexpr (E == kInt4) {
-    switch (a.layout) {
-      case kGPTQ:
-        by_mode<E, kGPTQ>(a);
-        break;
-      case kAWQ:
-        by_mode<E, kAWQ>(a);
-        break;
-      case kCpuW4A16:
-        by_mode<E, kCpuW4A16>(a);
-        break;
-      case kMarlin:
-        by_mode<E, kMarlin>(a);
-        break;
-      default:
-        throw std::invalid_argument(check_codes(a));
-    }
-  } else {
-    switch (a.layout) {
-      case kNK:
-        by_mode<E, kNK>(a);
-        break;
-      case kKN:
-        by_mode<E, kKN>(a);
-        break;
-      default:
-        throw std::invalid_argument(check_codes(a));
-    }
+      run_generic<E, L, MODE, FAM>(a, b, e);
   }
 }
 
@@ -181,19 +126,7 @@ void by_layout(const QuantArgs& a) {
 void quant_cpu(const QuantArgs& a) {
   const std::string err = check_codes(a);
   if (!err.empty()) throw std::invalid_argument(err);
-  switch (a.elem) {
-    case kInt8:
-      by_layout<kInt8>(a);
-      break;
-    case kFP8:
-      by_layout<kFP8>(a);
-      break;
-    case kInt4:
-      by_layout<kInt4>(a);
-      break;
-    default:
-      throw std::invalid_argument(check_codes(a));
-  }
+  QUANT_SWITCH(a, E, L, MODE, [&] { FAMILY_SWITCH(a.family, FAM, [&] { run<E, L, MODE, FAM>(a); }); });
 }
 
 }  // namespace quant

@@ -134,22 +134,6 @@ __global__ void apply_kernel(const PlanEntry* __restrict__ plan, int64_t n_entri
   }
 }
 
-template <int DT>
-void launch(int family, const PlanEntry* plan, int64_t n, int64_t units, const uint64_t* s, const float* c, int blocks,
-            cudaStream_t st) {
-  switch (family) {
-    case kGaussian:
-      apply_kernel<DT, kGaussian><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c);
-      break;
-    case kRademacher:
-      apply_kernel<DT, kRademacher><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c);
-      break;
-    case kLowRank:
-      apply_kernel<DT, kLowRank><<<blocks, kThreads, 0, st>>>(plan, n, units, s, c);
-      break;
-  }
-}
-
 }  // namespace
 
 int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64_t n_entries, const uint64_t* seeds,
@@ -160,22 +144,17 @@ int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64
   for (int64_t k = 0; k < n_entries; ++k) {
     const PlanEntry& e = host_plan[k];
     if (e.dtype != dtype || e.family != family) return (int)cudaErrorInvalidValue;  // ops.py groups them
+    if (e.units_per_row != units_per_row(e.family, e.cols, kCudaUnitGroups)) return (int)cudaErrorInvalidValue;
     units = e.unit_start + e.rows * e.units_per_row > units ? e.unit_start + e.rows * e.units_per_row : units;
   }
   if (units == 0) return 0;
   const int blocks = (int)(units < (int64_t)1 << 30 ? units : (int64_t)1 << 30);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case kFloat32:
-      launch<kFloat32>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st);
-      break;
-    case kFloat16:
-      launch<kFloat16>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st);
-      break;
-    case kBFloat16:
-      launch<kBFloat16>(family, dev_plan, n_entries, units, seeds, coeffs, blocks, st);
-      break;
-  }
+  DTYPE_SWITCH(dtype, DT, [&] {
+    FAMILY_SWITCH(family, FAM, [&] {
+      apply_kernel<DT, FAM><<<blocks, kThreads, 0, st>>>(dev_plan, n_entries, units, seeds, coeffs);
+    });
+  });
   return (int)cudaGetLastError();
 }
 

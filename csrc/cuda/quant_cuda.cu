@@ -29,75 +29,13 @@ void launch(const QuantArgs& a, cudaStream_t s) {
   quant_kernel<E, L, MODE><<<blocks, threads, 0, s>>>(a, units);
 }
 
-template <int E, int L>
-void by_mode(const QuantArgs& a, cudaStream_t s) {
-  switch (a.mode) {
-    case kPerturb:
-      launch<E, L, kPerturb>(a, s);
-      break;
-    case kUpdateMaster:
-      launch<E, L, kUpdateMaster>(a, s);
-      break;
-    case kUpdateNaive:
-      launch<E, L, kUpdateNaive>(a, s);
-      break;
-    default:
-      throw std::invalid_argument(check_codes(a));
-  }
-}
-
-template <int E>
-void by_layout(const QuantArgs& a, cudaStream_t s) {
-  if constexpr (E == kInt4) {
-    switch (a.layout) {
-      case kGPTQ:
-        by_mode<E, kGPTQ>(a, s);
-        break;
-      case kAWQ:
-        by_mode<E, kAWQ>(a, s);
-        break;
-      case kCpuW4A16:
-        by_mode<E, kCpuW4A16>(a, s);
-        break;
-      case kMarlin:
-        by_mode<E, kMarlin>(a, s);
-        break;
-      default:
-        throw std::invalid_argument(check_codes(a));
-    }
-  } else {
-    switch (a.layout) {
-      case kNK:
-        by_mode<E, kNK>(a, s);
-        break;
-      case kKN:
-        by_mode<E, kKN>(a, s);
-        break;
-      default:
-        throw std::invalid_argument(check_codes(a));
-    }
-  }
-}
-
 }  // namespace
 
 int quant_cuda(const QuantArgs& a, void* stream) {
   const std::string err = check_codes(a);
   if (!err.empty()) throw std::invalid_argument(err);  // before any launch
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  switch (a.elem) {
-    case kInt8:
-      by_layout<kInt8>(a, s);
-      break;
-    case kFP8:
-      by_layout<kFP8>(a, s);
-      break;
-    case kInt4:
-      by_layout<kInt4>(a, s);
-      break;
-    default:
-      throw std::invalid_argument(check_codes(a));
-  }
+  QUANT_SWITCH(a, E, L, MODE, [&] { launch<E, L, MODE>(a, s); });
   return (int)cudaGetLastError();
 }
 

@@ -225,50 +225,67 @@ def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
 # ---- backends ------------------------------------------------------------------------------
 
 
-def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str, qn: QNoise) -> tuple:
-    return (
-        g.data.data_ptr(),
-        ELEM_CODES[g.elem],
-        LAYOUT_CODES[g.layout],
-        g.N,
-        g.K,
-        g.ld,
-        g.row_offset,
-        g.col_offset,
-        g.logical_cols,
-        qw.scales.data_ptr(),
-        SCALE_DTYPE_CODES[qw.scales.dtype],
-        SCALE_KINDS[g.scale_kind],
-        g.group,
-        g.scale_ld,
-        0 if master is None else master.data_ptr(),
-        MODES[mode],
-        ops.FAMILY_CODES[qn.family],
-        qn.rank,
-        qn.stage_a,
-        qn.stage_b,
-        g.qmin,
-        g.qmax,
+def _quant_row(**fields) -> np.ndarray:
+    """One QuantEntry of csrc/quant.h: the int64 row of the fields named in ``_C.QUANT_FIELDS``, every
+    one given by name (values >= 2^63 go in as uint64 bit patterns)."""
+    names = _C.QUANT_FIELDS
+    if set(fields) != set(names):
+        raise ValueError(f"quantized kernel row: fields {sorted(set(fields) ^ set(names))} missing or unknown")
+    row = np.zeros(len(names), np.int64)
+    u = row.view(np.uint64)
+    for i, name in enumerate(names):
+        v = int(fields[name])
+        if v < 0:
+            row[i] = v
+        else:
+            u[i] = v
+    return row
+
+
+def _kernel_args(qw: QuantWeight, g: QGeometry, master, mode: str, qn: QNoise, seeds, coeffs, n, key) -> np.ndarray:
+    """The kernels' row (host int64) for one call: seeds / coeffs are the addresses of its n members."""
+    return _quant_row(
+        codes=g.data.data_ptr(),
+        elem=ELEM_CODES[g.elem],
+        layout=LAYOUT_CODES[g.layout],
+        N=g.N,
+        K=g.K,
+        ld=g.ld,
+        row_offset=g.row_offset,
+        col_offset=g.col_offset,
+        logical_cols=g.logical_cols,
+        scales=qw.scales.data_ptr(),
+        scale_dtype=SCALE_DTYPE_CODES[qw.scales.dtype],
+        scale_kind=SCALE_KINDS[g.scale_kind],
+        group=g.group,
+        scale_ld=g.scale_ld,
+        master=0 if master is None else master.data_ptr(),
+        mode=MODES[mode],
+        family=ops.FAMILY_CODES[qn.family],
+        rank=qn.rank,
+        stage_a=qn.stage_a,
+        stage_b=qn.stage_b,
+        qmin_bits=np.float32(g.qmin).view(np.int32),
+        qmax_bits=np.float32(g.qmax).view(np.int32),
+        seeds=seeds,
+        coeffs=coeffs,
+        n=n,
+        key=key,
     )
 
 
 def _run_cpu(qw, g, master, mode, seeds, coeffs, key, qn):
     sync_cpu_threads()
-    _C.quant_cpu(*_kernel_args(qw, g, master, mode, qn), seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
+    row = _kernel_args(qw, g, master, mode, qn, seeds.ctypes.data, coeffs.ctypes.data, len(seeds), key)
+    _C.quant_cpu(row.ctypes.data)
 
 
 def _run_cuda(qw, g, master, mode, seeds, coeffs, key, qn):
     dev = qw.qweight.device
     s = torch.from_numpy(seeds.view(np.int64)).to(dev)
     c = torch.from_numpy(coeffs).to(dev)
-    _C.quant_cuda(
-        *_kernel_args(qw, g, master, mode, qn),
-        s.data_ptr(),
-        c.data_ptr(),
-        len(seeds),
-        key,
-        torch.cuda.current_stream(dev).cuda_stream,
-    )
+    row = _kernel_args(qw, g, master, mode, qn, s.data_ptr(), c.data_ptr(), len(seeds), key)
+    _C.quant_cuda(row.ctypes.data, torch.cuda.current_stream(dev).cuda_stream)
 
 
 def _run_triton(qw, g, master, mode, seeds, coeffs, key, qn):
