@@ -223,7 +223,7 @@ def evaluate(models: dict[str, str], out_dir: str, cc: CompareConfig, echo=print
 
 
 def n_params(model_dir: str) -> int:
-    from espert.analyze import SafetensorsWeights
+    from espert.eval.analyze import SafetensorsWeights
 
     w = SafetensorsWeights(model_dir)
     total = 0
@@ -253,7 +253,7 @@ def _budget_lines(budgets: dict, P: int) -> list[str]:
 
 def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
     """The whole comparison; returns the ``compare.json`` document."""
-    from espert.analyze import compute_drift, format_drift_summary, plot_drift
+    from espert.eval.analyze import compute_drift, format_drift_summary, plot_drift
     from espert.eval.report import format_summary
     from espert.tiny import build_tiny_model
 

@@ -1,4 +1,4 @@
-"""Tests for espert.analyze: drift statistics, thresholded export, input checks."""
+"""Tests for espert.eval.analyze: drift statistics, thresholded export, input checks."""
 
 import argparse
 import hashlib
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
 from tiny_model import build_tiny_model  # noqa: E402
 
-import espert.analyze as an  # noqa: E402
+import espert.eval.analyze as an  # noqa: E402
 
 
 @pytest.fixture(scope="module")

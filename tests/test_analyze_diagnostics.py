@@ -16,7 +16,7 @@ from espert import diagnostics as dg
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
 from tiny_model import build_tiny_model  # noqa: E402
 
-import espert.analyze as an  # noqa: E402
+import espert.eval.analyze as an  # noqa: E402
 
 
 def _pairs(xp, xm):

@@ -169,7 +169,7 @@ def _quiet_transformers() -> None:
 
 def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``analyze`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
-    from ..analyze import add_arguments, add_subcommands, run_analyze
+    from .analyze import add_arguments, add_subcommands, run_analyze
 
     p = subparsers.add_parser(
         "analyze",

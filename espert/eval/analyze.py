@@ -718,8 +718,8 @@ def add_subcommands(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m espert.analyze`` entry point."""
-    p = argparse.ArgumentParser(prog="python -m espert.analyze", description=__doc__.split("\n\n")[0])
+    """``python -m espert.eval.analyze`` entry point."""
+    p = argparse.ArgumentParser(prog="python -m espert.eval.analyze", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     add_subcommands(p)
     p.set_defaults(func=run_analyze)
