@@ -64,22 +64,55 @@ def test_compiled_float32_seeds_above_2_63_and_lowrank_match_eager():
     assert torch.equal(w.view(torch.int32), ref.view(torch.int32))
 
 
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda w: ops.perturb_(w, 1, 2, 1e-40),  # subnormal in float32
-        lambda w: ops.perturb_(w, 1, 2, float("nan")),
-        lambda w: ops.es_update_(w, [1, 2], [1e-3, float("inf")], 2),
-        lambda w: ops.perturb_(w, 1, 2, 1e-3, block=ops.Block(1, 0, 8, 16)),
-    ],
-)
-def test_compiled_bad_calls_raise_and_leave_the_weight_untouched(call):
-    w = torch.zeros(8, 16)
-
+def _step(call):
     def step(w):
         call(w)
         return w
 
-    with pytest.raises(Exception, match="sigma|finite|outside the logical shape"):
-        _compiled(step)(w)
+    return step
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda w: ops.es_update_(w, [1, 2], [1e-3, float("inf")], 2), "coefficients must be finite"),
+        (lambda w: ops.es_update_(w, [1], [1e39], 2), "overflow float32"),
+        (lambda w: ops.perturb_(w, 1, 2, 1e-3, block=ops.Block(1, 0, 8, 16)), "outside the logical shape"),
+        (lambda w: ops.perturb_(w, 1, 2, 1e-3, noise="lowrank:0"), "lowrank"),
+        (lambda w: ops.perturb_(w.t(), 1, 2, 1e-3), "unit stride"),
+        (lambda w: ops.restore_(w, torch.zeros(8, 15)), "does not match"),
+    ],
+)
+def test_compiled_calls_are_checked_when_the_operator_runs(call, match):
+    """What depends on the tensors is checked by the operator, with the eager error, before any write."""
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match=match):
+        _compiled(_step(call))(w)
+    assert w.abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda w: ops.perturb_(w, 1, 2, 1e-40), "subnormal"),
+        (lambda w: ops.perturb_(w, 1, 2, float("nan")), "sigma must be a finite number"),
+        (lambda w: ops.perturb_(w, 1, 2, True), "sigma must be a finite number"),
+        (lambda w: ops.perturb_(w, 1, 2, 1e-3, sign=1.0), "sign must be the int"),
+        (lambda w: ops.perturb_(w, 2**64, 2, 1e-3), r"seeds\[0\] must be in"),
+        (lambda w: ops.es_update_(w, [1, -1], [1e-3, 1e-3], 2), r"seeds\[1\] must be in"),
+        (lambda w: ops.es_update_(w, [1], [1e-3], 2**64), "key must be in"),
+    ],
+)
+def test_compiled_calls_are_checked_while_tracing(call, match):
+    """σ, sign, seeds and keys (the operator's scalar arguments) are checked by the eager rules while
+    Dynamo traces: fullgraph reports the ValueError (an exception is a graph break), and without
+    fullgraph the call falls back to eager and raises it as is."""
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match=match):
+        call(w)  # eager
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="ValueError.*" + match):
+        _compiled(_step(call))(w)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=match):
+        torch.compile(_step(call), backend="aot_eager")(w)
     assert w.abs().sum() == 0
