@@ -4,7 +4,7 @@
 // A NaN element keeps its own bits (docs/noise.md §3).
 //
 // One call covers a whole list of tensors: a launch plan, one row of PlanEntry per tensor (or per
-// sub-block), built by espert/ops.py as an int64 numpy table whose column order is kPlanFields
+// sub-block), built by espert/ops as an int64 numpy table whose column order is kPlanFields
 // below (exported to Python by csrc/bindings.cpp, so the two cannot drift).
 #pragma once
 
@@ -58,7 +58,7 @@ constexpr int kNumFamilies = 3;
 // `unit_groups` groups of 4 elements; at least 1.  A Philox row may start anywhere inside a group
 // (gaussian) or a 128-element call (rademacher: whole calls of 32 groups); lowrank groups start at
 // column 0.  The CPU tiles (apply_cpu.cpp), the CUDA launch (apply_cuda.cu) and, through
-// _C.units_per_row, espert/ops.py use this one formula.
+// _C.units_per_row; espert/ops/plan.py has the vectorized Python twin (tests/test_kernel_codes.py).
 ESPERT_HD int64_t units_per_row(int64_t family, int64_t cols, int64_t unit_groups) {
   const int64_t groups = family == kLowRank      ? (cols + 3) / 4
                          : family == kRademacher ? 32 * ((cols + 254) / 128)
@@ -81,7 +81,7 @@ struct PlanEntry {
   int64_t stage_b;       // lowrank: float32 [members, r, cols]: Bᵀ of the block's columns
   int64_t member_begin;  // the entry uses members [member_begin, member_end) of seeds/coeffs
   int64_t member_end;
-  int64_t units_per_row;  // GPU backends: launch units per row (filled by espert/ops.py)
+  int64_t units_per_row;  // GPU backends: launch units per row (filled by espert/ops)
   int64_t unit_start;     // GPU backends: first unit of this entry in its launch
   ESPERT_HD Block block() const { return Block{rows, cols, row_stride, row_offset, col_offset, logical_cols}; }
 };
@@ -109,7 +109,7 @@ const char* cpu_isa();
 
 #ifdef ESPERT_WITH_CUDA
 // CUDA: launches over the entries [0, n_entries), which must share one dtype and one family
-// (espert/ops.py groups them).  host_plan is the host copy (for the grid size); dev_plan, seeds and
+// (espert/ops groups them).  host_plan is the host copy (for the grid size); dev_plan, seeds and
 // coeffs are device pointers; `stream` is a cudaStream_t.  Returns a cudaError_t (0: launched).
 int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64_t n_entries, const uint64_t* seeds,
                     const float* coeffs, void* stream);

@@ -1,5 +1,5 @@
 // Python bindings of the compiled kernels (module espert._C).  Pointers travel as integers so
-// that the module needs no torch headers; espert/ops.py validates every argument first.
+// that the module needs no torch headers; espert/ops validates every argument first.
 #include <omp.h>
 #include <pybind11/pybind11.h>
 
@@ -16,7 +16,7 @@ void register_cast(py::module_& m);  // csrc/cpu/cast_cpu.cpp: exact float32 -> 
 PYBIND11_MODULE(_C, m) {
   register_cast(m);
   m.doc() = "espert compiled kernels (CPU, and CUDA when built with nvcc)";
-  // Codes shared with Python (espert/ops.py, kernels/apply.py derive theirs from these).
+  // Codes shared with Python (espert/ops, kernels/apply.py derive theirs from these).
   m.attr("DTYPE_CODES") = py::dict(py::arg("float32") = (int)kFloat32, py::arg("float16") = (int)kFloat16,
                                    py::arg("bfloat16") = (int)kBFloat16);
   m.attr("FAMILY_CODES") = py::dict(py::arg("gaussian") = (int)kGaussian, py::arg("rademacher") = (int)kRademacher,
@@ -24,7 +24,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("PLAN_FIELDS") = py::make_tuple(ESPERT_PLAN_FIELDS);
   m.def("units_per_row", &units_per_row, py::arg("family"), py::arg("cols"), py::arg("unit_groups"),
         "Launch units per row of `cols` columns in noise family `family`, a unit being `unit_groups` groups of 4 "
-        "elements (at least 1): the formula of the CPU tiles, the CUDA launch and espert/ops.py.");
+        "elements (at least 1): the formula of the CPU tiles, the CUDA launch and espert/ops.");
   m.def(
       "check_plan",
       [](uintptr_t plan, int64_t n_entries, int64_t n_members) {
@@ -43,7 +43,7 @@ PYBIND11_MODULE(_C, m) {
       "One OpenMP region over all entries.  Host pointers.");
   m.def("cpu_isa", &cpu_isa, "The float kernels' CPU code path: 'avx512', 'avx2' or 'generic'.");
   // This module links its own OpenMP runtime (torch bundles another), so torch.set_num_threads does not
-  // reach it: espert/ops.py forwards torch's thread count before every CPU call.
+  // reach it: espert/ops forwards torch's thread count before every CPU call.
   m.def("set_num_threads", [](int n) { omp_set_num_threads(n > 0 ? n : 1); }, "Threads of espert's CPU kernels.");
   m.def("get_num_threads", []() { return omp_get_max_threads(); }, "Threads of espert's CPU kernels.");
   // Quantized codes (csrc/quant.h), exported once: kernels/quant.py and espert/quant/ops.py derive theirs.

@@ -1,5 +1,5 @@
 """Triton backend of espert's one kernel: in-place ``w += Σ_m c_m·ε(seeds[m], key, idx)`` over a
-launch plan (espert/ops.py): one launch per (dtype, noise family) present in a call, whatever the
+launch plan (espert/ops/plan.py): one launch per (dtype, noise family) present in a call, whatever the
 number of tensors.  Each program reads its plan entry through a pointer table (binary search over
 ``unit_start``; the interpreter supports int64 -> pointer bitcasts too).
 
@@ -26,6 +26,7 @@ import triton.language as tl
 
 from espert import _C
 from espert import noise as _ref
+from espert.ops.plan import ONE_BITS, plan_table, units_per_row
 
 # Storage and family codes and the plan's columns: from the compiled module (csrc/apply.h).
 FLOAT32, FLOAT16, BFLOAT16 = (_C.DTYPE_CODES[n] for n in ("float32", "float16", "bfloat16"))
@@ -419,7 +420,7 @@ def _apply_kernel(
 def apply_many(
     table: np.ndarray, table_dev: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, *, block: int = DEFAULT_BLOCK
 ) -> None:
-    """One launch over plan entries that share a dtype and a family (espert/ops.py builds and checks
+    """One launch over plan entries that share a dtype and a family (espert/ops builds and checks
     them, with units of ``block`` groups).  table: int64 [E, len(PLAN_FIELDS)] host copy (for the
     grid); table_dev: the same on the weights' device; seeds: int64 [N] (uint64 bits); coeffs:
     float32 [N], both on the weights' device.  ``block``: groups per program, a power of two
@@ -476,19 +477,20 @@ def apply(
     n = seeds.numel()
     if rows == 0 or cols == 0 or n == 0:
         return
-    F = {name: i for i, name in enumerate(PLAN_FIELDS)}
-    row = np.zeros(len(PLAN_FIELDS), np.int64)
-    u = row.view(np.uint64)
-    row[F["data"]], row[F["dtype"]], row[F["rows"]], row[F["cols"]] = w.data_ptr(), dtype_code, rows, cols
-    row[F["row_stride"]], row[F["family"]], row[F["member_end"]] = row_stride, family, n
-    u[F["row_offset"]], u[F["col_offset"]], u[F["logical_cols"]], u[F["key"]] = (
-        row_offset,
-        col_offset,
-        logical_cols,
-        key,
+    table = plan_table(
+        1,
+        data=w.data_ptr(),
+        dtype=dtype_code,
+        rows=rows,
+        cols=cols,
+        row_stride=row_stride,
+        row_offset=row_offset,
+        col_offset=col_offset,
+        logical_cols=logical_cols,
+        key=key,
+        scale_bits=ONE_BITS,
+        family=family,
+        member_end=n,
+        units_per_row=units_per_row(cols, family, block),
     )
-    row[F["scale_bits"]] = np.float32(1.0).view(np.int32)
-    groups_per_row = 32 * ((cols + 254) // 128) if family == RADEMACHER else (cols + 6) // 4
-    row[F["units_per_row"]] = max(1, -(-groups_per_row // block))
-    table = row[None, :]
     apply_many(table, torch.from_numpy(table.copy()).to(w.device), seeds, coeffs, block=block)

@@ -121,17 +121,12 @@ def test_cpu_kernel_rejects_unknown_codes_untouched(change, message):
 
 def test_units_per_row_is_the_ops_formula():
     """_C.units_per_row (csrc/apply.h: the CPU tiles, the CUDA launch) equals the units_per_row that
-    espert/ops.py writes into a launch plan (``_finish``), over families, widths and unit sizes."""
-    from espert import ops
+    espert.ops writes into a launch plan (``ops.plan.units_per_row``), over families, widths and unit sizes."""
+    from espert.ops import plan
 
     cols = np.array(sorted(set(range(0, 3000)) | {2**k + d for k in range(12, 40) for d in (-255, -1, 0, 1, 127)}))
-    P = {name: i for i, name in enumerate(_C.PLAN_FIELDS)}
     for family in F.values():
         for unit_groups in (1, 3, 16, 64, 256, 1024, getattr(_C, "CUDA_UNIT_GROUPS", 1024)):
-            t = np.zeros((len(cols), len(_C.PLAN_FIELDS)), np.int64)
-            t[:, P["rows"]], t[:, P["cols"]], t[:, P["row_stride"]], t[:, P["logical_cols"]] = 1, cols, cols, cols
-            t[:, P["family"]], t[:, P["member_end"]] = family, 1
-            t, _ = ops._finish(t, unit_groups)
-            want = t[:, P["units_per_row"]].tolist()
-            got = [_C.units_per_row(family, int(c), unit_groups) for c in t[:, P["cols"]]]
+            want = plan.units_per_row(cols, np.full(len(cols), family), unit_groups).tolist()
+            got = [_C.units_per_row(family, int(c), unit_groups) for c in cols]
             assert got == want, (family, unit_groups)

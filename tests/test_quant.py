@@ -409,3 +409,29 @@ def test_quant_cpu_isa_paths_agree():
         name, data = res.stdout.split()
         outs[name] = data
     assert "generic" in outs and len(set(outs.values())) == 1
+
+
+@pytest.mark.parametrize(
+    "sigma, sign, match",
+    [
+        (1e-2, True, "sign"),
+        (1e-2, 1.0, "sign"),
+        (1e-2, -1.0, "sign"),
+        (1e-2, np.int64(1), "sign"),
+        (1e-40, 1, "subnormal"),
+        (1e-50, 1, "float32"),
+        (np.float64(1e-40), 1, "subnormal"),
+        (1e39, 1, "float32"),
+        (np.bool_(True), 1, "sigma"),
+    ],
+)
+def test_quantized_perturb_checks_sigma_and_sign_as_float_weights_do(sigma, sign, match):
+    """One check_sigma / check_sign for every weight type: what the float ops refuse, perturb_q refuses."""
+    w = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=match):
+        ops.perturb_(w, 1, KEY, sigma, sign)
+    qw = qweight("int8")
+    before = qw.qweight.clone()
+    with pytest.raises(ValueError, match=match):
+        ops.perturb_(qw, 1, KEY, sigma, sign)
+    assert torch.equal(qw.qweight, before)

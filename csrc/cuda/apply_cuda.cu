@@ -1,5 +1,5 @@
 // CUDA kernel: one launch over every entry of a launch plan that shares one dtype and one noise
-// family (espert/ops.py groups the entries, so a call makes at most one launch per pair present).
+// family (espert/ops groups the entries, so a call makes at most one launch per pair present).
 // A block of 256 threads owns one unit: row i of an entry and kCudaUnitGroups = 1024 consecutive
 // groups of 4 elements (4 per thread, strided by 256 so warps stay coalesced).  The block finds its
 // entry by binary search over unit_start and its row by one divide; per group there is no 64-bit

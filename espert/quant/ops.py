@@ -28,7 +28,8 @@ import torch
 
 from espert import _C, noise, ops
 from espert.noise import NoiseFamily
-from espert.ops import STAGING_BYTES, U64, Block, _check_u64, check_members, sync_cpu_threads
+from espert.ops import STAGING_BYTES, sync_cpu_threads
+from espert.ops.checks import U64, Block, check_members, check_sigma, check_sign, check_u64
 
 from . import reference as ref
 from .formats import FORMATS, SCALE_DTYPES, QuantWeight, marlin_grouped, nk_view, storage_shape
@@ -377,18 +378,11 @@ def perturb_q(
     Reached through ``espert.ops.perturb_``.
     """
     fam = NoiseFamily.parse(noise)
-    if (
-        isinstance(sigma, bool)
-        or not isinstance(sigma, (int, float, np.floating))
-        or not math.isfinite(sigma)
-        or sigma <= 0
-    ):
-        raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
-    if sign not in (1, -1):
-        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+    sigma = check_sigma(sigma)  # the float ops' rules (espert.ops.checks)
+    sign = check_sign(sign)
     g = qgeometry(qw, block)
-    key = _check_u64("key", key)
-    seeds, coeffs = check_members([seed], [sign * float(sigma)])
+    key = check_u64("key", key)
+    seeds, coeffs = check_members([seed], [sign * sigma])
     _run(qw, g, None, "perturb", seeds, coeffs, key, fam, backend)
     return qw
 
@@ -416,7 +410,7 @@ def es_update_q(
     fam = NoiseFamily.parse(noise)
     g = qgeometry(qw, block)
     _check_master(qw, master)
-    key = _check_u64("key", key)
+    key = check_u64("key", key)
     seed_arr, coeff32 = check_members(seeds, coeffs)
     mode = "master" if master is not None else "naive"
     _run(qw, g, master, mode, seed_arr, coeff32, key, fam, backend)

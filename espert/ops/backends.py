@@ -1,0 +1,234 @@
+"""The one backend registry: ``BACKENDS`` maps a name to its capability gate and its kernels (float
+launch plans in ``run``; quantized lattices in ``quant``, attached by :mod:`espert.quant.ops`).
+``backend=None`` picks the default for the tensor's device (``ESPERT_BACKEND`` overrides it):
+
+    cpu     C++ kernels in espert._C (AVX-512, AVX2 or generic, chosen at run time)
+    cuda    CUDA kernels in espert._C (when the module was built with nvcc)
+    triton  Triton kernels in kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
+
+``COUNTERS`` / :func:`counting` count kernel launches and host-to-device copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from espert import _C
+
+from .checks import DTYPE_CODES
+from .plan import FAMILY_CODES, ONE_BITS, Step, lowrank_fill_step, plan_fields, plan_table
+
+# Kernel launches (a CPU call counts as one) and host-to-device copies made by the op layer.
+COUNTERS = {"launches": 0, "h2d": 0}
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[dict]:
+    """``with ops.counting() as c: ...``: afterwards ``c`` holds the launches and host-to-device copies
+    the ops made inside the block (deltas of :data:`COUNTERS`)."""
+    start = dict(COUNTERS)
+    out = {k: 0 for k in COUNTERS}
+    try:
+        yield out
+    finally:
+        out.update({k: COUNTERS[k] - start[k] for k in COUNTERS})
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A kernel backend: one entry serves every weight type.  ``run`` executes float launch plans;
+    ``quant`` (filled in by :mod:`espert.quant.ops`) runs the quantized lattice kernels; either may be
+    None where the backend has no such kernels (``reference`` is quantized-only)."""
+
+    name: str
+    supports: Callable[[torch.Tensor], bool]  # capability gate, on the (storage) tensor
+    run: Callable | None  # (device, steps, seeds uint64 [N], coeffs float32 [N]) -> None
+    unit_groups: Callable[[], int] | None = None  # GPU: Philox groups per launch unit (None: CPU tiles itself)
+    quant: Callable | None = None  # (qw, geometry, master, mode, seeds, coeffs, key, family name) -> None
+
+
+def sync_cpu_threads() -> None:
+    """Give espert's CPU kernels torch's thread count (they run on a separate OpenMP runtime)."""
+    _C.set_num_threads(torch.get_num_threads())
+
+
+def _run_cpu(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
+    sync_cpu_threads()
+    ones = np.ones(len(coeffs), np.float32)
+    for st in steps:
+        if st.zero is not None:
+            st.zero.zero_()
+        c = ones if st.ones else coeffs
+        COUNTERS["launches"] += 1
+        _C.apply_many_cpu(st.table.ctypes.data, len(st.table), seeds.ctypes.data, c.ctypes.data, len(seeds))
+
+
+def _upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray):
+    """Seeds, coefficients, ones and every step's table in ONE host-to-device copy.
+    Returns (seeds int64, coeffs float32, ones float32, [table int64 [E, F]]) device views."""
+    n = len(seeds)
+    half = (n + 1) // 2  # two float32 per int64 slot
+    fl = np.zeros(2 * half, np.float32)
+    fl[:n] = coeffs
+    one = np.zeros(2 * half, np.float32)
+    one[:n] = 1.0
+    parts = [seeds.view(np.int64), fl.view(np.int64), one.view(np.int64)] + [st.table.reshape(-1) for st in steps]
+    host = torch.from_numpy(np.concatenate(parts))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    COUNTERS["h2d"] += 1
+    dev = host.to(device, non_blocking=True)
+    s = dev[:n]
+    c = dev[n : n + half].view(torch.float32)[:n]
+    o = dev[n + half : n + 2 * half].view(torch.float32)[:n]
+    tables, at = [], n + 2 * half
+    for st in steps:
+        tables.append(dev[at : at + st.table.size].view(st.table.shape))
+        at += st.table.size
+    return s, c, o, tables
+
+
+def _run_cuda(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        s, c, o, tables = _upload(device, steps, seeds, coeffs)
+        for st, dt in zip(steps, tables):
+            if st.zero is not None:
+                st.zero.zero_()
+            for e0, e1 in st.groups:
+                COUNTERS["launches"] += 1
+                _C.apply_many_cuda(
+                    st.table[e0:].ctypes.data,
+                    dt[e0].data_ptr(),
+                    e1 - e0,
+                    len(seeds),
+                    s.data_ptr(),
+                    (o if st.ones else c).data_ptr(),
+                    stream,
+                )
+
+
+def _run_triton(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
+    from espert.kernels.apply import apply_many
+
+    for st in steps:  # the codes are checked by C++ here too: one rule for every backend
+        _C.check_plan(st.table.ctypes.data, len(st.table), len(seeds))
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        s, c, o, tables = _upload(device, steps, seeds, coeffs)
+        for st, dt in zip(steps, tables):
+            if st.zero is not None:
+                st.zero.zero_()
+            for e0, e1 in st.groups:
+                COUNTERS["launches"] += 1
+                apply_many(st.table[e0:e1], dt[e0:e1], s, o if st.ones else c)
+
+
+def _triton_ok(w: torch.Tensor) -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_block() -> int:
+    from espert.kernels.apply import DEFAULT_BLOCK
+
+    return DEFAULT_BLOCK
+
+
+BACKENDS: dict[str, Backend] = {
+    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _run_cpu),
+    "cuda": Backend("cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _run_cuda, lambda: int(_C.CUDA_UNIT_GROUPS)),
+    "triton": Backend("triton", _triton_ok, _run_triton, _triton_block),
+}
+
+
+def register_quant_runner(name: str, quant: Callable, supports: Callable[[torch.Tensor], bool] | None = None) -> None:
+    """Attach the quantized kernels of backend ``name`` (a new backend needs ``supports``)."""
+    if name in BACKENDS:
+        BACKENDS[name] = replace(BACKENDS[name], quant=quant)
+    else:
+        BACKENDS[name] = Backend(name, supports, None, quant=quant)
+
+
+def default_backend(w: torch.Tensor) -> str:
+    """The backend used for ``w`` when none is named: ESPERT_BACKEND, else cpu / cuda / triton by device."""
+    forced = os.environ.get("ESPERT_BACKEND")
+    if forced:
+        return forced
+    if w.device.type == "cpu":
+        return "cpu"
+    if w.is_cuda:
+        return "cuda" if _C.has_cuda else "triton"
+    raise ValueError(f"unsupported device {w.device}: espert ops run on cpu and cuda tensors")
+
+
+def available_backends(w: torch.Tensor, kind: str = "run") -> list[str]:
+    """Names of the backends whose capability gate accepts ``w`` and that have ``kind`` kernels
+    (``"run"``: float, ``"quant"``: quantized)."""
+    return [name for name, b in BACKENDS.items() if getattr(b, kind) is not None and b.supports(w)]
+
+
+def select(w: torch.Tensor, name: str | None, kind: str = "run") -> Backend:
+    """The backend named (or the default, ``ESPERT_BACKEND`` first) for storage tensor ``w``."""
+    name = name or default_backend(w)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {sorted(BACKENDS)}")
+    b = BACKENDS[name]
+    if getattr(b, kind) is None:
+        what = "float" if kind == "run" else "quantized"
+        raise ValueError(f"backend {name!r} has no {what} kernels; available: {available_backends(w, kind)}")
+    if not b.supports(w):
+        raise ValueError(
+            f"backend {name!r} cannot run on a {w.device} tensor here; available: {available_backends(w, kind)}"
+        )
+    return b
+
+
+def lowrank_stage(
+    key: int,
+    rows: int,
+    cols: int,
+    row_offset: int,
+    col_offset: int,
+    logical_cols: int,
+    seeds: np.ndarray,
+    rank: int,
+    device,
+    backend: str,
+) -> tuple[torch.Tensor, int, int]:
+    """The lowrank:``rank`` factors of one [rows, cols] block at (row_offset, col_offset) of a logical
+    [R, logical_cols] parameter with key ``key``, for members ``seeds`` (uint64 [N]), made by the float
+    kernels of ``backend`` on ``device`` (the staging the float path uses; quantized weights read it).
+    Returns (stage float32 [N·r·(rows + cols)], address of A' [N, rows, r], address of Bᵀ [N, r, cols]):
+    A' = fl(K_r·A) of the block's rows, Bᵀ of its columns.  The caller keeps ``stage`` alive."""
+    n = len(seeds)
+    t = plan_table(
+        1,
+        dtype=DTYPE_CODES[torch.float32],
+        rows=rows,
+        cols=cols,
+        row_stride=cols,
+        row_offset=row_offset,
+        col_offset=col_offset,
+        logical_cols=logical_cols,
+        key=key,
+        scale_bits=ONE_BITS,
+        family=FAMILY_CODES["lowrank"],
+        rank=rank,
+        member_end=n,
+    )
+    stage = torch.empty(n * rank * (rows + cols), dtype=torch.float32, device=device)
+    be = BACKENDS[backend]
+    step = lowrank_fill_step(t, n, rank, stage, be.unit_groups and be.unit_groups())
+    be.run(device, [step], seeds, np.ones(n, np.float32))
+    f = plan_fields(t)[0]
+    return stage, int(f["stage_a"]), int(f["stage_b"])

@@ -1,0 +1,235 @@
+"""The ops' argument rules, each defined once and shared by the float ops (:mod:`espert.ops`) and the
+quantized ones (:mod:`espert.quant.ops`): seeds and keys, σ, sign, scales, members, the weight's
+dtype and geometry (:class:`Block`), and the flattened arguments of the ``torch.ops.espert`` operators.
+
+:func:`check_u64`, :func:`check_sigma`, :func:`check_sign` and :func:`as_int64` are plain Python
+(no numpy), so they also run while torch.compile traces a call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from espert import _C
+from espert.config import U64
+
+# Codes come from the compiled module, the one place they are defined (csrc/noise.h, csrc/apply.h).
+DTYPE_CODES = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
+# The doubles that round (to nearest even) to a normal, finite float32: [2^-126 - 2^-150, 2^128 - 2^103).
+# A tie at the low end goes to 2^-126 (even mantissa), at the high end to infinity.  Every σ reaches
+# float32 through a double (numpy converts ints and long doubles that way too).
+_NORMAL32_LO = 2.0**-126 - 2.0**-150
+_NORMAL32_HI = 2.0**128 - 2.0**103
+
+
+def _real(v) -> bool:
+    """An int or float (numpy's included), not a bool."""
+    return not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, float, np.floating, np.integer))
+
+
+def _normal32(v) -> bool:
+    """``float32(v)`` (v finite, > 0) is a normal finite float32."""
+    return _NORMAL32_LO <= float(v) < _NORMAL32_HI
+
+
+def check_u64(name: str, v) -> int:
+    """``v`` as an int in [0, 2^64): TypeError for a non-integer (bools too), ValueError out of range."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer in [0, 2^64), got {v!r}")
+    v = int(v)
+    if not 0 <= v < U64:
+        raise ValueError(f"{name} must be in [0, 2^64), got {v}")
+    return v
+
+
+def check_sigma(sigma) -> float:
+    """σ as a float: a finite number > 0 that is normal in float32 (the kernels' precision)."""
+    if not _real(sigma) or not math.isfinite(sigma) or sigma <= 0:
+        raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
+    if not _normal32(sigma):
+        raise ValueError(f"sigma {sigma!r} is 0, subnormal or infinite in float32 (the kernels' precision)")
+    return float(sigma)
+
+
+def check_sign(sign) -> int:
+    """The int +1 or -1 (not a bool, a float or a numpy integer)."""
+    if type(sign) is not int or sign not in (1, -1):
+        raise ValueError(f"sign must be the int +1 or -1, got {sign!r} ({type(sign).__name__})")
+    return sign
+
+
+def check_scale(name: str, s) -> float:
+    """A per-tensor coefficient scale as a float: a finite number > 0 that is normal in float32."""
+    if not _real(s) or not math.isfinite(s) or s <= 0 or not _normal32(s):
+        raise ValueError(f"{name} must be a finite number > 0 that is normal in float32, got {s!r}")
+    return float(s)
+
+
+def as_int64(v: int, name: str = "seed/key") -> int:
+    """A uint64 seed or key as the int64 with the same bits (what ``torch.ops.espert`` schemas take)."""
+    v = check_u64(name, v)
+    return v - U64 if v >= 1 << 63 else v
+
+
+def from_int64(v: int) -> int:
+    """The uint64 whose bits the int64 ``v`` holds (inverse of :func:`as_int64`)."""
+    return int(v) & (U64 - 1)
+
+
+def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Validate population seeds and coefficients; returns (uint64 [N], float32 [N]) arrays.
+
+    Raises ValueError on a length mismatch, a seed outside [0, 2^64), or a NaN/Inf coefficient.
+    """
+    seeds, coeffs = list(seeds), list(coeffs)
+    if len(seeds) != len(coeffs):
+        raise ValueError(f"got {len(seeds)} seeds but {len(coeffs)} coefficients")
+    seed_arr = np.array([check_u64(f"seeds[{i}]", s) for i, s in enumerate(seeds)], dtype=np.uint64)
+    coeff_arr = np.array(coeffs, dtype=np.float64)
+    bad = ~np.isfinite(coeff_arr)
+    if bad.any():
+        raise ValueError(
+            f"coefficients must be finite; got {coeff_arr[bad][:4].tolist()} "
+            f"at positions {np.flatnonzero(bad)[:4].tolist()}"
+        )
+    with np.errstate(over="ignore"):  # overflow is reported just below
+        coeff32 = coeff_arr.astype(np.float32)
+    if not np.isfinite(coeff32).all():
+        raise ValueError("coefficients overflow float32")
+    return seed_arr, coeff32
+
+
+def check_weight(w: torch.Tensor) -> int:
+    """The dtype code of a float32 / float16 / bfloat16 tensor; TypeError for anything else."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(w).__name__}")
+    if w.dtype not in DTYPE_CODES:
+        raise TypeError(f"unsupported dtype {w.dtype}: espert ops take float32, float16 and bfloat16 weights")
+    return DTYPE_CODES[w.dtype]
+
+
+# ---- geometry ------------------------------------------------------------------------------
+
+
+def _as_index(owner: str, name: str, v, optional: bool = False):
+    if v is None and optional:
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{owner}.{name} must be an int, got {v!r} ({type(v).__name__})")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where a tensor sits inside its logical parameter.
+
+    The tensor (2-D ``[rows, cols]``, or 1-D as one row, or N-D contiguous flattened to
+    ``[prod(shape[:-1]), shape[-1]]``) is the block at ``(row_offset, col_offset)`` of a logical
+    ``[logical_rows, logical_cols]`` matrix; element (i, j) has logical index
+    ``(row_offset + i) * logical_cols + col_offset + j`` and receives that element's noise.
+    Fields are ints (numpy integers are converted; floats and bools are refused).
+    """
+
+    row_offset: int = 0
+    col_offset: int = 0
+    logical_rows: int | None = None  # None: the block is the whole logical tensor
+    logical_cols: int | None = None
+
+    def __post_init__(self):
+        for name in ("row_offset", "col_offset", "logical_rows", "logical_cols"):
+            object.__setattr__(self, name, _as_index("Block", name, getattr(self, name), name.startswith("logical")))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    rows: int
+    cols: int
+    row_stride: int
+    row_offset: int
+    col_offset: int
+    logical_cols: int
+    logical_rows: int = 0
+
+
+def geometry(w: torch.Tensor, block: Block | None) -> Geometry:
+    """The [rows, cols] view the kernels address (row stride, unit column stride) and its place in
+    the logical matrix; ValueError for a layout they cannot address or a block outside the shape."""
+    if w.dim() == 0:
+        raise ValueError("espert ops need a tensor with at least one dimension, got a 0-d tensor")
+    if w.dim() == 1:
+        rows, cols = 1, w.shape[0]
+        if w.stride(0) != 1 and cols > 1:
+            raise ValueError(f"espert ops need unit stride along the last dimension, got stride {w.stride()}")
+        row_stride = cols
+    elif w.dim() == 2:
+        rows, cols = w.shape
+        if w.stride(1) != 1 and cols > 1:
+            raise ValueError(
+                f"espert ops need unit stride along the last dimension (a non-contiguous or transposed view), "
+                f"got shape {tuple(w.shape)} with strides {w.stride()}"
+            )
+        row_stride = w.stride(0) if rows > 1 else cols
+        if rows > 1 and row_stride < cols:
+            raise ValueError(f"rows of the tensor overlap in memory (strides {w.stride()})")
+    else:
+        if not w.is_contiguous():
+            raise ValueError(f"espert ops need a contiguous tensor for {w.dim()}-d shapes, got strides {w.stride()}")
+        cols = w.shape[-1]
+        rows = w.numel() // cols if cols else 0
+        row_stride = cols
+    if block is None:
+        return Geometry(rows, cols, row_stride, 0, 0, cols, rows)
+    if not isinstance(block, Block):
+        raise TypeError(f"block must be an espert.ops.Block or None, got {type(block).__name__}")
+    lr = rows if block.logical_rows is None else block.logical_rows
+    lc = cols if block.logical_cols is None else block.logical_cols
+    ro, co = block.row_offset, block.col_offset
+    if min(ro, co) < 0 or ro + rows > lr or co + cols > lc:
+        raise ValueError(
+            f"block of shape [{rows}, {cols}] at offset ({ro}, {co}) lies outside the logical shape [{lr}, {lc}]"
+        )
+    if lr * lc >= U64:
+        raise ValueError(f"logical shape [{lr}, {lc}] has more than 2^64 elements")
+    return Geometry(rows, cols, row_stride, ro, co, lc, lr)
+
+
+# ---- the torch operators' arguments --------------------------------------------------------
+# Integers in schemas are int64: uint64 seeds and keys travel as their two's-complement bits.  Blocks
+# travel flattened, four ints per tensor (row_offset, col_offset, logical_rows, logical_cols), -1 for None.
+
+
+def op_args(items) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """``(ws, keys, blocks)`` for the ``torch.ops.espert`` operators from ``(tensor, key, block)`` items."""
+    ws, keys, blocks = [], [], []
+    for k, (w, key, block) in enumerate(items):
+        ws.append(w)
+        keys.append(as_int64(key, f"items[{k}] key"))
+        b = block or Block()
+        blocks += [
+            b.row_offset,
+            b.col_offset,
+            -1 if b.logical_rows is None else b.logical_rows,
+            -1 if b.logical_cols is None else b.logical_cols,
+        ]
+    return ws, keys, blocks
+
+
+def from_op_args(ws, keys, blocks) -> list:
+    """The ``(tensor, key, block)`` items of :func:`op_args`'s flattened form."""
+    if len(keys) != len(ws) or len(blocks) != 4 * len(ws):
+        raise ValueError(f"got {len(ws)} tensors, {len(keys)} keys and {len(blocks)} block ints (4 per tensor)")
+    out = []
+    for i, w in enumerate(ws):
+        b = blocks[4 * i : 4 * i + 4]
+        block = (
+            None
+            if all(x == -1 for x in b)
+            else Block(b[0], b[1], None if b[2] == -1 else b[2], None if b[3] == -1 else b[3])
+        )
+        out.append((w, from_int64(keys[i]), block))
+    return out
