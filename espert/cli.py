@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 import typing
 from typing import Sequence
@@ -225,11 +227,31 @@ def run() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:  # Ctrl-C at any moment, imports included: one line, exit code 130
+    """Ctrl-C at any moment, imports included: one line, exit code 130.
+
+    The interrupt is also noted by the handler: one that lands inside a C extension's import (numpy's,
+    under torch's) can come back as another error ("CPU dispatcher tracer already initialized" when the
+    half-imported module is imported again), and that is still the user's Ctrl-C, not a crash.
+    """
+    interrupted = []
+
+    def on_sigint(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = (
+        signal.signal(signal.SIGINT, on_sigint) if threading.current_thread() is threading.main_thread() else None
+    )
+    try:
         return _main(argv)
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not (isinstance(e, KeyboardInterrupt) or interrupted):
+            raise
         print("espert: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:
