@@ -499,3 +499,43 @@ def test_file_chunks_rewrite_a_file_byte_identically(tmp_path, chunk_bytes):
     assert all(flat.numel() * flat.element_size() <= max(chunk_bytes, flat.element_size()) for _, _, flat in chunks)
     assert write_chunks(dst, chunks, {"iteration": "3"}) == sha
     assert open(src, "rb").read() == open(dst, "rb").read()
+
+
+# ---- one writer per run (issue: what clusters do to jobs) --------------------------------------------------------
+
+
+def test_a_second_writer_is_refused_and_the_run_survives(tmp_path):
+    """Today: two ``train --resume`` of one run both ran to the end and wrote iterations 3-6 twice into
+    log.jsonl; the run could then neither resume nor replay ("expected iteration 7, found 3")."""
+    d = str(tmp_path / "run")
+    assert main(["train", "--run-dir", d, *FLAGS, "--iterations", "2"]) == 0
+    more = [*FLAGS, "--iterations", "12"]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "espert", "train", "--run-dir", d, "--resume", *more],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lock = runs.lock_path(d)
+    deadline = time.time() + 120
+    while not (os.path.exists(lock) and open(lock).read().strip()) and first.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    second = subprocess.run(
+        [sys.executable, "-m", "espert", "train", "--run-dir", d, "--resume", *more],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err
+    assert second.returncode == 2, second.stderr
+    line = second.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in second.stderr and line.startswith("espert train: error:"), second.stderr
+    assert f"pid {first.pid}" in line and "is being written by" in line, line
+    its = [r["iteration"] for r in runs.read_log(os.path.join(d, runs.LOG)) if r.get("kind") == "iter"]
+    assert its == list(range(1, 13))  # one history, no iteration twice
+    res = runs.replay(d, str(tmp_path / "replayed"), echo=None)
+    assert res["matches_checkpoint"] is True
+    # the lock died with its holder: the run resumes again
+    assert main(["train", "--run-dir", d, "--resume", *FLAGS, "--iterations", "13"]) == 0

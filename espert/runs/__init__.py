@@ -48,11 +48,13 @@ from espert.runs.files import (
     LOG,
     MODEL_SUFFIXES,
     WEIGHT_SUFFIXES,
+    RunBusy,
     RunError,
     atomic_write,
     atomic_write_text,
     fsync_dir,
     kill_point,
+    lock_path,
     read_config_file,
     sha256_file,
 )
@@ -73,6 +75,8 @@ from espert.tensorfile import write_safetensors  # re-exported: run files are wr
 
 __all__ = [
     "BASE",
+    "RunBusy",
+    "lock_path",
     "CENTER",
     "CONFIG",
     "EXPORT",

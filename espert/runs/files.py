@@ -16,6 +16,7 @@ import yaml
 
 FORMAT = "espert-run-v1"
 CONFIG, LOG, CENTER, EXPORT, BASE = "config.yaml", "log.jsonl", "center.safetensors", "export", "base_model"
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 #: Files of a model directory that its fingerprint covers: weights, configs, tokenizer, remote code.
 MODEL_SUFFIXES = WEIGHT_SUFFIXES + (".json", ".model", ".txt", ".tiktoken", ".jinja", ".py")
@@ -24,6 +25,66 @@ KILL_ENV = "ESPERT_TEST_KILL_AT"
 
 class RunError(ValueError):
     """A run directory (or one of its files) is damaged or does not match; the message names the file."""
+
+
+class RunBusy(FileExistsError):
+    """Another process holds the run directory's writer lock; the message names its pid and host."""
+
+
+def lock_path(run_dir: str) -> str:
+    """The writer lock of ``run_dir``: ``.NAME.lock`` beside it, so the run directory's own files are only
+    the run's (a refused or failed start leaves them byte for byte as they were)."""
+    parent, name = os.path.split(os.path.abspath(run_dir))
+    return os.path.join(parent, f".{name}.lock")
+
+
+def lock_run(run_dir: str) -> tuple[int, str]:
+    """Take the run directory's writer lock (``flock`` on :func:`lock_path`); returns ``(fd, path)``.
+
+    The lock dies with its holder (a SIGKILLed writer leaves none behind), so there is nothing stale
+    to clean up.  Raises :class:`RunBusy` naming the holder's pid and host, and changes nothing, when
+    another process writes the run.  flock is not reliable on every network filesystem (some NFS
+    setups grant it to both clients); the holder record (pid, host, start time) is written for people.
+    :func:`unlock_run` removes the file; a killed holder leaves it, and the next writer reuses it.
+    """
+    import fcntl
+    import socket
+    import time
+
+    path = lock_path(run_dir)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise RunBusy(
+                f"{run_dir} is being written by {holder}; one process at a time may write a run "
+                f"(wait for it to end, or stop it: its log and checkpoints stay intact)"
+            ) from None
+        try:  # the holder before us may have removed the file between our open and our lock: lock the new one
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0)
+    return fd, path
+
+
+def unlock_run(lock: tuple[int, str]) -> None:
+    """Release the lock taken by :func:`lock_run` and remove its file (still holding it, so no other process
+    can hold a removed file's lock: :func:`lock_run` checks that the file it locked is still the path's)."""
+    fd, path = lock
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
 
 
 def kill_point(name: str, iteration: int | None = None) -> None:

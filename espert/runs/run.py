@@ -31,8 +31,10 @@ from espert.runs.files import (
     atomic_write_text,
     fsync_dir,
     kill_point,
+    lock_run,
     read_config_file,
     stat_key,
+    unlock_run,
 )
 from espert.runs.fingerprint import base_fingerprint, check_base
 from espert.runs.legacy import abandoned_setup, upgrade
@@ -131,9 +133,14 @@ class Run:
     def __init__(self, path: str, cfg: ESConfig, doc: dict, echo: Callable[[str], None] | None = print):
         self.path, self.cfg, self.doc = path, cfg, doc
         self.echo = echo or (lambda s: None)
-        self.records = read_log(self.file(LOG), repair=True)
-        self._cleanup()
-        self._log = open(self.file(LOG), "ab")
+        self._lock = lock_run(path)  # before anything is read for writing: one writer per run
+        try:
+            self.records = read_log(self.file(LOG), repair=True)
+            self._cleanup()
+            self._log = open(self.file(LOG), "ab")
+        except BaseException:
+            unlock_run(self._lock)
+            raise
         self._verified: tuple[str, int | None] | None = None  # (stat key, iteration) of the checked center
         self._base_path: str | None = None
 
@@ -197,11 +204,15 @@ class Run:
                 )
             check_inputs(cfg, doc["base_model"])
             run = cls(run_dir, cfg, doc, echo)
-            run._ensure_base()
-            if diff:
-                run.doc["config"] = cfg.to_dict()
-                run._write_config()
-                run.echo(f"[espert] resume: changed {', '.join(f'{k}={b!r}' for k, (_, b) in diff.items())}")
+            try:
+                run._ensure_base()
+                if diff:
+                    run.doc["config"] = cfg.to_dict()
+                    run._write_config()
+                    run.echo(f"[espert] resume: changed {', '.join(f'{k}={b!r}' for k, (_, b) in diff.items())}")
+            except BaseException:
+                run.close()  # the writer lock too
+                raise
             return run
         if cfg is None:
             raise ValueError("a new run needs a config (cfg=None is only for resuming)")
@@ -382,6 +393,7 @@ class Run:
 
     def close(self) -> None:
         self._log.close()
+        unlock_run(self._lock)
 
 
 def _dump_config(doc: dict) -> str:
