@@ -166,7 +166,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
         from espert.runs import read_run_config
 
         if not args.run_dir:
-            raise SystemExit("espert train: --resume needs --run-dir")
+            raise ValueError("--resume needs --run-dir (the run to continue)")
         stored = ESConfig.from_dict(read_run_config(args.run_dir)["config"])
         return ESConfig.from_dict(overrides, base=stored), overrides
     return ESConfig.from_dict(overrides), overrides

@@ -119,3 +119,11 @@ def test_train_resume_replay_cli(tmp_path, capsys):
 def test_tiny_command(tmp_path, capsys):
     assert main(["tiny", str(tmp_path / "m"), "--seed", "2"]) == 0
     assert os.path.exists(tmp_path / "m" / "model.safetensors")
+
+
+def test_resume_without_run_dir_is_a_usage_error(capsys):
+    """Today: exit 1 and no "error:", unlike every other usage error (exit 2)."""
+    assert main(["train", "--resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "espert train: error: --resume needs --run-dir (the run to continue)"
+    )
