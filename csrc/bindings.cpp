@@ -87,6 +87,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
 #ifdef ESPERT_WITH_CUDA
   m.attr("has_cuda") = true;
+  m.attr("cuda_archs") = ESPERT_CUDA_ARCHS;  // what nvcc compiled for, e.g. "80,90"
   m.attr("CUDA_UNIT_GROUPS") = kCudaUnitGroups;
   m.def(
       "apply_many_cuda",
@@ -104,5 +105,6 @@ PYBIND11_MODULE(_C, m) {
       "coeffs and a cudaStream_t handle.");
 #else
   m.attr("has_cuda") = false;
+  m.attr("cuda_archs") = "";
 #endif
 }

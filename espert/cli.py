@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -23,6 +25,7 @@ import typing
 from typing import Sequence
 
 from espert.config import RENAMED, ESConfig, deprecated, field_choices, field_help, field_type
+from espert.extras import MissingExtra
 
 TRAIN_EPILOG = """examples:
   espert train                                   # main job: tiny model, copy task, CPU, a few minutes
@@ -64,7 +67,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         help_ = helps[f.name]
-        if default not in (None, []) and "default" not in help_:
+        if default not in (None, []) and not re.search(r"\(default[ :]", help_):
             help_ += f" (default: {default})"
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_.replace("%", "%%"))
         if f.name in choices:
@@ -89,16 +92,46 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from espert import __version__
+class Version(argparse.Action):
+    """``espert --version``: the version and the commit (looked up only when asked)."""
 
-    parser = argparse.ArgumentParser(
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from espert import __version__
+        from espert.environment import git_commit
+
+        print(f"espert {__version__} (commit {git_commit()})")
+        parser.exit(0)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line (``espert train: error: ...``, exit 2), not the usage
+    block first: espert train's usage alone is 40 lines.  Sub-commands inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
         prog="espert",
         description="espert: evolution strategies for LLMs with fused, exactly restorable "
         "counter-based noise. Run 'espert COMMAND --help' for details.",
     )
-    parser.add_argument("--version", action="version", version=f"espert {__version__}")
+    parser.add_argument("--version", action=Version, help="print espert's version and commit, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    en = sub.add_parser(
+        "env",
+        help="what this installation is and can do (paste it into bug reports)",
+        description="espert's version and commit, the compiled kernels (CPU code path, CUDA archs, Triton), "
+        "the versions of torch, vLLM, transformers and math-verify, and which extras are installed. "
+        "Every run's config.yaml records the same facts.",
+    )
+    en.add_argument("--json", action="store_true", help="print the facts as JSON")
+    en.set_defaults(func=cmd_env)
 
     tr = sub.add_parser(
         "train",
@@ -136,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model directory.",
     )
     tn.add_argument("out_dir", metavar="OUT_DIR")
-    tn.add_argument("--seed", type=int, default=0)
+    tn.add_argument("--seed", type=int, default=0, help="initialization seed (default 0)")
     tn.set_defaults(func=cmd_tiny)
 
     try:
@@ -192,6 +225,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         echo("[espert] base vs ES, 16 samples (temperature 1) on 64 held-out problems:")
         evaluate_run(run_dir, n=16, limit=64, echo=echo)
         echo(f"[espert] report and plots: {os.path.join(run_dir, 'eval')}")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from espert.environment import describe, format_environment
+
+    facts = describe()
+    print(json.dumps(facts, indent=2) if args.json else format_environment(facts))
     return 0
 
 
@@ -254,9 +295,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return {k: v for a in parser._actions if isinstance(a, argparse._SubParsersAction) for k, v in a.choices.items()}
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of ``parser`` and of its sub-commands."""
+    own = [o for a in parser._actions if a.help is not argparse.SUPPRESS for o in a.option_strings]
+    return own + [o for sp in _subparsers(parser).values() for o in _flags(sp)]
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args`` whose "unrecognized arguments" error suggests the closest option."""
+    import difflib
+
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        sub = _subparsers(parser).get(getattr(args, "command", None) or "", parser)
+        flags, said = _flags(sub), []
+        for r in rest:
+            close = difflib.get_close_matches(r.split("=")[0], flags, n=1) if r.startswith("-") else []
+            said.append(f"{r} (did you mean {close[0]}?)" if close else r)
+        sub.error("unrecognized arguments: " + " ".join(said))
+    return args
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -266,7 +332,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
             quiet_transformers()
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, MissingExtra) as e:
         print(f"espert {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from espert.extras import require
+
 
 #: What the two methods are compared on (model, task, budget).  Defaults: the full run.
 @dataclass
@@ -338,6 +340,8 @@ def run_cli(args: argparse.Namespace) -> int:
     cc = CompareConfig.fast() if args.fast else CompareConfig()
     threads = torch.get_num_threads()
     try:
+        for module in ("trl", "accelerate", "matplotlib"):  # before the base model is built
+            require(module, "espert compare")
         torch.set_num_threads(1)
         run_compare(args.out, cc, echo=lambda s: print(s, file=sys.stderr))
     except (ImportError, ValueError, FileNotFoundError) as e:

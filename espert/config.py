@@ -90,7 +90,12 @@ class ESConfig:
     chat_template: bool = opt(False, "wrap prompts in the tokenizer's chat template")
     max_new_tokens: int = opt(8, "greedy generation budget per prompt")
     generation_batch_size: int = opt(256, "prompts per generate call")
-    cpu_threads: int = opt(1, "torch CPU threads at start (0: torch's default; 1 is fastest for the tiny model)")
+    cpu_threads: int = opt(
+        1,
+        "torch CPU threads at start (default 1, not the machine's core count: the tiny main job's small "
+        "matrices run fastest on one thread; larger models gain from more, e.g. 2 threads generated 1.5x "
+        "faster on a 2-core machine; 0: torch's default, all cores)",
+    )
     vllm_engines: int = opt(1, "evaluator vllm: number of engines sharing the population")
     vllm_tensor_parallel_size: int = opt(1, "evaluator vllm: tensor-parallel GPUs per engine")
     vllm_gpu_memory_utilization: float | None = opt(
@@ -165,8 +170,8 @@ class ESConfig:
     checkpoint_every: int = opt(50, "checkpoint + export every N iterations (0: end only)")
     trackers: list[str] = opt(
         [],
-        "also log log.jsonl's metrics to: wandb, tensorboard (optional packages; "
-        "a missing or failing tracker only warns)",
+        "also log log.jsonl's metrics to: wandb, tensorboard (espert[track]; a missing package is "
+        "refused at start, a tracker that fails later only warns)",
     )
     tracker_project: str = opt("espert", "wandb project / tensorboard subdirectory name")
 
@@ -268,8 +273,16 @@ class ESConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(f"unknown config key(s): {', '.join(did_you_mean(k, known) for k in unknown)}")
         return cls(**{**(base.to_dict() if base else {}), **d})
+
+
+def did_you_mean(name: str, known) -> str:
+    """``'name'``, with ``(did you mean 'close'?)`` when a known name is close (else where to look)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f"{name!r} (did you mean {close[0]!r}?)" if close else f"{name!r} (see espert train --help)"
 
 
 #: Old key -> new key (old configs and run directories still load).

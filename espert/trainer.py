@@ -25,6 +25,7 @@ from typing import Any, Callable
 from espert.config import ESConfig
 from espert.diagnostics import IterationMeter
 from espert.es import es_step, prompt_indices
+from espert.extras import check_config
 from espert.tasks import resolve_tasks, task_fingerprint
 
 
@@ -161,6 +162,7 @@ def train(
         _refuse_python_task(run_dir)
     if cfg is None:
         raise ValueError("a new run needs a config (cfg=None is only for resuming)")
+    check_config(cfg)  # a missing optional package: one line now, not a traceback mid-run
     spec, source, train_task, eval_task = resolve_tasks(cfg, task, reward, prompts, eval_prompts)
     if spec != cfg.task:
         cfg = dataclasses.replace(cfg, task=spec)

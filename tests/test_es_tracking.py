@@ -8,6 +8,7 @@ import pytest
 
 from espert import runs, train
 from espert.config import ESConfig
+from espert.extras import MissingExtra
 from espert.trainer import iteration_metrics
 
 SMALL = dict(
@@ -46,11 +47,20 @@ def same_log(d, plain):
     return got == plain
 
 
-def test_missing_packages_only_warn(tmp_path, monkeypatch, plain):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    d, msgs = run(tmp_path, "run", trackers=["wandb", "tensorboard"])
-    assert any("tracker wandb could not start (ModuleNotFoundError" in m for m in msgs)
+@pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
+def test_a_missing_tracker_package_is_refused_before_anything_is_written(tmp_path, monkeypatch, tracker):
+    monkeypatch.setitem(sys.modules, tracker, None)  # `import wandb` raises ImportError
+    with pytest.raises(
+        MissingExtra, match=rf"--trackers {tracker} needs the {tracker} package: pip install 'espert\[track\]'"
+    ):
+        run(tmp_path, "run", trackers=[tracker])
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_tracker_that_cannot_start_only_warns(tmp_path, monkeypatch, plain):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # installed, but its import fails
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    d, msgs = run(tmp_path, "run", trackers=["tensorboard"])
     assert any("tracker tensorboard could not start (ModuleNotFoundError" in m for m in msgs)
     assert same_log(d, plain)
 

@@ -46,7 +46,7 @@ def test_eval_end_to_end_and_rescore(tiny_models, tmp_path):
         "base",
         "-n",
         "4",
-        "--max-tokens",
+        "--max-new-tokens",
         "6",
         "--seed",
         "3",

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Bottom-up.  A module belongs to the layer of its longest matching prefix ("espert" itself: only the
 #: package's __init__).  A new module must be placed here (test_every_module_has_a_layer).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("config", ("espert", "espert.config")),
+    ("config", ("espert", "espert.config", "espert.extras")),
     (
         "noise",
         (
@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.runs.files",  # atomic writes: stdlib only (vLLM's drop-in writes its files with them)
         ),
     ),
-    ("ops", ("espert._C", "espert.ops", "espert.kernels", "espert.quant.ops")),
+    ("ops", ("espert._C", "espert._build", "espert.ops", "espert.kernels", "espert.quant.ops", "espert.environment")),
     (
         "params/center",
         (

@@ -27,6 +27,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from espert.extras import require
+
 #: (group, regex) checked in order against the parameter name; the first match wins.
 GROUP_PATTERNS: list[tuple[str, re.Pattern]] = [
     ("norm", re.compile(r"(norm|(^|\.)ln_?[0-9a-z]*\.)", re.I)),
@@ -493,6 +495,8 @@ def _parse_ckpts(specs: Sequence[str]) -> dict[str, str]:
 def run_analyze(args: argparse.Namespace) -> int:
     """Entry point of ``espert analyze`` (returns a process exit code; 2 on bad input)."""
     try:
+        if args.plot_dir:
+            require("matplotlib", "--plot-dir")
         if not args.base or not args.ckpt:
             raise ValueError("drift analysis needs --base and --ckpt (or use a sub-command: run, estimator)")
         ckpts = _parse_ckpts(args.ckpt)
@@ -642,6 +646,8 @@ def plot_run_diagnostics(res: dict, out_dir: str) -> str:
 def run_run(args: argparse.Namespace) -> int:
     """``espert analyze run RUN_DIR``: estimator diagnostics of a training run."""
     try:
+        if args.plot_dir:
+            require("matplotlib", "--plot-dir")
         res = run_diagnostics(args.run_dir)
         print(format_run_diagnostics(res))
         if args.json:
@@ -700,20 +706,20 @@ def add_subcommands(p: argparse.ArgumentParser) -> None:
     )
     r.add_argument("run_dir", metavar="RUN_DIR")
     r.add_argument("--plot-dir", metavar="DIR", help="write estimator.png here")
-    r.add_argument("--json", metavar="FILE")
+    r.add_argument("--json", metavar="FILE", help="write the diagnostics as JSON")
     r.set_defaults(func=run_run)
     e = sub.add_parser("estimator", help="one-point vs antithetic variance with common and independent prompts")
     e.add_argument("--model", required=True, help="local HF model directory")
-    e.add_argument("--task", default="copy")
-    e.add_argument("--data", metavar="JSONL")
-    e.add_argument("--split", default="train")
+    e.add_argument("--task", default="copy", help="task name or import path (default copy)")
+    e.add_argument("--data", metavar="JSONL", help="local JSONL file with the problems")
+    e.add_argument("--split", default="train", help="dataset split (default train)")
     e.add_argument("--pool", type=int, default=256, help="prompts in the pool (default 256)")
-    e.add_argument("--sigma", type=float, default=0.02)
-    e.add_argument("--pairs", type=int, default=16)
+    e.add_argument("--sigma", type=float, default=0.02, help="noise scale (default 0.02)")
+    e.add_argument("--pairs", type=int, default=16, help="antithetic pairs per estimate (default 16)")
     e.add_argument("--per-member", type=int, default=16, help="prompts per member (default 16)")
-    e.add_argument("--max-new-tokens", type=int, default=8)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--json", metavar="FILE")
+    e.add_argument("--max-new-tokens", type=int, default=8, help="greedy generation budget (default 8)")
+    e.add_argument("--seed", type=int, default=0, help="member seeds derive from it (default 0)")
+    e.add_argument("--json", metavar="FILE", help="write the results as JSON")
     e.set_defaults(func=run_estimator)
 
 

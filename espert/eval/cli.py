@@ -16,11 +16,29 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from espert.config import deprecated
+from espert.extras import require
+
 EVAL_EPILOG = """examples:
   espert eval --task gsm8k --data test.jsonl --models base=Qwen2.5-0.5B es=runs/es/final \\
       --base base -n 16 --limit 200 --out eval_out
   espert eval --samples eval_out/samples_base.jsonl eval_out/samples_es.jsonl --base base --out rescored
 """
+
+
+class Renamed(argparse.Action):
+    """An option's name of an earlier version: parses into the new option's ``dest`` (through
+    ``convert``, a mapping of old values to new ones) and prints one deprecation line."""
+
+    def __init__(self, option_strings, dest, new: str, convert: Optional[dict] = None, **kw):
+        if convert:
+            kw["choices"] = list(convert)
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+        self.new, self.convert = new, convert
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        deprecated(f"{option_string} is deprecated; use {self.new}")
+        setattr(namespace, self.dest, self.convert[values] if self.convert else values)
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
@@ -51,13 +69,39 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     samp.add_argument("-n", "--n", type=int, default=8, help="samples per problem (default 8)")
     samp.add_argument("--temperature", type=float, default=0.6, help="default 0.6; 0 = greedy")
     samp.add_argument("--top-p", type=float, default=0.95, help="default 0.95")
-    samp.add_argument("--max-tokens", type=int, default=512, help="max new tokens per sample (default 512)")
-    samp.add_argument("--seed", type=int, default=0)
-    samp.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
-    samp.add_argument("--batch-size", type=int, default=64, help="sequences per generate call (transformers)")
-    samp.add_argument("--device", help="torch device for the transformers backend (default: cuda if available)")
-    samp.add_argument("--dtype", default="auto", help="model dtype, e.g. bfloat16 (default auto)")
-    samp.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
+    samp.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=512,
+        help="max new tokens per sample (default 512: room for sampled reasoning; train's 8 fits the tiny main job)",
+    )
+    samp.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    samp.add_argument(
+        "--evaluator", choices=["torch", "vllm"], default="torch", help="generation engine, as in train (default torch)"
+    )
+    samp.add_argument("--batch-size", type=int, default=64, help="sequences per generate call (torch; default 64)")
+    samp.add_argument(
+        "--device",
+        help="torch device for the torch evaluator (default: cuda if available, else cpu; train's is cpu, "
+        "where a run's weights live)",
+    )
+    samp.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype, e.g. bfloat16 (default auto: the checkpoint's own; train's float32 is the ES master's)",
+    )
+    samp.add_argument(
+        "--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template (default off)"
+    )
+    # the names of earlier versions: they still work, and say once what they are now called
+    samp.add_argument("--max-tokens", type=int, dest="max_new_tokens", action=Renamed, new="--max-new-tokens")
+    samp.add_argument(
+        "--backend",
+        dest="evaluator",
+        action=Renamed,
+        new="--evaluator",
+        convert={"transformers": "torch", "vllm": "vllm"},
+    )
     rep = p.add_argument_group("report")
     rep.add_argument("--out", default="eval_out", metavar="DIR", help="output directory (default eval_out)")
     rep.add_argument(
@@ -73,7 +117,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         "--maj",
         choices=["subsets", "first"],
         default="subsets",
-        help="maj@k: exact average over all k-subsets of the n samples (default), or the first k samples only",
+        help="maj@k: exact average over all k-subsets of the n samples, or the first k samples only (default subsets)",
     )
     rep.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=run_eval)
@@ -102,6 +146,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     else:
         if not args.task:
             raise ValueError("--task is required when generating")
+        if args.evaluator == "vllm":
+            require("vllm", "--evaluator vllm")
         models = parse_model_specs(args.models)
         for label, path in models.items():
             # "org/name" may be a Hub id; anything else that looks like a path must exist.
@@ -121,9 +167,9 @@ def _run_eval(args: argparse.Namespace) -> int:
         for label, path in models.items():
             print(f"[espert eval] sampling {label} ({path}): {len(task)} problems x {args.n}", file=sys.stderr)
             kwargs = dict(chat_template=args.chat_template, dtype=args.dtype)
-            if args.backend == "transformers":
+            if args.evaluator == "torch":
                 kwargs.update(batch_size=args.batch_size, device=args.device)
-            sampler = make_sampler(args.backend, path, **kwargs)
+            sampler = make_sampler(args.evaluator, path, **kwargs)
             try:
                 recs = generate_samples(
                     task,
@@ -132,9 +178,14 @@ def _run_eval(args: argparse.Namespace) -> int:
                     args.n,
                     args.temperature,
                     args.top_p,
-                    args.max_tokens,
+                    args.max_new_tokens,
                     args.seed,
-                    extra_meta={"model_path": path, "backend": args.backend, "split": args.split, "data": args.data},
+                    extra_meta={
+                        "model_path": path,
+                        "evaluator": args.evaluator,
+                        "split": args.split,
+                        "data": args.data,
+                    },
                 )
             finally:
                 close = getattr(sampler, "close", None)

@@ -8,6 +8,8 @@ import re
 import time
 from typing import Callable, Optional, Sequence
 
+from espert.extras import have, install_hint
+
 from ..tasks import Task
 from .plots import write_plots
 from .report import build_report, format_summary
@@ -86,9 +88,11 @@ def write_outputs(
     summary = format_summary(report)
     with open(os.path.join(out_dir, "summary.txt"), "w", encoding="utf-8") as f:
         f.write(summary + "\n")
-    if plots:
-        write_plots(report, out_dir)
     echo(summary)
+    if plots and not have("matplotlib"):  # the report is complete without its pictures
+        echo(f"[espert] plots skipped: {install_hint('matplotlib')}")
+    elif plots:
+        write_plots(report, out_dir)
     return report
 
 

@@ -210,13 +210,13 @@ class VLLMSampler:
         del self.llm
 
 
-def make_sampler(backend: str, model_path: str, **kwargs) -> Sampler:
-    """Construct a sampler by backend name (``transformers`` or ``vllm``)."""
-    if backend == "transformers":
+def make_sampler(evaluator: str, model_path: str, **kwargs) -> Sampler:
+    """Construct a sampler by evaluator name (``torch``: transformers' generate, or ``vllm``)."""
+    if evaluator == "torch":
         return TransformersSampler(model_path, **kwargs)
-    if backend == "vllm":
+    if evaluator == "vllm":
         kwargs.pop("batch_size", None)
         kwargs.pop("device", None)
         dtype = kwargs.pop("dtype", "auto")
         return VLLMSampler(model_path, dtype=dtype, **kwargs)
-    raise ValueError(f"unknown backend {backend!r}; use 'transformers' or 'vllm'")
+    raise ValueError(f"unknown evaluator {evaluator!r}; use 'torch' or 'vllm'")

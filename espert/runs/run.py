@@ -227,6 +227,7 @@ class Run:
         ref = model_ref(cfg)
         check_inputs(cfg, ref)
         from espert import __version__
+        from espert.environment import describe
 
         doc = {
             "format": FORMAT,
@@ -236,6 +237,7 @@ class Run:
             "base_fingerprint": None,
             "task": cfg.task,
             "config": cfg.to_dict(),
+            "environment": describe(),  # what `espert env` prints: commit, kernels, package versions
         }
         parent, name = os.path.split(os.path.abspath(run_dir))
         os.makedirs(parent, exist_ok=True)

@@ -6,10 +6,13 @@ import json
 import os
 from typing import Any, Callable, Iterator, Optional
 
+from espert.extras import require
+
 from .base import PromptReward, Task, reward_fn_task
 from .copy_task import make_copy_task
 from .rewards import (
     REWARDS,
+    SAME_PROBLEMS,
     canonical_task_name,
     countdown_answer,
     known_tasks,
@@ -40,8 +43,16 @@ def reward_task(name: str) -> Task:
     Used to re-score saved completions without loading the dataset.
     """
     key = canonical_task_name(name)
+    check_task_needs(key)
     reward, extract = REWARDS[key]
     return Task(name=key, prompts=[], answers=[], reward_fn=reward, extract_fn=extract)
+
+
+def check_task_needs(name: str) -> None:
+    """Raise :class:`espert.extras.MissingExtra` (one line naming the extra) if a known task's reward
+    needs a package that is not installed; call before anything is written."""
+    if name == "math500":
+        require("math_verify", "--task math500 (MATH grading)", "or use --task math500_string for plain string grading")
 
 
 def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, str]:
@@ -52,6 +63,7 @@ def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, st
             return json.dumps(v)
         return str(v)
 
+    task = SAME_PROBLEMS.get(task, task)
     if task in ("countdown",):
         if "target" in row and ("nums" in row or "numbers" in row):
             nums = row["nums"] if "nums" in row else row["numbers"]
@@ -65,14 +77,13 @@ def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, st
         )
     if "prompt" in row and "answer" in row:
         return str(row["prompt"]), as_answer(row["answer"])
-    if task in ("gsm8k", "gsm8k_strict") and "question" in row and "answer" in row:
+    if task == "gsm8k" and "question" in row and "answer" in row:
         return GSM8K_PROMPT.format(question=row["question"]), as_answer(row["answer"])
     if task == "math500" and "problem" in row and ("answer" in row or "solution" in row):
         ans = row["answer"] if "answer" in row else row["solution"]
         return MATH_PROMPT.format(problem=row["problem"]), as_answer(ans)
     shapes = {
         "gsm8k": "'prompt'/'answer' or 'question'/'answer'",
-        "gsm8k_strict": "'prompt'/'answer' or 'question'/'answer'",
         "math500": "'prompt'/'answer' or 'problem'/'answer' (or 'problem'/'solution')",
         "copy": "'prompt'/'answer'",
     }
@@ -131,8 +142,8 @@ def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: n
         import datasets
     except ImportError as e:
         raise ImportError("loading Hub datasets needs the 'datasets' package (pip install datasets)") from e
-    repo, config = HUB_SOURCES["gsm8k" if key == "gsm8k_strict" else key]
-    if key == "math500" and split != "test":
+    repo, config = HUB_SOURCES[SAME_PROBLEMS.get(key, key)]
+    if repo == HUB_SOURCES["math500"][0] and split != "test":
         raise ValueError("math500 only has a 'test' split")
     if key == "countdown":
         if split not in ("train", "test"):
@@ -183,6 +194,7 @@ def load_task(
         FileNotFoundError: ``path`` does not exist.
     """
     key = canonical_task_name(name)
+    check_task_needs(key)
     if n is not None and n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if path is not None:

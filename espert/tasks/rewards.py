@@ -6,9 +6,10 @@ when no answer can be extracted. Exact definitions are in ``docs/eval.md``.
 
 * GSM8K: the number after the last ``####`` (fallback: the last number in the text,
   see :func:`gsm8k_extract`), compared exactly as rationals after removing ``,`` and ``$``.
-* MATH: the content of the last ``\\boxed{...}`` (nested braces handled), compared with
-  ``math_verify`` (``parse`` + ``verify``); if math_verify raises or cannot parse either
-  side, a string comparison after LaTeX normalization is used instead.
+* MATH: the content of the last ``\\boxed{...}`` (nested braces handled), equal after LaTeX
+  normalization or equivalent by ``math_verify`` (``parse`` + ``verify``), which ``math500`` requires
+  (it refuses to start without it).  ``math500_string`` asks for the normalized string comparison
+  alone, on purpose.
 * Countdown: an arithmetic expression in the last ``<answer>...</answer>`` block that
   uses exactly the given numbers, each once, with ``+ - * /`` and parentheses only and
   evaluates exactly (rational arithmetic) to the target. Parsed with :mod:`ast`, never
@@ -27,6 +28,8 @@ from collections import Counter
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Callable, Optional, Sequence
+
+from espert.extras import require
 
 # --------------------------------------------------------------------------- GSM8K
 
@@ -209,17 +212,18 @@ def _math_gold(answer: str) -> str:
 def math_equal(gold: str, pred: str) -> bool:
     """Whether ``pred`` is mathematically equivalent to ``gold`` (both raw LaTeX strings).
 
-    Uses ``math_verify.parse`` on ``\\boxed{...}``-wrapped strings and
-    ``math_verify.verify``. If math_verify is unavailable, raises, or cannot parse one
-    side, falls back to equality of :func:`normalize_latex` strings. String equality
-    after normalization is always accepted.
+    Equal :func:`normalize_latex` strings are always equivalent; otherwise ``math_verify.parse`` on
+    ``\\boxed{...}``-wrapped strings and ``math_verify.verify`` decide, and a side math_verify cannot
+    parse (or a math_verify error) is not equivalent.  Without math_verify installed this raises
+    :class:`espert.extras.MissingExtra`: a silent string fallback would grade ``\\frac{1}{2}`` against
+    ``0.5`` differently from a machine that has it.  :func:`math_string_equal` is the string rule.
     """
-    ng, np_ = normalize_latex(gold), normalize_latex(pred)
-    if ng and ng == np_:
+    if math_string_equal(gold, pred):
         return True
-    try:
-        from math_verify import parse, verify
+    require("math_verify", "MATH grading (math500)", "or use --task math500_string for plain string grading")
+    from math_verify import parse, verify
 
+    try:
         # math_verify's timeout uses SIGALRM, which only works in the main thread.
         timeout = 5 if threading.current_thread() is threading.main_thread() else None
         g = parse("\\boxed{" + gold + "}", parsing_timeout=timeout, raise_on_error=True)
@@ -227,26 +231,39 @@ def math_equal(gold: str, pred: str) -> bool:
         if not g or not p:
             return False  # unparsable: the string comparison above already failed
         return bool(verify(g, p, timeout_seconds=timeout, raise_on_error=True))
-    except Exception:  # noqa: BLE001 - any math_verify failure -> string fallback
-        # The string-normalized comparison at the top of this function is the fallback
-        # and it has already failed.
+    except Exception:  # noqa: BLE001 - math_verify failed on this pair: not shown equivalent
         return False
 
 
-def math_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-    """Batched MATH reward: 1.0 if the last ``\\boxed{}`` is equivalent to the reference.
+def math_string_equal(gold: str, pred: str) -> bool:
+    """``math500_string``'s rule: equal, non-empty :func:`normalize_latex` strings."""
+    ng = normalize_latex(gold)
+    return bool(ng) and ng == normalize_latex(pred)
 
-    The reference may be a bare LaTeX answer (MATH-500 ``answer`` field) or a full
-    solution containing ``\\boxed{}``.
-    """
+
+def _boxed_reward(completions: Sequence[str], answers: Sequence[str], equal: Callable) -> list[float]:
     out = []
     for c, a in zip(completions, answers):
         pred = last_boxed(c)
         if pred is None or not pred.strip():
             out.append(0.0)
             continue
-        out.append(1.0 if math_equal(_math_gold(a), pred) else 0.0)
+        out.append(1.0 if equal(_math_gold(a), pred) else 0.0)
     return out
+
+
+def math_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """Batched MATH reward: 1.0 if the last ``\\boxed{}`` is equivalent to the reference (:func:`math_equal`).
+
+    The reference may be a bare LaTeX answer (MATH-500 ``answer`` field) or a full
+    solution containing ``\\boxed{}``.
+    """
+    return _boxed_reward(completions, answers, math_equal)
+
+
+def math_string_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """``math500_string``: :func:`math_reward` with :func:`math_string_equal` (no math_verify)."""
+    return _boxed_reward(completions, answers, math_string_equal)
 
 
 # --------------------------------------------------------------------------- Countdown
@@ -373,7 +390,12 @@ def countdown_reward(completions: Sequence[str], answers: Sequence[str]) -> list
 
 #: The answer equivalence of each built-in task, used to group extracted answers before majority
 #: voting (maj@k) and for the answer entropy.  Tasks not listed compare extracted strings.
-ANSWER_EQUIVALENCE = {"gsm8k": gsm8k_equal, "gsm8k_strict": gsm8k_equal, "math500": math_equal}
+ANSWER_EQUIVALENCE = {
+    "gsm8k": gsm8k_equal,
+    "gsm8k_strict": gsm8k_equal,
+    "math500": math_equal,
+    "math500_string": math_string_equal,
+}
 
 
 def answer_equivalence(task_name: Optional[str]):
@@ -457,10 +479,18 @@ REWARDS: dict[str, tuple[Callable, Callable]] = {
     "gsm8k": (gsm8k_reward, gsm8k_extract),
     "gsm8k_strict": (gsm8k_reward_strict, gsm8k_extract_strict),
     "math500": (math_reward, math_extract),
+    "math500_string": (math_string_reward, math_extract),
     "countdown": (countdown_reward, countdown_extract),
     "copy": (copy_reward, copy_extract),
 }
-ALIASES = {"math": "math500", "math-500": "math500", "gsm8k-strict": "gsm8k_strict"}
+ALIASES = {
+    "math": "math500",
+    "math-500": "math500",
+    "gsm8k-strict": "gsm8k_strict",
+    "math500-string": "math500_string",
+}
+#: Task variants that read the problems of another task (and only grade differently).
+SAME_PROBLEMS = {"gsm8k_strict": "gsm8k", "math500_string": "math500"}
 
 
 def known_tasks() -> list[str]:
