@@ -224,7 +224,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         echo("[espert] base vs ES, 16 samples (temperature 1) on 64 held-out problems:")
         evaluate_run(run_dir, n=16, limit=64, echo=echo)
-        echo(f"[espert] report and plots: {os.path.join(run_dir, 'eval')}")
+        echo(f"[espert] report: {os.path.join(run_dir, 'eval')}")
     return 0
 
 

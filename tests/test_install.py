@@ -199,3 +199,24 @@ def test_unknown_names_get_a_did_you_mean(tmp_path, capsys):
     assert e.value.code == 2
     (line,) = lines(capsys)
     assert line.startswith("espert train: error: unrecognized arguments: --populaton (did you mean --population?)")
+
+
+def test_without_compiled_cuda_kernels_the_gpu_ops_are_triton_and_env_says_so(monkeypatch):
+    from espert import _C
+    from espert.ops import backends
+
+    monkeypatch.setattr(_C, "has_cuda", False)
+    monkeypatch.setattr(_C, "cuda_archs", "")
+    facts = environment.describe(with_gpus=False)
+    assert facts["kernels"]["gpu_ops"] == ("triton" if have("triton") else None)
+    text = environment.format_environment(facts)
+    assert "cuda    not compiled (no nvcc at build)" in text
+    if have("triton"):
+        assert "ops on a CUDA tensor use the Triton kernels (JIT, no compiler needed)" in text
+
+    class CudaTensor:  # default_backend reads only the device of the tensor
+        device = type("D", (), {"type": "cuda"})()
+        is_cuda = True
+
+    monkeypatch.delenv("ESPERT_BACKEND", raising=False)
+    assert backends.default_backend(CudaTensor()) == "triton"
