@@ -84,3 +84,16 @@ def test_mbpp_from_a_jsonl_in_mbpp_schema():
     hostile = ["import os\nos._exit(0)", "import sys\nsys.exit(0)", "raise KeyboardInterrupt"]
     assert t.score(hostile, t.answers[:3]) == [0.0] * 3
     assert reward_task("mbpp").score([rows[1]["code"]], [t.answers[1]]) == [1.0]
+
+
+def test_hub_source_is_asked_for_by_name(tmp_path, capsys):
+    from espert.cli import main
+
+    with pytest.raises(ValueError, match="'humaneval' has no Hub source"):
+        load_task("humaneval", "train", path="hub")
+    d = str(tmp_path / "run")
+    assert main(["train", "--run-dir", d, "--task", "humaneval", "--train-data", "hub", "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "espert train: error: task 'humaneval' has no Hub source (those with one: countdown, gsm8k, math500, mbpp)"
+    )
+    assert not os.path.exists(d)
