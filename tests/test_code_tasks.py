@@ -59,6 +59,10 @@ def test_humaneval_continuation_is_cut_where_the_function_ends():
     assert t.score([rambling], t.answers) == [1.0]
     program = humaneval_program(rambling, t.answers[0])
     assert "sys.exit(1)" not in program and program.rstrip().endswith("check(has_close_elements)")
+    # a body that a fence and prose follow; a chat answer with a line of prose before the function
+    assert t.score([row["canonical_solution"] + "```\nThis loops over all pairs."], t.answers) == [1.0]
+    prose = "Here is the function:\n" + row["prompt"] + row["canonical_solution"]
+    assert t.score([prose], t.answers) == [1.0]
     # a completion that exits before the tests run is not a pass
     assert t.score(["    import sys\n    sys.exit(0)\n"], t.answers) == [0.0]
 
@@ -67,6 +71,7 @@ def test_code_extract():
     assert code_extract("```python\nx = 1\n```\nand\n```python\ny = 2\n```") == "x = 1"
     assert code_extract("```\nx = 1") == "x = 1"  # cut off by the token budget
     assert code_extract("x = 1\n\n") == "x = 1"
+    assert code_extract("x = 1\n```\n") == "x = 1"  # a base model closing its code
     assert code_extract("   \n") is None
 
 

@@ -19,6 +19,7 @@ DENIED = "PermissionError: sandbox:"
 HOSTILE = {
     "infinite loop": ("while True:\n    pass\n", "timeout", 3.0, ""),
     "sleep": ("import time\ntime.sleep(60)\n", "timeout", 3.0, ""),
+    "closed output, then a loop": ("import os\nos.closerange(0, 256)\nwhile True:\n    pass\n", "timeout", 3.0, ""),
     "fork bomb": ("import os\nfor _ in range(3):\n    os.fork()\n", "failed", 1.5, DENIED),
     "subprocess": ("import subprocess\nsubprocess.run(['true'])\n", "failed", 1.5, DENIED),
     "multiprocessing": (
@@ -139,7 +140,7 @@ def test_batches_keep_order_are_deterministic_and_bounded():
         "assert True\n",
         "assert False\n",
         "import sys\nsys.exit(0)\n",
-        "x = sorted({'b', 'a', 'c'})\nprint(x)\n",
+        "print(hash('espert'), list({'b', 'a', 'c', 'd'}))\n",  # the same with PYTHONHASHSEED=0
     ] * 3
     first = run_programs(progs, LIMITS, workers=2)
     again = run_programs(progs, LIMITS, workers=2)

@@ -27,7 +27,7 @@ MBPP_PROMPT = "{text}\nYour code should pass these tests:\n{tests}\nWrite the Py
 CODE_LIMITS = Limits(timeout_s=10.0, memory_mb=1024)
 CODE_BATCH_TIMEOUT_S = 900.0
 
-_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_CODE_START_RE = re.compile(r"^(?:from |import |def |async def |class |@)", re.MULTILINE)
 
 
 def humaneval_data_path() -> str:
@@ -63,7 +63,21 @@ def mbpp_problem(row: dict[str, Any]) -> tuple[str, str]:
 
 
 def _fenced_blocks(text: str) -> list[str]:
-    return [m.group(2) for m in _FENCE_RE.finditer(text)]
+    """The blocks between fence lines (lines starting with `````), the last one possibly unclosed.
+    A lone fence line with code before it and nothing after closes that code (a base model ending
+    its answer), so that code is the block."""
+    lines = text.split("\n")
+    fences = [i for i, ln in enumerate(lines) if ln.lstrip().startswith("```")]
+    if not fences:
+        return []
+    if len(fences) == 1 and "\n".join(lines[: fences[0]]).strip() and not "\n".join(lines[fences[0] + 1 :]).strip():
+        return ["\n".join(lines[: fences[0]])]
+    blocks = []
+    for k in range(0, len(fences), 2):
+        end = fences[k + 1] if k + 1 < len(fences) else len(lines)
+        block = "\n".join(lines[fences[k] + 1 : end])
+        blocks.append(block[:-3] if block.rstrip().endswith("```") else block)
+    return blocks
 
 
 def code_extract(completion: str) -> Optional[str]:
@@ -84,22 +98,26 @@ def _defines(code: str, name: str) -> bool:
 def humaneval_program(completion: str, answer: str) -> str:
     """The program that tests one HumanEval completion.
 
-    A completion that defines the entry point (a chat model's full function, fenced or not; with
-    several fenced blocks the first that defines it) follows the prompt, which keeps the prompt's
-    imports and helpers; any other completion continues the prompt (a base model's function body),
-    cut at the first of :data:`HUMANEVAL_STOP`.  Then the problem's ``test`` and ``check(entry_point)``.
+    A completion that defines the entry point (a chat model's full function, fenced or not: with
+    several fenced blocks the first that defines it, unfenced from its first ``def``/``import``/...
+    line) follows the prompt, which keeps the prompt's imports and helpers.  Any other completion
+    continues the prompt (a base model's function body; a completion that opens with a fence: that
+    block), cut at the first of :data:`HUMANEVAL_STOP` and `````.  Then the problem's ``test`` and
+    ``check(entry_point)``.
     """
     a = json.loads(answer)
     entry = a["entry_point"]
     blocks = _fenced_blocks(completion)
     full = next((b for b in blocks if _defines(b, entry)), None)
     if full is None and not blocks and _defines(completion, entry):
-        full = completion
+        m = _CODE_START_RE.search(completion)  # drop a line of prose before the code
+        full = completion[m.start() :] if m else completion
     if full is not None:
         body = a["prompt"].rstrip() + "\n\n" + full.rstrip() + "\n"
     else:
-        code = blocks[0] if blocks else completion
-        cut = min((i for i in (code.find(s) for s in HUMANEVAL_STOP) if i >= 0), default=len(code))
+        code = blocks[0] if blocks and completion.lstrip().startswith("```") else completion
+        stops = (*HUMANEVAL_STOP, "```")
+        cut = min((i for i in (code.find(s) for s in stops) if i >= 0), default=len(code))
         body = a["prompt"] + code[:cut].rstrip() + "\n"
     return f"{body}\n\n{a['test']}\n\ncheck({entry})\n"
 

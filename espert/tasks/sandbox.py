@@ -275,12 +275,13 @@ def run_program(program: str, limits: Limits = Limits(), deadline: Optional[floa
             start_new_session=True,
             close_fds=True,
         )
+        buf, status = b"", "failed"
         try:
-            status = _drive(p, token, limits.output_bytes, end)
-            buf, status = status
+            buf, status = _drive(p, token, limits.output_bytes, end)
         finally:
-            if not _wait_unreaped(p.pid, max(end, time.monotonic()) + 0.0):
+            if not _wait_unreaped(p.pid, max(end, time.monotonic())):  # it closed its output but runs on
                 _killpg(p.pid)
+                status = status or "timeout"
                 _wait_unreaped(p.pid, time.monotonic() + 5.0)
             _killpg(p.pid)  # whatever is left of its group (the leader is a zombie: its pgid is still ours)
             p.wait()
