@@ -152,9 +152,6 @@ def _main():
 _main()
 """
 
-#: The whole environment of a child (nothing of the parent's).
-CHILD_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE")
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -201,6 +198,7 @@ def network_namespace() -> list[str]:
 
 
 def _child_env(workdir: str) -> dict:
+    """The whole environment of a child: nothing of the parent's."""
     return {
         "PATH": "/usr/bin:/bin",
         "LANG": "C.UTF-8",
