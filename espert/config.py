@@ -73,12 +73,19 @@ class ESConfig:
     )
     task: str = opt(
         "copy",
-        "copy | gsm8k | gsm8k_strict | math500 | countdown, or an import path "
+        "copy | arithmetic | countdown | countdown_format | gsm8k | gsm8k_strict | math500 | humaneval | mbpp, "
+        "or an import path "
         "'package.module:name' of a Task, a reward fn(prompts, completions, answers) "
         "(problems from train_data/eval_data) or a loader fn(split) -> Task",
     )
-    train_data: str | None = opt(None, "local JSONL with the training problems (default: the task's train split)")
-    eval_data: str | None = opt(None, "local JSONL with the held-out problems (default: the task's eval_split)")
+    train_data: str | None = opt(
+        None,
+        "local JSONL with the training problems, or 'hub' for the task's Hub dataset (default: the task's train split)",
+    )
+    eval_data: str | None = opt(
+        None,
+        "local JSONL with the held-out problems, or 'hub' for the task's Hub dataset (default: the task's eval_split)",
+    )
     eval_split: str = opt("test", "split of the held-out problems")
     train_size: int | None = opt(None, "problems in the training pool (default: all of the split)")
     eval_size: int = opt(128, "held-out problems scored at the center (0: none)")

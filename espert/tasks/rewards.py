@@ -14,6 +14,11 @@ when no answer can be extracted. Exact definitions are in ``docs/eval.md``.
   uses exactly the given numbers, each once, with ``+ - * /`` and parentheses only and
   evaluates exactly (rational arithmetic) to the target. Parsed with :mod:`ast`, never
   evaluated with ``eval``.
+* countdown_format: ES-at-Scale's reward, ``(0.1 * format + correct) / 1.1`` (see
+  :func:`countdown_format_reward`).
+* arithmetic: the integer after the last ``=`` of the completion's first line (else that line's last
+  integer) equals the reference.
+* humaneval, mbpp: the completion's code passes the problem's tests in :mod:`espert.tasks.sandbox`.
 * copy: partial credit, fraction of the first ``len(answer)`` non-whitespace characters
   that match the answer position by position.
 """
@@ -30,6 +35,9 @@ from fractions import Fraction
 from typing import Callable, Optional, Sequence
 
 from espert.extras import require
+
+from .base import Task
+from .code import code_extract, humaneval_reward, mbpp_reward
 
 # --------------------------------------------------------------------------- GSM8K
 
@@ -386,6 +394,66 @@ def countdown_reward(completions: Sequence[str], answers: Sequence[str]) -> list
     return out
 
 
+#: ES-at-Scale's format check (es_at_scale/reward_function/countdown_grader.py), on ``"<think>" + completion``
+#: (their prompt ends with ``<think>``, which the completion does not repeat).
+_FULL_FORMAT_RE = re.compile(r"^<think>.*?</think>\n<answer>.*?</answer>$", re.DOTALL)
+_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+_ANSWER_RE = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+#: The best ES-at-Scale countdown reward: 0.1 * 1.0 (full format) + 1.0 (correct answer).
+COUNTDOWN_FORMAT_MAX = 1.1
+
+
+def countdown_format_score(completion: str) -> float:
+    """ES-at-Scale's format score of a completion: 1.0 when ``"<think>" + completion`` is exactly
+    ``<think>...</think>\\n<answer>...</answer>``, else 0.1 if it has a ``<think>...</think>`` plus 0.5
+    if it has an ``<answer>...</answer>`` (tags case-sensitive, as theirs)."""
+    text = "<think>" + completion
+    if _FULL_FORMAT_RE.match(text):
+        return 1.0
+    return (0.1 if _THINK_RE.search(text) else 0.0) + (0.5 if _ANSWER_RE.search(text) else 0.0)
+
+
+def countdown_format_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """ES-at-Scale's countdown reward, ``0.1 * format + correct``, divided by 1.1 to lie in [0, 1].
+
+    ``format`` is :func:`countdown_format_score` (their format credit, exactly); ``correct`` is this
+    module's 0/1 countdown check (exact, ``ast``-based; theirs uses ``eval`` with a 1e-5 tolerance).
+    Z-score and rank normalizations do not see the 1/1.1 scale.  A correct answer scores at least
+    ``1/1.1`` and a wrong one at most ``0.1/1.1``: the task's success threshold is ``1/1.1``.
+    """
+    correct = countdown_reward(completions, answers)
+    return [(0.1 * countdown_format_score(c) + r) / COUNTDOWN_FORMAT_MAX for c, r in zip(completions, correct)]
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+_INT_RE = re.compile(r"-?\d+")
+
+
+def arithmetic_extract(completion: str) -> Optional[str]:
+    """The integer answer of an arithmetic completion: on its first non-blank line, the integer right
+    after the last ``=`` (``"47 + 38 = 85"``), else the line's last integer (``"85"``, ``"It is 85."``).
+    Commas are removed first; ``None`` if there is none."""
+    if not isinstance(completion, str):
+        return None
+    line = next((ln for ln in completion.splitlines() if ln.strip()), "").replace(",", "")
+    if "=" in line:
+        m = _INT_RE.match(line.rsplit("=", 1)[1].strip())
+        if m:
+            return str(int(m.group(0)))
+    found = _INT_RE.findall(line)
+    return str(int(found[-1])) if found else None
+
+
+def arithmetic_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """Batched arithmetic reward: 1.0 if :func:`arithmetic_extract` equals the reference integer."""
+    out = []
+    for c, a in zip(completions, answers):
+        pred = arithmetic_extract(c)
+        out.append(1.0 if pred is not None and int(pred) == int(a) else 0.0)
+    return out
+
+
 # --------------------------------------------------------------------------- answer equivalence
 
 #: The answer equivalence of each built-in task, used to group extracted answers before majority
@@ -481,6 +549,10 @@ REWARDS: dict[str, tuple[Callable, Callable]] = {
     "math500": (math_reward, math_extract),
     "math500_string": (math_string_reward, math_extract),
     "countdown": (countdown_reward, countdown_extract),
+    "countdown_format": (countdown_format_reward, countdown_extract),
+    "arithmetic": (arithmetic_reward, arithmetic_extract),
+    "humaneval": (humaneval_reward, code_extract),
+    "mbpp": (mbpp_reward, code_extract),
     "copy": (copy_reward, copy_extract),
 }
 ALIASES = {
@@ -488,14 +560,33 @@ ALIASES = {
     "math-500": "math500",
     "gsm8k-strict": "gsm8k_strict",
     "math500-string": "math500_string",
+    "countdown-format": "countdown_format",
+    "human-eval": "humaneval",
 }
 #: Task variants that read the problems of another task (and only grade differently).
-SAME_PROBLEMS = {"gsm8k_strict": "gsm8k", "math500_string": "math500"}
+SAME_PROBLEMS = {"gsm8k_strict": "gsm8k", "math500_string": "math500", "countdown_format": "countdown"}
+#: Success threshold of the tasks whose correct samples score below 1.0 (default 1.0).
+SUCCESS_THRESHOLDS = {"countdown_format": 1.0 / COUNTDOWN_FORMAT_MAX}
 
 
 def known_tasks() -> list[str]:
     """Names accepted by :func:`load_task` and :func:`reward_task`."""
     return sorted(REWARDS)
+
+
+def builtin_task(name: str, prompts: Sequence[str], answers: Sequence[str], meta: Optional[dict] = None) -> Task:
+    """A :class:`Task` of a known task name: its reward, extractor and success threshold."""
+    key = canonical_task_name(name)
+    reward, extract = REWARDS[key]
+    return Task(
+        name=key,
+        prompts=list(prompts),
+        answers=list(answers),
+        reward_fn=reward,
+        extract_fn=extract,
+        success_threshold=SUCCESS_THRESHOLDS.get(key, 1.0),
+        meta=dict(meta or {}),
+    )
 
 
 def canonical_task_name(name: str) -> str:

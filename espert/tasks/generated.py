@@ -1,0 +1,194 @@
+"""Generated tasks, no data files: ``countdown`` problems solvable by construction and ``arithmetic``.
+
+Both are deterministic in their seed (``random.Random``), and their splits are disjoint the way the
+``copy`` task's are: a problem belongs to the held-out pool iff ``crc32(key) % 5 == 0``; ``train``
+draws only from the rest (seed 0), ``test`` only from the pool (seed 1).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from fractions import Fraction
+from typing import Optional
+
+from .base import Task
+from .rewards import builtin_task, countdown_answer
+
+COUNTDOWN_PROMPT = (
+    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
+    "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
+    "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
+    "<answer> (1 + 2) / 3 </answer>."
+)
+
+SPLIT_SEEDS = {"train": 0, "test": 1}
+DEFAULT_SIZES = {"train": 1024, "test": 256}
+_SPLIT_ALIASES = {"validation": "test", "heldout": "test", "held-out": "test"}
+
+
+def _split(task: str, split: str) -> str:
+    split = _SPLIT_ALIASES.get(split, split)
+    if split not in SPLIT_SEEDS:
+        raise ValueError(f"{task} task: unknown split {split!r} (use 'train' or 'test')")
+    return split
+
+
+def is_heldout(key: str) -> bool:
+    """Whether a generated problem (by its canonical key) belongs to the held-out pool."""
+    return zlib.crc32(key.encode("utf-8")) % 5 == 0
+
+
+def _draw(n: int, seed: int, heldout: bool, make, task: str, max_tries: int = 200) -> list:
+    """``n`` distinct problems from ``make(rng) -> (key, problem) | None`` in the given pool."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    out = []
+    misses = 0
+    while len(out) < n:
+        got = make(rng)
+        if got is None or got[0] in seen or is_heldout(got[0]) != heldout:
+            misses += 1
+            if misses > max_tries * (n + 1):
+                raise ValueError(f"{task} task: cannot draw {n} distinct problems with these settings (got {len(out)})")
+            continue
+        seen.add(got[0])
+        out.append(got[1])
+    return out
+
+
+# --------------------------------------------------------------------------- countdown
+
+COUNTDOWN_MIN_NUMBERS, COUNTDOWN_MAX_NUMBERS = 3, 4
+COUNTDOWN_MAX_NUMBER = 99
+COUNTDOWN_MAX_TARGET = 999
+
+
+def _countdown_one(rng: random.Random, min_numbers: int, max_numbers: int, max_number: int, max_target: int):
+    """One problem: numbers, then random binary operations joining two of the remaining expressions
+    (``/`` only when exact) until one expression is left; its value is the target when it is a whole
+    number in ``1..max_target``, else the draw is rejected (None)."""
+    k = rng.randint(min_numbers, max_numbers)
+    numbers = [rng.randint(1, max_number) for _ in range(k)]
+    items = [(Fraction(x), str(x)) for x in numbers]
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)
+        (a, ea), (b, eb) = items[i], items[j]
+        op = rng.choice("+-*/")
+        if op == "/" and (b == 0 or (a / b).denominator != 1):
+            op = rng.choice("+-*")
+        v = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else None}[op]
+        items = [it for t, it in enumerate(items) if t not in (i, j)] + [(v, f"({ea} {op} {eb})")]
+    value, expr = items[0]
+    if value.denominator != 1 or not (1 <= value <= max_target):
+        return None
+    expr = expr[1:-1] if expr.startswith("(") else expr
+    key = f"{sorted(numbers)}={int(value)}"
+    return key, (numbers, int(value), expr)
+
+
+def generate_countdown(
+    n: int,
+    seed: int,
+    heldout: bool,
+    min_numbers: int = COUNTDOWN_MIN_NUMBERS,
+    max_numbers: int = COUNTDOWN_MAX_NUMBERS,
+    max_number: int = COUNTDOWN_MAX_NUMBER,
+    max_target: int = COUNTDOWN_MAX_TARGET,
+) -> list[tuple[list[int], int, str]]:
+    """``n`` distinct countdown problems ``(numbers, target, a solution)`` (distinct as number multiset
+    and target), each solvable by construction: the solution uses every number once."""
+    if not (2 <= min_numbers <= max_numbers) or max_number < 1 or max_target < 1:
+        raise ValueError("countdown task needs 2 <= min_numbers <= max_numbers, max_number >= 1, max_target >= 1")
+
+    def make(rng):
+        return _countdown_one(rng, min_numbers, max_numbers, max_number, max_target)
+
+    return _draw(n, seed, heldout, make, "countdown")
+
+
+def make_countdown_task(
+    n: Optional[int] = None, split: str = "train", seed: Optional[int] = None, name: str = "countdown", **kw
+) -> Task:
+    """The generated ``countdown`` task (3-4 numbers in 1..99, a target in 1..999; ``**kw``: see
+    :func:`generate_countdown`).  ``name`` picks the reward: ``countdown`` (0/1) or ``countdown_format``."""
+    split = _split("countdown", split)
+    n = DEFAULT_SIZES[split] if n is None else n
+    s = SPLIT_SEEDS[split] if seed is None else seed
+    probs = generate_countdown(n, s, heldout=(split == "test"), **kw)
+    prompts = [COUNTDOWN_PROMPT.format(numbers=nums, target=t) for nums, t, _ in probs]
+    answers = [countdown_answer(t, nums) for nums, t, _ in probs]
+    return builtin_task(name, prompts, answers, {"source": "generated", "split": split, "seed": s, **kw})
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+ARITHMETIC_PROMPT = "{expr} ="
+ARITHMETIC_OPS = "+"
+ARITHMETIC_DIGITS = 2
+
+
+def _arithmetic_one(rng: random.Random, digits: int, ops: str, terms: int):
+    lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+    xs = [rng.randint(lo, hi) for _ in range(terms)]
+    os_ = [rng.choice(ops) for _ in range(terms - 1)]
+    expr = str(xs[0])
+    for o, x in zip(os_, xs[1:]):
+        expr += f" {o} {x}"
+    value = _eval_int(xs, os_)
+    return expr, (expr, value)
+
+
+def _eval_int(xs: list[int], ops: list[str]) -> int:
+    """Value of ``x0 o1 x1 o2 x2 ...`` with the usual precedence (``*`` before ``+ -``)."""
+    terms, cur = [], xs[0]
+    for o, x in zip(ops, xs[1:]):
+        if o == "*":
+            cur *= x
+        else:
+            terms.append(cur)
+            terms.append(o)
+            cur = x
+    terms.append(cur)
+    total = terms[0]
+    for i in range(1, len(terms), 2):
+        total = total + terms[i + 1] if terms[i] == "+" else total - terms[i + 1]
+    return total
+
+
+def generate_arithmetic(
+    n: int, seed: int, heldout: bool, digits: int = ARITHMETIC_DIGITS, ops: str = ARITHMETIC_OPS, terms: int = 2
+) -> list[tuple[str, int]]:
+    """``n`` distinct problems ``(expression, value)``: ``terms`` integers of ``digits`` digits joined by
+    operators drawn from ``ops`` (any of ``+ - *``), evaluated with the usual precedence."""
+    if digits < 1 or terms < 2 or not ops or set(ops) - set("+-*"):
+        raise ValueError(
+            f"arithmetic task needs digits >= 1, terms >= 2 and ops from '+-*', got {digits}, {terms}, {ops!r}"
+        )
+
+    def make(rng):
+        return _arithmetic_one(rng, digits, ops, terms)
+
+    return _draw(n, seed, heldout, make, "arithmetic")
+
+
+def make_arithmetic_task(
+    n: Optional[int] = None,
+    split: str = "train",
+    seed: Optional[int] = None,
+    digits: int = ARITHMETIC_DIGITS,
+    ops: str = ARITHMETIC_OPS,
+    terms: int = 2,
+) -> Task:
+    """The generated ``arithmetic`` task: prompt ``"47 + 38 ="``, answer ``"85"``.  The difficulty knobs
+    are ``digits`` (per operand), ``ops`` (``"+"``, ``"+-"``, ``"+-*"``...) and ``terms`` (operands)."""
+    split = _split("arithmetic", split)
+    n = DEFAULT_SIZES[split] if n is None else n
+    s = SPLIT_SEEDS[split] if seed is None else seed
+    probs = generate_arithmetic(n, s, heldout=(split == "test"), digits=digits, ops=ops, terms=terms)
+    meta = {"source": "generated", "split": split, "seed": s, "digits": digits, "ops": ops, "terms": terms}
+    return builtin_task(
+        "arithmetic", [ARITHMETIC_PROMPT.format(expr=e) for e, _ in probs], [str(v) for _, v in probs], meta
+    )
