@@ -86,7 +86,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     y = tmp_path / "bad.yaml"
     y.write_text("sigma: 0.01\nlearning_rate: 3\n")
     assert main(["train", "--config", str(y), "--run-dir", str(tmp_path / "r")]) == 2
-    assert "unknown config key(s): learning_rate" in capsys.readouterr().err
+    assert "unknown config key(s): 'learning_rate' (see espert train --help)" in capsys.readouterr().err
     assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
     assert main(["train", "--population", "3"]) == 2
