@@ -240,3 +240,16 @@ def mean_or_none(xs: Sequence[Optional[float]]) -> Optional[float]:
     """Mean of the non-None values, or None if there are none."""
     vals = [x for x in xs if x is not None]
     return sum(vals) / len(vals) if vals else None
+
+
+def pareto_front(points: dict[str, tuple[float, float]]) -> dict[str, list[str]]:
+    """Which models dominate which, on two metrics to maximize (e.g. pass@1 against pass@K).
+
+    points: label -> (x, y).  Returns label -> the labels that dominate it: at least as good on both
+    metrics and better on one.  The front is the labels with an empty list; equal points do not
+    dominate each other, so both stay on the front.
+    """
+    return {
+        a: [b for b, (xb, yb) in points.items() if xb >= xa and yb >= ya and (xb > xa or yb > ya)]
+        for a, (xa, ya) in points.items()
+    }

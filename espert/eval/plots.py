@@ -122,11 +122,36 @@ def plot_progressions(report: dict, path: str) -> str:
     return save_figure(fig, path)
 
 
+def plot_pareto(report: dict, path: str) -> str:
+    """pass@1 (x) against pass@K (y) for every model: the front drawn as a staircase, dominated
+    models faded (the report's ``pareto`` section)."""
+    plt = pyplot()
+    par = report["pareto"]
+    k = par["k"]
+    fig, ax = plt.subplots(figsize=(5.2, 4.4), dpi=120)
+    for lab, p in par["points"].items():
+        x, y = p["pass_at_1"], p[f"pass_at_{k}"]
+        faded = bool(p["dominated_by"])
+        ax.scatter([x], [y], s=40, alpha=0.3 if faded else 1.0, color="tab:gray" if faded else "tab:blue")
+        ax.annotate(lab, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8, alpha=0.5 if faded else 1.0)
+    front = [(par["points"][lab]["pass_at_1"], par["points"][lab][f"pass_at_{k}"]) for lab in par["front"]]
+    if len(front) > 1:
+        ax.step([x for x, _ in front], [y for _, y in front], where="post", color="tab:blue", alpha=0.6)
+    ax.set_xlabel("pass@1")
+    ax.set_ylabel(f"pass@{k}")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"pass@1-pass@{k} Pareto front (faded: dominated)", fontsize=10)
+    return save_figure(fig, path)
+
+
 def write_plots(report: dict, out_dir: str) -> list[str]:
-    """Write ``pass_at_k.png``, ``accuracy_hist.png`` and ``progressions.png`` into ``out_dir``."""
+    """Write ``pass_at_k.png``, ``accuracy_hist.png``, ``progressions.png`` and ``pareto.png`` into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
-    return [
+    out = [
         plot_pass_at_k(report, os.path.join(out_dir, "pass_at_k.png")),
         plot_accuracy_histograms(report, os.path.join(out_dir, "accuracy_hist.png")),
         plot_progressions(report, os.path.join(out_dir, "progressions.png")),
     ]
+    if "pareto" in report and len(report["pareto"]["points"]) > 1:
+        out.append(plot_pareto(report, os.path.join(out_dir, "pareto.png")))
+    return out

@@ -14,6 +14,7 @@ from .metrics import (
     k_values,
     maj_at_k,
     mean_or_none,
+    pareto_front,
     pass_at_k,
     solved,
 )
@@ -211,7 +212,25 @@ def build_report(
             report["comparisons"][lab] = compare(
                 base, groups[base], lab, groups[lab], threshold, solve_rule, equivalent
             )
+    report["pareto"] = pareto(report["models"])
     return report
+
+
+def pareto(models: dict[str, dict]) -> dict:
+    """pass@1 against pass@K (K: the largest k every model has) for every model of a report, and
+    which of them dominate which (:func:`~espert.eval.metrics.pareto_front`): the seed papers' view of
+    sharpening (pass@1 up) against coverage (pass@K kept)."""
+    ks = set.intersection(*(set(m["pass_at_k"]) for m in models.values()))
+    k = max(ks, key=int) if ks else "1"
+    points = {lab: (m["pass_at_k"].get("1") or 0.0, m["pass_at_k"].get(k) or 0.0) for lab, m in models.items()}
+    dominated = pareto_front(points)
+    return {
+        "k": int(k),
+        "points": {
+            lab: {"pass_at_1": x, f"pass_at_{k}": y, "dominated_by": dominated[lab]} for lab, (x, y) in points.items()
+        },
+        "front": sorted((lab for lab in points if not dominated[lab]), key=lambda lab: points[lab][0]),
+    }
 
 
 def _fmt(x: Optional[float], nd: int = 3) -> str:
@@ -249,6 +268,13 @@ def format_summary(report: dict) -> str:
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    par = report.get("pareto")
+    if par and len(models) > 1:
+        off = [f"{lab} (by {', '.join(p['dominated_by'])})" for lab, p in par["points"].items() if p["dominated_by"]]
+        lines.append(
+            f"pass@1-pass@{par['k']} Pareto front: {', '.join(par['front'])}"
+            + (f"; dominated: {'; '.join(off)}" if off else "; no model is dominated")
+        )
     for lab, cmp_ in report["comparisons"].items():
         e = cmp_["answer_entropy"]
         lines.append(
