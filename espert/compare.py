@@ -66,6 +66,8 @@ class CompareConfig:
     prompts_per_step: int = 8
     learning_rate: float = 1e-3
     seed: int = 0
+    # sequential compositions, e.g. ("es:0.5,grpo:0.5",): phases trained one after the other
+    schedules: tuple = ()
 
     @classmethod
     def fast(cls) -> "CompareConfig":
@@ -82,6 +84,74 @@ class CompareConfig:
         return -(-self.es_rollouts() // per_step)
 
 
+#: the methods a schedule's phases may name
+METHODS = ("es", "grpo")
+
+
+def parse_schedule(spec: str) -> list[tuple[str, float]]:
+    """``"es,grpo"`` or ``"es:0.25,grpo:0.75"`` -> [(method, share of the rollout budget)].
+
+    Phases without a share split what the others leave equally; the shares must sum to at most 1,
+    so a composition never gets more rollouts than ES or GRPO alone.
+    """
+    phases, given = [], 0.0
+    for part in spec.split(","):
+        method, _, share = part.strip().partition(":")
+        if method not in METHODS:
+            raise ValueError(f"schedule {spec!r}: unknown phase {method!r}; phases are {', '.join(METHODS)}")
+        try:
+            value = float(share) if share else None
+        except ValueError:
+            raise ValueError(f"schedule {spec!r}: share {share!r} is not a number") from None
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"schedule {spec!r}: a phase's share must be in (0, 1], got {value}")
+        given += value or 0.0
+        phases.append((method, value))
+    if len(phases) < 2:
+        raise ValueError(f"schedule {spec!r}: a composition needs two or more phases (ES and GRPO alone always run)")
+    if given > 1 + 1e-9:
+        raise ValueError(f"schedule {spec!r}: shares sum to {given:g}, more than the whole budget")
+    rest = [m for m, v in phases if v is None]
+    fill = (1 - given) / len(rest) if rest else 0.0
+    if rest and fill <= 1e-9:
+        raise ValueError(f"schedule {spec!r}: the given shares leave nothing for the other phases")
+    return [(m, fill if v is None else v) for m, v in phases]
+
+
+def schedule_label(spec: str) -> str:
+    """A model label for a composition: ``es-grpo`` (phase ``i`` done: ``es-grpo.i``)."""
+    return "-".join(m for m, _ in parse_schedule(spec))
+
+
+def phase_budget(cc: CompareConfig, method: str, share: float) -> int:
+    """ES iterations or GRPO steps of a phase with ``share`` of the rollout budget (at least 1)."""
+    whole = cc.iterations if method == "es" else cc.grpo_steps()
+    return max(1, round(share * whole))
+
+
+def run_schedule(base_dir: str, out_dir: str, spec: str, cc: CompareConfig, echo=print) -> tuple[dict, dict]:
+    """Train the phases of ``spec`` one after the other from ``base_dir``; each phase starts from the
+    previous one's model.  Returns (summed budget, {label: checkpoint directory of every phase})."""
+    label = schedule_label(spec)
+    total = {"rollouts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "train_reward": []}
+    checkpoints, start = {}, base_dir
+    phases = parse_schedule(spec)
+    for i, (method, share) in enumerate(phases, 1):
+        out = os.path.join(out_dir, f"{i}-{method}")
+        n = phase_budget(cc, method, share)
+        echo(
+            f"[compare] {label} phase {i}/{len(phases)}: {method} for {n} {'iterations' if method == 'es' else 'steps'}"
+        )
+        b = run_es(start, out, cc, echo, iterations=n) if method == "es" else run_grpo(start, out, cc, echo, steps=n)
+        for key in ("rollouts", "prompt_tokens", "generated_tokens", "seconds"):
+            total[key] += b[key]
+        total["train_reward"] += b["train_reward"]
+        checkpoints[label if i == len(phases) else f"{label}.{i}"] = out
+        start = out
+    total["seconds"] = round(total["seconds"], 1)
+    return total, checkpoints
+
+
 def _token_counter(tokenizer, max_new_tokens: int):
     """count(completion texts) -> generated tokens, the same rule for both methods: the completion's
     token ids plus the end token when generation stopped before ``max_new_tokens``."""
@@ -96,8 +166,11 @@ def _token_counter(tokenizer, max_new_tokens: int):
     return count
 
 
-def run_es(base_dir: str, out_dir: str, cc: CompareConfig, echo=print) -> dict:
-    """ES on ``copy`` from ``base_dir``; saves the final model to ``out_dir``; returns the budget."""
+def run_es(base_dir: str, out_dir: str, cc: CompareConfig, echo=print, iterations: Optional[int] = None) -> dict:
+    """ES on ``copy`` from ``base_dir`` for ``iterations`` (default ``cc.iterations``); saves the final
+    model to ``out_dir``; returns the budget."""
+    if iterations is not None:
+        cc = dataclasses.replace(cc, iterations=iterations)
     import torch
 
     from espert.config import ESConfig
@@ -147,8 +220,9 @@ def run_es(base_dir: str, out_dir: str, cc: CompareConfig, echo=print) -> dict:
     return budget
 
 
-def run_grpo(base_dir: str, out_dir: str, cc: CompareConfig, echo=print) -> dict:
-    """GRPO (``trl.GRPOTrainer``) on ``copy`` from ``base_dir`` with ES's rollout budget; saves to ``out_dir``."""
+def run_grpo(base_dir: str, out_dir: str, cc: CompareConfig, echo=print, steps: Optional[int] = None) -> dict:
+    """GRPO (``trl.GRPOTrainer``) on ``copy`` from ``base_dir`` for ``steps`` optimizer steps (default:
+    ES's rollout budget, :meth:`CompareConfig.grpo_steps`); saves to ``out_dir``."""
     try:
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
@@ -172,7 +246,7 @@ def run_grpo(base_dir: str, out_dir: str, cc: CompareConfig, echo=print) -> dict
         curve.append(sum(r) / len(r))
         return r
 
-    steps = cc.grpo_steps()
+    steps = cc.grpo_steps() if steps is None else steps
     args = GRPOConfig(
         output_dir=os.path.join(out_dir, "_trl"),
         max_steps=steps,
@@ -269,8 +343,12 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
         "GRPO": run_grpo(base, os.path.join(out_dir, "grpo"), cc, echo),
     }
     models = {"base": base, "es": os.path.join(out_dir, "es"), "grpo": os.path.join(out_dir, "grpo")}
+    for spec in cc.schedules:
+        label = schedule_label(spec)
+        budgets[label], phases = run_schedule(base, os.path.join(out_dir, label), spec, cc, echo)
+        models.update(phases)
     report = evaluate(models, os.path.join(out_dir, "eval"), cc, echo)
-    drift = {lab: compute_drift(base, models[lab], per_tensor=False) for lab in ("es", "grpo")}
+    drift = {lab: compute_drift(base, path, per_tensor=False) for lab, path in models.items() if lab != "base"}
     plot_drift(drift, os.path.join(out_dir, "eval"))
     P = n_params(base)
     lines = [
@@ -306,6 +384,8 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
         "train_reward": {k: v["train_reward"] for k, v in budgets.items()},
         "eval": report["models"],
         "comparisons": report["comparisons"],
+        "pareto": report["pareto"],
+        "schedules": {schedule_label(sp): parse_schedule(sp) for sp in cc.schedules},
         "drift": {k: {"overall": v["overall"], "groups": v["groups"]} for k, v in drift.items()},
     }
     with open(os.path.join(out_dir, "compare.json"), "w", encoding="utf-8") as f:
@@ -318,6 +398,15 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/compare", metavar="DIR", help="output directory (default runs/compare)")
     p.add_argument("--fast", action="store_true", help="the small CI variant (about a minute)")
+    p.add_argument(
+        "--schedule",
+        action="append",
+        default=[],
+        metavar="PHASES",
+        help="also train a sequential composition, e.g. es,grpo or grpo:0.25,es:0.75 (phases share the "
+        "rollout budget of ES alone: equally unless given); repeatable; every phase's model is evaluated "
+        "(default: none, ES and GRPO alone)",
+    )
     p.set_defaults(func=run_cli)
 
 
@@ -337,9 +426,12 @@ def run_cli(args: argparse.Namespace) -> int:
     """Entry point of ``espert compare``: 0, or 2 with a one-line error (e.g. TRL missing)."""
     import torch
 
-    cc = CompareConfig.fast() if args.fast else CompareConfig()
     threads = torch.get_num_threads()
     try:
+        cc = CompareConfig.fast() if args.fast else CompareConfig()
+        cc = dataclasses.replace(cc, schedules=tuple(args.schedule))
+        for spec in cc.schedules:
+            parse_schedule(spec)  # a bad schedule: one line before anything runs
         for module in ("trl", "accelerate", "matplotlib"):  # before the base model is built
             require(module, "espert compare")
         torch.set_num_threads(1)

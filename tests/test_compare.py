@@ -13,7 +13,7 @@ from espert.compare import CompareConfig  # noqa: E402
 
 def test_compare_fast_variant_end_to_end(tmp_path):
     out = str(tmp_path / "cmp")
-    assert main(["compare", "--out", out, "--fast"]) == 0
+    assert main(["compare", "--out", out, "--fast", "--schedule", "es,grpo"]) == 0
     doc = json.load(open(os.path.join(out, "compare.json")))
     cc = CompareConfig.fast()
     es, grpo = doc["budgets"]["ES"], doc["budgets"]["GRPO"]
@@ -27,12 +27,19 @@ def test_compare_fast_variant_end_to_end(tmp_path):
     for b in (es, grpo):
         assert 0 < b["generated_tokens"] <= b["rollouts"] * cc.max_new_tokens
         assert b["rollout_forward_flops"] == 2.0 * doc["n_params"] * (b["prompt_tokens"] + b["generated_tokens"])
-    assert set(doc["eval"]) == {"base", "es", "grpo"}
+    # the composition: ES for half the budget, then GRPO from its model for the other half; both
+    # phases' models are evaluated, and its rollouts are those of ES alone
+    comp = doc["budgets"]["es-grpo"]
+    assert doc["schedules"]["es-grpo"] == [["es", 0.5], ["grpo", 0.5]]
+    assert comp["rollouts"] == es["rollouts"] == 3 * 8 * 8 + 3 * 8 * 8  # 3 ES iterations, 3 GRPO steps
+    assert set(doc["eval"]) == {"base", "es", "grpo", "es-grpo.1", "es-grpo"}
+    assert doc["drift"]["es-grpo"]["overall"]["rel_l2"] > 0
+    assert set(doc["pareto"]["points"]) == set(doc["eval"]) and doc["pareto"]["front"]
     for m in doc["eval"].values():
         assert m["n_samples_per_problem"] == cc.n and m["n_problems"] == cc.eval_size
         assert set(m["pass_at_k"]) == set(m["maj_at_k"]) == {"1", "2", "4", "8"}
         assert sum(m["accuracy_histogram"]["counts"]) == cc.eval_size
-    assert set(doc["comparisons"]) == {"es", "grpo"}
+    assert set(doc["comparisons"]) == {"es", "grpo", "es-grpo.1", "es-grpo"}
     # both fine-tuned models moved away from the base, and the analysis says by how much
     assert doc["drift"]["es"]["overall"]["rel_l2"] > 0 and doc["drift"]["grpo"]["overall"]["rel_l2"] > 0
     for f in (
@@ -41,9 +48,33 @@ def test_compare_fast_variant_end_to_end(tmp_path):
         "eval/accuracy_hist.png",
         "eval/progressions.png",
         "eval/drift_groups.png",
+        "eval/pareto.png",
+        "es-grpo/2-grpo/model.safetensors",
         "es/model.safetensors",
         "grpo/model.safetensors",
     ):
         assert os.path.getsize(os.path.join(out, f)) > 0, f
     text = open(os.path.join(out, "report.md")).read()
     assert "| ES | " in text and "| GRPO | " in text and "progressions" in text
+
+
+def test_schedules_parse_into_phases_that_share_the_budget(capsys):
+    from espert.compare import parse_schedule, phase_budget, schedule_label
+
+    assert parse_schedule("es,grpo") == [("es", 0.5), ("grpo", 0.5)]
+    assert parse_schedule("grpo:0.25, es") == [("grpo", 0.25), ("es", 0.75)]
+    assert schedule_label("grpo:0.25,es") == "grpo-es"
+    cc = CompareConfig.fast()
+    es, grpo = phase_budget(cc, "es", 0.5), phase_budget(cc, "grpo", 0.5)
+    assert (cc.iterations, cc.grpo_steps(), es, grpo) == (6, 6, 3, 3)
+    for bad, why in (
+        ("es", "two or more phases"),
+        ("es,sft", "unknown phase 'sft'"),
+        ("es:0.8,grpo:0.4", "more than the whole budget"),
+        ("es:1,grpo", "leave nothing"),
+        ("es:x,grpo", "not a number"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_schedule(bad)
+    assert main(["compare", "--fast", "--schedule", "es,sft"]) == 2
+    assert capsys.readouterr().err.strip().endswith("unknown phase 'sft'; phases are es, grpo")
