@@ -195,7 +195,19 @@ def train(
         from espert.evaluators import build_evaluator
         from espert.tasks.rewards import answer_equivalence
 
-        evaluator = build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
+        try:
+            evaluator = build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
+        except Exception as e:  # noqa: BLE001 - transformers, tokenizers, safetensors: each its own type
+            if isinstance(e, OSError) and e.errno is not None:
+                raise  # an environment failure (a full disk, ...): reported as such by the CLI
+            what = cfg.model if cfg.model != "tiny" else run.base_path
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(
+                f"the model at {what} could not be loaded by evaluator {cfg.evaluator!r} "
+                f"({type(e).__name__}: {first})"
+                + ("" if resume else "; nothing was written, so the same command works once it is fixed")
+            ) from e
+        run.commit()  # everything loaded: only now does the run directory appear
         energy = evaluator.noise_energy()
         meter = IterationMeter(evaluator, run.iterations(), answer_equivalence(train_task.name))
         start = run.restore(evaluator)

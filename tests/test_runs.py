@@ -539,3 +539,43 @@ def test_a_second_writer_is_refused_and_the_run_survives(tmp_path):
     assert res["matches_checkpoint"] is True
     # the lock died with its holder: the run resumes again
     assert main(["train", "--run-dir", d, "--resume", *FLAGS, "--iterations", "13"]) == 0
+
+
+# ---- 25: a start writes nothing until everything has loaded ----------------------------------------------------
+
+
+def test_a_failed_start_leaves_nothing_and_the_retry_works(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Before: with a model whose tokenizer (or weights) could not be loaded, RUN/config.yaml and a task
+    record were written first, and the retry was refused ("already holds an espert run; pass --resume");
+    broken weights also ended in a SafetensorError traceback.  Now every loading stage fails with one
+    line, leaves nothing beside the models, and the same command then works."""
+    from espert.evaluators import EVALUATORS
+
+    d = str(tmp_path / "runs" / "run")
+    small = [*FLAGS, "--iterations", "1", "--eval-size", "0"]
+    tok = shutil.copytree(tiny_dir, tmp_path / "tok")
+    (tok / "tokenizer.json").write_text("{not json")
+    weights = shutil.copytree(tiny_dir, tmp_path / "weights")
+    with open(weights / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    (tmp_path / "failing_task.py").write_text("raise RuntimeError('the task data server is down')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def broken(cfg, path, score):
+        raise RuntimeError("out of engines")
+
+    monkeypatch.setitem(EVALUATORS, "broken", broken)
+    good = str(shutil.copytree(tiny_dir, tmp_path / "good"))
+    stages = [
+        (["--model", str(tok)], "JSONDecodeError"),
+        (["--model", str(weights)], "SafetensorError"),
+        (["--model", good, "--task", "failing_task:reward"], "failing_task"),
+        (["--model", good, "--evaluator", "broken"], "out of engines"),
+    ]
+    for args, needle in stages:
+        assert main(["train", "--run-dir", d, *small, *args]) == 2, args
+        one_line_error(capsys.readouterr().err, needle)
+        assert not os.path.exists(d), args
+        assert os.listdir(tmp_path / "runs") == [], args  # no temporary sibling, no lock file
+    assert main(["train", "--run-dir", d, *small, "--model", good]) == 0  # the same command, fixed
+    assert [r["kind"] for r in runs.read_log(os.path.join(d, runs.LOG))][:2] == ["task", "iter"]

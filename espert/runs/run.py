@@ -1,7 +1,8 @@
 """A run directory opened for training: creation (atomic), resume checks, the log, checkpoints and restore.
 
-A new run directory is built under a temporary sibling name and renamed into place, so it either
-holds a complete setup or does not exist.  Each log line is written whole, flushed and fsynced
+A new run directory is built under a temporary sibling name and renamed into place once the model,
+tokenizer, task and evaluator have loaded (:meth:`Run.commit`), so it either holds a complete setup
+or does not exist, and a failed start leaves nothing that blocks the retry.  Each log line is written whole, flushed and fsynced
 *before* its update is applied.
 """
 
@@ -130,10 +131,21 @@ def _remove_stale_setups(parent: str, name: str) -> None:
 class Run:
     """A run directory opened for training (new or resumed)."""
 
-    def __init__(self, path: str, cfg: ESConfig, doc: dict, echo: Callable[[str], None] | None = print):
-        self.path, self.cfg, self.doc = path, cfg, doc
+    def __init__(
+        self,
+        path: str,
+        cfg: ESConfig,
+        doc: dict,
+        echo: Callable[[str], None] | None = print,
+        *,
+        final: str | None = None,
+        lock: tuple[int, str] | None = None,
+    ):
+        """``path``: the run directory; for a new run the temporary sibling it is built in, ``final`` the
+        name :meth:`commit` renames it to, ``lock`` the writer lock :meth:`open` already took for it."""
+        self.path, self.cfg, self.doc, self._final = path, cfg, doc, final
         self.echo = echo or (lambda s: None)
-        self._lock = lock_run(path)  # before anything is read for writing: one writer per run
+        self._lock = lock or lock_run(path)  # before anything is read for writing: one writer per run
         try:
             self.records = read_log(self.file(LOG), repair=True)
             self._cleanup()
@@ -179,7 +191,8 @@ class Run:
 
         Every input is checked (:func:`check_inputs`) before anything is written.  A new run
         refuses a directory that already holds a run, and is built under a temporary sibling name
-        and renamed into place, so a kill leaves either nothing or a complete setup.  On resume,
+        that :meth:`commit` renames into place once the caller has loaded everything (a kill or a
+        failed start leaves nothing; :meth:`close` removes an uncommitted one).  On resume,
         ``cfg`` must equal the stored config except for :data:`RESUMABLE_CHANGES` (``iterations``
         only with constant schedules); anything else raises ValueError listing the differences.
         """
@@ -239,11 +252,16 @@ class Run:
         }
         parent, name = os.path.split(os.path.abspath(run_dir))
         os.makedirs(parent, exist_ok=True)
-        _remove_stale_setups(parent, name)
+        lock = lock_run(run_dir)  # held from setup to close: a second start of the same run is refused
         tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
         try:
+            if os.path.isdir(run_dir) and _holds_run(run_dir) and not abandoned_setup(run_dir):
+                raise FileExistsError(  # written between the check above and the lock
+                    f"{run_dir} already holds an espert run; pass --resume to continue it, or choose another --run-dir"
+                )
+            _remove_stale_setups(parent, name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
             if ref == BASE:
                 build_tiny_base(os.path.join(tmp, BASE), cfg)
                 kill_point("setup-base")
@@ -252,15 +270,26 @@ class Run:
             )
             atomic_write_text(os.path.join(tmp, CONFIG), _dump_config(doc))
             open(os.path.join(tmp, LOG), "wb").close()
-            fsync_dir(tmp)
-            kill_point("setup-done")
-            if os.path.isdir(run_dir) and os.listdir(run_dir):  # legacy.abandoned_setup: replaced as a whole
-                shutil.rmtree(run_dir)
-            os.replace(tmp, run_dir)  # also onto an empty directory: a single atomic rename
-            fsync_dir(parent)
-        finally:
+            return cls(tmp, cfg, doc, echo, final=run_dir, lock=lock)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-        return cls(run_dir, cfg, doc, echo)
+            unlock_run(lock)
+            raise
+
+    def commit(self) -> None:
+        """Rename a new run's directory into place, once everything it needs has loaded (model, tokenizer,
+        task, evaluator): a start that fails before leaves nothing behind, so the same command can be
+        retried.  A no-op for a resumed (or already committed) run."""
+        if self._final is None:
+            return
+        os.fsync(self._log.fileno())
+        fsync_dir(self.path)
+        kill_point("setup-done")
+        if os.path.isdir(self._final) and os.listdir(self._final):  # legacy.abandoned_setup: replaced whole
+            shutil.rmtree(self._final)
+        os.replace(self.path, self._final)  # also onto an empty directory: a single atomic rename
+        fsync_dir(os.path.dirname(os.path.abspath(self._final)))
+        self.path, self._final, self._base_path = self._final, None, None
 
     def _write_config(self) -> None:
         atomic_write_text(self.file(CONFIG), _dump_config(self.doc))
@@ -392,7 +421,10 @@ class Run:
         }
 
     def close(self) -> None:
+        """Close the log and release the writer lock; a new run never committed is removed."""
         self._log.close()
+        if self._final is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
         unlock_run(self._lock)
 
 
