@@ -2,6 +2,7 @@
 
     espert train   [--config FILE.yaml|.toml] [--run-dir DIR] [--resume] [--<field> VALUE ...]
     espert replay  RUN_DIR [--out DIR] [--upto T]
+    espert repair  RUN_DIR --truncate-after N
     espert tiny    OUT_DIR [--seed S]
     espert eval    ...   (espert.eval.cli)
     espert analyze ...   (espert.eval.cli)
@@ -128,6 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--upto", type=int, metavar="T", help="stop after iteration T (default: the last logged)")
     rp.set_defaults(func=cmd_replay)
 
+    rr = sub.add_parser(
+        "repair",
+        help="cut a run's log back to one history (after two writers, or damage)",
+        description="Keep iterations 1..N of RUN_DIR/log.jsonl (every kept line's checksum verified) and "
+        "only the checkpoint and export of those; the old log and anything removed move to "
+        "RUN_DIR/repair-STAMP/. Then 'espert train --run-dir RUN_DIR --resume' continues exactly.",
+    )
+    rr.add_argument("run_dir", metavar="RUN_DIR")
+    rr.add_argument("--truncate-after", type=int, required=True, metavar="N", help="the last iteration to keep")
+    rr.set_defaults(func=cmd_repair)
+
     tn = sub.add_parser(
         "tiny",
         help="build the tiny random model + char tokenizer into a directory",
@@ -200,6 +212,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     res = replay(args.run_dir, args.out, upto=args.upto, echo=lambda s: print(s, file=sys.stderr))
     return 1 if res["matches_checkpoint"] is False else 0
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    from espert.runs.repair import repair
+
+    repair(args.run_dir, args.truncate_after, echo=lambda s: print(s, file=sys.stderr))
+    return 0
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:

@@ -579,3 +579,41 @@ def test_a_failed_start_leaves_nothing_and_the_retry_works(tiny_dir, tmp_path, c
         assert os.listdir(tmp_path / "runs") == [], args  # no temporary sibling, no lock file
     assert main(["train", "--run-dir", d, *small, "--model", good]) == 0  # the same command, fixed
     assert [r["kind"] for r in runs.read_log(os.path.join(d, runs.LOG))][:2] == ["task", "iter"]
+
+
+def fork_log(run_dir, from_iteration):
+    """What two writers of one run left: the lines from iteration ``from_iteration`` on, written again."""
+    path = os.path.join(run_dir, runs.LOG)
+    lines = open(path, "rb").read().splitlines(keepends=True)
+    first = next(i for i, ln in enumerate(lines) if json.loads(ln).get("iteration") == from_iteration)
+    with open(path, "ab") as f:
+        f.writelines(lines[first:])
+    return len(lines) + 1  # the first line of the second history
+
+
+def test_a_forked_log_is_refused_then_repaired_and_resumes_exactly(reference, tmp_path, capsys):
+    """Before: a log holding iterations 3-6 twice made resume and replay fail with "log.jsonl: expected
+    iteration 7, found 3" and no way out.  Now both name the file, line and iteration and give the exact
+    recovery; `espert repair` keeps one history, and the resume ends bit for bit where an uninterrupted
+    run ends."""
+    d = copy_run(reference, tmp_path / "run")
+    line = fork_log(d, 3)
+    for argv in (["train", "--run-dir", d, "--resume", "--no-progress"], ["replay", d, "--out", str(tmp_path / "r")]):
+        assert main(argv) == 2
+        one_line_error(
+            capsys.readouterr().err,
+            f"log.jsonl: line {line} holds iteration 3 again",
+            f"espert repair {os.path.abspath(d)} --truncate-after 6",
+        )
+    before = open(os.path.join(d, runs.LOG), "rb").read()
+    assert main(["repair", d, "--truncate-after", "7"]) == 2  # beyond the one history: refused, nothing changed
+    one_line_error(capsys.readouterr().err, "only iterations 1..6 form one intact history")
+    assert open(os.path.join(d, runs.LOG), "rb").read() == before
+    assert main(["repair", d, "--truncate-after", "4"]) == 0  # further back than needed: checkpoint 6 goes
+    err = capsys.readouterr().err
+    assert "keeps iterations 1..4" in err and "moved center.safetensors, export" in err, err
+    backup = [n for n in os.listdir(d) if n.startswith("repair-")]
+    assert len(backup) == 1 and open(os.path.join(d, backup[0], runs.LOG), "rb").read() == before
+    shutil.rmtree(os.path.join(d, backup[0]))
+    assert main(["train", "--run-dir", d, "--resume", "--no-progress"]) == 0
+    assert_same_run(reference, d)
