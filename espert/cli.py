@@ -191,7 +191,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
     echo = lambda s: print(s, file=sys.stderr)  # noqa: E731
     echo(f"[espert] run directory: {run_dir}")
-    summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo)
+    from espert import runs
+
+    def write_failed(e: OSError, what: str) -> int:  # one line: the file, the errno, what is intact
+        echo(f"espert train: error: {runs.write_error_line(e)}; {what}")
+        return 1
+
+    again = f"espert train --run-dir {run_dir} --resume"
+    try:
+        summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo)
+    except OSError as e:
+        if not runs.is_write_error(e):
+            raise
+        state = runs.intact_state(run_dir)
+        fix = "run the same command again" if state.startswith("nothing") else f"continue with: {again}"
+        return write_failed(e, f"{state}; once space is freed (or the filesystem writable), {fix}")
     held = summary["heldout"]
     if held:
         curve = "  ".join(f"it {t}: {m:.3f}" for t, m in held)
@@ -202,7 +216,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         from espert.eval.runner import evaluate_run
 
         echo("[espert] base vs ES, 16 samples (temperature 1) on 64 held-out problems:")
-        evaluate_run(run_dir, n=16, limit=64, echo=echo)
+        try:
+            evaluate_run(run_dir, n=16, limit=64, echo=echo)
+        except OSError as e:
+            if not runs.is_write_error(e):
+                raise
+            return write_failed(
+                e,
+                f"training is complete and intact ({runs.intact_state(run_dir).split('(', 1)[1]}, and its "
+                f"export; only the report is missing: once space is freed, write it with: {again}",
+            )
         echo(f"[espert] report and plots: {os.path.join(run_dir, 'eval')}")
     return 0
 
@@ -288,6 +311,13 @@ def _main(argv: Sequence[str] | None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"espert {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a quota, an I/O error, a read-only filesystem: one line, exit 1
+        from espert.runs.files import is_write_error, write_error_line
+
+        if not is_write_error(e):
+            raise
+        print(f"espert {args.command}: error: {write_error_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

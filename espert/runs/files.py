@@ -7,10 +7,12 @@ Tests kill a run at named points (:func:`kill_point`) through the environment va
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import signal
-from typing import Callable
+from typing import Callable, Iterator
 
 import yaml
 
@@ -96,6 +98,34 @@ def kill_point(name: str, iteration: int | None = None) -> None:
 
 # ---- atomic files ----------------------------------------------------------------------------------
 
+#: errnos of a write the environment refused (full disk, quota, I/O error, read-only filesystem, file
+#: too large): reported in one line naming the file, never a traceback (:func:`write_error_line`).
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+
+
+def is_write_error(e: BaseException) -> bool:
+    """An OSError of :data:`WRITE_ERRNOS`."""
+    return isinstance(e, OSError) and e.errno in WRITE_ERRNOS
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Name ``path`` in an OSError raised inside (``write()`` and ``fsync()`` errors name no file; the
+    temporary file of an atomic write is named by its target)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or ".tmp-" in os.path.basename(str(e.filename)):
+            e.filename = path
+        raise
+
+
+def write_error_line(e: OSError) -> str:
+    """``cannot write FILE: ENOSPC (No space left on device)``."""
+    name = errno.errorcode.get(e.errno, str(e.errno))
+    target = e.filename2 or e.filename  # a copy's or a rename's second file is the one written
+    return f"cannot write {target or 'a file'}: {name} ({os.strerror(e.errno)})"
+
 
 def fsync_dir(path: str) -> None:
     """fsync a directory (makes renames in it durable); a no-op where directories cannot be opened."""
@@ -114,16 +144,19 @@ def atomic_write(path: str, write: Callable[[str], object], before_replace: Call
     the directory.  Returns r."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        r = write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        with naming(path):  # a failed write leaves the old file untouched and no temporary one
+            r = write(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         if before_replace is not None:
             before_replace(r)
-        os.replace(tmp, path)
+        with naming(path):
+            os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    with naming(path):
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
     return r
 
 

@@ -8,6 +8,7 @@ or does not exist, and a failed start leaves nothing that blocks the retry.  Eac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ from espert.runs.files import (
     fsync_dir,
     kill_point,
     lock_run,
+    naming,
     read_config_file,
     stat_key,
     unlock_run,
@@ -149,7 +151,7 @@ class Run:
         try:
             self.records = read_log(self.file(LOG), repair=True)
             self._cleanup()
-            self._log = open(self.file(LOG), "ab")
+            self._log = open(self.file(LOG), "ab", buffering=0)  # unbuffered: a failed write is undone below
         except BaseException:
             unlock_run(self._lock)
             raise
@@ -271,7 +273,9 @@ class Run:
             atomic_write_text(os.path.join(tmp, CONFIG), _dump_config(doc))
             open(os.path.join(tmp, LOG), "wb").close()
             return cls(tmp, cfg, doc, echo, final=run_dir, lock=lock)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, OSError) and str(e.filename).startswith(tmp):  # named as the user knows it
+                e.filename = run_dir + str(e.filename)[len(tmp) :]
             shutil.rmtree(tmp, ignore_errors=True)
             unlock_run(lock)
             raise
@@ -308,10 +312,20 @@ class Run:
 
     # -- log --
     def append(self, rec: dict) -> None:
-        """Append one record as a whole line (with its crc32), flushed and fsynced."""
-        self._log.write(log_line(rec))
-        self._log.flush()
-        os.fsync(self._log.fileno())
+        """Append one record as a whole line (with its crc32), fsynced.  A write the disk refuses is cut
+        off again (the log ends at its last whole line, as before) and raised naming the log."""
+        line, fd = memoryview(log_line(rec)), self._log.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            with naming(os.path.join(self._final or self.path, LOG)):  # the name the user knows
+                done = 0
+                while done < len(line):
+                    done += os.write(fd, line[done:])
+                os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
         self.records.append(rec)
         kill_point(f"logged-{rec.get('kind')}", rec.get("iteration"))
 
@@ -426,6 +440,30 @@ class Run:
         if self._final is not None:
             shutil.rmtree(self.path, ignore_errors=True)
         unlock_run(self._lock)
+
+
+def intact_state(run_dir: str) -> str:
+    """What ``run_dir`` holds intact, in words: the line that reports a failed write ends with it
+    ("the run directory is as before this write (log.jsonl: iteration 7; last good checkpoint: iteration 6)")."""
+    log, ck = os.path.join(run_dir, LOG), os.path.join(run_dir, CENTER)
+    if not os.path.exists(os.path.join(run_dir, CONFIG)):
+        return "nothing was written (the run directory was never created)"
+    try:
+        records = read_log(log)
+        last = len(iteration_records(records, log))
+    except (RunError, OSError) as e:
+        return f"the run directory could not be read back: {e}"
+    it = None
+    if os.path.exists(ck):
+        try:
+            it = load_center(ck, checkpoint_hashes(records), lazy=True)[1]
+        except (RunError, OSError):
+            pass
+    parts = [f"{LOG}: iteration {last}", "no checkpoint yet" if it is None else f"last good checkpoint: iteration {it}"]
+    ex = export_iteration(os.path.join(run_dir, EXPORT))
+    if ex is not None and ex != it:
+        parts.append(f"{EXPORT}/: iteration {ex}")
+    return f"the run directory is as before this write ({'; '.join(parts)})"
 
 
 def _dump_config(doc: dict) -> str:
