@@ -114,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
     tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument(
+        "--stop-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, finish the current iteration (its log line, and its checkpoint when one is "
+        "due) for at most this long, then stop with exit code 143 (SIGINT: 130); past it the iteration is "
+        "abandoned, which the log keeps exact (default: 30)",
+    )
     _add_config_flags(tr)
     tr.set_defaults(func=cmd_train)
 
@@ -184,6 +193,67 @@ def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
     return ESConfig.from_dict(overrides), overrides
 
 
+class Preemption:
+    """SIGTERM and SIGINT while ``espert train`` trains: the run stops between iterations (every finished one
+    logged, its checkpoint written when one was due), with exit code 143 (SIGINT: 130).  An iteration that does
+    not end within ``grace`` seconds (or a second signal) is abandoned: the process prints the stop line and
+    exits at once, which the write-ahead log makes as safe as a kill (resume redoes that iteration exactly)."""
+
+    CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+    def __init__(self, run_dir: str, grace: float, again: str):
+        self.run_dir, self.grace, self.again = run_dir, grace, again
+        self.signum: int | None = None
+        self._timer: threading.Timer | None = None
+        self._previous: dict = {}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    @property
+    def code(self) -> int:
+        return self.CODES[self.signum]
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in self.CODES}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: do not wait
+            self._abandon()
+        self.signum = signum
+        self._timer = threading.Timer(self.grace, self._abandon)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _abandon(self) -> None:
+        from espert.runs import LOG, iteration_records, read_log
+
+        try:  # what the log holds now (a reader: a line still being written is not counted)
+            n = len(iteration_records(read_log(os.path.join(self.run_dir, LOG))))
+        except Exception:  # noqa: BLE001 - the line below must come whatever the log holds
+            n = 0
+        print(
+            f"espert: stopped at iteration {n} ({self.name}); iteration {n + 1} did not end within the "
+            f"{self.grace:g} s grace period and was abandoned; continue with: {self.again}",
+            file=sys.stderr,
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(self.code)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from espert.trainer import train
 
@@ -198,14 +268,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
 
     again = f"espert train --run-dir {run_dir} --resume"
+    if not args.stop_grace >= 0:
+        raise ValueError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
     try:
-        summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo)
+        with Preemption(run_dir, args.stop_grace, again) as pre:
+            summary = train(
+                cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo, stop=pre.requested
+            )
     except OSError as e:
         if not runs.is_write_error(e):
             raise
         state = runs.intact_state(run_dir)
         fix = "run the same command again" if state.startswith("nothing") else f"continue with: {again}"
         return write_failed(e, f"{state}; once space is freed (or the filesystem writable), {fix}")
+    if pre.requested():  # also when the last iteration ended meanwhile: the report is left to the resume
+        n = summary["iterations"] if summary["stopped"] is None else summary["stopped"]
+        print(f"espert: stopped at iteration {n} ({pre.name}); continue with: {again}", file=sys.stderr)
+        return pre.code
     held = summary["heldout"]
     if held:
         curve = "  ".join(f"it {t}: {m:.3f}" for t, m in held)

@@ -7,6 +7,7 @@ comparison) are imported by tests/test_chaos.py and tests/test_corruption.py too
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -617,3 +618,55 @@ def test_a_forked_log_is_refused_then_repaired_and_resumes_exactly(reference, tm
     shutil.rmtree(os.path.join(d, backup[0]))
     assert main(["train", "--run-dir", d, "--resume", "--no-progress"]) == 0
     assert_same_run(reference, d)
+
+
+# ---- 25: SIGTERM and SIGINT stop a run between iterations ------------------------------------------------------
+
+
+def logged_iterations(run_dir):
+    try:
+        return sum(b'"kind":"iter"' in ln for ln in open(os.path.join(run_dir, runs.LOG), "rb"))
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigterm_and_sigint_stop_cleanly_and_the_resume_is_exact(reference, tmp_path):
+    """Before: SIGTERM ended `espert train` with code 143 and not a word.  Now: the iteration in flight ends
+    (or, past --stop-grace, is abandoned), one line says where the run stopped and how to continue, and the
+    resumed run is bit for bit the uninterrupted one.  Signals land at seeded random moments."""
+    rng = random.Random(25)
+    longer = copy_run(reference, tmp_path / "reference")  # 12 iterations: room for three stops
+    train(ESConfig(**{**SMALL, "iterations": 12}), longer, resume=True, progress=False, echo=None)
+    d = str(tmp_path / "run")
+    again = f"continue with: espert train --run-dir {d} --resume"
+    for sig, extra, after in [
+        (signal.SIGTERM, [*FLAGS, "--iterations", "12"], rng.randint(1, 3)),
+        (signal.SIGINT, ["--resume", "--no-progress"], None),
+        (signal.SIGTERM, ["--resume", "--no-progress", "--stop-grace", "0"], None),
+    ]:
+        before = logged_iterations(d)
+        after = after or before + 1
+        p = subprocess.Popen(
+            [sys.executable, "-m", "espert", "train", "--run-dir", d, *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # see test_ctrl_c_during_startup
+        )
+        deadline = time.time() + 120
+        while logged_iterations(d) < after and p.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.15))
+        p.send_signal(sig)
+        err = p.communicate(timeout=120)[1]
+        assert p.returncode == 128 + sig, err
+        last = err.strip().splitlines()[-1]
+        n = logged_iterations(d)
+        assert "Traceback" not in err and last.startswith(f"espert: stopped at iteration {n} ({sig.name}); "), err
+        assert last.endswith(again), err
+        assert ("did not end within the 0 s grace period" in last) == ("--stop-grace" in extra), err
+        assert runs.read_log(os.path.join(d, runs.LOG))  # whole lines only
+        assert 1 <= n < 12
+    train(None, d, resume=True, progress=False, echo=None)
+    assert_same_run(longer, d)
