@@ -670,3 +670,55 @@ def test_sigterm_and_sigint_stop_cleanly_and_the_resume_is_exact(reference, tmp_
         assert 1 <= n < 12
     train(None, d, resume=True, progress=False, echo=None)
     assert_same_run(longer, d)
+
+
+# ---- 25: every writer of a run takes its lock; readers take none and see whole lines only -----------------------
+
+
+def test_other_writers_take_the_lock_and_readers_see_whole_lines(reference, tmp_path, capsys):
+    """Before: `replay` (into RUN/replay) and `analyze --export` into the run wrote while a writer held it.
+    Now they exit 2 with one line naming the holder and change nothing; replay elsewhere and analyze without
+    --export take no lock, and a log line still being written is invisible to them (and left to its writer)."""
+    from espert.runs.files import lock_run, unlock_run
+
+    d = copy_run(reference, tmp_path / "run")
+    log = os.path.join(d, runs.LOG)
+    with open(log, "ab") as f:  # the writer is halfway through its next line
+        f.write(runs.log_line({"kind": "iter", "iteration": 7, "seeds": [1], "coeffs": [0.5]})[:30])
+    torn = open(log, "rb").read()
+    listing = sorted(os.listdir(d))
+    base, export = os.path.join(d, runs.BASE), os.path.join(d, runs.EXPORT)
+    lock = lock_run(d)  # a writer holds the run (another open file: flock refuses this process too)
+    try:
+        for argv in (
+            ["replay", d],
+            ["analyze", "--base", base, "--ckpt", export, "--export", os.path.join(d, "thin"), "--threshold", "0"],
+        ):
+            assert main(argv) == 2, argv
+            one_line_error(capsys.readouterr().err, f"{d} is being written by pid {os.getpid()} on ", "heartbeat")
+            assert sorted(os.listdir(d)) == listing and open(log, "rb").read() == torn
+        other = str(tmp_path / "replayed")
+        assert main(["replay", d, "--out", other]) == 0  # reads whole lines: 6 iterations, as the checkpoint
+        assert sha(os.path.join(other, runs.CENTER)) == sha(os.path.join(reference, runs.CENTER))
+        assert main(["analyze", "--base", base, "--ckpt", export]) == 0
+        assert open(log, "rb").read() == torn  # readers never touch the writer's line
+    finally:
+        unlock_run(lock)
+    capsys.readouterr()
+
+
+def test_a_holder_record_from_another_host_refuses_the_lock(reference, tmp_path, capsys):
+    """flock is unreliable on some network filesystems: a fresh heartbeat from another host refuses the lock
+    even where flock grants it; a stale one (the writer is gone) does not."""
+    from espert.runs.files import HEARTBEAT_STALE, lock_run, unlock_run
+
+    d = copy_run(reference, tmp_path / "run")
+    rec = "pid 4242 on other-host since 2026-12-01T10:00:00 heartbeat {:.0f}\n"
+    with open(runs.lock_path(d), "w") as f:
+        f.write(rec.format(time.time() - 5))
+    assert main(["train", "--run-dir", d, "--resume", "--no-progress"]) == 2
+    one_line_error(capsys.readouterr().err, "pid 4242 on other-host", "flock is unreliable", runs.lock_path(d))
+    assert runs.read_log(os.path.join(d, runs.LOG)) == runs.read_log(os.path.join(reference, runs.LOG))
+    with open(runs.lock_path(d), "w") as f:
+        f.write(rec.format(time.time() - HEARTBEAT_STALE - 5))
+    unlock_run(lock_run(d))

@@ -512,7 +512,10 @@ def run_analyze(args: argparse.Namespace) -> int:
         report = {"base": args.base, "checkpoints": results}
         if args.export:
             ((label, path),) = ckpts.items()
-            ex = export_thresholded(args.base, path, args.export, args.threshold, force=args.force)
+            from espert.runs.files import writing_into
+
+            with writing_into(args.export):  # an export into a run directory: one writer at a time
+                ex = export_thresholded(args.base, path, args.export, args.threshold, force=args.force)
             report["export"] = ex
             print(
                 f"exported {label} with |delta| <= {args.threshold:g} reset to base -> {args.export} "
