@@ -190,6 +190,11 @@ def test_a_real_full_tmpfs_then_resume_is_exact(reference, tmp_path, capsys):  #
         pytest.skip("cannot mount a tmpfs here")
     try:
         d = str(mnt / "run")
+        subprocess.run(["mount", "-o", "remount,size=120k", str(mnt)], check=True)  # not even the base model fits
+        assert main(["train", "--run-dir", d, *FLAGS]) == 1
+        one_line_error(capsys.readouterr().err, "base_model/model.safetensors: ENOSPC", "nothing was written")
+        assert os.listdir(mnt) == []
+        subprocess.run(["mount", "-o", "remount,size=900k", str(mnt)], check=True)  # full at a later write
         assert main(["train", "--run-dir", d, *FLAGS]) == 1
         one_line_error(capsys.readouterr().err, "ENOSPC (No space left on device)", "last good checkpoint: iteration")
         assert not [n for n in os.listdir(d) if ".tmp-" in n or ".old-" in n]

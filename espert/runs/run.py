@@ -95,9 +95,15 @@ def build_tiny_base(path: str, cfg: ESConfig) -> None:
     ``tiny_seed``, then ``pretrain_steps`` of pretraining on the copy/reverse mixture (deterministic)."""
     from espert.tiny import build_tiny_model
 
-    build_tiny_model(
-        path, seed=cfg.tiny_seed, pretrain_steps=cfg.pretrain_steps, reverse_share=cfg.pretrain_reverse_share
-    )
+    try:
+        build_tiny_model(
+            path, seed=cfg.tiny_seed, pretrain_steps=cfg.pretrain_steps, reverse_share=cfg.pretrain_reverse_share
+        )
+    except Exception as e:  # noqa: BLE001 - safetensors' Rust writer reports a full disk as SafetensorError
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        if isinstance(e, OSError) or m is None:
+            raise
+        raise OSError(int(m.group(1)), os.strerror(int(m.group(1))), os.path.join(path, "model.safetensors")) from e
 
 
 def read_run_config(run_dir: str) -> dict:
