@@ -8,7 +8,6 @@ import re
 import time
 from typing import Callable, Optional, Sequence
 
-from ..runs.files import atomic_write_text
 from ..tasks import Task
 from .plots import write_plots
 from .report import build_report, format_summary
@@ -81,6 +80,8 @@ def write_outputs(
     """Build the report from grouped records and write ``report.json``, ``summary.txt`` and PNGs."""
     report = build_report(groups, base=base, threshold=threshold, solve_rule=solve_rule, maj_method=maj_method)
     os.makedirs(out_dir, exist_ok=True)
+    from espert.runs.files import atomic_write_text  # (lazy: espert.runs imports torch; --help must not)
+
     # each file whole or not at all (a full disk leaves the previous one untouched)
     atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(report, indent=2, sort_keys=False) + "\n")
     summary = format_summary(report)
