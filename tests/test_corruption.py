@@ -117,7 +117,7 @@ TABLE = [
         lambda d: edit_log_line(d, iter_line(d, 2), flip_digit),
         RESUME,
         2,
-        ["log.jsonl", "is damaged", "checksum mismatch"],
+        ["log.jsonl", "is damaged", "checksum mismatch", "espert repair", "--truncate-after 1"],
     ),
     (
         "log: damaged complete last line",

@@ -62,10 +62,11 @@ def read_log(path: str, repair: bool = False) -> list[dict]:
         rec, problem = _parse_line(data[pos:end])
         if rec is None:
             where = "the last line" if not data[end + 1 :] else "not the last line"
+            kept = sum(r.get("kind") == "iter" for r in records)
             raise RunError(
                 f"{path}: line {lineno} is damaged: {problem} ({where}); refusing to guess. The "
-                f"records before it are intact; restore the file from a backup, or replay up to "
-                f"the last intact iteration"
+                f"records before it are intact; restore the file from a backup, or keep iterations "
+                f"1..{kept} with: espert repair {os.path.dirname(os.path.abspath(path))} --truncate-after {kept}"
             )
         records.append(rec)
         pos = end + 1

@@ -159,7 +159,8 @@ class Run:
             self._cleanup()
             self._log = open(self.file(LOG), "ab", buffering=0)  # unbuffered: a failed write is undone below
         except BaseException:
-            unlock_run(self._lock)
+            if lock is None:  # a lock handed in is released by whoever took it
+                unlock_run(self._lock)
             raise
         self._verified: tuple[str, int | None] | None = None  # (stat key, iteration) of the checked center
         self._base_path: str | None = None
