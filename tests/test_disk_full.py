@@ -16,10 +16,12 @@ import shutil
 import subprocess
 
 import pytest
+from conftest import SMALL_RUN as SMALL
 from test_runs import FLAGS, assert_same_run, copy_run, one_line_error, reference, sha  # noqa: F401 - a fixture
 
 from espert import runs
 from espert.cli import main
+from espert.config import ESConfig
 from espert.trainer import train
 
 
@@ -155,7 +157,7 @@ def test_a_failed_write_is_one_line_and_the_resume_is_exact(
     if disk.before is None:
         one_line_error(out, "nothing was written", "run the same command again")
         assert os.listdir(tmp_path) == []
-        assert main(["train", "--run-dir", d, *FLAGS]) == 0
+        train(ESConfig(**SMALL), d, progress=False, echo=None)  # the same command (without its closing report)
     else:
         one_line_error(out, "the run directory is as before this write", f"--run-dir {d} --resume")
         assert [n for n in os.listdir(tmp_path) if n != "run"] == []
