@@ -2,6 +2,7 @@
 
     espert train   [--config FILE.yaml|.toml] [--run-dir DIR] [--resume] [--<field> VALUE ...]
     espert replay  RUN_DIR [--out DIR] [--upto T]
+    espert repair  RUN_DIR --truncate-after N
     espert tiny    OUT_DIR [--seed S]
     espert eval    ...   (espert.eval.cli)
     espert analyze ...   (espert.eval.cli)
@@ -146,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
     tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument(
+        "--stop-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, finish the current iteration (its log line, and its checkpoint when one is "
+        "due) for at most this long, then stop with exit code 143 (SIGINT: 130); past it the iteration is "
+        "abandoned, which the log keeps exact (default: 30)",
+    )
     _add_config_flags(tr)
     tr.set_defaults(func=cmd_train)
 
@@ -160,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/replay)")
     rp.add_argument("--upto", type=int, metavar="T", help="stop after iteration T (default: the last logged)")
     rp.set_defaults(func=cmd_replay)
+
+    rr = sub.add_parser(
+        "repair",
+        help="cut a run's log back to one history (after two writers, or damage)",
+        description="Keep iterations 1..N of RUN_DIR/log.jsonl (every kept line's checksum verified) and "
+        "only the checkpoint and export of those; the old log and anything removed move to "
+        "RUN_DIR/repair-STAMP/. Then 'espert train --run-dir RUN_DIR --resume' continues exactly.",
+    )
+    rr.add_argument("run_dir", metavar="RUN_DIR")
+    rr.add_argument("--truncate-after", type=int, required=True, metavar="N", help="the last iteration to keep")
+    rr.set_defaults(func=cmd_repair)
 
     tn = sub.add_parser(
         "tiny",
@@ -205,6 +226,67 @@ def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
     return ESConfig.from_dict(overrides), overrides
 
 
+class Preemption:
+    """SIGTERM and SIGINT while ``espert train`` trains: the run stops between iterations (every finished one
+    logged, its checkpoint written when one was due), with exit code 143 (SIGINT: 130).  An iteration that does
+    not end within ``grace`` seconds (or a second signal) is abandoned: the process prints the stop line and
+    exits at once, which the write-ahead log makes as safe as a kill (resume redoes that iteration exactly)."""
+
+    CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+    def __init__(self, run_dir: str, grace: float, again: str):
+        self.run_dir, self.grace, self.again = run_dir, grace, again
+        self.signum: int | None = None
+        self._timer: threading.Timer | None = None
+        self._previous: dict = {}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    @property
+    def code(self) -> int:
+        return self.CODES[self.signum]
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in self.CODES}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: do not wait
+            self._abandon()
+        self.signum = signum
+        self._timer = threading.Timer(self.grace, self._abandon)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _abandon(self) -> None:
+        from espert.runs import LOG, iteration_records, read_log
+
+        try:  # what the log holds now (a reader: a line still being written is not counted)
+            n = len(iteration_records(read_log(os.path.join(self.run_dir, LOG))))
+        except Exception:  # noqa: BLE001 - the line below must come whatever the log holds
+            n = 0
+        print(
+            f"espert: stopped at iteration {n} ({self.name}); iteration {n + 1} did not end within the "
+            f"{self.grace:g} s grace period and was abandoned; continue with: {self.again}",
+            file=sys.stderr,
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(self.code)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from espert.trainer import train
 
@@ -212,7 +294,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
     echo = lambda s: print(s, file=sys.stderr)  # noqa: E731
     echo(f"[espert] run directory: {run_dir}")
-    summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo)
+    from espert import runs
+
+    def write_failed(e: OSError, what: str) -> int:  # one line: the file, the errno, what is intact
+        echo(f"espert train: error: {runs.write_error_line(e)}; {what}")
+        return 1
+
+    again = f"espert train --run-dir {run_dir} --resume"
+    if not args.stop_grace >= 0:
+        raise ValueError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
+    try:
+        with Preemption(run_dir, args.stop_grace, again) as pre:
+            summary = train(
+                cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo, stop=pre.requested
+            )
+    except OSError as e:
+        if not runs.is_write_error(e):
+            raise
+        state = runs.intact_state(run_dir)
+        fix = "run the same command again" if state.startswith("nothing") else f"continue with: {again}"
+        return write_failed(e, f"{state}; once space is freed (or the filesystem writable), {fix}")
+    if pre.requested():  # also when the last iteration ended meanwhile: the report is left to the resume
+        n = summary["iterations"] if summary["stopped"] is None else summary["stopped"]
+        print(f"espert: stopped at iteration {n} ({pre.name}); continue with: {again}", file=sys.stderr)
+        return pre.code
     held = summary["heldout"]
     if held:
         curve = "  ".join(f"it {t}: {m:.3f}" for t, m in held)
@@ -223,7 +328,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         from espert.eval.runner import evaluate_run
 
         echo("[espert] base vs ES, 16 samples (temperature 1) on 64 held-out problems:")
-        evaluate_run(run_dir, n=16, limit=64, echo=echo)
+        try:
+            evaluate_run(run_dir, n=16, limit=64, echo=echo)
+        except OSError as e:
+            if not runs.is_write_error(e):
+                raise
+            return write_failed(
+                e,
+                f"training is complete and intact ({runs.intact_state(run_dir).split('(', 1)[1]}, and its "
+                f"export; only the report is missing: once space is freed, write it with: {again}",
+            )
         echo(f"[espert] report: {os.path.join(run_dir, 'eval')}")
     return 0
 
@@ -241,6 +355,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     res = replay(args.run_dir, args.out, upto=args.upto, echo=lambda s: print(s, file=sys.stderr))
     return 1 if res["matches_checkpoint"] is False else 0
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    from espert.runs.repair import repair
+
+    repair(args.run_dir, args.truncate_after, echo=lambda s: print(s, file=sys.stderr))
+    return 0
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
@@ -335,6 +456,13 @@ def _main(argv: Sequence[str] | None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, MissingExtra) as e:
         print(f"espert {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a quota, an I/O error, a read-only filesystem: one line, exit 1
+        from espert.runs.files import is_write_error, write_error_line
+
+        if not is_write_error(e):
+            raise
+        print(f"espert {args.command}: error: {write_error_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -388,9 +388,9 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
         "schedules": {schedule_label(sp): parse_schedule(sp) for sp in cc.schedules},
         "drift": {k: {"overall": v["overall"], "groups": v["groups"]} for k, v in drift.items()},
     }
-    with open(os.path.join(out_dir, "compare.json"), "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    from espert.runs.files import atomic_write_text  # whole or not at all (a full disk keeps the old file)
+
+    atomic_write_text(os.path.join(out_dir, "compare.json"), json.dumps(doc, indent=2) + "\n")
     echo(text)
     return doc
 

@@ -99,9 +99,13 @@ class TensorFileWriter:
         self._f.truncate(self.size)
 
     def _put(self, pos: int, buf) -> None:
-        if pos != self._f.tell():
-            self._f.seek(pos)
-        self._f.write(buf)
+        try:
+            if pos != self._f.tell():
+                self._f.seek(pos)
+            self._f.write(buf)
+        except OSError as e:  # a write() error names no file (ENOSPC, EIO, ...): name this one
+            e.filename = e.filename or self.path
+            raise
         if self._h is not None:
             if pos == self._end:  # still in file order: hash as we go
                 self._h.update(buf)
@@ -131,7 +135,11 @@ class TensorFileWriter:
         """Close the file (idempotent).  check: raise ValueError naming a tensor that received fewer bytes
         than it holds (its chunks did not cover it; pieces replicated over ranks may count twice)."""
         if not self._f.closed:
-            self._f.close()
+            try:
+                self._f.close()  # flushes the last buffered bytes: the disk may refuse them here
+            except OSError as e:
+                e.filename = e.filename or self.path
+                raise
             short = [(k, self._written[k], self._at[k][1]) for k in self.layout if self._written[k] < self._at[k][1]]
             if check and short:
                 k, got, n = short[0]

@@ -139,6 +139,7 @@ def train(
     reward: Callable | None = None,
     prompts: Any = None,
     eval_prompts: Any = None,
+    stop: Callable[[], bool] | None = None,
 ) -> dict:
     """Train (or resume) a run in ``run_dir``; returns a summary dict
     ``{"run_dir", "iterations", "heldout": [(t, mean)], "train_reward": [(t, mean)], "export"}``.
@@ -150,6 +151,10 @@ def train(
 
     hook(t, phase) is called at phases ``"logged"`` (record appended, update not yet applied),
     ``"updated"`` and ``"checkpointed"`` of each iteration; tests use it to crash a run anywhere.
+
+    stop() is asked before each iteration; when it says True the run ends there (each finished
+    iteration is logged, with its checkpoint when one was due) and the summary's ``"stopped"`` is that
+    iteration.  The CLI asks it on SIGTERM and SIGINT.
     """
     import torch
 
@@ -197,7 +202,19 @@ def train(
         from espert.evaluators import build_evaluator
         from espert.tasks.rewards import answer_equivalence
 
-        evaluator = build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
+        try:
+            evaluator = build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
+        except Exception as e:  # noqa: BLE001 - transformers, tokenizers, safetensors: each its own type
+            if isinstance(e, OSError) and e.errno is not None:
+                raise  # an environment failure (a full disk, ...): reported as such by the CLI
+            what = cfg.model if cfg.model != "tiny" else run.base_path
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(
+                f"the model at {what} could not be loaded by evaluator {cfg.evaluator!r} "
+                f"({type(e).__name__}: {first})"
+                + ("" if resume else "; nothing was written, so the same command works once it is fixed")
+            ) from e
+        run.commit()  # everything loaded: only now does the run directory appear
         energy = evaluator.noise_energy()
         meter = IterationMeter(evaluator, run.iterations(), answer_equivalence(train_task.name))
         start = run.restore(evaluator)
@@ -210,7 +227,11 @@ def train(
         if ev is not None:
             trackers.log({"heldout/mean": ev["mean"]}, start)
         bar = _progress(progress, T, start)
+        stopped = None
         for t in range(start + 1, T + 1):
+            if stop is not None and stop():  # between iterations: the log and checkpoints are complete here
+                stopped = t - 1
+                break
             idx = prompt_indices(cfg, t, len(train_task))
 
             def write_ahead(rec: dict) -> None:
@@ -251,11 +272,11 @@ def train(
                 bar.update(1)
         if bar is not None:
             bar.close()
-        if run.checkpoint_iteration() != T:  # e.g. iterations: 0 (finish_iteration checkpoints t >= 1)
+        if stopped is None and run.checkpoint_iteration() != T:  # e.g. iterations: 0 (finish_iteration: t >= 1)
             run.checkpoint(evaluator, T)
             if hook:
                 hook(T, "checkpointed")
-        return run.summary()
+        return {**run.summary(), "stopped": stopped}
     finally:
         if trackers is not None:
             trackers.close()

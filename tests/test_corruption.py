@@ -117,7 +117,7 @@ TABLE = [
         lambda d: edit_log_line(d, iter_line(d, 2), flip_digit),
         RESUME,
         2,
-        ["log.jsonl", "is damaged", "checksum mismatch"],
+        ["log.jsonl", "is damaged", "checksum mismatch", "espert repair", "--truncate-after 1"],
     ),
     (
         "log: damaged complete last line",
@@ -131,7 +131,7 @@ TABLE = [
         lambda d: edit_log_line(d, iter_line(d, 3), lambda ln: b'{"kind":"note"}'),
         RESUME,
         2,
-        ["log.jsonl", "expected iteration 3, found 4"],
+        ["log.jsonl", "holds iteration 4 where 3 comes next", "espert repair", "--truncate-after 2"],
     ),
     (
         "log: emptied, checkpoint at 6",

@@ -262,3 +262,69 @@ def test_quant_center_store_fuzz(fmt, data):
             assert all(torch.equal(a, q.qweight) for a, q in zip(snap[1], qws)), op
             continue
         assert all(torch.equal(c, q.qweight) for c, q in zip(store.codes, qws)), op
+
+
+@st.composite
+def shared_views_st(draw):
+    """1-4 views of one storage (disjoint, overlapping or identical, some with overlapping rows) and the
+    storage element offsets each touches."""
+    dtype = draw(st.sampled_from(DTYPES))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    storage = (torch.randn(160, generator=g) * 0.02).to(dtype)
+    views = []
+    for _ in range(draw(st.integers(1, 4))):
+        rows, cols = draw(st.integers(1, 4)), draw(st.integers(1, 12))
+        stride = draw(st.integers(max(1, cols - 2), cols + 8))
+        off = draw(st.integers(0, 160 - ((rows - 1) * stride + cols)))
+        if views and draw(st.integers(0, 4)) == 0:  # the same view again
+            v, touched = views[draw(st.integers(0, len(views) - 1))]
+            v = storage.as_strided(v.shape, v.stride(), v.storage_offset())
+        else:
+            v = storage.as_strided((rows, cols), (stride, 1), off)
+            touched = {off + i * stride + j for i in range(rows) for j in range(cols)}
+        views.append((v, touched))
+    return storage, views
+
+
+@pytest.mark.parametrize("surface", ["torch.ops.espert", "espert.ops"])
+@FUZZ
+@given(data=st.data())
+def test_es_update_operator_fuzz(surface, data):
+    """The torch operator (and the Python op on the same items): float seed tensors and views that share
+    elements are refused with nothing written; any accepted call equals the reference, view by view."""
+    storage, views = data.draw(shared_views_st())
+    n = data.draw(st.integers(0, 3))
+    seeds = data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=n, max_size=n))
+    coeffs = data.draw(st.lists(coeff_st, min_size=n, max_size=n + data.draw(st.integers(0, 1))))
+    sdtype = data.draw(st.sampled_from([torch.int64, torch.int64, torch.float32, torch.float64, torch.int32]))
+    cdtype = data.draw(st.sampled_from([torch.float64, torch.float32, torch.int64]))
+    keys = [data.draw(st.integers(0, U64 - 1)) for _ in views]
+    items = [(v, k, None) for (v, _), k in zip(views, keys)]
+    before = bits(storage)
+    u64 = [s % U64 for s in seeds]
+    c_t = torch.tensor(coeffs, dtype=torch.float64).to(cdtype)
+    c_list = coeffs if surface == "espert.ops" and cdtype == torch.int64 else c_t.tolist()
+    disjoint = all(not (a & b) for i, (_, a) in enumerate(views) for _, b in views[i + 1 :])
+    if surface == "espert.ops":  # lists: float seeds (x.5) when sdtype is not int64, float coefficients
+        ok = disjoint and (sdtype == torch.int64 or n == 0) and len(coeffs) == n
+    else:
+        ok = disjoint and sdtype == torch.int64 and cdtype != torch.int64 and len(coeffs) == n
+    if ok:
+        try:
+            expected = [_expected(v, u64, c_list, k, None) for (v, _), k in zip(views, keys)]
+        except Exception:  # noqa: BLE001 - the reference refuses too (NaN, Inf, float32 overflow)
+            ok = False
+    try:
+        if surface == "torch.ops.espert":
+            s_t = torch.tensor(seeds, dtype=torch.int64).to(sdtype)
+            torch.ops.espert.es_update_(*ops.checks.op_args(items), s_t, c_t)
+        else:
+            seeds_in = u64 if sdtype == torch.int64 else [float(s) + 0.5 for s in u64]
+            ops.es_update_many_(items, seeds_in, c_list)
+    except (ValueError, TypeError) as e:
+        assert str(e)
+        np.testing.assert_array_equal(bits(storage), before)
+        return
+    assert ok, "the operator accepted a call it must refuse"
+    for (v, _), exp in zip(views, expected):
+        np.testing.assert_array_equal(bits(v).reshape(-1), exp)

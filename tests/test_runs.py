@@ -7,6 +7,7 @@ comparison) are imported by tests/test_chaos.py and tests/test_corruption.py too
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -539,3 +540,185 @@ def test_a_second_writer_is_refused_and_the_run_survives(tmp_path):
     assert res["matches_checkpoint"] is True
     # the lock died with its holder: the run resumes again
     assert main(["train", "--run-dir", d, "--resume", *FLAGS, "--iterations", "13"]) == 0
+
+
+# ---- 25: a start writes nothing until everything has loaded ----------------------------------------------------
+
+
+def test_a_failed_start_leaves_nothing_and_the_retry_works(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Before: with a model whose tokenizer (or weights) could not be loaded, RUN/config.yaml and a task
+    record were written first, and the retry was refused ("already holds an espert run; pass --resume");
+    broken weights also ended in a SafetensorError traceback.  Now every loading stage fails with one
+    line, leaves nothing beside the models, and the same command then works."""
+    from espert.evaluators import EVALUATORS
+
+    d = str(tmp_path / "runs" / "run")
+    small = [*FLAGS, "--iterations", "1", "--eval-size", "0"]
+    tok = shutil.copytree(tiny_dir, tmp_path / "tok")
+    (tok / "tokenizer.json").write_text("{not json")
+    weights = shutil.copytree(tiny_dir, tmp_path / "weights")
+    with open(weights / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    (tmp_path / "failing_task.py").write_text("raise RuntimeError('the task data server is down')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def broken(cfg, path, score):
+        raise RuntimeError("out of engines")
+
+    monkeypatch.setitem(EVALUATORS, "broken", broken)
+    good = str(shutil.copytree(tiny_dir, tmp_path / "good"))
+    stages = [
+        (["--model", str(tok)], "JSONDecodeError"),
+        (["--model", str(weights)], "SafetensorError"),
+        (["--model", good, "--task", "failing_task:reward"], "failing_task"),
+        (["--model", good, "--evaluator", "broken"], "out of engines"),
+    ]
+    for args, needle in stages:
+        assert main(["train", "--run-dir", d, *small, *args]) == 2, args
+        one_line_error(capsys.readouterr().err, needle)
+        assert not os.path.exists(d), args
+        assert os.listdir(tmp_path / "runs") == [], args  # no temporary sibling, no lock file
+    assert main(["train", "--run-dir", d, *small, "--model", good]) == 0  # the same command, fixed
+    assert [r["kind"] for r in runs.read_log(os.path.join(d, runs.LOG))][:2] == ["task", "iter"]
+
+
+def fork_log(run_dir, from_iteration):
+    """What two writers of one run left: the lines from iteration ``from_iteration`` on, written again."""
+    path = os.path.join(run_dir, runs.LOG)
+    lines = open(path, "rb").read().splitlines(keepends=True)
+    first = next(i for i, ln in enumerate(lines) if json.loads(ln).get("iteration") == from_iteration)
+    with open(path, "ab") as f:
+        f.writelines(lines[first:])
+    return len(lines) + 1  # the first line of the second history
+
+
+def test_a_forked_log_is_refused_then_repaired_and_resumes_exactly(reference, tmp_path, capsys):
+    """Before: a log holding iterations 3-6 twice made resume and replay fail with "log.jsonl: expected
+    iteration 7, found 3" and no way out.  Now both name the file, line and iteration and give the exact
+    recovery; `espert repair` keeps one history, and the resume ends bit for bit where an uninterrupted
+    run ends."""
+    d = copy_run(reference, tmp_path / "run")
+    line = fork_log(d, 3)
+    for argv in (["train", "--run-dir", d, "--resume", "--no-progress"], ["replay", d, "--out", str(tmp_path / "r")]):
+        assert main(argv) == 2
+        one_line_error(
+            capsys.readouterr().err,
+            f"log.jsonl: line {line} holds iteration 3 again",
+            f"espert repair {os.path.abspath(d)} --truncate-after 6",
+        )
+    before = open(os.path.join(d, runs.LOG), "rb").read()
+    assert main(["repair", d, "--truncate-after", "7"]) == 2  # beyond the one history: refused, nothing changed
+    one_line_error(capsys.readouterr().err, "only iterations 1..6 form one intact history")
+    assert open(os.path.join(d, runs.LOG), "rb").read() == before
+    assert main(["repair", d, "--truncate-after", "4"]) == 0  # further back than needed: checkpoint 6 goes
+    err = capsys.readouterr().err
+    assert "keeps iterations 1..4" in err and "moved center.safetensors, export" in err, err
+    backup = [n for n in os.listdir(d) if n.startswith("repair-")]
+    assert len(backup) == 1 and open(os.path.join(d, backup[0], runs.LOG), "rb").read() == before
+    shutil.rmtree(os.path.join(d, backup[0]))
+    train(None, d, resume=True, progress=False, echo=None)  # (the CLI's resume, without its closing report)
+    assert_same_run(reference, d)
+
+
+# ---- 25: SIGTERM and SIGINT stop a run between iterations ------------------------------------------------------
+
+
+def logged_iterations(run_dir):
+    try:
+        return sum(b'"kind":"iter"' in ln for ln in open(os.path.join(run_dir, runs.LOG), "rb"))
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigterm_and_sigint_stop_cleanly_and_the_resume_is_exact(reference, tmp_path):
+    """Before: SIGTERM ended `espert train` with code 143 and not a word.  Now: the iteration in flight ends
+    (or, past --stop-grace, is abandoned), one line says where the run stopped and how to continue, and the
+    resumed run is bit for bit the uninterrupted one.  Signals land at seeded random moments."""
+    rng = random.Random(25)
+    longer = copy_run(reference, tmp_path / "reference")  # 12 iterations: room for three stops
+    train(ESConfig(**{**SMALL, "iterations": 12}), longer, resume=True, progress=False, echo=None)
+    d = str(tmp_path / "run")
+    again = f"continue with: espert train --run-dir {d} --resume"
+    for sig, extra, after in [
+        (signal.SIGTERM, [*FLAGS, "--iterations", "12"], rng.randint(1, 3)),
+        (signal.SIGINT, ["--resume", "--no-progress"], None),
+        (signal.SIGTERM, ["--resume", "--no-progress", "--stop-grace", "0"], None),
+    ]:
+        before = logged_iterations(d)
+        after = after or before + 1
+        p = subprocess.Popen(
+            [sys.executable, "-m", "espert", "train", "--run-dir", d, *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # see test_ctrl_c_during_startup
+        )
+        deadline = time.time() + 120
+        while logged_iterations(d) < after and p.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.15))
+        p.send_signal(sig)
+        err = p.communicate(timeout=120)[1]
+        assert p.returncode == 128 + sig, err
+        last = err.strip().splitlines()[-1]
+        n = logged_iterations(d)
+        assert "Traceback" not in err and last.startswith(f"espert: stopped at iteration {n} ({sig.name}); "), err
+        assert last.endswith(again), err
+        assert ("did not end within the 0 s grace period" in last) == ("--stop-grace" in extra), err
+        assert runs.read_log(os.path.join(d, runs.LOG))  # whole lines only
+        assert 1 <= n < 12
+    train(None, d, resume=True, progress=False, echo=None)
+    assert_same_run(longer, d)
+
+
+# ---- 25: every writer of a run takes its lock; readers take none and see whole lines only -----------------------
+
+
+def test_other_writers_take_the_lock_and_readers_see_whole_lines(reference, tmp_path, capsys):
+    """Before: `replay` (into RUN/replay) and `analyze --export` into the run wrote while a writer held it.
+    Now they exit 2 with one line naming the holder and change nothing; replay elsewhere and analyze without
+    --export take no lock, and a log line still being written is invisible to them (and left to its writer)."""
+    from espert.runs.files import lock_run, unlock_run
+
+    d = copy_run(reference, tmp_path / "run")
+    log = os.path.join(d, runs.LOG)
+    with open(log, "ab") as f:  # the writer is halfway through its next line
+        f.write(runs.log_line({"kind": "iter", "iteration": 7, "seeds": [1], "coeffs": [0.5]})[:30])
+    torn = open(log, "rb").read()
+    listing = sorted(os.listdir(d))
+    base, export = os.path.join(d, runs.BASE), os.path.join(d, runs.EXPORT)
+    lock = lock_run(d)  # a writer holds the run (another open file: flock refuses this process too)
+    try:
+        for argv in (
+            ["replay", d],
+            ["analyze", "--base", base, "--ckpt", export, "--export", os.path.join(d, "thin"), "--threshold", "0"],
+        ):
+            assert main(argv) == 2, argv
+            one_line_error(capsys.readouterr().err, f"{d} is being written by pid {os.getpid()} on ", "heartbeat")
+            assert sorted(os.listdir(d)) == listing and open(log, "rb").read() == torn
+        other = str(tmp_path / "replayed")
+        assert main(["replay", d, "--out", other]) == 0  # reads whole lines: 6 iterations, as the checkpoint
+        assert sha(os.path.join(other, runs.CENTER)) == sha(os.path.join(reference, runs.CENTER))
+        assert main(["analyze", "--base", base, "--ckpt", export]) == 0
+        assert open(log, "rb").read() == torn  # readers never touch the writer's line
+    finally:
+        unlock_run(lock)
+    capsys.readouterr()
+
+
+def test_a_holder_record_from_another_host_refuses_the_lock(reference, tmp_path, capsys):
+    """flock is unreliable on some network filesystems: a fresh heartbeat from another host refuses the lock
+    even where flock grants it; a stale one (the writer is gone) does not."""
+    from espert.runs.files import HEARTBEAT_STALE, lock_run, unlock_run
+
+    d = copy_run(reference, tmp_path / "run")
+    rec = "pid 4242 on other-host since 2026-12-01T10:00:00 heartbeat {:.0f}\n"
+    with open(runs.lock_path(d), "w") as f:
+        f.write(rec.format(time.time() - 5))
+    assert main(["train", "--run-dir", d, "--resume", "--no-progress"]) == 2
+    one_line_error(capsys.readouterr().err, "pid 4242 on other-host", "flock is unreliable", runs.lock_path(d))
+    assert runs.read_log(os.path.join(d, runs.LOG)) == runs.read_log(os.path.join(reference, runs.LOG))
+    with open(runs.lock_path(d), "w") as f:
+        f.write(rec.format(time.time() - HEARTBEAT_STALE - 5))
+    unlock_run(lock_run(d))

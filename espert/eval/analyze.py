@@ -516,17 +516,17 @@ def run_analyze(args: argparse.Namespace) -> int:
         report = {"base": args.base, "checkpoints": results}
         if args.export:
             ((label, path),) = ckpts.items()
-            ex = export_thresholded(args.base, path, args.export, args.threshold, force=args.force)
+            from espert.runs.files import writing_into
+
+            with writing_into(args.export):  # an export into a run directory: one writer at a time
+                ex = export_thresholded(args.base, path, args.export, args.threshold, force=args.force)
             report["export"] = ex
             print(
                 f"exported {label} with |delta| <= {args.threshold:g} reset to base -> {args.export} "
                 f"({ex['n_reset']} of {ex['n_changed']} changed weights reset, {ex['n_kept']} kept)"
             )
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=2)
-                f.write("\n")
+            _write_json(args.json, report)
         if args.plot_dir:
             for p in plot_drift(results, args.plot_dir):
                 print(f"wrote {p}")
@@ -692,10 +692,10 @@ def run_estimator(args: argparse.Namespace) -> int:
 
 
 def _write_json(path: str, obj) -> None:
+    from espert.runs.files import atomic_write_text  # whole or not at all (a full disk keeps the old file)
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def add_subcommands(p: argparse.ArgumentParser) -> None:

@@ -19,9 +19,14 @@ def pyplot():
 
 def save_figure(fig, path: str) -> str:
     """Lay out, write the PNG, and free the figure; returns ``path``."""
+    from espert.runs.files import atomic_write
+
     fig.tight_layout()
-    fig.savefig(path)
-    pyplot().close(fig)
+    fmt = os.path.splitext(path)[1][1:] or "png"
+    try:  # whole or not at all, like every file espert writes
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt))
+    finally:
+        pyplot().close(fig)
     return path
 
 

@@ -82,12 +82,12 @@ def write_outputs(
     """Build the report from grouped records and write ``report.json``, ``summary.txt`` and PNGs."""
     report = build_report(groups, base=base, threshold=threshold, solve_rule=solve_rule, maj_method=maj_method)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, sort_keys=False)
-        f.write("\n")
+    from espert.runs.files import atomic_write_text  # (lazy: espert.runs imports torch; --help must not)
+
+    # each file whole or not at all (a full disk leaves the previous one untouched)
+    atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(report, indent=2, sort_keys=False) + "\n")
     summary = format_summary(report)
-    with open(os.path.join(out_dir, "summary.txt"), "w", encoding="utf-8") as f:
-        f.write(summary + "\n")
+    atomic_write_text(os.path.join(out_dir, "summary.txt"), summary + "\n")
     echo(summary)
     if plots and not have("matplotlib"):  # the report is complete without its pictures
         echo(f"[espert] plots skipped: {install_hint('matplotlib')}")

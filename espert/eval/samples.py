@@ -70,10 +70,11 @@ def score_records(records: list[dict], task: Task) -> list[dict]:
 
 def save_samples(path: str, records: Iterable[dict]) -> None:
     """Write records as JSONL (one problem per line, UTF-8, keys in a fixed order)."""
+    from espert.runs.files import atomic_write_text  # whole or not at all (a full disk keeps the old file)
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps({k: r[k] for k in RECORD_KEYS if k in r}, ensure_ascii=False) + "\n")
+    lines = (json.dumps({k: r[k] for k in RECORD_KEYS if k in r}, ensure_ascii=False) + "\n" for r in records)
+    atomic_write_text(path, "".join(lines))
 
 
 def validate_record(r: Any, where: str) -> dict:

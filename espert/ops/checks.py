@@ -198,6 +198,51 @@ def geometry(w: torch.Tensor, block: Block | None) -> Geometry:
     return Geometry(rows, cols, row_stride, ro, co, lc, lr)
 
 
+def _strips_meet(a: int, s1: int, r1: int, c1: int, b: int, s2: int, r2: int, c2: int) -> bool:
+    """Whether ``{a + i·s1 + j : i < r1, j < c1}`` and ``{b + k·s2 + l : k < r2, l < c2}`` share an address.
+
+    Rows of one strip are ``[a + i·s1, a + i·s1 + c1)``.  With equal strides, row i of A meets row k of
+    B iff ``-c2 < d + m·s < c1`` for ``d = b - a``, ``m = k - i``: one integer interval test.  Otherwise
+    each row of the strip with fewer rows is tested against the other strip that way."""
+    if a + (r1 - 1) * s1 + c1 <= b or b + (r2 - 1) * s2 + c2 <= a:
+        return False  # the address ranges are apart
+    if s1 == s2 or r1 == 1 or r2 == 1:
+        s = s2 if r1 == 1 else s1  # the stride of a strip with more than one row (any, for two single rows)
+        d = b - a
+        lo = max(1 - r1, (-c2 - d) // s + 1)
+        hi = min(r2 - 1, -((d - c1) // s) - 1)
+        return lo <= hi
+    if r1 > r2:
+        a, s1, r1, c1, b, s2, r2, c2 = b, s2, r2, c2, a, s1, r1, c1
+    return any(_strips_meet(a + i * s1, s1, 1, c1, b, s2, r2, c2) for i in range(r1))
+
+
+def check_disjoint(checked) -> None:
+    """ValueError when two tensors of one call share memory (the update would be applied twice there).
+
+    checked: ``[(w, key, geometry, code)]``; views of one storage that touch disjoint elements (e.g. the
+    column blocks of a fused matrix) are fine."""
+    spans = []
+    for k, (w, _, g, _) in enumerate(checked):
+        if not w.numel():
+            continue
+        e = w.element_size()
+        spans.append((k, w.data_ptr(), g.row_stride * e, g.rows, g.cols * e))
+    spans.sort(key=lambda x: x[1])
+    for x in range(len(spans)):
+        k, a, s1, r1, c1 = spans[x]
+        for y in range(x + 1, len(spans)):
+            j, b, s2, r2, c2 = spans[y]
+            if b >= a + (r1 - 1) * s1 + c1:
+                break  # sorted by start: no later span begins inside this one
+            if _strips_meet(a, s1, r1, c1, b, s2, r2, c2):
+                i, j = sorted((k, j))
+                raise ValueError(
+                    f"items[{i}] and items[{j}] overlap in memory (views of one storage that share elements); "
+                    f"each element may be updated once per call: pass disjoint views"
+                )
+
+
 # ---- the torch operators' arguments --------------------------------------------------------
 # Integers in schemas are int64: uint64 seeds and keys travel as their two's-complement bits.  Blocks
 # travel flattened, four ints per tensor (row_offset, col_offset, logical_rows, logical_cols), -1 for None.

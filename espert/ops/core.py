@@ -25,6 +25,7 @@ from .checks import (
     U64,
     Block,
     as_int64,
+    check_disjoint,
     check_members,
     check_scale,
     check_sigma,
@@ -105,6 +106,7 @@ def _check_items(items, fam: NoiseFamily, n: int, scales, backend: str | None):
             bits.append(ONE_BITS)
             continue
         bits.append(int(np.float32(check_scale(f"scales[{k}]", scales[k])).view(np.int32)))
+    check_disjoint(checked)
     return checked, bits, be, device
 
 

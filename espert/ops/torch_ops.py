@@ -31,6 +31,15 @@ def _es_update_op(
     seeds: int64 [N] (uint64 bits) and coeffs: float32 or float64 [N], host tensors, uploaded once per call."""
     if seeds.device.type != "cpu" or coeffs.device.type != "cpu":
         raise ValueError("seeds and coeffs must be host tensors (the op uploads them once per call)")
+    # a float seed would be truncated to some integer by tolist(): refuse it, like the Python ops do
+    if seeds.dtype != torch.int64 or seeds.dim() != 1:
+        raise TypeError(
+            f"seeds must be a 1-d int64 tensor (uint64 bits), got {seeds.dtype} of shape {list(seeds.shape)}"
+        )
+    if coeffs.dtype not in (torch.float32, torch.float64) or coeffs.dim() != 1:
+        raise TypeError(
+            f"coeffs must be a 1-d float32 or float64 tensor, got {coeffs.dtype} of shape {list(coeffs.shape)}"
+        )
     es_update_many_(
         from_op_args(ws, keys, blocks),
         [from_int64(s) for s in seeds.tolist()],

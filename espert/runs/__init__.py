@@ -53,10 +53,12 @@ from espert.runs.files import (
     atomic_write,
     atomic_write_text,
     fsync_dir,
+    is_write_error,
     kill_point,
     lock_path,
     read_config_file,
     sha256_file,
+    write_error_line,
 )
 from espert.runs.fingerprint import base_fingerprint, check_base
 from espert.runs.log import checkpoint_hashes, iteration_records, log_line, read_log
@@ -68,6 +70,7 @@ from espert.runs.run import (
     build_tiny_base,
     check_device,
     check_inputs,
+    intact_state,
     model_ref,
     read_run_config,
 )
@@ -101,6 +104,8 @@ __all__ = [
     "export_model",
     "fsync_dir",
     "is_hub_id",
+    "is_write_error",
+    "intact_state",
     "iteration_records",
     "kill_point",
     "load_center",
@@ -113,5 +118,6 @@ __all__ = [
     "resolve_model_dir",
     "save_center",
     "sha256_file",
+    "write_error_line",
     "write_safetensors",
 ]

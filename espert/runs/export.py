@@ -10,7 +10,7 @@ import shutil
 
 import torch
 
-from espert.runs.files import WEIGHT_SUFFIXES, fsync_dir, kill_point
+from espert.runs.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
 from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
 
 
@@ -142,7 +142,10 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
                     w = writers[where[k]]
                     w.write(k, offset, _cast(flat, w.layout[k][1]))
                 del flat  # a streamed chunk is freed before the next one arrives
-        with open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh:
+        with (
+            naming(os.path.join(tmp, "espert_export.json")),
+            open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh,
+        ):
             json.dump({"iteration": iteration, "base_model": base_ref, **(note or {})}, fh, indent=2)
         for f in os.listdir(tmp):
             with open(os.path.join(tmp, f), "rb+") as fh:
@@ -153,7 +156,16 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
             kill_point("export-swap", iteration)
         os.replace(tmp, out_dir)
         fsync_dir(parent)
+    except OSError as e:  # named by the export's own path, not the temporary directory's
+        for attr in ("filename", "filename2"):
+            name = str(getattr(e, attr))
+            if name.startswith(tmp):
+                setattr(e, attr, out_dir + name[len(tmp) :])
+        e.filename = e.filename or out_dir
+        raise
     finally:
+        if os.path.exists(old) and not os.path.exists(out_dir):  # the new one never came: the old stays
+            os.replace(old, out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
     return out_dir

@@ -7,10 +7,13 @@ Tests kill a run at named points (:func:`kill_point`) through the environment va
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import signal
-from typing import Callable
+import threading
+from typing import Callable, Iterator
 
 import yaml
 
@@ -38,20 +41,37 @@ def lock_path(run_dir: str) -> str:
     return os.path.join(parent, f".{name}.lock")
 
 
+#: Seconds between two heartbeats of a writer's holder record, and the age after which a record from
+#: another host no longer stands for a live writer (see :func:`lock_run`).
+HEARTBEAT_SECONDS, HEARTBEAT_STALE = 10.0, 60.0
+
+
+def _holder(text: str) -> dict:
+    """The fields of a holder record (``pid P on HOST since T heartbeat H``); {} when unreadable."""
+    parts = text.split()
+    try:
+        return {"pid": int(parts[1]), "host": parts[3], "since": parts[5], "heartbeat": float(parts[7])}
+    except (IndexError, ValueError):
+        return {}
+
+
 def lock_run(run_dir: str) -> tuple[int, str]:
     """Take the run directory's writer lock (``flock`` on :func:`lock_path`); returns ``(fd, path)``.
 
     The lock dies with its holder (a SIGKILLed writer leaves none behind), so there is nothing stale
     to clean up.  Raises :class:`RunBusy` naming the holder's pid and host, and changes nothing, when
     another process writes the run.  flock is not reliable on every network filesystem (some NFS
-    setups grant it to both clients); the holder record (pid, host, start time) is written for people.
-    :func:`unlock_run` removes the file; a killed holder leaves it, and the next writer reuses it.
+    setups grant it to two clients at once), so the lock file also holds a holder record, ``pid P on
+    HOST since T heartbeat H``, whose heartbeat a thread renews every :data:`HEARTBEAT_SECONDS`: a
+    record from another host with a heartbeat younger than :data:`HEARTBEAT_STALE` refuses the lock
+    even when flock grants it.  :func:`unlock_run` removes the file; a killed holder leaves it, and the
+    next writer reuses it.
     """
     import fcntl
     import socket
     import time
 
-    path = lock_path(run_dir)
+    path, host = lock_path(run_dir), socket.gethostname()
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -59,6 +79,10 @@ def lock_run(run_dir: str) -> tuple[int, str]:
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
+            rec = _holder(holder)
+            if rec:
+                age = time.time() - rec["heartbeat"]
+                holder = f"pid {rec['pid']} on {rec['host']} since {rec['since']} (heartbeat {age:.0f} s ago)"
             raise RunBusy(
                 f"{run_dir} is being written by {holder}; one process at a time may write a run "
                 f"(wait for it to end, or stop it: its log and checkpoints stay intact)"
@@ -70,21 +94,83 @@ def lock_run(run_dir: str) -> tuple[int, str]:
         if same:
             break
         os.close(fd)
-    os.ftruncate(fd, 0)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0)
+    old = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    rec = _holder(old)
+    if rec and rec["host"] != host and time.time() - rec["heartbeat"] < HEARTBEAT_STALE:
+        os.close(fd)
+        raise RunBusy(
+            f"{run_dir} is being written by {old.split(' heartbeat')[0]} (heartbeat "
+            f"{time.time() - rec['heartbeat']:.0f} s ago), although the filesystem granted this process the "
+            f"lock: flock is unreliable on some network filesystems (NFS). If that writer is gone, wait "
+            f"{HEARTBEAT_STALE:.0f} s, or remove {path}"
+        )
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    stop, guard = threading.Event(), threading.Lock()
+
+    def beat() -> None:
+        rec = f"pid {os.getpid()} on {host} since {since} heartbeat {time.time():.0f}\n".encode()
+        os.pwrite(fd, rec, 0)  # then cut: a reader never sees an empty record
+        os.ftruncate(fd, len(rec))
+
+    def heartbeat() -> None:
+        while not stop.wait(HEARTBEAT_SECONDS):
+            with guard:  # unlock_run closes the fd under the guard: never a beat into a reused fd number
+                if stop.is_set():
+                    return
+                try:
+                    beat()
+                except OSError:  # a full disk: the flock still holds; the record just ages
+                    pass
+
+    beat()
+    _HEARTBEATS[fd] = (stop, guard)
+    threading.Thread(target=heartbeat, name="espert-lock-heartbeat", daemon=True).start()
     return fd, path
+
+
+_HEARTBEATS: dict = {}  # lock fd -> (Event that stops its heartbeat thread, the Lock its beats hold)
 
 
 def unlock_run(lock: tuple[int, str]) -> None:
     """Release the lock taken by :func:`lock_run` and remove its file (still holding it, so no other process
     can hold a removed file's lock: :func:`lock_run` checks that the file it locked is still the path's)."""
     fd, path = lock
+    stop, guard = _HEARTBEATS.pop(fd, (threading.Event(), threading.Lock()))
+    with guard:
+        stop.set()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def enclosing_run(path: str) -> str | None:
+    """The run directory that ``path`` is (or lies in): the nearest directory up from it with a
+    ``config.yaml`` and a ``log.jsonl``; None when there is none."""
+    p = os.path.abspath(path)
+    while True:
+        if os.path.isfile(os.path.join(p, CONFIG)) and os.path.isfile(os.path.join(p, LOG)):
+            return p
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        p = parent
+
+
+@contextlib.contextmanager
+def writing_into(path: str) -> Iterator[None]:
+    """Hold the writer lock of the run that ``path`` lies in, if any, while the body writes there
+    (``replay --out``, ``analyze --export``); readers and writes elsewhere take no lock."""
+    run = enclosing_run(path)
+    if run is None:
+        yield
+        return
+    lock = lock_run(run)
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    os.close(fd)
+        yield
+    finally:
+        unlock_run(lock)
 
 
 def kill_point(name: str, iteration: int | None = None) -> None:
@@ -95,6 +181,34 @@ def kill_point(name: str, iteration: int | None = None) -> None:
 
 
 # ---- atomic files ----------------------------------------------------------------------------------
+
+#: errnos of a write the environment refused (full disk, quota, I/O error, read-only filesystem, file
+#: too large): reported in one line naming the file, never a traceback (:func:`write_error_line`).
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+
+
+def is_write_error(e: BaseException) -> bool:
+    """An OSError of :data:`WRITE_ERRNOS`."""
+    return isinstance(e, OSError) and e.errno in WRITE_ERRNOS
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Name ``path`` in an OSError raised inside (``write()`` and ``fsync()`` errors name no file; the
+    temporary file of an atomic write is named by its target)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or ".tmp-" in os.path.basename(str(e.filename)):
+            e.filename = path
+        raise
+
+
+def write_error_line(e: OSError) -> str:
+    """``cannot write FILE: ENOSPC (No space left on device)``."""
+    name = errno.errorcode.get(e.errno, str(e.errno))
+    target = e.filename2 or e.filename  # a copy's or a rename's second file is the one written
+    return f"cannot write {target or 'a file'}: {name} ({os.strerror(e.errno)})"
 
 
 def fsync_dir(path: str) -> None:
@@ -114,16 +228,19 @@ def atomic_write(path: str, write: Callable[[str], object], before_replace: Call
     the directory.  Returns r."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        r = write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        with naming(path):  # a failed write leaves the old file untouched and no temporary one
+            r = write(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         if before_replace is not None:
             before_replace(r)
-        os.replace(tmp, path)
+        with naming(path):
+            os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    with naming(path):
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
     return r
 
 

@@ -62,10 +62,11 @@ def read_log(path: str, repair: bool = False) -> list[dict]:
         rec, problem = _parse_line(data[pos:end])
         if rec is None:
             where = "the last line" if not data[end + 1 :] else "not the last line"
+            kept = sum(r.get("kind") == "iter" for r in records)
             raise RunError(
                 f"{path}: line {lineno} is damaged: {problem} ({where}); refusing to guess. The "
-                f"records before it are intact; restore the file from a backup, or replay up to "
-                f"the last intact iteration"
+                f"records before it are intact; restore the file from a backup, or keep iterations "
+                f"1..{kept} with: espert repair {os.path.dirname(os.path.abspath(path))} --truncate-after {kept}"
             )
         records.append(rec)
         pos = end + 1
@@ -73,12 +74,62 @@ def read_log(path: str, repair: bool = False) -> list[dict]:
 
 
 def iteration_records(records: list[dict], path: str = LOG) -> list[dict]:
-    """The ``iter`` records, checked to be iterations 1..last without gaps or repeats."""
-    its = [r for r in records if r.get("kind") == "iter"]
-    for i, r in enumerate(its, 1):
-        if r.get("iteration") != i:
-            raise RunError(f"{path}: expected iteration {i}, found {r.get('iteration')}")
-    return its
+    """The ``iter`` records, checked to be iterations 1..last without gaps or repeats.
+
+    ``records`` are a whole log's (record k is line k + 1).  A repeat or a gap (two writers, or two
+    histories joined) is a :class:`RunError` naming the file, the line and the iteration, and the
+    exact recovery: ``espert repair RUN --truncate-after N`` keeps the one history of lines before it.
+    """
+    expected, out = 1, []
+    for lineno, r in enumerate(records, 1):
+        if r.get("kind") != "iter":
+            continue
+        if r.get("iteration") != expected:
+            found = r.get("iteration")
+            how = (
+                f"iteration {found} again (a second history: two writers, or logs joined)"
+                if isinstance(found, int) and found < expected
+                else f"iteration {found} where {expected} comes next"
+            )
+            run_dir = os.path.dirname(os.path.abspath(path))
+            raise RunError(
+                f"{path}: line {lineno} holds {how}; espert never replays a mixed history. Keep "
+                f"iterations 1..{expected - 1} with: espert repair {run_dir} --truncate-after {expected - 1}"
+            )
+        out.append(r)
+        expected += 1
+    return out
+
+
+def single_history(path: str, n: int) -> tuple[int, list[dict]]:
+    """``(bytes, records)``: the longest intact prefix of the log at ``path`` that holds iterations 1..n
+    and nothing after n: it ends before the first line that is damaged, repeats or skips an iteration,
+    belongs to an iteration after n, or is a torn tail.  RunError when that prefix ends before n."""
+    with open(path, "rb") as f:
+        data = f.read()
+    pos, last, recs = 0, 0, []
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        if end < 0:
+            break
+        rec, _ = _parse_line(data[pos:end])
+        if rec is None:
+            break
+        it = rec.get("iteration")
+        if rec.get("kind") == "iter":
+            if it != last + 1 or it > n:
+                break
+            last = it
+        elif isinstance(it, int) and it > last:  # an eval or checkpoint of an iteration not kept
+            break
+        recs.append(rec)
+        pos = end + 1
+    if last < n:
+        raise RunError(
+            f"{path}: only iterations 1..{last} form one intact history (line {len(recs) + 1} ends it); "
+            f"use --truncate-after {last} or less"
+        )
+    return pos, recs
 
 
 def checkpoint_hashes(records: list[dict]) -> dict[str, int]:

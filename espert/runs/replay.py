@@ -12,7 +12,7 @@ from espert.config import ESConfig
 from espert.es import apply_record
 from espert.runs.checkpoint import load_center, save_center
 from espert.runs.export import export_iteration, export_model, resolve_model_dir
-from espert.runs.files import BASE, CENTER, EXPORT, LOG, RunError
+from espert.runs.files import BASE, CENTER, EXPORT, LOG, RunError, writing_into
 from espert.runs.fingerprint import check_base
 from espert.runs.log import checkpoint_hashes, iteration_records, read_log
 from espert.runs.run import read_run_config
@@ -28,11 +28,19 @@ def replay(
     iteration (default: the last logged one).  Returns ``{"iteration", "out", "matches_checkpoint"}``
     (``matches_checkpoint`` is None when there is nothing to compare with, False when the
     checkpoint differs or is damaged).  Refuses (RunError) a base model that is not the run's, and a
-    log that ends before the run's checkpoint or export (records are missing).
+    log that ends before the run's checkpoint or export (records are missing).  Writing into a run
+    directory (OUT inside one, as the default is) takes its writer lock (:class:`RunBusy` while another
+    process writes it); reading takes none, and sees only whole log lines and verified checkpoints.
     """
+    echo = echo or (lambda s: None)
+    out_dir = out_dir or os.path.join(run_dir, "replay")
+    with writing_into(out_dir):  # into a run (the default: RUN/replay): one writer at a time
+        return _replay(run_dir, out_dir, upto, echo)
+
+
+def _replay(run_dir: str, out_dir: str, upto: int | None, echo: Callable[[str], None]) -> dict:
     from espert.evaluators import config_center, load_model
 
-    echo = echo or (lambda s: None)
     doc = read_run_config(run_dir)
     cfg = ESConfig.from_dict(doc["config"])
     base = os.path.join(run_dir, BASE) if doc["base_model"] == BASE else resolve_model_dir(doc["base_model"])
@@ -68,7 +76,6 @@ def replay(
     for rec in its:
         apply_record(center, rec)  # a Center has the Evaluator's update signature
     last = its[-1]["iteration"] if its else 0
-    out_dir = out_dir or os.path.join(run_dir, "replay")
     os.makedirs(out_dir, exist_ok=True)
     state = center.state_dict()
     save_center(os.path.join(out_dir, CENTER), state, last)

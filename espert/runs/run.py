@@ -1,12 +1,14 @@
 """A run directory opened for training: creation (atomic), resume checks, the log, checkpoints and restore.
 
-A new run directory is built under a temporary sibling name and renamed into place, so it either
-holds a complete setup or does not exist.  Each log line is written whole, flushed and fsynced
+A new run directory is built under a temporary sibling name and renamed into place once the model,
+tokenizer, task and evaluator have loaded (:meth:`Run.commit`), so it either holds a complete setup
+or does not exist, and a failed start leaves nothing that blocks the retry.  Each log line is written whole, flushed and fsynced
 *before* its update is applied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -32,6 +34,7 @@ from espert.runs.files import (
     fsync_dir,
     kill_point,
     lock_run,
+    naming,
     read_config_file,
     stat_key,
     unlock_run,
@@ -94,9 +97,15 @@ def build_tiny_base(path: str, cfg: ESConfig) -> None:
     ``tiny_seed``, then ``pretrain_steps`` of pretraining on the copy/reverse mixture (deterministic)."""
     from espert.tiny import build_tiny_model
 
-    build_tiny_model(
-        path, seed=cfg.tiny_seed, pretrain_steps=cfg.pretrain_steps, reverse_share=cfg.pretrain_reverse_share
-    )
+    try:
+        build_tiny_model(
+            path, seed=cfg.tiny_seed, pretrain_steps=cfg.pretrain_steps, reverse_share=cfg.pretrain_reverse_share
+        )
+    except Exception as e:  # noqa: BLE001 - safetensors' Rust writer reports a full disk as SafetensorError
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        if isinstance(e, OSError) or m is None:
+            raise
+        raise OSError(int(m.group(1)), os.strerror(int(m.group(1))), os.path.join(path, "model.safetensors")) from e
 
 
 def read_run_config(run_dir: str) -> dict:
@@ -132,16 +141,28 @@ def _remove_stale_setups(parent: str, name: str) -> None:
 class Run:
     """A run directory opened for training (new or resumed)."""
 
-    def __init__(self, path: str, cfg: ESConfig, doc: dict, echo: Callable[[str], None] | None = print):
-        self.path, self.cfg, self.doc = path, cfg, doc
+    def __init__(
+        self,
+        path: str,
+        cfg: ESConfig,
+        doc: dict,
+        echo: Callable[[str], None] | None = print,
+        *,
+        final: str | None = None,
+        lock: tuple[int, str] | None = None,
+    ):
+        """``path``: the run directory; for a new run the temporary sibling it is built in, ``final`` the
+        name :meth:`commit` renames it to, ``lock`` the writer lock :meth:`open` already took for it."""
+        self.path, self.cfg, self.doc, self._final = path, cfg, doc, final
         self.echo = echo or (lambda s: None)
-        self._lock = lock_run(path)  # before anything is read for writing: one writer per run
+        self._lock = lock or lock_run(path)  # before anything is read for writing: one writer per run
         try:
             self.records = read_log(self.file(LOG), repair=True)
             self._cleanup()
-            self._log = open(self.file(LOG), "ab")
+            self._log = open(self.file(LOG), "ab", buffering=0)  # unbuffered: a failed write is undone below
         except BaseException:
-            unlock_run(self._lock)
+            if lock is None:  # a lock handed in is released by whoever took it
+                unlock_run(self._lock)
             raise
         self._verified: tuple[str, int | None] | None = None  # (stat key, iteration) of the checked center
         self._base_path: str | None = None
@@ -181,7 +202,8 @@ class Run:
 
         Every input is checked (:func:`check_inputs`) before anything is written.  A new run
         refuses a directory that already holds a run, and is built under a temporary sibling name
-        and renamed into place, so a kill leaves either nothing or a complete setup.  On resume,
+        that :meth:`commit` renames into place once the caller has loaded everything (a kill or a
+        failed start leaves nothing; :meth:`close` removes an uncommitted one).  On resume,
         ``cfg`` must equal the stored config except for :data:`RESUMABLE_CHANGES` (``iterations``
         only with constant schedules); anything else raises ValueError listing the differences.
         """
@@ -243,11 +265,16 @@ class Run:
         }
         parent, name = os.path.split(os.path.abspath(run_dir))
         os.makedirs(parent, exist_ok=True)
-        _remove_stale_setups(parent, name)
+        lock = lock_run(run_dir)  # held from setup to close: a second start of the same run is refused
         tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
         try:
+            if os.path.isdir(run_dir) and _holds_run(run_dir) and not abandoned_setup(run_dir):
+                raise FileExistsError(  # written between the check above and the lock
+                    f"{run_dir} already holds an espert run; pass --resume to continue it, or choose another --run-dir"
+                )
+            _remove_stale_setups(parent, name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
             if ref == BASE:
                 build_tiny_base(os.path.join(tmp, BASE), cfg)
                 kill_point("setup-base")
@@ -256,15 +283,28 @@ class Run:
             )
             atomic_write_text(os.path.join(tmp, CONFIG), _dump_config(doc))
             open(os.path.join(tmp, LOG), "wb").close()
-            fsync_dir(tmp)
-            kill_point("setup-done")
-            if os.path.isdir(run_dir) and os.listdir(run_dir):  # legacy.abandoned_setup: replaced as a whole
-                shutil.rmtree(run_dir)
-            os.replace(tmp, run_dir)  # also onto an empty directory: a single atomic rename
-            fsync_dir(parent)
-        finally:
+            return cls(tmp, cfg, doc, echo, final=run_dir, lock=lock)
+        except BaseException as e:
+            if isinstance(e, OSError) and str(e.filename).startswith(tmp):  # named as the user knows it
+                e.filename = run_dir + str(e.filename)[len(tmp) :]
             shutil.rmtree(tmp, ignore_errors=True)
-        return cls(run_dir, cfg, doc, echo)
+            unlock_run(lock)
+            raise
+
+    def commit(self) -> None:
+        """Rename a new run's directory into place, once everything it needs has loaded (model, tokenizer,
+        task, evaluator): a start that fails before leaves nothing behind, so the same command can be
+        retried.  A no-op for a resumed (or already committed) run."""
+        if self._final is None:
+            return
+        os.fsync(self._log.fileno())
+        fsync_dir(self.path)
+        kill_point("setup-done")
+        if os.path.isdir(self._final) and os.listdir(self._final):  # legacy.abandoned_setup: replaced whole
+            shutil.rmtree(self._final)
+        os.replace(self.path, self._final)  # also onto an empty directory: a single atomic rename
+        fsync_dir(os.path.dirname(os.path.abspath(self._final)))
+        self.path, self._final, self._base_path = self._final, None, None
 
     def _write_config(self) -> None:
         atomic_write_text(self.file(CONFIG), _dump_config(self.doc))
@@ -283,10 +323,20 @@ class Run:
 
     # -- log --
     def append(self, rec: dict) -> None:
-        """Append one record as a whole line (with its crc32), flushed and fsynced."""
-        self._log.write(log_line(rec))
-        self._log.flush()
-        os.fsync(self._log.fileno())
+        """Append one record as a whole line (with its crc32), fsynced.  A write the disk refuses is cut
+        off again (the log ends at its last whole line, as before) and raised naming the log."""
+        line, fd = memoryview(log_line(rec)), self._log.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            with naming(os.path.join(self._final or self.path, LOG)):  # the name the user knows
+                done = 0
+                while done < len(line):
+                    done += os.write(fd, line[done:])
+                os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
         self.records.append(rec)
         kill_point(f"logged-{rec.get('kind')}", rec.get("iteration"))
 
@@ -396,8 +446,35 @@ class Run:
         }
 
     def close(self) -> None:
+        """Close the log and release the writer lock; a new run never committed is removed."""
         self._log.close()
+        if self._final is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
         unlock_run(self._lock)
+
+
+def intact_state(run_dir: str) -> str:
+    """What ``run_dir`` holds intact, in words: the line that reports a failed write ends with it
+    ("the run directory is as before this write (log.jsonl: iteration 7; last good checkpoint: iteration 6)")."""
+    log, ck = os.path.join(run_dir, LOG), os.path.join(run_dir, CENTER)
+    if not os.path.exists(os.path.join(run_dir, CONFIG)):
+        return "nothing was written (the run directory was never created)"
+    try:
+        records = read_log(log)
+        last = len(iteration_records(records, log))
+    except (RunError, OSError) as e:
+        return f"the run directory could not be read back: {e}"
+    it = None
+    if os.path.exists(ck):
+        try:
+            it = load_center(ck, checkpoint_hashes(records), lazy=True)[1]
+        except (RunError, OSError):
+            pass
+    parts = [f"{LOG}: iteration {last}", "no checkpoint yet" if it is None else f"last good checkpoint: iteration {it}"]
+    ex = export_iteration(os.path.join(run_dir, EXPORT))
+    if ex is not None and ex != it:
+        parts.append(f"{EXPORT}/: iteration {ex}")
+    return f"the run directory is as before this write ({'; '.join(parts)})"
 
 
 def _dump_config(doc: dict) -> str:
