@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
     tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--no-report", action="store_true", help="skip the main job's closing base-vs-ES report")
     tr.add_argument(
         "--stop-grace",
         type=float,
@@ -201,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_eval_parser(sub)
         add_analyze_parser(sub)
         from espert.compare import add_compare_parser
+        from espert.sweep import add_sweep_parser
 
         add_compare_parser(sub)
+        add_sweep_parser(sub)
     return parser
 
 
@@ -324,7 +327,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         echo(f"[espert] held-out mean reward: {curve}")
     if summary["export"]:
         echo(f"[espert] final weights (HF format): {summary['export']}")
-    if summary["export"] and cfg.model == "tiny" and ":" not in cfg.task:  # the main job closes with a report
+    if (
+        summary["export"] and cfg.model == "tiny" and ":" not in cfg.task and not args.no_report
+    ):  # the main job closes with a report
         from espert.eval.runner import evaluate_run
 
         echo("[espert] base vs ES, 16 samples (temperature 1) on 64 held-out problems:")

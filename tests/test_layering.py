@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("espert.trainer", "espert.tracking")),
     (
         "cli/eval",
-        ("espert.cli", "espert.__main__", "espert.eval", "espert.compare", "espert.vllm.bench"),
+        ("espert.cli", "espert.__main__", "espert.eval", "espert.compare", "espert.sweep", "espert.vllm.bench"),
     ),
 ]
 

@@ -1,0 +1,271 @@
+"""``espert sweep``: one config over a grid (population × model, σ × α, ...), one normal run directory
+per grid point, and the smoothed-reward table and plot of the second seed paper (its Table 6: debiased
+exponential smoothing of the training reward, weight 0.99).
+
+    espert sweep --out runs/sweep --grid population=8,16,32 --grid sigma=0.01,0.02 --workers 2 \\
+        --set iterations=100
+
+Every run is an ordinary ``espert train`` process with its own run directory under ``OUT/runs/``, so
+each resumes, replays and is evaluated like any other.  Running the same command again resumes what
+is unfinished and skips what is done.  A run that fails is reported and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+#: the paper's smoothing weight
+SMOOTHING = 0.99
+
+
+def smooth(values: Sequence[float], weight: float = SMOOTHING) -> list[float]:
+    """Debiased exponential smoothing: ``s_t = w·s_{t-1} + (1 - w)·x_t`` from ``s_0 = 0``, divided by
+    ``1 - w^t`` so that early values are not pulled towards 0 (TensorBoard's smoothing)."""
+    out, s = [], 0.0
+    for t, x in enumerate(values, 1):
+        s = weight * s + (1 - weight) * x
+        out.append(s / (1 - weight**t))
+    return out
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
+    """``["population=8,16", "sigma=0.01"]`` -> ``{"population": ["8", "16"], "sigma": ["0.01"]}``."""
+    from espert.config import ESConfig, did_you_mean
+
+    names = set(ESConfig().to_dict())
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not values.strip():
+            raise ValueError(f"--grid {item!r}: expected KEY=V1,V2,...")
+        if key not in names:
+            raise ValueError(f"--grid: unknown config key {did_you_mean(key, names)}")
+        if key in grid:
+            raise ValueError(f"--grid: {key} is given twice")
+        grid[key] = [v.strip() for v in values.split(",") if v.strip()]
+    if not grid:
+        raise ValueError("give at least one --grid KEY=V1,V2,...")
+    return grid
+
+
+def points(grid: dict[str, list[str]]) -> list[dict[str, str]]:
+    """Every combination of the grid's values, in the order given."""
+    keys = list(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def point_name(point: dict[str, str]) -> str:
+    """A grid point's run directory name, e.g. ``population=8,sigma=0.01`` (``/`` in a value: ``_``)."""
+    return ",".join(f"{k}={v.replace('/', '_')}" for k, v in point.items())
+
+
+def _flags(settings: dict[str, str]) -> list[str]:
+    out = []
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if v.lower() in ("true", "false"):
+            out.append(flag if v.lower() == "true" else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, *v.split()] if k in _LIST_FIELDS else [flag, v]
+    return out
+
+
+_LIST_FIELDS = ("include", "exclude", "trackers", "vllm_rename", "weight_decay_exclude")
+
+
+def train_argv(run_dir: str, point: dict[str, str], base: dict[str, str], config: Optional[str]) -> list[str]:
+    """The ``espert train`` arguments of one grid point (the grid's values over ``--set`` ones)."""
+    argv = ["train", "--run-dir", run_dir, "--no-progress", "--no-report"]
+    if config:
+        argv += ["--config", config]
+    return argv + _flags({**base, **point})
+
+
+def _state(run_dir: str, target: int) -> str:
+    """``new``, ``partial`` or ``done`` (the run has ``target`` iterations logged)."""
+    from espert.runs import LOG, read_log
+
+    if not os.path.exists(os.path.join(run_dir, LOG)):
+        return "new"
+    done = max((r["iteration"] for r in read_log(os.path.join(run_dir, LOG)) if r.get("kind") == "iter"), default=0)
+    return "done" if done >= target else "partial"
+
+
+def summarize(run_dir: str) -> dict:
+    """A run's training-reward curve (mean member reward per iteration), smoothed, and its held-out means."""
+    from espert.runs import LOG, read_log
+
+    recs = read_log(os.path.join(run_dir, LOG)) if os.path.exists(os.path.join(run_dir, LOG)) else []
+    reward = [r["reward"]["mean"] for r in recs if r.get("kind") == "iter"]
+    held = [(r["iteration"], r["mean"]) for r in recs if r.get("kind") == "eval"]
+    sm = smooth(reward)
+    return {
+        "iterations": len(reward),
+        "train_reward": reward,
+        "smoothed": sm,
+        "final_smoothed": sm[-1] if sm else None,
+        "heldout": held,
+    }
+
+
+def run_sweep(
+    out: str,
+    grid: dict[str, list[str]],
+    base: dict[str, str],
+    config: Optional[str] = None,
+    workers: int = 1,
+    echo: Callable[[str], None] = print,
+) -> dict:
+    """Train every grid point (``workers`` processes at a time), then write ``sweep.json``, ``sweep.md``
+    and ``sweep.png`` into ``out``.  Returns the ``sweep.json`` document."""
+    from espert.cli import build_parser, config_from_args
+
+    plan = []
+    for point in points(grid):
+        run_dir = os.path.join(out, "runs", point_name(point))
+        argv = train_argv(run_dir, point, base, config)
+        args = build_parser().parse_args(argv)  # every point checked before anything runs
+        cfg, _ = config_from_args(args)
+        plan.append((point, run_dir, argv, cfg.iterations))
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    status: dict[str, str] = {}
+    queue = []
+    for point, run_dir, argv, target in plan:
+        state = _state(run_dir, target)
+        if state == "done":
+            status[point_name(point)] = "done"
+            echo(f"[sweep] {point_name(point)}: done already")
+        else:
+            queue.append((point, run_dir, argv + (["--resume"] if state == "partial" else []), state))
+    running: list[tuple[str, subprocess.Popen, float]] = []
+    t0 = time.time()
+    while queue or running:
+        while queue and len(running) < workers:
+            point, run_dir, argv, state = queue.pop(0)
+            name = point_name(point)
+            log = open(os.path.join(out, "logs", name + ".log"), "ab")
+            proc = subprocess.Popen([sys.executable, "-m", "espert", *argv], stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+            running.append((name, proc, time.time()))
+            echo(f"[sweep] {name}: {'resumed' if state == 'partial' else 'started'}")
+        time.sleep(0.2)
+        for item in list(running):
+            name, proc, started = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            status[name] = "done" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+            echo(f"[sweep] {name}: {status[name]} after {time.time() - started:.0f} s")
+    runs = {}
+    for point, run_dir, _, _ in plan:
+        name = point_name(point)
+        runs[name] = {"params": point, "run_dir": run_dir, "status": status[name], **summarize(run_dir)}
+    doc = {"grid": grid, "set": base, "config": config, "smoothing": SMOOTHING, "runs": runs}
+    doc["seconds"] = round(time.time() - t0, 1)
+    from espert.runs.files import atomic_write_text
+
+    atomic_write_text(os.path.join(out, "sweep.json"), json.dumps(doc, indent=2) + "\n")
+    table = format_table(doc)
+    atomic_write_text(os.path.join(out, "sweep.md"), table + "\n")
+    echo(table)
+    from espert.extras import have, install_hint
+
+    if have("matplotlib"):
+        echo(f"[sweep] plot: {plot_sweep(doc, os.path.join(out, 'sweep.png'))}")
+    else:
+        echo(f"[sweep] plot skipped: {install_hint('matplotlib')}")
+    return doc
+
+
+def _cell(run: dict) -> str:
+    if run["final_smoothed"] is None:
+        return run["status"]
+    mark = "" if run["status"] == "done" else f" ({run['status']})"
+    return f"{run['final_smoothed']:.3f}{mark}"
+
+
+def format_table(doc: dict) -> str:
+    """Final smoothed training reward per grid point: a pivot for two grid keys, else one row each."""
+    grid, runs = doc["grid"], doc["runs"]
+    head = f"smoothed training reward (debiased EMA, weight {doc['smoothing']}) at the last iteration"
+    keys = list(grid)
+    if len(keys) == 2:
+        rk, ck = keys
+        lines = [head, "", f"| {rk} \\ {ck} | " + " | ".join(grid[ck]) + " |", "|---" * (len(grid[ck]) + 1) + "|"]
+        for rv in grid[rk]:
+            cells = [_cell(runs[point_name({rk: rv, ck: cv})]) for cv in grid[ck]]
+            lines.append(f"| {rv} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+    lines = [head, "", "| " + " | ".join(keys) + " | iterations | smoothed reward | last held-out |"]
+    lines.append("|---" * (len(keys) + 3) + "|")
+    for run in runs.values():
+        held = f"{run['heldout'][-1][1]:.3f}" if run["heldout"] else "-"
+        vals = " | ".join(run["params"][k] for k in keys)
+        lines.append(f"| {vals} | {run['iterations']} | {_cell(run)} | {held} |")
+    return "\n".join(lines)
+
+
+def plot_sweep(doc: dict, path: str) -> str:
+    """The smoothed training-reward curve of every grid point."""
+    from espert.eval.plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.4), dpi=120)
+    curves = {name: run["smoothed"] for name, run in doc["runs"].items() if run["smoothed"]}
+    for name, curve in curves.items():
+        ax.plot(range(1, len(curve) + 1), curve, label=name)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"training reward (smoothed, {doc['smoothing']})")
+    ax.grid(True, alpha=0.3)
+    if curves:
+        ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``espert sweep`` to an argparse ``subparsers`` object; sets ``func``."""
+    p = subparsers.add_parser(
+        "sweep",
+        help="train one config over a grid of values; smoothed-reward table and plot",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="sweep directory (runs/, logs/, sweep.json/md/png)")
+    p.add_argument(
+        "--grid", action="append", default=[], metavar="KEY=V1,V2", help="a config field and its values (repeatable)"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config field for every run (repeatable)"
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML or TOML file of config fields under --set and --grid")
+    p.add_argument("--workers", type=int, default=1, help="runs trained at once, one process each (default 1)")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``espert sweep``: 0 when every run finished, 1 when one failed, 2 on bad input."""
+    grid = parse_grid(args.grid)
+    base = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        base[key.strip().replace("-", "_")] = value.strip()
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    doc = run_sweep(args.out, grid, base, args.config, args.workers, echo=lambda s: print(s, file=sys.stderr))
+    failed = [n for n, r in doc["runs"].items() if r["status"] != "done"]
+    if failed:
+        print(
+            f"espert sweep: {len(failed)} run(s) failed: {', '.join(failed)} (logs in {args.out}/logs)", file=sys.stderr
+        )
+        return 1
+    return 0
