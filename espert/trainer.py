@@ -110,11 +110,19 @@ def evaluate_heldout(run, evaluator, task, t: int) -> dict:
         "iteration": t,
         "mean": sum(rewards) / len(rewards) if rewards else None,
         "n": len(rewards),
+        # the policy's token entropy (the second seed paper's Figure 2: GRPO's falls, ES's stays flat)
+        "token_entropy": evaluator.last_token_entropy,
         "seconds": round(time.time() - t0, 4),
         "time": time.time(),
     }
     run.append(rec)
     return rec
+
+
+def heldout_metrics(rec: dict) -> dict:
+    """The scalar metrics of an ``eval`` record (what trackers receive)."""
+    keys = {"mean": "heldout/mean", "token_entropy": "heldout/token_entropy"}
+    return {name: rec[k] for k, name in keys.items() if rec.get(k) is not None}
 
 
 def iteration_metrics(rec: dict) -> dict:
@@ -225,7 +233,7 @@ def train(
         # iteration `start`'s evaluation and checkpoint, if a kill cut them off (or the base model's, at 0)
         ev = finish_iteration(run, evaluator, eval_task, start, hook)
         if ev is not None:
-            trackers.log({"heldout/mean": ev["mean"]}, start)
+            trackers.log(heldout_metrics(ev), start)
         bar = _progress(progress, T, start)
         stopped = None
         for t in range(start + 1, T + 1):
@@ -259,7 +267,7 @@ def train(
                 say(f"[espert] iteration {t}: every member failed; update skipped")
             ev = finish_iteration(run, evaluator, eval_task, t, hook)  # held-out evaluation and checkpoint when due
             if ev is not None:
-                trackers.log({"heldout/mean": ev["mean"]}, t)
+                trackers.log(heldout_metrics(ev), t)
             if bar is not None:
                 last_eval = run.last_eval()
                 post = {"r_mean": rec["reward"]["mean"], "r_std": rec["reward"]["std"]}

@@ -93,10 +93,12 @@ def test_a_tracker_gets_the_metrics_of_log_jsonl(tmp_path, monkeypatch, plain):
     assert fake.init_kw["config"]["trackers"] == ["wandb"]
     its = [r for r in records(d) if r["kind"] == "iter"]
     evals = [r for r in records(d) if r["kind"] == "eval"]
-    want = [(0, {"heldout/mean": evals[0]["mean"]})]
+    held = lambda e: {"heldout/mean": e["mean"], "heldout/token_entropy": e["token_entropy"]}  # noqa: E731
+    want = [(0, held(evals[0]))]
     for r, e in zip(its, evals[1:]):
-        want += [(r["iteration"], iteration_metrics(r)), (r["iteration"], {"heldout/mean": e["mean"]})]
+        want += [(r["iteration"], iteration_metrics(r)), (r["iteration"], held(e))]
     assert fake.calls == want
+    assert all(e["token_entropy"] > 0 for e in evals)  # the random tiny model is far from certain
     assert {"reward/std", "reward/mean", "step_norm", "sigma", "alpha", "answers/js"} <= set(fake.calls[1][1])
     assert same_log(d, plain)
 
@@ -108,3 +110,36 @@ def test_a_failing_tracker_is_switched_off_and_the_run_goes_on(tmp_path, monkeyp
     assert len(fake.calls) == 1
     assert len([m for m in msgs if "tracker wandb failed (ConnectionError" in m]) == 1
     assert same_log(d, plain)
+
+
+def test_token_entropy_is_that_of_the_logits_and_leaves_completions_alone():
+    """The held-out record's token entropy (the second seed paper's Figure 2) is the mean, over the
+    generated tokens, of the entropy in bits of softmax(logits) at each step; recomputed here by hand."""
+    import math
+
+    import torch
+
+    from espert.evaluators import TorchEvaluator, load_model
+    from espert.tiny import build_tiny_model
+
+    d = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tiny-entropy-{os.getpid()}")
+    build_tiny_model(d, seed=1, pretrain_steps=0)
+    model, tok = load_model(d)
+    ev = TorchEvaluator(model, tok, lambda c, a: [0.0] * len(c), max_new_tokens=4)
+    prompts = ["abc>", "fed>", "a>"]
+    plain = ev.generate(prompts)
+    ev.evaluate_center(prompts, ["", "", ""])
+    assert ev.generate(prompts) == plain
+    total = count = 0.0
+    for p in prompts:  # one prompt at a time, no padding: the same tokens
+        ids = tok(p, return_tensors="pt").input_ids
+        for _ in range(4):
+            logits = model(ids).logits[0, -1].double()
+            prob = logits.softmax(-1)
+            total += float(-(prob * prob.log()).sum()) / math.log(2)
+            count += 1
+            nxt = int(logits.argmax())
+            if nxt == tok.eos_token_id:
+                break
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    assert ev.last_token_entropy == pytest.approx(total / count, rel=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -218,16 +219,42 @@ class TorchEvaluator(ModelEvaluator):
         return self._batches
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[str]) -> list[str]:
-        """Greedy completions (new text only) of the live weights for ``prompts``."""
+    def generate(self, prompts: Sequence[str], entropy: list | None = None) -> list[str]:
+        """Greedy completions (new text only) of the live weights for ``prompts``.
+
+        entropy: a list that gets ``(sum of H, tokens)`` per batch, H the entropy in bits of the
+        policy's next-token distribution (softmax of the logits, float64) at every generated token
+        before the sequence ends; the completions are the same with or without it.
+        """
         out: list[str] = []
         for enc in self._encoded(prompts):
-            seqs = self.model.generate(**enc, generation_config=self.generation_config)
+            if entropy is None:
+                seqs = self.model.generate(**enc, generation_config=self.generation_config)
+            else:
+                res = self.model.generate(
+                    **enc, generation_config=self.generation_config, output_logits=True, return_dict_in_generate=True
+                )
+                seqs = res.sequences
             new = seqs[:, enc["input_ids"].shape[1] :]
+            if entropy is not None:
+                logp = torch.stack(res.logits, 1).double().log_softmax(-1)  # [B, steps, V]
+                h = -(logp.exp() * logp).sum(-1) / math.log(2)
+                eos = self.generation_config.eos_token_id
+                ended = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos], device=new.device))
+                # a step counts until the one that produced the end token, that one included
+                counted = (ended.cumsum(1) - ended.long()) == 0
+                entropy.append((float(h[counted].sum()), int(counted.sum())))
             # forward-FLOP accounting (espert.diagnostics): prompt tokens + generated tokens before padding
             self.tokens_processed += int(enc["attention_mask"].sum()) + int((new != self.tokenizer.pad_token_id).sum())
             out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
         return out
+
+    def evaluate_center(self, prompts, answers):
+        parts: list = []
+        rewards = list(self.score(self.generate(prompts, entropy=parts), answers))
+        tokens = sum(n for _, n in parts)
+        self.last_token_entropy = sum(h for h, _ in parts) / tokens if tokens else None
+        return rewards
 
     def rollout(self, prompts, answers):
         return list(self.score(self.generate(prompts), answers))
