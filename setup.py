@@ -98,6 +98,7 @@ setup(
         "compare": ["trl>=1.16", "accelerate", "matplotlib", "math-verify", "datasets"],
         "track": ["wandb", "tensorboard"],
         "gguf": ["gguf"],
+        "ray": ["ray"],  # espert sweep --ray, and the vLLM engine pool across nodes
         "dev": ["pytest", "pytest-benchmark", "pybind11>=2.12", "ninja", "cmake>=3.18", "scipy"],
     },
     entry_points={"console_scripts": ["espert=espert.cli:run"]},

@@ -27,6 +27,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tensorboard": ("track", "tensorboard"),
     "gguf": ("gguf", "gguf"),
     "triton": ("triton", "triton"),
+    "ray": ("ray", "ray"),
 }
 
 

@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
+from espert.extras import require
+
 #: the paper's smoothing weight
 SMOOTHING = 0.99
 
@@ -123,9 +125,11 @@ def run_sweep(
     config: Optional[str] = None,
     workers: int = 1,
     echo: Callable[[str], None] = print,
+    ray_address: Optional[str] = None,
 ) -> dict:
-    """Train every grid point (``workers`` processes at a time), then write ``sweep.json``, ``sweep.md``
-    and ``sweep.png`` into ``out``.  Returns the ``sweep.json`` document."""
+    """Train every grid point (``workers`` processes at a time, or as Ray tasks when ``ray_address`` is
+    given: ``""`` starts or joins the local Ray, ``"auto"`` a running cluster), then write
+    ``sweep.json``, ``sweep.md`` and ``sweep.png`` into ``out``.  Returns the ``sweep.json`` document."""
     from espert.cli import build_parser, config_from_args
 
     plan = []
@@ -145,25 +149,12 @@ def run_sweep(
             echo(f"[sweep] {point_name(point)}: done already")
         else:
             queue.append((point, run_dir, argv + (["--resume"] if state == "partial" else []), state))
-    running: list[tuple[str, subprocess.Popen, float]] = []
     t0 = time.time()
-    while queue or running:
-        while queue and len(running) < workers:
-            point, run_dir, argv, state = queue.pop(0)
-            name = point_name(point)
-            log = open(os.path.join(out, "logs", name + ".log"), "ab")
-            proc = subprocess.Popen([sys.executable, "-m", "espert", *argv], stdout=log, stderr=subprocess.STDOUT)
-            log.close()
-            running.append((name, proc, time.time()))
-            echo(f"[sweep] {name}: {'resumed' if state == 'partial' else 'started'}")
-        time.sleep(0.2)
-        for item in list(running):
-            name, proc, started = item
-            if proc.poll() is None:
-                continue
-            running.remove(item)
-            status[name] = "done" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-            echo(f"[sweep] {name}: {status[name]} after {time.time() - started:.0f} s")
+    logs = {point_name(p): os.path.join(out, "logs", point_name(p) + ".log") for p, _, _, _ in plan}
+    launch = _run_on_ray if ray_address is not None else _run_in_processes
+    for name, code, seconds in launch(queue, logs, workers, ray_address, echo):
+        status[name] = "done" if code == 0 else f"failed (exit {code})"
+        echo(f"[sweep] {name}: {status[name]} after {seconds:.0f} s")
     runs = {}
     for point, run_dir, _, _ in plan:
         name = point_name(point)
@@ -183,6 +174,51 @@ def run_sweep(
     else:
         echo(f"[sweep] plot skipped: {install_hint('matplotlib')}")
     return doc
+
+
+def _train(argv: list[str], log_path: str) -> int:
+    """One grid point: ``espert train`` in a process of its own, its output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.run([sys.executable, "-m", "espert", *argv], stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def _run_in_processes(queue, logs, workers, _address, echo):
+    """Yield ``(name, exit code, seconds)`` as runs finish, ``workers`` processes at a time."""
+    running: list[tuple[str, subprocess.Popen, float]] = []
+    queue = list(queue)
+    while queue or running:
+        while queue and len(running) < workers:
+            point, _, argv, state = queue.pop(0)
+            name = point_name(point)
+            with open(logs[name], "ab") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "espert", *argv], stdout=log, stderr=subprocess.STDOUT)
+            running.append((name, proc, time.time()))
+            echo(f"[sweep] {name}: {'resumed' if state == 'partial' else 'started'}")
+        time.sleep(0.2)
+        for item in list(running):
+            name, proc, started = item
+            if proc.poll() is not None:
+                running.remove(item)
+                yield name, proc.returncode, time.time() - started
+
+
+def _run_on_ray(queue, logs, _workers, address, echo):
+    """Yield ``(name, exit code, seconds)`` as runs finish, each a Ray task (one CPU) that runs
+    :func:`_train` on whichever node Ray picks; run directories must be on storage every node sees."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
+    task = ray.remote(num_cpus=1)(_train)
+    started, futures = time.time(), {}
+    for point, _, argv, state in queue:
+        name = point_name(point)
+        futures[task.remote(argv, logs[name])] = name
+        echo(f"[sweep] {name}: {'resumed' if state == 'partial' else 'started'} (Ray task)")
+    while futures:
+        done, _ = ray.wait(list(futures), num_returns=1)
+        for f in done:
+            yield futures.pop(f), ray.get(f), time.time() - started
 
 
 def _cell(run: dict) -> str:
@@ -246,6 +282,14 @@ def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE", help="YAML or TOML file of config fields under --set and --grid")
     p.add_argument("--workers", type=int, default=1, help="runs trained at once, one process each (default 1)")
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run each grid point as a Ray task instead (no ADDRESS: the local Ray; 'auto': a running cluster, "
+        "whose nodes must all see --out); default: local processes",
+    )
     p.set_defaults(func=run_cli)
     return p
 
@@ -261,7 +305,11 @@ def run_cli(args: argparse.Namespace) -> int:
         base[key.strip().replace("-", "_")] = value.strip()
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    doc = run_sweep(args.out, grid, base, args.config, args.workers, echo=lambda s: print(s, file=sys.stderr))
+    if args.ray is not None:
+        require("ray", "--ray")
+    doc = run_sweep(
+        args.out, grid, base, args.config, args.workers, echo=lambda s: print(s, file=sys.stderr), ray_address=args.ray
+    )
     failed = [n for n, r in doc["runs"].items() if r["status"] != "done"]
     if failed:
         print(

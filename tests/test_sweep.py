@@ -85,3 +85,18 @@ def test_a_failing_run_is_reported_and_bad_input_is_one_line(tmp_path, capsys):
     )
     assert main(["sweep", "--out", out, "--grid", "population=3"]) == 2  # odd with antithetic: before any run
     assert capsys.readouterr().err.strip().startswith("espert sweep: error: ")
+
+
+def test_a_sweep_on_ray_gives_the_runs_of_the_process_sweep(tmp_path, capsys):
+    ray = pytest.importorskip("ray")
+    argv = ["--grid", "sigma=0.02", *SMALL, "--set", "iterations=1"]
+    try:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        assert main(["sweep", "--out", str(tmp_path / "ray"), "--ray", *argv]) == 0
+    finally:
+        ray.shutdown()
+    assert "sigma=0.02: started (Ray task)" in capsys.readouterr().err
+    assert main(["sweep", "--out", str(tmp_path / "proc"), *argv]) == 0
+    on_ray, local = (json.load(open(tmp_path / d / "sweep.json"))["runs"]["sigma=0.02"] for d in ("ray", "proc"))
+    assert on_ray["status"] == local["status"] == "done"
+    assert on_ray["train_reward"] == local["train_reward"]  # the same run, wherever it ran
