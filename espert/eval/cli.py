@@ -43,7 +43,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     )
     src.add_argument("--base", metavar="LABEL", help="reference model for progressions/regressions (default: first)")
     data = p.add_argument_group("task")
-    data.add_argument("--task", help="task name: gsm8k, gsm8k_strict, math500, countdown, copy")
+    data.add_argument(
+        "--task",
+        help="a built-in task (gsm8k, gsm8k_strict, math500, countdown, copy) or an import path "
+        "package.module:name, as espert train takes it (a reward function takes its problems from --data)",
+    )
     data.add_argument("--data", metavar="JSONL", help="local JSONL file with the problems (instead of the Hub)")
     data.add_argument("--split", default="test", help="dataset split (default: test)")
     data.add_argument("--limit", type=int, help="evaluate only the first LIMIT problems")
@@ -90,7 +94,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from ..tasks import load_task
+    from ..tasks import load_spec_task
     from .runner import generate_samples, load_sample_files, parse_model_specs, write_outputs
     from .samples import save_samples
 
@@ -108,9 +112,9 @@ def _run_eval(args: argparse.Namespace) -> int:
             looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
             if looks_local and not os.path.exists(os.path.expanduser(path)):
                 raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
-        task = load_task(args.task, split=args.split, n=args.limit, path=args.data)
-        if len(task) == 0:
-            raise ValueError(f"task {args.task!r} has no problems")
+        task = load_spec_task(args.task, args.split, n=args.limit, path=args.data)
+        if task is None or len(task) == 0:
+            raise ValueError(f"task {args.task!r} has no {args.split!r} problems (give them with --data JSONL)")
         if args.threshold is None:
             threshold = task.success_threshold
         _quiet_transformers()

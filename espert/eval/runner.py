@@ -128,7 +128,7 @@ def evaluate_run(
     ``out_dir`` (default ``RUN/eval``).  Returns the report.
     """
     from ..runs import BASE, EXPORT, read_run_config
-    from ..tasks import load_task
+    from ..tasks import PYTHON_PREFIX, load_spec_task
     from .samplers import TransformersSampler
     from .samples import save_samples
 
@@ -139,9 +139,11 @@ def evaluate_run(
     if not os.path.isdir(export):
         raise FileNotFoundError(f"{run_dir} has no final export ({EXPORT}/): train it to the end first")
     if task is None:
-        if ":" in str(cfg["task"]):
-            raise ValueError(f"run task {cfg['task']!r} is a custom task: pass it as task=")
-        task = load_task(cfg["task"], cfg.get("eval_split", "test"), n=limit, path=cfg.get("eval_data"))
+        if str(cfg["task"]).startswith(PYTHON_PREFIX):
+            raise ValueError(f"run task {cfg['task']!r} was given as Python objects: pass it as task=")
+        task = load_spec_task(cfg["task"], cfg.get("eval_split", "test"), n=limit, path=cfg.get("eval_data"))
+        if task is None:
+            raise ValueError(f"run task {cfg['task']!r} has no held-out problems (eval_data)")
     task = task.subset(limit)
     out_dir = out_dir or os.path.join(run_dir, "eval")
     os.makedirs(out_dir, exist_ok=True)

@@ -19,7 +19,7 @@ from .loaders import (
     load_task,
     reward_task,
 )
-from .resolve import PYTHON_PREFIX, TASK_SOURCES, resolve_tasks, task_fingerprint
+from .resolve import PYTHON_PREFIX, TASK_SOURCES, load_spec_task, resolve_tasks, task_fingerprint
 from .rewards import (
     canonical_task_name,
     copy_extract,
@@ -44,6 +44,7 @@ __all__ = [
     "per_item_reward",
     "check_rewards",
     "load_task",
+    "load_spec_task",
     "load_jsonl_task",
     "reward_task",
     "resolve_tasks",
