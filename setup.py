@@ -52,7 +52,8 @@ setup(
     install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm", "pyyaml"],
     extras_require={
         "triton": ["triton>=3.4"],
-        "eval": ["transformers", "tokenizers", "matplotlib", "math-verify", "datasets"],
+        "eval": ["transformers", "tokenizers", "matplotlib", "math-verify", "datasets", "gguf"],
+        "gguf": ["transformers", "gguf"],  # GGUF base models (espert/runs/gguf.py)
         "vllm": ["vllm"],
         # python -m espert.compare: ES vs GRPO (trl.GRPOTrainer); trl needs accelerate
         "compare": ["trl>=1.16", "accelerate", "transformers", "tokenizers", "matplotlib", "math-verify", "datasets"],

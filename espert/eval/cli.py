@@ -34,7 +34,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("what to evaluate")
-    src.add_argument("--models", nargs="+", metavar="LABEL=PATH", help="model directories to sample from")
+    src.add_argument(
+        "--models",
+        nargs="+",
+        metavar="LABEL=PATH",
+        help="models to sample from: directories, Hub ids, GGUF files or smollm2-135m-instruct",
+    )
     src.add_argument(
         "--samples", nargs="+", metavar="FILE", help="re-score saved samples_*.jsonl files instead of generating"
     )
@@ -94,6 +99,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    from ..runs import resolve_model_dir
+    from ..runs.gguf import gguf_path
     from ..tasks import load_spec_task
     from .runner import generate_samples, load_sample_files, parse_model_specs, write_outputs
     from .samples import save_samples
@@ -108,6 +115,9 @@ def _run_eval(args: argparse.Namespace) -> int:
             raise ValueError("--task is required when generating")
         models = parse_model_specs(args.models)
         for label, path in models.items():
+            gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
+            if gguf is not None:
+                models[label] = path = resolve_model_dir(gguf, lambda s: print(s, file=sys.stderr))
             # "org/name" may be a Hub id; anything else that looks like a path must exist.
             looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
             if looks_local and not os.path.exists(os.path.expanduser(path)):
