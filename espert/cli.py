@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
     tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--verbose", action="store_true", help="vLLM's own INFO logging (default: its warnings only)")
     _add_config_flags(tr)
     tr.set_defaults(func=cmd_train)
 
@@ -265,6 +266,9 @@ def _main(argv: Sequence[str] | None) -> int:
             from espert.evaluators.torch_model import quiet_transformers
 
             quiet_transformers()
+        from espert.vllm import quiet_logging
+
+        quiet_logging(getattr(args, "verbose", False))
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"espert {args.command}: error: {e}", file=sys.stderr)

@@ -67,6 +67,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     samp.add_argument("--device", help="torch device for the transformers backend (default: cuda if available)")
     samp.add_argument("--dtype", default="auto", help="model dtype, e.g. bfloat16 (default auto)")
     samp.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
+    samp.add_argument("--verbose", action="store_true", help="vLLM's own INFO logging (default: its warnings only)")
     rep = p.add_argument_group("report")
     rep.add_argument("--out", default="eval_out", metavar="DIR", help="output directory (default eval_out)")
     rep.add_argument(
@@ -128,6 +129,9 @@ def _run_eval(args: argparse.Namespace) -> int:
         if args.threshold is None:
             threshold = task.success_threshold
         _quiet_transformers()
+        from ..vllm import quiet_logging
+
+        quiet_logging(args.verbose)
         from .samplers import make_sampler
 
         groups = {}
