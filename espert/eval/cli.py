@@ -153,6 +153,7 @@ def _run_eval(args: argparse.Namespace) -> int:
                     args.max_tokens,
                     args.seed,
                     extra_meta={"model_path": path, "backend": args.backend, "split": args.split, "data": args.data},
+                    progress=True,
                 )
             finally:
                 close = getattr(sampler, "close", None)

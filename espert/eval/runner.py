@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
+import sys
 import time
 from typing import Callable, Optional, Sequence
 
@@ -47,12 +49,27 @@ def generate_samples(
     max_tokens: int,
     seed: int,
     extra_meta: Optional[dict] = None,
+    progress: bool = False,
 ) -> list[dict]:
-    """Sample ``n`` completions per problem with ``sampler`` and score them into records."""
+    """Sample ``n`` completions per problem with ``sampler`` and score them into records.
+
+    progress: a bar on stderr counting the problems sampled, for samplers that report it (a
+    ``progress`` callback; vLLM shows its own bar)."""
     if len(task) == 0:
         raise ValueError(f"task {task.name!r} has no problems")
     t0 = time.time()
-    comps = sampler.sample(task.prompts, n, temperature, top_p, max_tokens, seed)
+    bar = None
+    kwargs = {}
+    if progress and "progress" in inspect.signature(sampler.sample).parameters:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(task), desc=f"espert eval {label}", unit="problem", file=sys.stderr, dynamic_ncols=True)
+        kwargs["progress"] = bar.update
+    try:
+        comps = sampler.sample(task.prompts, n, temperature, top_p, max_tokens, seed, **kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
     if len(comps) != len(task) or any(len(c) != n for c in comps):
         raise RuntimeError("sampler returned the wrong number of completions")
     meta = {

@@ -12,7 +12,7 @@ returning, for every prompt, ``n`` completions (generated text only, prompt excl
 from __future__ import annotations
 
 import os
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -109,8 +109,10 @@ class TransformersSampler:
         top_p: float = 0.95,
         max_tokens: int = 512,
         seed: int = 0,
+        progress: Optional[Callable[[int], object]] = None,
     ) -> list[list[str]]:
-        """Draw ``n`` completions per prompt; ``temperature == 0`` means greedy decoding."""
+        """Draw ``n`` completions per prompt; ``temperature == 0`` means greedy decoding.  progress: called
+        with the number of prompts done after each ``generate`` call."""
         import torch
 
         _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
@@ -136,6 +138,8 @@ class TransformersSampler:
             for i in range(len(chunk)):
                 got = texts[i * reps : (i + 1) * reps]
                 out.append(got if reps == n else got * n)
+            if progress is not None:
+                progress(len(chunk))
         return out
 
     def close(self) -> None:
