@@ -189,6 +189,10 @@ class ESConfig:
 
         need(self.population >= 2, f"population must be >= 2, got {self.population}")
         need(
+            self.gguf_file is None or self.model != "tiny",
+            f"gguf_file {self.gguf_file!r} needs model to be the directory that holds it, not 'tiny'",
+        )
+        need(
             not self.antithetic or self.population % 2 == 0,
             f"antithetic sampling needs an even population, got {self.population}",
         )

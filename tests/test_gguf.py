@@ -55,6 +55,8 @@ def test_gguf_naming_mistakes_get_one_line(tmp_path, capsys, monkeypatch):
     assert rc == 2 and len(err) == 1 and "several GGUF files (a.gguf, b.gguf)" in err[0]
     rc, err = _train(capsys, "--model", str(tmp_path / "a.gguf"), "--run-dir", run)  # empty: not a GGUF
     assert rc == 2 and len(err) == 1 and "not a readable GGUF file" in err[0]
+    rc, err = _train(capsys, "--gguf-file", "a.gguf", "--run-dir", run)
+    assert rc == 2 and len(err) == 1 and "gguf_file 'a.gguf' needs model to be the directory" in err[0], err
     monkeypatch.setitem(gguf.NAMED, "smollm2-135m-instruct", ("espert_no_such_pkg", "x.gguf", "pip install x"))
     rc, err = _train(capsys, "--model", "smollm2-135m-instruct", "--run-dir", run)
     assert rc == 2 and len(err) == 1 and "needs the espert-no-such-pkg package (x.gguf): pip install x" in err[0]
