@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         "due) for at most this long, then stop with exit code 143 (SIGINT: 130); past it the iteration is "
         "abandoned, which the log keeps exact (default: 30)",
     )
+    tr.add_argument("--verbose", action="store_true", help="vLLM's own INFO logging (default: its warnings only)")
     _add_config_flags(tr)
     tr.set_defaults(func=cmd_train)
 
@@ -457,6 +458,9 @@ def _main(argv: Sequence[str] | None) -> int:
             from espert.evaluators.torch_model import quiet_transformers
 
             quiet_transformers()
+        from espert.vllm import quiet_logging
+
+        quiet_logging(getattr(args, "verbose", False))
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError, MissingExtra) as e:
         print(f"espert {args.command}: error: {e}", file=sys.stderr)

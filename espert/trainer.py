@@ -129,6 +129,8 @@ def iteration_metrics(rec: dict) -> dict:
     """The scalar metrics of an ``iter`` record (what trackers receive)."""
     m = {f"reward/{k}": v for k, v in rec["reward"].items() if v is not None}
     m.update({k: rec[k] for k in ("sigma", "alpha", "step_norm", "eval_seconds") if rec.get(k) is not None})
+    if "zero_spread" in rec:
+        m["reward/zero_spread"] = float(rec["zero_spread"])
     js = ((rec.get("diagnostics") or {}).get("answers") or {}).get("js")
     if js is not None:
         m["answers/js"] = js
@@ -236,6 +238,7 @@ def train(
             trackers.log(heldout_metrics(ev), start)
         bar = _progress(progress, T, start)
         stopped = None
+        flat, warned_flat = 0, False  # consecutive iterations with zero reward spread; warned once
         for t in range(start + 1, T + 1):
             if stop is not None and stop():  # between iterations: the log and checkpoints are complete here
                 stopped = t - 1
@@ -265,18 +268,20 @@ def train(
             trackers.log(iteration_metrics(rec), t)
             if rec["skipped"]:
                 say(f"[espert] iteration {t}: every member failed; update skipped")
+            flat = flat + 1 if rec.get("zero_spread") else 0
+            if flat == 2 and not warned_flat:
+                warned_flat = True
+                say(
+                    f"[espert] iterations {t - 1}-{t}: zero reward spread (every member got the same reward), so "
+                    f"no step was taken; usually sigma={rec['sigma']:g} (sigma_mode {cfg.sigma_mode}) is too small "
+                    f"to change any completion: raise --sigma, or use --sigma-mode rms"
+                )
             ev = finish_iteration(run, evaluator, eval_task, t, hook)  # held-out evaluation and checkpoint when due
             if ev is not None:
                 trackers.log(heldout_metrics(ev), t)
             if bar is not None:
                 last_eval = run.last_eval()
-                post = {"r_mean": rec["reward"]["mean"], "r_std": rec["reward"]["std"]}
-                if last_eval is not None:
-                    post["heldout"] = last_eval["mean"]
-                bar.set_postfix(
-                    {k: ("nan" if v is None or not math.isfinite(v) else f"{v:.3f}") for k, v in post.items()},
-                    refresh=False,
-                )
+                bar.set_postfix(bar_postfix(rec, None if last_eval is None else last_eval["mean"]), refresh=False)
                 bar.update(1)
         if bar is not None:
             bar.close()
@@ -292,6 +297,18 @@ def train(
             evaluator.close()
         run.close()
         torch.set_num_threads(threads)
+
+
+def bar_postfix(rec: dict, heldout: float | None) -> dict[str, str]:
+    """The progress bar's fields after an iteration: reward mean and std, the last held-out mean, and
+    ``step: none (zero spread)`` when every member got the same reward."""
+    post = {"r_mean": rec["reward"]["mean"], "r_std": rec["reward"]["std"]}
+    if heldout is not None:
+        post["heldout"] = heldout
+    out = {k: ("nan" if v is None or not math.isfinite(v) else f"{v:.3f}") for k, v in post.items()}
+    if rec.get("zero_spread"):
+        out["step"] = "none (zero spread)"
+    return out
 
 
 def _progress(enabled: bool, total: int, initial: int):

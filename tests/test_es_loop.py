@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_RUN
 
 from espert import runs, train
 from espert.center import CenterStore
@@ -241,3 +242,32 @@ def test_noise_family_is_recorded_fixed_and_replayed(noise, tmp_path):
     gauss = str(tmp_path / "gauss")
     train(ESConfig(**SMALL), gauss, progress=False, echo=None)
     assert not same_center(d, gauss)
+
+
+def _flat_reward(prompts, completions, answers):
+    return [0.5] * len(completions)
+
+
+def test_zero_reward_spread_is_said_in_log_tracker_bar_and_once_as_a_warning(tmp_path):
+    """Every member scores the same: the iteration takes no step.  The record says so (zero_spread), the
+    tracker gets reward/zero_spread, the progress bar shows it, and a repeat warns once, naming σ."""
+    from espert.trainer import iteration_metrics
+
+    said = []
+    d = str(tmp_path / "run")
+    cfg = ESConfig(**{**SMALL_RUN, "iterations": 4, "checkpoint_every": 0, "eval_every": 0, "weight_decay": 0.0})
+    train(cfg, d, progress=False, echo=said.append, reward=_flat_reward, prompts=[f"p{i}" for i in range(8)])
+    recs = [r for r in runs.read_log(os.path.join(d, runs.LOG)) if r.get("kind") == "iter"]
+    assert [r["zero_spread"] for r in recs] == [True] * 4 and all(r["coeffs"] == [] for r in recs)
+    assert iteration_metrics(recs[0])["reward/zero_spread"] == 1.0
+    warnings = [s for s in said if "zero reward spread" in s]
+    assert len(warnings) == 1 and "sigma=0.05" in warnings[0] and "sigma_mode" in warnings[0], said
+    assert "iterations 1-2" in warnings[0]
+
+
+def test_progress_bar_marks_an_iteration_without_a_step():
+    from espert.trainer import bar_postfix
+
+    rec = {"reward": {"mean": 0.5, "std": 0.0}, "zero_spread": True}
+    assert bar_postfix(rec, None)["step"] == "none (zero spread)"
+    assert "step" not in bar_postfix({"reward": {"mean": 0.5, "std": 0.1}, "zero_spread": False}, 0.25)

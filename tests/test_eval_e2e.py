@@ -211,3 +211,44 @@ def test_main_job_cli_closes_with_the_base_vs_es_report(tmp_path, capsys):
     rep = json.load(open(os.path.join(d, "eval", "report.json")))
     assert list(rep["models"]) == ["base", "es"] and rep["models"]["es"]["n_problems"] == 64
     assert os.path.getsize(os.path.join(d, "eval", "pass_at_k.png")) > 0
+
+
+def test_eval_takes_the_tasks_train_takes(tiny_models, tmp_path, monkeypatch):
+    """espert eval resolves --task like espert train (espert.tasks.load_spec_task): an import path to a
+    loader, and a reward function with its problems from --data (before: "unknown task 'mymod:load'")."""
+    from espert.eval.cli import main
+
+    base, _ = tiny_models
+    (tmp_path / "mytask.py").write_text(
+        "from espert.tasks import load_task\n"
+        "def load(split):\n"
+        "    return load_task('copy', split, n=3)\n"
+        "def reward(prompts, completions, answers):\n"
+        "    return [float(c.startswith('a')) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"copy: ab{i}\n", "answer": f"ab{i}"}) + "\n" for i in range(4)))
+    common = ["-n", "2", "--max-tokens", "4", "--batch-size", "8", "--no-plots"]
+    out = tmp_path / "o1"
+    assert (
+        main(["eval", "--task", "mytask:load", "--split", "train", "--models", f"m={base}", "--out", str(out)] + common)
+        == 0
+    )
+    assert sum(1 for _ in open(out / "samples_m.jsonl")) == 3
+    out = tmp_path / "o2"
+    args = ["eval", "--task", "mytask:reward", "--data", str(data), "--models", f"m={base}", "--out", str(out)]
+    assert main(args + common) == 0
+    recs = [json.loads(line) for line in open(out / "samples_m.jsonl")]
+    assert len(recs) == 4 and recs[0]["prompt"] == "copy: ab0\n"
+
+
+def test_eval_shows_sampling_progress(tiny_models, tmp_path, capsys):
+    """espert eval printed nothing while sampling (minutes on a real model): a bar counts the problems."""
+    from espert.eval.cli import main
+
+    base, _ = tiny_models
+    args = ["eval", "--task", "copy", "--limit", "5", "--models", f"m={base}", "-n", "2", "--max-tokens", "3"]
+    assert main(args + ["--batch-size", "4", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "espert eval m: 100%" in err and "5/5" in err, err

@@ -84,16 +84,19 @@ def test_a_missing_plotting_library_skips_the_plots_and_keeps_the_report(tmp_pat
         (["compare", "--fast"], "trl", "espert compare: error: espert compare needs the trl package"),
         (["eval", "--task", "copy", "--models", "a=x", "--evaluator", "vllm"], "vllm", "espert eval: error: --evaluator vllm"),
         (["analyze", "run", "R", "--plot-dir", "P"], "matplotlib", "espert analyze: error: --plot-dir needs the matplotlib"),
+        (["train", "--model", "m.gguf", "--run-dir", "r"], "gguf", "espert train: error: a GGUF model needs the gguf package"),
     ],
 )  # fmt: skip
 def test_each_extra_is_checked_at_the_start_of_its_command(tmp_path, monkeypatch, capsys, argv, module, line):
     monkeypatch.setitem(sys.modules, module, None)
     monkeypatch.chdir(tmp_path)
+    if module == "gguf":
+        (tmp_path / "m.gguf").write_bytes(b"")  # checked before the file is read
     code = main(argv)
     said = [s for s in lines(capsys) if not s.startswith("[espert] run directory")]
     assert code == 2 and len(said) == 1 and said[0].startswith(line), said
     assert f"pip install 'espert[{EXTRAS[module][0]}]'" in said[0]
-    assert not any(tmp_path.iterdir())  # nothing written
+    assert not [p for p in tmp_path.iterdir() if p.name != "m.gguf"]  # nothing written
 
 
 def test_env_names_what_was_built(capsys):
@@ -122,7 +125,9 @@ def test_a_run_records_its_environment(tmp_path):
     from espert.runs.run import Run
 
     cfg = ESConfig(pretrain_steps=0)
-    Run.open(str(tmp_path / "r"), cfg).close()
+    run = Run.open(str(tmp_path / "r"), cfg)
+    run.commit()
+    run.close()
     env = read_run_config(str(tmp_path / "r"))["environment"]
     assert env["commit"] == environment.git_commit()
     assert env["kernels"] == environment.kernels()

@@ -30,3 +30,27 @@ def test_vllm_sampler_greedy_matches_transformers(tmp_path, monkeypatch):
     assert [g[0] for g in got] == [h[0] for h in hf]
     assert all(g[0] == g[1] for g in got)  # greedy: every sample identical
     assert all(len(s) == 3 and all(isinstance(x, str) for x in s) for s in sampled)
+
+
+def test_vllm_sampler_seeded_chunked_prefill(tmp_path, monkeypatch, set_torch_threads):
+    """More prompt tokens than one step's budget: vLLM prefills in chunks and rewinds the seeded generator
+    of each partial prefill, which torch's CPU generator cannot do ("CPU Generator does not use offset",
+    EngineDeadError).  espert.vllm.seeded undoes the draw exactly: the samples are deterministic and a
+    prompt's samples are those it gets when sampled alone (no chunking)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    set_torch_threads(1)
+    from espert.eval.samplers import VLLMSampler
+    from espert.tiny import build_tiny_model
+
+    build_tiny_model(str(tmp_path / "m"), seed=3)
+    prompts = ["copy: " + "abcdefgh"[: 3 + i % 5] * (1 + i % 3) for i in range(12)]  # 9..30 tokens each
+    v = VLLMSampler(str(tmp_path / "m"), dtype="float32", max_num_batched_tokens=32, max_model_len=64, max_num_seqs=16)
+    try:
+        a = v.sample(prompts, n=4, temperature=1.0, max_tokens=8, seed=5)
+        b = v.sample(prompts, n=4, temperature=1.0, max_tokens=8, seed=5)
+        alone = [v.sample([prompts[i]], n=4, temperature=1.0, max_tokens=8, seed=5 + 4 * i)[0] for i in (2, 7)]
+    finally:
+        v.close()
+    assert a == b
+    assert [a[2], a[7]] == alone
+    assert len({tuple(s) for s in a}) > 1  # the prompts do not share one random stream

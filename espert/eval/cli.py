@@ -52,7 +52,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("what to evaluate")
-    src.add_argument("--models", nargs="+", metavar="LABEL=PATH", help="model directories to sample from")
+    src.add_argument(
+        "--models",
+        nargs="+",
+        metavar="LABEL=PATH",
+        help="models to sample from: directories, Hub ids, GGUF files or smollm2-135m-instruct",
+    )
     src.add_argument(
         "--samples", nargs="+", metavar="FILE", help="re-score saved samples_*.jsonl files instead of generating"
     )
@@ -61,7 +66,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     )
     src.add_argument("--base", metavar="LABEL", help="reference model for progressions/regressions (default: first)")
     data = p.add_argument_group("task")
-    data.add_argument("--task", help="task name: gsm8k, gsm8k_strict, math500, countdown, copy")
+    data.add_argument(
+        "--task",
+        help="a built-in task (gsm8k, gsm8k_strict, math500, countdown, copy) or an import path "
+        "package.module:name, as espert train takes it (a reward function takes its problems from --data)",
+    )
     data.add_argument("--data", metavar="JSONL", help="local JSONL file with the problems (instead of the Hub)")
     data.add_argument("--split", default="test", help="dataset split (default: test)")
     data.add_argument("--limit", type=int, help="evaluate only the first LIMIT problems")
@@ -102,6 +111,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         new="--evaluator",
         convert={"transformers": "torch", "vllm": "vllm"},
     )
+    samp.add_argument("--verbose", action="store_true", help="vLLM's own INFO logging (default: its warnings only)")
     rep = p.add_argument_group("report")
     rep.add_argument("--out", default="eval_out", metavar="DIR", help="output directory (default eval_out)")
     rep.add_argument(
@@ -134,7 +144,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from ..tasks import load_task
+    from ..runs import resolve_model_dir
+    from ..runs.gguf import gguf_path
+    from ..tasks import load_spec_task
     from .runner import generate_samples, load_sample_files, parse_model_specs, write_outputs
     from .samples import save_samples
 
@@ -150,16 +162,22 @@ def _run_eval(args: argparse.Namespace) -> int:
             require("vllm", "--evaluator vllm")
         models = parse_model_specs(args.models)
         for label, path in models.items():
+            gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
+            if gguf is not None:
+                models[label] = path = resolve_model_dir(gguf, lambda s: print(s, file=sys.stderr))
             # "org/name" may be a Hub id; anything else that looks like a path must exist.
             looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
             if looks_local and not os.path.exists(os.path.expanduser(path)):
                 raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
-        task = load_task(args.task, split=args.split, n=args.limit, path=args.data)
-        if len(task) == 0:
-            raise ValueError(f"task {args.task!r} has no problems")
+        task = load_spec_task(args.task, args.split, n=args.limit, path=args.data)
+        if task is None or len(task) == 0:
+            raise ValueError(f"task {args.task!r} has no {args.split!r} problems (give them with --data JSONL)")
         if args.threshold is None:
             threshold = task.success_threshold
         _quiet_transformers()
+        from ..vllm import quiet_logging
+
+        quiet_logging(args.verbose)
         from .samplers import make_sampler
 
         groups = {}
@@ -186,6 +204,7 @@ def _run_eval(args: argparse.Namespace) -> int:
                         "split": args.split,
                         "data": args.data,
                     },
+                    progress=True,
                 )
             finally:
                 close = getattr(sampler, "close", None)

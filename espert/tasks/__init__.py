@@ -21,7 +21,7 @@ from .loaders import (
     load_task,
     reward_task,
 )
-from .resolve import PYTHON_PREFIX, TASK_SOURCES, resolve_tasks, task_fingerprint
+from .resolve import PYTHON_PREFIX, TASK_SOURCES, load_spec_task, resolve_tasks, task_fingerprint
 from .rewards import (
     arithmetic_extract,
     arithmetic_reward,
@@ -49,6 +49,7 @@ __all__ = [
     "per_item_reward",
     "check_rewards",
     "load_task",
+    "load_spec_task",
     "load_jsonl_task",
     "reward_task",
     "resolve_tasks",

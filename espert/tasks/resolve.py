@@ -63,6 +63,15 @@ def resolve_tasks(
     return spec, source, _nonempty(train, spec), evalt
 
 
+def load_spec_task(spec: str, split: str, n: int | None = None, path: str | None = None):
+    """The problems of ``split`` of a task named as a run's config names it: a built-in name
+    (:func:`load_task`) or an import path ``package.module:name`` (:func:`custom_task`; a reward
+    function takes its problems from ``path``).  None when the task has no problems for ``split``."""
+    if ":" not in spec:
+        return load_task(spec, split, n=n, path=path)
+    return custom_task(import_object(spec), split, n=n, path=path, name=spec.rsplit(":", 1)[-1])
+
+
 def _nonempty(task, spec):
     if task is None or len(task) == 0:
         raise ValueError(f"task {spec!r} has no training problems")

