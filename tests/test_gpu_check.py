@@ -58,3 +58,22 @@ def test_gpu_check_refuses_bad_arguments(tmp_path):
         ["bash", str(ROOT / "bench/gpu_check.sh")], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 2 and "output folder" in res.stderr
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["gpu-sizes", "dry-run-sizes"])
+def test_gpu_test_geometry_is_valid_at_both_sizes(cuda):
+    """tests/test_gpu.py's Blocks and long-index runs are valid at the GPU run's sizes, not only at the dry
+    run's: a run past 2^64 elements is refused by the geometry check before any kernel (the first GPU run
+    would have lost 2 tests to `start = 2**64 - 4097` with n = 2^20 + 7).  Checked on meta tensors."""
+    import torch
+    from test_gpu import blocks, sizes
+
+    from espert import ops
+
+    sz = sizes(cuda)
+    for start in sz["long_starts"]:
+        ops._geometry(
+            torch.empty(sz["long_n"], device="meta"), ops.Block(col_offset=start, logical_cols=start + sz["long_n"])
+        )
+    for cols, block in blocks(sz).values():
+        ops._geometry(torch.empty(sz["rows"], cols, device="meta"), block)
