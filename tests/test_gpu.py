@@ -28,6 +28,8 @@ if CUDA:
     GPU_BACKENDS = ["triton"] + (["cuda"] if _C.has_cuda else [])
 else:  # dry run: Triton only where it can run on CPU tensors
     GPU_BACKENDS = ["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else []
+if os.environ.get("ESPERT_GPU_BACKENDS"):  # bench/gpu_check.sh runs one pytest process per backend
+    GPU_BACKENDS = [b for b in GPU_BACKENDS if b in os.environ["ESPERT_GPU_BACKENDS"].split(",")]
 KEY = noise.param_key("model.layers.7.self_attn.o_proj.weight")
 
 
