@@ -120,6 +120,15 @@ def test_gpu_golden_normals(backend):
 
 
 @backends
+def test_gpu_golden_families(backend):
+    """Every noise family's golden vectors (tests/golden/families_v1.json) on the GPU backends."""
+    from test_golden_families import CASES, noise_bits
+
+    for case in CASES:
+        assert noise_bits(case, backend, DEV) == case["noise_hex"], (case["family"], case["block"])
+
+
+@backends
 @pytest.mark.parametrize("start", SIZES["long_starts"])
 def test_gpu_normals_long_runs_match_reference(backend, start):
     """Long runs (the golden vectors hold <= 64 elements), unaligned starts, the top of the index space."""
