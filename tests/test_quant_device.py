@@ -94,3 +94,37 @@ def test_torch_unpack_equals_the_numpy_reference(fmt):
     ).to(torch.int32)
     want = formats.unpack_int4(fmt, words.numpy(), n, k)
     assert torch.equal(formats.unpack_int4_t(fmt, words, n, k), torch.from_numpy(want))
+
+
+def test_quant_cuda_runner_launches_under_the_weights_device_guard(monkeypatch):
+    """The quantized CUDA runner makes the weight's device current around the launch (the plain runner
+    does): a weight on cuda:1 called from cuda:0 would otherwise launch on the wrong device.  Without a GPU
+    the guard and the launch are recorded (the kernel itself cannot run here)."""
+    import contextlib
+
+    import numpy as np
+
+    from espert.quant import ops as qops
+    from espert.quant.ops import qgeometry
+
+    events = []
+
+    @contextlib.contextmanager
+    def guard(dev):
+        events.append(("enter", torch.device(dev)))
+        yield
+        events.append(("exit", torch.device(dev)))
+
+    class Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(torch.cuda, "device", guard)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: Stream())
+    monkeypatch.setattr(qops._C, "quant_cuda", lambda row, stream: events.append(("launch", None)), raising=False)
+    qw = quantize_weight(torch.randn(64, 64, generator=torch.Generator().manual_seed(6)) * 0.02, "int8", 32)
+    g = qgeometry(qw, None)
+    seeds, coeffs = np.array([5], dtype=np.uint64), np.array([1e-3], dtype=np.float32)
+    qn = qops._noise(qops.NoiseFamily.parse("gaussian"), g, 1, seeds, qw.qweight.device, "cuda")
+    qops._run_cuda(qw, g, None, "perturb", seeds, coeffs, 1, qn)
+    assert [e[0] for e in events] == ["enter", "launch", "exit"], events
+    assert events[0][1] == qw.qweight.device
