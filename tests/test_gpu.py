@@ -65,6 +65,16 @@ def _weights(rows, cols, dtype, seed=0):
     # zeros of both signs, a subnormal, NaN and inf: every backend must store a NaN's own bits
     special = torch.tensor([0.0, -0.0, 1e-40, float("nan"), float("inf"), -3e-39]).to(dtype)
     w.view(-1)[:6] = special[: w.numel()]
+    # NaNs with their own bits (signaling, negative with a payload): the GPU kernels must keep them, as the
+    # CPU kernel does (tests/test_ops.py), not write a canonical NaN
+    nans = {
+        torch.float32: ([0x7F800001, -0x003EDCBB], torch.int32),  # sNaN; 0xFFC12345
+        torch.float16: ([0x7C01, -0x01A3], torch.int16),  # sNaN; 0xFE5D
+        torch.bfloat16: ([0x7F81, -0x005D], torch.int16),  # sNaN; 0xFFA3
+    }[dtype]
+    flat = w.view(-1).view(nans[1])
+    n = min(2, max(0, w.numel() - 6))
+    flat[6 : 6 + n] = torch.tensor(nans[0][:n], dtype=nans[1])
     return w
 
 
