@@ -29,7 +29,9 @@ def test_gpu_check_dry_run(tmp_path):
         timeout=1800,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    assert "all steps passed" in res.stdout and any(line.startswith("SUMMARY") for line in res.stdout.splitlines()[-12:])
+    assert "all steps passed" in res.stdout and any(
+        line.startswith("SUMMARY") for line in res.stdout.splitlines()[-12:]
+    )
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["tensors"] == 26 and report["parameters"] > 0
     assert set(report["backends"]) == {"cpu"} and "error" not in report["backends"]["cpu"]
