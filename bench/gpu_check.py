@@ -90,6 +90,31 @@ class Timer:
                 ts.append(time.perf_counter() - t)
         return statistics.median(ts)
 
+    def kernel_median(self, fn, reps: int, warmup: int = 1) -> tuple[float, float | None]:
+        """(median device seconds of the kernels fn() enqueues, median host seconds fn() takes to return).
+
+        On CUDA a sleep kernel is queued first, so the device is still busy while the host builds the
+        plan and pins the tables: the events around fn() then time the kernels alone, and the host
+        work (plan, pinning, launches) is the separate second number.  On CPU (the dry run) the two are
+        the same work: (wall seconds, None)."""
+        if not self.cuda:
+            return self.median(fn, reps, warmup), None
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        dev, host = [], []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than any host work below
+            a.record()
+            t = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t)
+            b.record()
+            b.synchronize()
+            dev.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(dev), statistics.median(host)
+
 
 def junit_summary(paths: list[str]) -> dict:
     out = {}
@@ -179,7 +204,32 @@ def graph_checks(device: str, dtype=torch.bfloat16) -> dict:
     return res
 
 
-def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
+class Report(dict):
+    """The report, written to OUT_DIR/gpu_check.json after every section, so a failure (or a kill at the
+    device command's limit) keeps the numbers of the sections before it.  A section that raises is
+    recorded as {"error": ...} and the next one runs."""
+
+    def __init__(self, out_dir: Path | None):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def write(self) -> None:
+        if self.out_dir is not None:
+            (self.out_dir / "gpu_check.json").write_text(json.dumps(self, indent=1, default=str))
+
+    def section(self, name: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # the check reports what breaks; it must not stop the run
+            traceback.print_exc()
+            prev = self.get(name) if isinstance(self.get(name), dict) else {}
+            self[name] = {**prev, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        self.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 3)
+        self.write()
+
+
+def run(out_dir: Path | None, dry: bool, junit: list[str]) -> dict:
     device = "cuda" if torch.cuda.is_available() and not dry else "cpu"
     if not dry and device != "cuda":
         raise SystemExit("gpu_check.py: no CUDA device (use --dry-run for the CPU rehearsal)")
@@ -190,21 +240,27 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
         backends = (["cuda"] if _C.has_cuda else []) + ["triton"]
     else:  # interpreted Triton takes minutes even on the tiny model; tests/test_gpu.py covers it in the dry run
         backends = ["cpu"]
-    report: dict = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else f"CPU dry run ({platform.processor()})",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "has_cuda": bool(_C.has_cuda),
-        "cpu_isa": _C.cpu_isa(),
-        "model": "Qwen2.5-1.5B-shaped" if not dry else "tiny Qwen2-shaped (dry run)",
-        "tests": junit_summary(junit),
-    }
+    report = Report(out_dir)
+    report.update(
+        {
+            "device": torch.cuda.get_device_name() if device == "cuda" else f"CPU dry run ({platform.processor()})",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "has_cuda": bool(_C.has_cuda),
+            "cpu_isa": _C.cpu_isa(),
+            "model": "Qwen2.5-1.5B-shaped" if not dry else "tiny Qwen2-shaped (dry run)",
+            "tests": junit_summary(junit),
+        }
+    )
     try:
         import triton
 
         report["triton"] = triton.__version__
     except ImportError:
         report["triton"] = None
+
+    report.write()
+    st: dict = {}  # the objects the sections share
 
     # -- weights --------------------------------------------------------------------------------
     shapes = model_shapes(**cfg)
@@ -218,94 +274,153 @@ def run(out_dir: Path, dry: bool, junit: list[str]) -> dict:
     wbytes = 2 * numel
     report.update(tensors=len(weights), parameters=numel, weight_bytes=wbytes)
 
+    report.write()
+
     # -- ceilings: device copy and pinned host-to-device bandwidth ------------------------------
-    src = torch.empty(numel, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    copy_s = t.median(lambda: dst.copy_(src), reps)  # noqa: F821 - runs before the del below
-    copy_bw = 2 * wbytes / copy_s
-    del src, dst
-    h2d_n = min(wbytes, 1 << 30)
-    host = torch.empty(h2d_n, dtype=torch.uint8, pin_memory=device == "cuda")
-    devbuf = torch.empty(h2d_n, dtype=torch.uint8, device=device)
-    h2d_s = t.median(lambda: devbuf.copy_(host, non_blocking=True), reps)  # noqa: F821 - runs before the del below
-    h2d_bw = h2d_n / h2d_s
-    del host, devbuf
-    report["ceilings"] = {
-        "device_copy_GBps": copy_bw / 1e9,
-        "device_copy_ms": copy_s * 1e3,
-        "pinned_h2d_GBps": h2d_bw / 1e9,
-    }
+    def ceilings():
+        src = torch.empty(numel, dtype=torch.bfloat16, device=device)
+        dst = torch.empty_like(src)
+        copy_s = t.median(lambda: dst.copy_(src), reps)  # noqa: F821 - runs before the del below
+        copy_bw = 2 * wbytes / copy_s
+        del src, dst
+        h2d_n = min(wbytes, 1 << 30)
+        host = torch.empty(h2d_n, dtype=torch.uint8, pin_memory=device == "cuda")
+        devbuf = torch.empty(h2d_n, dtype=torch.uint8, device=device)
+        h2d_s = t.median(lambda: devbuf.copy_(host, non_blocking=True), reps)  # noqa: F821 - runs before the del below
+        h2d_bw = h2d_n / h2d_s
+        del host, devbuf
+        st.update(copy_s=copy_s, h2d_bw=h2d_bw)
+        report["ceilings"] = {
+            "device_copy_GBps": copy_bw / 1e9,
+            "device_copy_ms": copy_s * 1e3,
+            "pinned_h2d_GBps": h2d_bw / 1e9,
+        }
+
+    report.section("ceilings", ceilings)
+    copy_s, h2d_bw = st.get("copy_s", float("nan")), st.get("h2d_bw", float("nan"))
 
     # -- kernels on the device weights, per backend ---------------------------------------------
     seeds32, coeffs32 = list(range(1, 33)), [1e-5] * 32
-    per_backend = {}
+    per_backend: dict = {}
+    report["backends"] = per_backend
     for be in backends:
-        r = {}
-        try:
+
+        def kernels(be=be):
+            r = per_backend.setdefault(be, {})
             with ops.counting() as c:
                 ops.perturb_many_(items, 1, SIGMA, backend=be)
             r["perturb_launches"], r["perturb_h2d"] = c["launches"], c["h2d"]
-            p = t.median(lambda: ops.perturb_many_(items, 1, SIGMA, backend=be), reps)
-            u = t.median(lambda: ops.es_update_many_(items, seeds32, coeffs32, backend=be), max(1, reps // 2))
-            r.update(
-                perturb_ms=p * 1e3,
-                perturb_GBps=2 * wbytes / p / 1e9,
-                perturb_vs_copy=copy_s / p,
-                update_n32_ms=u * 1e3,
-                update_n32_in_perturbs=u / p,
-                update_n32_vs_copy=copy_s / u,
+            p, p_host = t.kernel_median(lambda: ops.perturb_many_(items, 1, SIGMA, backend=be), reps)
+            r.update(perturb_ms=p * 1e3, perturb_GBps=2 * wbytes / p / 1e9, perturb_vs_copy=copy_s / p)
+            if p_host is not None:
+                r["perturb_host_ms"] = p_host * 1e3  # plan building, pinning and launches, not in perturb_ms
+            report.write()
+            u, u_host = t.kernel_median(
+                lambda: ops.es_update_many_(items, seeds32, coeffs32, backend=be), max(1, reps // 2)
             )
-        except Exception as e:
-            r["error"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        per_backend[be] = r
-    report["backends"] = per_backend
+            r.update(update_n32_ms=u * 1e3, update_n32_in_perturbs=u / p, update_n32_vs_copy=copy_s / u)
+            if u_host is not None:
+                r["update_n32_host_ms"] = u_host * 1e3
+
+        report.section(f"backends.{be}", kernels)
+        if f"backends.{be}" in report:  # a failed section: its error belongs to the backend's entry
+            per_backend.setdefault(be, {})["error"] = report.pop(f"backends.{be}")["error"]
+            report.write()
 
     # -- the center store: restore, per-member overhead, update ---------------------------------
-    sig = inspect.signature(CenterStore).parameters
-    t0 = time.perf_counter()
-    store = CenterStore(views, pin=device == "cuda")
-    report["store"] = {
-        "build_s": time.perf_counter() - t0,
-        "host_bytes": store.nbytes,
-        "host_bytes_per_param": store.nbytes / numel,
-        "pinned_mirror": getattr(store, "mirrors", None) is not None,
-    }
-    base_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    st = report["store"]
-    rs = t.median(store.restore, reps)
-    st.update(restore_ms=rs * 1e3, restore_GBps=wbytes / rs / 1e9, restore_vs_pinned_h2d=(wbytes / rs) / h2d_bw)
+    def store_section():
+        sig = inspect.signature(CenterStore).parameters
+        t0 = time.perf_counter()
+        store = CenterStore(views, pin=device == "cuda")
+        report["store"] = {
+            "build_s": time.perf_counter() - t0,
+            "host_bytes": store.nbytes,
+            "host_bytes_per_param": store.nbytes / numel,
+            "pinned_mirror": getattr(store, "mirrors", None) is not None,
+        }
+        base_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        st = report["store"]
+        rs = t.median(store.restore, reps)
+        st.update(restore_ms=rs * 1e3, restore_GBps=wbytes / rs / 1e9, restore_vs_pinned_h2d=(wbytes / rs) / h2d_bw)
+        report.write()
 
-    def member():
-        store.perturb(3, SIGMA, 1)  # noqa: F821 - runs before the del below
-        store.restore()  # noqa: F821
+        def member():
+            store.perturb(3, SIGMA, 1)
+            store.restore()
 
-    with ops.counting() as c:
-        member()
-    st.update(member_launches=c["launches"], member_h2d=c["h2d"])
-    st["member_ms"] = t.median(member, reps) * 1e3
-    t.sync()
-    u0 = time.perf_counter()
-    store.update(seeds32, coeffs32)
-    t.sync()
-    st["update_n32_host_s"] = time.perf_counter() - u0
-    if "update_on" in sig and device == "cuda":
-        store.update_on = torch.device("cuda")
+        with ops.counting() as c:
+            member()
+        st.update(member_launches=c["launches"], member_h2d=c["h2d"])
+        st["member_ms"] = t.median(member, reps) * 1e3
+        report.write()
+        t.sync()
         u0 = time.perf_counter()
         store.update(seeds32, coeffs32)
         t.sync()
-        st["update_n32_staged_gpu_s"] = time.perf_counter() - u0
-        store.update_on = None
-    if device == "cuda":
-        st["max_memory_beyond_weights_bytes"] = torch.cuda.max_memory_allocated() - base_mem
-    del store
+        st["update_n32_host_s"] = time.perf_counter() - u0
+        if "update_on" in sig and device == "cuda":
+            store.update_on = torch.device("cuda")
+            u0 = time.perf_counter()
+            store.update(seeds32, coeffs32)
+            t.sync()
+            st["update_n32_staged_gpu_s"] = time.perf_counter() - u0
+            store.update_on = None
+        if device == "cuda":
+            st["max_memory_beyond_weights_bytes"] = torch.cuda.max_memory_allocated() - base_mem
+
+    report.section("store", store_section)
 
     # -- CUDA graphs --------------------------------------------------------------------------
-    report["cuda_graph"] = graph_checks(device)
+    def graphs():
+        report["cuda_graph"] = graph_checks(device)
+
+    report.section("cuda_graph", graphs)
     return report
+
+
+def summary(r: dict) -> str:
+    """A few short lines, printed last: the device reply may carry only the tail of the output."""
+    out = [f"SUMMARY {r.get('device')} | {r.get('tensors')} tensors, {r.get('parameters')} params"]
+    c = r.get("ceilings", {})
+    if "error" in c or not c:
+        out.append(f"ceilings: {c.get('error', 'missing')}")
+    else:
+        out.append(f"ceilings: copy {c['device_copy_GBps']:.0f} GB/s, pinned h2d {c['pinned_h2d_GBps']:.1f} GB/s")
+    for be, b in r.get("backends", {}).items():
+        if "error" in b:
+            out.append(f"{be}: ERROR {b['error'][:200]}")
+            continue
+        host = f" (+host {b['perturb_host_ms']:.2f} ms)" if "perturb_host_ms" in b else ""
+        upd = f", update N=32 {b['update_n32_ms']:.1f} ms" if "update_n32_ms" in b else ""
+        out.append(
+            f"{be}: perturb {b.get('perturb_ms', float('nan')):.2f} ms{host} "
+            f"{100 * b.get('perturb_vs_copy', float('nan')):.0f}% of copy{upd}"
+        )
+    s = r.get("store", {})
+    if "error" in s or not s:
+        out.append(f"store: ERROR {s.get('error', 'missing')}")
+    else:
+        out.append(
+            f"store: restore {s.get('restore_ms', float('nan')):.1f} ms, member {s.get('member_ms', float('nan')):.1f} ms, "
+            f"update N=32 {s.get('update_n32_host_s', float('nan')):.2f} s"
+        )
+    g = r.get("cuda_graph", {})
+    if "error" in g or not g:
+        out.append(f"cuda_graph: ERROR {g.get('error', 'missing')}")
+    else:
+        out.append("cuda_graph: " + "; ".join(f"{k}: ok={v.get('ok')}" for k, v in g.items()))
+    for name, tst in r.get("tests", {}).items():
+        if "error" in tst:
+            out.append(f"{name}: {tst['error']}")
+        else:
+            out.append(
+                f"{name}: {tst['tests'] - tst['failures'] - tst['errors'] - tst['skipped']} passed, "
+                f"{tst['failures'] + tst['errors']} failed {tst['failed'][:3]}, {tst['skipped']} skipped"
+            )
+    return "\n".join(out) + "\n"
 
 
 def markdown(r: dict) -> str:
@@ -374,11 +489,19 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     report = run(a.out, a.dry_run, a.junit)
-    (a.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    md = markdown(report)
+    report.write()
+    try:
+        md = markdown(report)
+    except Exception as e:  # a failed section leaves holes in the table: the JSON and the summary have it all
+        md = f"(no table: {type(e).__name__}: {e}; see gpu_check.json)\n"
     (a.out / "gpu_check.md").write_text(md)
     print(md)
-    return 0
+    summ = summary(report)
+    (a.out / "gpu_check_summary.txt").write_text(summ)
+    print(summ, end="")
+    failed = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
+    failed += [f"backends.{k}" for k, v in report.get("backends", {}).items() if "error" in v]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one call on a GPU machine (e.g. one H200), under 8 minutes.
+# The prepared GPU check: one call on a GPU machine (e.g. one H200), under 540 s by design (one device
+# command may run 600 s): every step's limit is cut to what is left of BUDGET_S.
 #
 #   bash bench/gpu_check.sh OUT_DIR              preflight, build for sm_90, GPU tests, GPU benchmarks,
 #                                                the model-shaped check (bench/gpu_check.py)
 #   bash bench/gpu_check.sh --dry-run [OUT_DIR]  the same flow on CPU with small sizes and interpreted
 #                                                Triton, no build (CI runs it: tests/test_gpu_check.py)
 #
-# Writes into OUT_DIR: gpu_check_log.txt, gpu_tests.xml (JUnit), gpu_bench.json (pytest-benchmark) and
-# gpu_bench.md, gpu_check.json and gpu_check.md (the table to paste into the README).
+# Writes into OUT_DIR: gpu_check_log.txt, gpu_tests_<backend>.xml (JUnit, one pytest process per backend so
+# a sticky CUDA fault in one cannot take the other's results), gpu_bench.json (pytest-benchmark) and
+# gpu_bench.md, gpu_check.json (rewritten after every section) and gpu_check.md. The last lines printed
+# are a compact summary (a device reply may carry only the tail of the output).
 # PYTHON selects the interpreter (default python3: on the H200 image the one that holds torch).
 set -uo pipefail
 
@@ -33,14 +36,23 @@ LOG=$DIR/gpu_check_log.txt
 : >"$LOG"
 export PYTHONUNBUFFERED=1 ESPERT_CUDA_ARCHS=${ESPERT_CUDA_ARCHS:-90}
 FAILED=()
+SECONDS=0
 
 say() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 die() { echo "gpu_check.sh: $*" | tee -a "$LOG" >&2; exit 1; }
 # run NAME TIMEOUT CMD...: a step that may fail without stopping the others (its failure is reported)
+# The limit is cut to what is left of BUDGET_S (less 10 s for the summary), so the whole script ends in time.
 run() {
   local name=$1 limit=$2
   shift 2
-  say "$name"
+  local left=$((BUDGET_S - SECONDS - 10))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 0 ]; then
+    FAILED+=("$name (not run: budget spent)")
+    say "$name SKIPPED: the ${BUDGET_S} s budget is spent"
+    return 1
+  fi
+  say "$name (limit ${limit} s)"
   timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { FAILED+=("$name (exit $rc)"); say "$name FAILED (exit $rc)"; }
@@ -70,39 +82,54 @@ elif [ "$DRY" = 0 ]; then
 fi
 
 if [ "$DRY" = 0 ]; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$LOG"
-  "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'torch sees no GPU'; \
+  # GPU step limits (s); tests/test_gpu_check.py sums them: they must stay <= BUDGET_S <= 540
+  BUDGET_S=540 T_PRE=10 T_BUILD=150 T_TESTS=90 T_PTX=30 T_BENCH=50 T_MODEL=80
+  timeout "$T_PRE" nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$LOG"
+  timeout "$T_PRE" "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'torch sees no GPU'; \
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || die "torch cannot use the GPU"
   say "build espert._C for sm_$ESPERT_CUDA_ARCHS"
-  timeout 300 "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -30 | tee -a "$LOG"
+  timeout "$T_BUILD" "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -30 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || die "build failed"
-  "$PY" -c "from espert import _C; assert _C.has_cuda, 'espert._C was built without CUDA'; print('has_cuda', _C.has_cuda)" \
+  timeout "$T_PRE" "$PY" -c "from espert import _C; assert _C.has_cuda, 'espert._C was built without CUDA'; print('has_cuda', _C.has_cuda)" \
     2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || die "espert._C has no CUDA kernels"
   export TRITON_INTERPRET=0  # real Triton (it decides at import time)
-  T_TESTS=300 T_BENCH=150 T_MODEL=200
   DRYFLAG=()
-  TESTS=(tests/test_gpu.py tests/test_cuda_ptx.py)
+  BACKENDS=(triton cuda)
 else
+  BUDGET_S=1500 T_TESTS=600 T_PTX=0 T_BENCH=300 T_MODEL=300
   say "dry run: CPU tensors, small sizes, interpreted Triton; build skipped (the installed espert._C is used)"
   "$PY" -c "from espert import _C; print('has_cuda', _C.has_cuda, 'cpu_isa', _C.cpu_isa())" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || die "espert._C is not importable"
   export ESPERT_GPU_DRY_RUN=1 TRITON_INTERPRET=1
-  T_TESTS=900 T_BENCH=300 T_MODEL=300
   DRYFLAG=(--dry-run)
-  TESTS=(tests/test_gpu.py)  # the PTX checks need no GPU and already run in the test suite
+  BACKENDS=(triton)  # the PTX checks need no GPU and already run in the test suite
 fi
 
 # ---- GPU tests, GPU benchmarks, the model-shaped check ---------------------------------------------------
-run "GPU tests" "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfE "${TESTS[@]}" \
-  --junitxml="$DIR/gpu_tests.xml"
+# One pytest process per backend (a sticky CUDA fault ends its process only); synchronous launches, so a
+# fault is reported at the kernel that made it.
+JUNIT=()
+for be in "${BACKENDS[@]}"; do
+  JUNIT+=("$DIR/gpu_tests_$be.xml")
+  CUDA_LAUNCH_BLOCKING=1 ESPERT_GPU_BACKENDS=$be run "GPU tests ($be)" "$T_TESTS" "$PY" -m pytest -q \
+    -p no:cacheprovider -rfE tests/test_gpu.py --junitxml="$DIR/gpu_tests_$be.xml"
+done
+if [ "$DRY" = 0 ]; then
+  JUNIT+=("$DIR/gpu_tests_ptx.xml")
+  run "PTX checks" "$T_PTX" "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_ptx.py \
+    --junitxml="$DIR/gpu_tests_ptx.xml"
+fi
 (cd bench && run "GPU benchmarks" "$T_BENCH" "$PY" -m pytest -q -p no:cacheprovider test_bench_gpu.py \
   --benchmark-json="$DIR/gpu_bench.json") || FAILED+=("GPU benchmarks")
 [ -f "$DIR/gpu_bench.json" ] && "$PY" bench/table.py "$DIR/gpu_bench.json" >"$DIR/gpu_bench.md" 2>>"$LOG"
-run "model-shaped check" "$T_MODEL" "$PY" bench/gpu_check.py "$DIR" "${DRYFLAG[@]}" --junit "$DIR/gpu_tests.xml"
+run "model-shaped check" "$T_MODEL" "$PY" bench/gpu_check.py "$DIR" "${DRYFLAG[@]}" --junit "${JUNIT[@]}"
 
 say "outputs in $DIR: $(cd "$DIR" && ls | tr '\n' ' ')"
+# the compact summary, last (gpu_check.py writes it; the failed steps after it)
+[ -f "$DIR/gpu_check_summary.txt" ] && tee -a "$LOG" <"$DIR/gpu_check_summary.txt"
+say "elapsed ${SECONDS} s of ${BUDGET_S} s"
 if [ "${#FAILED[@]}" != 0 ]; then
   say "FAILED: ${FAILED[*]}"
   exit 1

@@ -378,8 +378,10 @@ class CenterStore:
 
     def _rebuild_mirrors(self) -> None:
         if self.mirrors is not None:
-            if any(v.tensor.is_cuda for v in self.views):
-                torch.cuda.synchronize()  # no copy from the old mirror may still be in flight
+            # no copy from the old mirror may still be in flight, on any device that holds a view
+            # (torch.cuda.synchronize() alone waits for the current device only)
+            for dev in sorted({v.tensor.device.index or 0 for v in self.views if v.tensor.is_cuda}):
+                torch.cuda.synchronize(dev)
             for m, c in zip(self.mirrors, self.centers):
                 ops.restore_(m, c)  # exact round-to-nearest-even, NaN bits kept
 

@@ -419,7 +419,43 @@ def golden_vectors() -> dict:
     return {"spec_version": SPEC_VERSION, "cases": cases}
 
 
-if __name__ == "__main__":  # python -m espert.noise > tests/golden/noise_v1.json
-    import json
+# Every noise family (§5) on Blocks, 1-D and 2-D, and near the top of the index space: ε as float32 bits
+# (what es_update_ with coefficient 1 writes into float32 zeros).  (family, seed, name, block) with block
+# (rows, cols, row_offset, col_offset, logical_rows, logical_cols).
+FAMILY_GOLDEN_BLOCKS = [
+    (1, 40, 0, 0, 1, 40),  # 1-D: lowrank falls back to the Gaussian
+    (3, 37, 5, 11, 20, 100),  # a shard of a 2-D matrix, rows starting mid Philox group
+    (1, 24, 0, 2**64 - 26, 1, 2**64 - 1),  # 1-D, the last indices (the last valid index is 2^64 - 2)
+    (2, 21, 2**32 - 3, 2**32 - 22, 2**32 - 1, 2**32 - 1),  # 2-D near 2^64 elements (lowrank rows ~ 2^32)
+]
+FAMILY_GOLDEN_FAMILIES = ["gaussian", "rademacher", "lowrank:1", "lowrank:2", "lowrank:4"]
+FAMILY_GOLDEN_SEEDS = [(0, "model.layers.3.mlp.up_proj.weight"), (2**64 - 1, "lm_head.weight")]
 
-    print(json.dumps(golden_vectors(), indent=1))
+
+def family_golden_vectors() -> dict:
+    """Known-answer vectors of every noise family (tests/golden/families_v1.json)."""
+    cases = []
+    for fam in FAMILY_GOLDEN_FAMILIES:
+        for i, (rows, cols, r0, c0, lr, lc) in enumerate(FAMILY_GOLDEN_BLOCKS):
+            seed, name = FAMILY_GOLDEN_SEEDS[i % len(FAMILY_GOLDEN_SEEDS)]
+            key = param_key(name)
+            idx = block_indices((rows, cols), r0, c0, lc)
+            eps = family_noise(fam, seed, key, idx, lr, lc).astype(np.float32)
+            cases.append(
+                {
+                    "family": fam,
+                    "seed": seed,
+                    "name": name,
+                    "key": key,
+                    "block": [rows, cols, r0, c0, lr, lc],
+                    "noise_hex": [f"{int(b):08x}" for b in eps.reshape(-1).view(np.uint32)],
+                }
+            )
+    return {"spec_version": SPEC_VERSION, "cases": cases}
+
+
+if __name__ == "__main__":  # python -m espert.noise [families] > tests/golden/noise_v1.json (families_v1.json)
+    import json
+    import sys
+
+    print(json.dumps(family_golden_vectors() if sys.argv[1:] == ["families"] else golden_vectors(), indent=1))

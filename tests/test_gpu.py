@@ -28,10 +28,28 @@ if CUDA:
     GPU_BACKENDS = ["triton"] + (["cuda"] if _C.has_cuda else [])
 else:  # dry run: Triton only where it can run on CPU tensors
     GPU_BACKENDS = ["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else []
+if os.environ.get("ESPERT_GPU_BACKENDS"):  # bench/gpu_check.sh runs one pytest process per backend
+    GPU_BACKENDS = [b for b in GPU_BACKENDS if b in os.environ["ESPERT_GPU_BACKENDS"].split(",")]
 KEY = noise.param_key("model.layers.7.self_attn.o_proj.weight")
-ROWS, COLS = (1000, 4099) if CUDA else (3, 259)  # dry run: the interpreter runs ~4 ms per program
-ALIGNED_COLS = 4096 if CUDA else 256
-MEMBERS = [1, 32] if CUDA else [1, 3]
+
+
+def sizes(cuda: bool) -> dict:
+    """The sizes of the GPU run (cuda=True) and of the dry run: tests/test_gpu_check.py checks the geometry
+    of both on CPU, since size decides validity (a Block past 2^64 elements is refused)."""
+    rows, cols, aligned = (1000, 4099, 4096) if cuda else (3, 259, 256)  # dry run: ~4 ms per interpreted program
+    long_n = (1 << 20) + 7 if cuda else 263
+    return dict(
+        rows=rows,
+        cols=cols,
+        aligned_cols=aligned,
+        members=[1, 32] if cuda else [1, 3],
+        long_n=long_n,
+        long_starts=[0, 3, 2**40 + 5, 2**64 - long_n - 1],  # the last: the run ends at index 2^64 - 2
+    )
+
+
+SIZES = sizes(CUDA)
+ROWS, COLS, ALIGNED_COLS, MEMBERS = SIZES["rows"], SIZES["cols"], SIZES["aligned_cols"], SIZES["members"]
 
 backends = pytest.mark.parametrize("backend", GPU_BACKENDS)
 
@@ -47,20 +65,35 @@ def _weights(rows, cols, dtype, seed=0):
     # zeros of both signs, a subnormal, NaN and inf: every backend must store a NaN's own bits
     special = torch.tensor([0.0, -0.0, 1e-40, float("nan"), float("inf"), -3e-39]).to(dtype)
     w.view(-1)[:6] = special[: w.numel()]
+    # NaNs with their own bits (signaling, negative with a payload): the GPU kernels must keep them, as the
+    # CPU kernel does (tests/test_ops.py), not write a canonical NaN
+    nans = {
+        torch.float32: ([0x7F800001, -0x003EDCBB], torch.int32),  # sNaN; 0xFFC12345
+        torch.float16: ([0x7C01, -0x01A3], torch.int16),  # sNaN; 0xFE5D
+        torch.bfloat16: ([0x7F81, -0x005D], torch.int16),  # sNaN; 0xFFA3
+    }[dtype]
+    flat = w.view(-1).view(nans[1])
+    n = min(2, max(0, w.numel() - 6))
+    flat[6 : 6 + n] = torch.tensor(nans[0][:n], dtype=nans[1])
     return w
 
 
 # Blocks: the aligned whole tensor (16-byte vector loads on the GPU, what real models take), an aligned
 # shard at an offset, and misaligned shards whose rows start inside a Philox group.
-BLOCKS = {
-    "aligned": (ALIGNED_COLS, None),
-    "aligned-shard": (
-        ALIGNED_COLS,
-        ops.Block(row_offset=8, col_offset=2 * ALIGNED_COLS, logical_rows=ROWS + 8, logical_cols=3 * ALIGNED_COLS),
-    ),
-    "misaligned": (COLS, ops.Block(5, 3, ROWS + 5, COLS + 5)),
-    "misaligned-row": (COLS, None),  # cols % 4 != 0: every row after the first starts mid-group
-}
+def blocks(sz: dict) -> dict:
+    rows, cols, aligned = sz["rows"], sz["cols"], sz["aligned_cols"]
+    return {
+        "aligned": (aligned, None),
+        "aligned-shard": (
+            aligned,
+            ops.Block(row_offset=8, col_offset=2 * aligned, logical_rows=rows + 8, logical_cols=3 * aligned),
+        ),
+        "misaligned": (cols, ops.Block(5, 3, rows + 5, cols + 5)),
+        "misaligned-row": (cols, None),  # cols % 4 != 0: every row after the first starts mid-group
+    }
+
+
+BLOCKS = blocks(SIZES)
 
 
 @backends
@@ -97,10 +130,19 @@ def test_gpu_golden_normals(backend):
 
 
 @backends
-@pytest.mark.parametrize("start", [0, 3, 2**40 + 5, 2**64 - (1 << 12) - 1])
+def test_gpu_golden_families(backend):
+    """Every noise family's golden vectors (tests/golden/families_v1.json) on the GPU backends."""
+    from test_golden_families import CASES, noise_bits
+
+    for case in CASES:
+        assert noise_bits(case, backend, DEV) == case["noise_hex"], (case["family"], case["block"])
+
+
+@backends
+@pytest.mark.parametrize("start", SIZES["long_starts"])
 def test_gpu_normals_long_runs_match_reference(backend, start):
     """Long runs (the golden vectors hold <= 64 elements), unaligned starts, the top of the index space."""
-    n = (1 << 20) + 7 if CUDA else 263
+    n = SIZES["long_n"]
     w = torch.zeros(n, device=DEV)
     ops.es_update_(
         w, [2**64 - 1], [1.0], KEY, block=ops.Block(col_offset=start, logical_cols=start + n), backend=backend

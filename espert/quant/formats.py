@@ -252,14 +252,38 @@ def nk_view(qw: QuantWeight) -> torch.Tensor:
     return qw.qweight.t() if qw.transposed else qw.qweight
 
 
+def _nibbles_t(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [...] -> their 8 nibbles [..., 8] as int32 (torch, on the words' device)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    return (words.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift: the mask keeps 4 bits
+
+
+def unpack_int4_t(fmt: str, qw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """:func:`unpack_int4` in torch: logical codes [n, k] int32 on ``qw``'s device (any device)."""
+    dev = qw.device
+    if fmt == "gptq":
+        return _nibbles_t(qw).permute(1, 0, 2).reshape(n, k).contiguous()
+    if fmt == "awq":
+        rev = torch.from_numpy(AWQ_REV).to(dev)
+        return _nibbles_t(qw)[:, :, rev].reshape(k, n).t().contiguous()
+    if fmt == "cpu_w4a16":
+        return _nibbles_t(qw).reshape(n // 16, k, 2, 8).permute(0, 2, 3, 1).reshape(n, k).contiguous()
+    if fmt == "marlin":  # the index map depends on the shape only: built on the host, gathered on the device
+        kk, nn = np.meshgrid(np.arange(k), np.arange(n), indexing="ij")
+        row, col, shift = (torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in marlin_index(kk, nn))
+        codes_kn = (qw.to(torch.int32)[row, col] >> shift.to(torch.int32)) & 0xF
+        return codes_kn.t().contiguous()
+    raise ValueError(f"not an int4 layout: {fmt!r}")
+
+
 def unpack_codes(qw: QuantWeight) -> torch.Tensor:
-    """Logical codes [N, K]: int32 for int8 / int4, uint8 e4m3 bit patterns for fp8 (a copy, on CPU)."""
+    """Logical codes [N, K]: int32 for int8 / int4, uint8 e4m3 bit patterns for fp8 (a copy, on the
+    weight's device)."""
     if qw.fmt == "int8":
-        return nk_view(qw).detach().cpu().to(torch.int32).contiguous()
+        return nk_view(qw).detach().to(torch.int32).contiguous()
     if qw.fmt == "fp8":
-        return nk_view(qw).detach().cpu().contiguous().view(torch.uint8).clone()
-    qn = qw.qweight.detach().cpu().contiguous().numpy()
-    return torch.from_numpy(unpack_int4(qw.fmt, qn, qw.out_features, qw.in_features))
+        return nk_view(qw).detach().contiguous().view(torch.uint8).clone()
+    return unpack_int4_t(qw.fmt, qw.qweight.detach(), qw.out_features, qw.in_features)
 
 
 def pack_codes_(qw: QuantWeight, codes: torch.Tensor) -> None:
@@ -269,31 +293,32 @@ def pack_codes_(qw: QuantWeight, codes: torch.Tensor) -> None:
     elif qw.fmt == "fp8":
         nk_view(qw).view(torch.uint8).copy_(codes.to(torch.uint8))
     else:
-        packed = pack_int4(qw.fmt, codes.numpy().astype(np.int32))
+        packed = pack_int4(qw.fmt, codes.detach().cpu().numpy().astype(np.int32))
         qw.qweight.copy_(torch.from_numpy(packed))
 
 
 def logical_scales(qw: QuantWeight) -> torch.Tensor:
-    """Per-element scales [N, K] float32 (exact widening of the stored scales)."""
+    """Per-element scales [N, K] float32 (exact widening of the stored scales), on the weight's device."""
     n, k = qw.shape
-    s = qw.scales.detach().cpu().float()
+    s = qw.scales.detach().float()
     if qw.elem != "int4":
         return (s.reshape(1, 1) if s.numel() == 1 else s.reshape(n, 1)).expand(n, k).contiguous()
     s = s.reshape(-1, n)
     if qw.fmt == "marlin":
         cols = marlin_scale_col(np.arange(n), marlin_grouped(qw.group_size, k))
-        s = s[:, torch.from_numpy(np.asarray(cols))]
+        s = s[:, torch.from_numpy(np.asarray(cols)).to(s.device)]
     return s.t().repeat_interleave(qw.group, dim=1).contiguous()
 
 
 def logical_zeros(qw: QuantWeight) -> torch.Tensor:
-    """Per-element zero points [N, K] float32 (int8 / fp8: 0; int4 default: 8)."""
+    """Per-element zero points [N, K] float32 (int8 / fp8: 0; int4 default: 8), on the weight's device."""
     n, k = qw.shape
+    dev = qw.qweight.device
     if qw.elem != "int4":
-        return torch.zeros(n, k)
+        return torch.zeros(n, k, device=dev)
     if qw.zeros is None:
-        return torch.full((n, k), 8.0)
-    return qw.zeros.detach().cpu().float().reshape(-1, n).t().repeat_interleave(qw.group, dim=1).contiguous()
+        return torch.full((n, k), 8.0, device=dev)
+    return qw.zeros.detach().to(dev).float().reshape(-1, n).t().repeat_interleave(qw.group, dim=1).contiguous()
 
 
 def e4m3_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
@@ -302,7 +327,7 @@ def e4m3_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(qw: QuantWeight) -> torch.Tensor:
-    """The logical float32 weight [N, K] (slow reference, on CPU)."""
+    """The logical float32 weight [N, K] (slow reference, on the weight's device)."""
     codes = unpack_codes(qw)
     x = e4m3_bits_to_float(codes) if qw.fmt == "fp8" else codes.float()
     return (x - logical_zeros(qw)) * logical_scales(qw)

@@ -283,10 +283,11 @@ def _run_cpu(qw, g, master, mode, seeds, coeffs, key, qn):
 
 def _run_cuda(qw, g, master, mode, seeds, coeffs, key, qn):
     dev = qw.qweight.device
-    s = torch.from_numpy(seeds.view(np.int64)).to(dev)
-    c = torch.from_numpy(coeffs).to(dev)
-    row = _kernel_args(qw, g, master, mode, qn, s.data_ptr(), c.data_ptr(), len(seeds), key)
-    _C.quant_cuda(row.ctypes.data, torch.cuda.current_stream(dev).cuda_stream)
+    with torch.cuda.device(dev):  # the kernel launches on the current device: make it the weight's
+        s = torch.from_numpy(seeds.view(np.int64)).to(dev)
+        c = torch.from_numpy(coeffs).to(dev)
+        row = _kernel_args(qw, g, master, mode, qn, s.data_ptr(), c.data_ptr(), len(seeds), key)
+        _C.quant_cuda(row.ctypes.data, torch.cuda.current_stream(dev).cuda_stream)
 
 
 def _run_triton(qw, g, master, mode, seeds, coeffs, key, qn):
