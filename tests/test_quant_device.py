@@ -13,21 +13,12 @@ import typing
 
 import pytest
 import torch
+from test_gpu import Q_CASES
 
 from espert.quant import center, formats
 from espert.quant.formats import QuantWeight, quantize_weight
 
-CASES = [
-    ("int8", {}),
-    ("int8", {"per_tensor": True}),
-    ("fp8", {}),
-    ("fp8", {"scale_dtype": torch.bfloat16}),
-    ("gptq", {}),
-    ("awq", {}),
-    ("cpu_w4a16", {}),
-    ("marlin", {}),
-    ("marlin", {"group": -1}),
-]
+CASES = Q_CASES  # exactly the formats tests/test_gpu.py runs on a GPU
 
 
 def _builders():
