@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -68,8 +69,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     data = p.add_argument_group("task")
     data.add_argument(
         "--task",
-        help="a built-in task (gsm8k, gsm8k_strict, math500, countdown, copy) or an import path "
-        "package.module:name, as espert train takes it (a reward function takes its problems from --data)",
+        nargs="+",
+        metavar="TASK",
+        help="a built-in task (copy, arithmetic, countdown, humaneval, gsm8k, math500, ...) or an import path "
+        "package.module:name, as espert train takes it (a reward function takes its problems from --data); "
+        "several tasks: a report per task in OUT/TASK/ and the forgetting table (base vs tuned per task)",
     )
     data.add_argument("--data", metavar="JSONL", help="local JSONL file with the problems (instead of the Hub)")
     data.add_argument("--split", default="test", help="dataset split (default: test)")
@@ -146,85 +150,122 @@ def run_eval(args: argparse.Namespace) -> int:
 def _run_eval(args: argparse.Namespace) -> int:
     from ..runs import resolve_model_dir
     from ..runs.gguf import gguf_path
-    from ..tasks import load_spec_task
-    from .runner import generate_samples, load_sample_files, parse_model_specs, write_outputs
-    from .samples import save_samples
+    from .runner import load_sample_files, parse_model_specs
 
     if bool(args.models) == bool(args.samples):
         raise ValueError("give exactly one of --models (generate) or --samples (re-score)")
-    threshold = 1.0 if args.threshold is None else args.threshold
+    tasks = args.task or []
     if args.samples:
-        groups = load_sample_files(args.samples, task_name=args.task, rescore_rewards=not args.no_rescore)
-    else:
-        if not args.task:
-            raise ValueError("--task is required when generating")
-        if args.evaluator == "vllm":
-            require("vllm", "--evaluator vllm")
-        models = parse_model_specs(args.models)
-        for label, path in models.items():
-            gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
-            if gguf is not None:
-                models[label] = path = resolve_model_dir(gguf, lambda s: print(s, file=sys.stderr))
-            # "org/name" may be a Hub id; anything else that looks like a path must exist.
-            looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-            if looks_local and not os.path.exists(os.path.expanduser(path)):
-                raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
-        task = load_spec_task(args.task, args.split, n=args.limit, path=args.data)
-        if task is None or len(task) == 0:
-            raise ValueError(f"task {args.task!r} has no {args.split!r} problems (give them with --data JSONL)")
-        if args.threshold is None:
-            threshold = task.success_threshold
-        _quiet_transformers()
-        from ..vllm import quiet_logging
+        if len(tasks) > 1:
+            raise ValueError("--samples re-scores one task at a time (give one --task)")
+        groups = load_sample_files(
+            args.samples, task_name=tasks[0] if tasks else None, rescore_rewards=not args.no_rescore
+        )
+        threshold = 1.0 if args.threshold is None else args.threshold
+        _write(args, groups, args.out, threshold)
+        return 0
+    if not tasks:
+        raise ValueError("--task is required when generating")
+    if len(tasks) > 1 and args.data:
+        raise ValueError("--data goes with one --task; several tasks each load their own problems")
+    if args.evaluator == "vllm":
+        require("vllm", "--evaluator vllm")
+    models = parse_model_specs(args.models)
+    for label, path in models.items():
+        gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
+        if gguf is not None:
+            models[label] = path = resolve_model_dir(gguf, lambda s: print(s, file=sys.stderr))
+        # "org/name" may be a Hub id; anything else that looks like a path must exist.
+        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+        if looks_local and not os.path.exists(os.path.expanduser(path)):
+            raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
+    loaded = [(spec, _load(args, spec)) for spec in tasks]  # every task's problems before any sampling
+    _quiet_transformers()
+    from ..vllm import quiet_logging
 
-        quiet_logging(args.verbose)
-        from .samplers import make_sampler
+    quiet_logging(args.verbose)
+    reports = {}
+    for spec, task in loaded:
+        out = args.out if len(tasks) == 1 else os.path.join(args.out, _dir_name(spec))
+        threshold = task.success_threshold if args.threshold is None else args.threshold
+        reports[spec] = _write(args, _sample(args, task, models, out), out, threshold)
+    if len(tasks) > 1:
+        from ..runs.files import atomic_write_text
+        from .report import forgetting
 
-        groups = {}
-        os.makedirs(args.out, exist_ok=True)
-        for label, path in models.items():
-            print(f"[espert eval] sampling {label} ({path}): {len(task)} problems x {args.n}", file=sys.stderr)
-            kwargs = dict(chat_template=args.chat_template, dtype=args.dtype)
-            if args.evaluator == "torch":
-                kwargs.update(batch_size=args.batch_size, device=args.device)
-            sampler = make_sampler(args.evaluator, path, **kwargs)
-            try:
-                recs = generate_samples(
-                    task,
-                    label,
-                    sampler,
-                    args.n,
-                    args.temperature,
-                    args.top_p,
-                    args.max_new_tokens,
-                    args.seed,
-                    extra_meta={
-                        "model_path": path,
-                        "evaluator": args.evaluator,
-                        "split": args.split,
-                        "data": args.data,
-                    },
-                    progress=True,
-                )
-            finally:
-                close = getattr(sampler, "close", None)
-                if close:
-                    close()
-            out_path = os.path.join(args.out, f"samples_{label}.jsonl")
-            save_samples(out_path, recs)
-            print(f"[espert eval] wrote {out_path}", file=sys.stderr)
-            groups[label] = recs
-    write_outputs(
+        doc, text = forgetting(reports, base=args.base or next(iter(models)))
+        atomic_write_text(os.path.join(args.out, "forgetting.json"), json.dumps(doc, indent=2) + "\n")
+        atomic_write_text(os.path.join(args.out, "forgetting.md"), text + "\n")
+        print(text)
+        print(f"[espert eval] forgetting table: {os.path.join(args.out, 'forgetting.md')}", file=sys.stderr)
+    return 0
+
+
+def _dir_name(spec: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
+
+
+def _load(args: argparse.Namespace, spec: str):
+    from ..tasks import load_spec_task
+
+    task = load_spec_task(spec, args.split, n=args.limit, path=args.data)
+    if task is None or len(task) == 0:
+        raise ValueError(f"task {spec!r} has no {args.split!r} problems (give them with --data JSONL)")
+    return task
+
+
+def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) -> dict[str, list[dict]]:
+    """Sample every model on ``task``; saves ``out/samples_LABEL.jsonl`` and returns the records by label."""
+    from .runner import generate_samples
+    from .samplers import make_sampler
+    from .samples import save_samples
+
+    groups = {}
+    os.makedirs(out, exist_ok=True)
+    for label, path in models.items():
+        print(f"[espert eval] sampling {label} ({path}): {len(task)} {task.name} problems x {args.n}", file=sys.stderr)
+        kwargs = dict(chat_template=args.chat_template, dtype=args.dtype)
+        if args.evaluator == "torch":
+            kwargs.update(batch_size=args.batch_size, device=args.device)
+        sampler = make_sampler(args.evaluator, path, **kwargs)
+        try:
+            recs = generate_samples(
+                task,
+                label,
+                sampler,
+                args.n,
+                args.temperature,
+                args.top_p,
+                args.max_new_tokens,
+                args.seed,
+                extra_meta={"model_path": path, "evaluator": args.evaluator, "split": args.split, "data": args.data},
+                progress=True,
+            )
+        finally:
+            close = getattr(sampler, "close", None)
+            if close:
+                close()
+        out_path = os.path.join(out, f"samples_{label}.jsonl")
+        save_samples(out_path, recs)
+        print(f"[espert eval] wrote {out_path}", file=sys.stderr)
+        groups[label] = recs
+    return groups
+
+
+def _write(args: argparse.Namespace, groups: dict, out: str, threshold: float) -> dict:
+    from .runner import write_outputs
+
+    report = write_outputs(
         groups,
-        args.out,
+        out,
         base=args.base,
         threshold=threshold,
         solve_rule=args.solve_rule,
         plots=not args.no_plots,
         maj_method=args.maj,
     )
-    print(f"[espert eval] report: {os.path.join(args.out, 'report.json')}", file=sys.stderr)
-    return 0
+    print(f"[espert eval] report: {os.path.join(out, 'report.json')}", file=sys.stderr)
+    return report
 
 
 def _quiet_transformers() -> None:

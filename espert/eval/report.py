@@ -288,3 +288,41 @@ def format_summary(report: dict) -> str:
             f"{_fmt(e['regressions']['tuned'], 2)}"
         )
     return "\n".join(lines)
+
+
+def forgetting(reports: dict[str, dict], base: str) -> tuple[dict, str]:
+    """The forgetting table of several tasks' reports (task -> :func:`build_report`): pass@1, pass@K and
+    maj@K of every model on every task (K: the largest k of that task's report), and each model's
+    change against ``base``: what post-training kept or lost on tasks it was not trained on (the
+    second seed paper's Tables 2 and 5).  Returns (the ``forgetting.json`` document, the table as text)."""
+    doc: dict = {"base": base, "tasks": {}}
+    head = ["task", "model", "pass@1", "pass@K", "maj@K", "d pass@1", "d pass@K", "d maj@K"]
+    rows = []
+    for spec, rep in reports.items():
+        models = rep["models"]
+        if base not in models:
+            raise ValueError(f"base model {base!r} not among the evaluated models: {', '.join(models)}")
+        k = max((int(x) for x in models[base]["pass_at_k"]), default=1)
+        task = {"k": k, "models": {}}
+        ref = models[base]
+        for lab, m in models.items():
+            vals = {
+                "pass_at_1": m["pass_at_k"].get("1"),
+                f"pass_at_{k}": m["pass_at_k"].get(str(k)),
+                f"maj_at_{k}": m["maj_at_k"].get(str(k)),
+            }
+            delta = {
+                key: None if v is None or ref_v is None else v - ref_v
+                for (key, v), ref_v in zip(
+                    vals.items(), (ref["pass_at_k"].get("1"), ref["pass_at_k"].get(str(k)), ref["maj_at_k"].get(str(k)))
+                )
+            }
+            task["models"][lab] = {**vals, "change": delta}
+            signed = [("" if lab == base else f"{d:+.3f}") if d is not None else "n/a" for d in delta.values()]
+            rows.append([f"{spec} (K={k})", lab] + [_fmt(v) for v in vals.values()] + signed)
+        doc["tasks"][spec] = task
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    lines = [f"forgetting: every model on every task, change against {base!r}"]
+    lines.append("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
+    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    return doc, "\n".join(lines)
