@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         from espert.sweep import add_sweep_parser
 
         add_compare_parser(sub)
-        add_sweep_parser(sub)
+        add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0])
     return parser
 
 

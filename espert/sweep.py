@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from espert.extras import require
 
@@ -126,19 +126,20 @@ def run_sweep(
     workers: int = 1,
     echo: Callable[[str], None] = print,
     ray_address: Optional[str] = None,
+    train_config: Optional[Callable[[list[str]], Any]] = None,
 ) -> dict:
     """Train every grid point (``workers`` processes at a time, or as Ray tasks when ``ray_address`` is
     given: ``""`` starts or joins the local Ray, ``"auto"`` a running cluster), then write
-    ``sweep.json``, ``sweep.md`` and ``sweep.png`` into ``out``.  Returns the ``sweep.json`` document."""
-    from espert.cli import build_parser, config_from_args
+    ``sweep.json``, ``sweep.md`` and ``sweep.png`` into ``out``.  Returns the ``sweep.json`` document.
 
+    train_config: ``espert train`` arguments -> their ESConfig (the CLI's own parsing, which it hands
+    down: this module sits beside the CLI and does not import it); every point is checked with it
+    before any run starts."""
     plan = []
     for point in points(grid):
         run_dir = os.path.join(out, "runs", point_name(point))
         argv = train_argv(run_dir, point, base, config)
-        args = build_parser().parse_args(argv)  # every point checked before anything runs
-        cfg, _ = config_from_args(args)
-        plan.append((point, run_dir, argv, cfg.iterations))
+        plan.append((point, run_dir, argv, train_config(argv).iterations))
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     status: dict[str, str] = {}
     queue = []
@@ -266,8 +267,9 @@ def plot_sweep(doc: dict, path: str) -> str:
     return save_figure(fig, path)
 
 
-def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``espert sweep`` to an argparse ``subparsers`` object; sets ``func``."""
+def add_sweep_parser(subparsers, train_config: Callable[[list[str]], Any]) -> argparse.ArgumentParser:
+    """Add ``espert sweep`` to an argparse ``subparsers`` object; sets ``func``.  train_config: ``espert
+    train`` arguments -> ESConfig (see :func:`run_sweep`)."""
     p = subparsers.add_parser(
         "sweep",
         help="train one config over a grid of values; smoothed-reward table and plot",
@@ -290,7 +292,7 @@ def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
         help="run each grid point as a Ray task instead (no ADDRESS: the local Ray; 'auto': a running cluster, "
         "whose nodes must all see --out); default: local processes",
     )
-    p.set_defaults(func=run_cli)
+    p.set_defaults(func=run_cli, train_config=train_config)
     return p
 
 
@@ -308,7 +310,14 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.ray is not None:
         require("ray", "--ray")
     doc = run_sweep(
-        args.out, grid, base, args.config, args.workers, echo=lambda s: print(s, file=sys.stderr), ray_address=args.ray
+        args.out,
+        grid,
+        base,
+        args.config,
+        args.workers,
+        echo=lambda s: print(s, file=sys.stderr),
+        ray_address=args.ray,
+        train_config=args.train_config,
     )
     failed = [n for n, r in doc["runs"].items() if r["status"] != "done"]
     if failed:

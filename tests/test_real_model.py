@@ -100,7 +100,9 @@ def test_one_es_iteration_heldout_eval_and_bit_identical_replay(smollm2, tmp_pat
     shutil.copyfile(smollm2, copy)
     cfg2 = ESConfig(**{**cfg.to_dict(), "model": str(copy), "iterations": 0, "eval_size": 0})
     d2 = str(tmp_path / "run2")
-    runs.Run.open(d2, cfg2, echo=None).close()
+    started = runs.Run.open(d2, cfg2, echo=None)
+    started.commit()  # the run directory appears once its start succeeded
+    started.close()
     with open(copy, "ab") as f:
         f.write(b"\0")
     with pytest.raises(runs.RunError, match="copy.gguf: size changed"):
