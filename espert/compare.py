@@ -298,6 +298,24 @@ def evaluate(models: dict[str, str], out_dir: str, cc: CompareConfig, echo=print
     return write_outputs(groups, out_dir, base="base", threshold=1.0, solve_rule="any", echo=echo or (lambda s: None))
 
 
+def token_entropies(models: dict[str, str], cc: CompareConfig) -> dict[str, float]:
+    """label -> mean token entropy (bits) of the model's next-token distribution along its greedy
+    completions of the held-out prompts (the probe set; :meth:`TorchEvaluator.evaluate_center`), the
+    same measure ES runs log at every held-out evaluation."""
+    from espert.evaluators import TorchEvaluator, load_model
+    from espert.tasks import load_task
+
+    task = load_task("copy", "test", n=cc.eval_size)
+    out = {}
+    for label, path in models.items():
+        model, tok = load_model(path)
+        ev = TorchEvaluator(model, tok, lambda c, a: [0.0] * len(c), max_new_tokens=cc.max_new_tokens)
+        ev.evaluate_center(task.prompts, task.answers)
+        out[label] = ev.last_token_entropy
+        ev.close()
+    return out
+
+
 def n_params(model_dir: str) -> int:
     from espert.eval.analyze import SafetensorsWeights
 
@@ -348,6 +366,7 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
         budgets[label], phases = run_schedule(base, os.path.join(out_dir, label), spec, cc, echo)
         models.update(phases)
     report = evaluate(models, os.path.join(out_dir, "eval"), cc, echo)
+    entropy = token_entropies(models, cc)
     drift = {lab: compute_drift(base, path, per_tensor=False) for lab, path in models.items() if lab != "base"}
     plot_drift(drift, os.path.join(out_dir, "eval"))
     P = n_params(base)
@@ -368,6 +387,12 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
         format_summary(report),
         "```",
         "",
+        "## Token entropy (greedy, held-out prompts, bits per token)",
+        "",
+        "| model | " + " | ".join(entropy) + " |",
+        "|---" * (len(entropy) + 1) + "|",
+        "| H | " + " | ".join(f"{h:.3f}" for h in entropy.values()) + " |",
+        "",
         "## Drift (espert analyze)",
         "",
         "```",
@@ -385,6 +410,7 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
         "eval": report["models"],
         "comparisons": report["comparisons"],
         "pareto": report["pareto"],
+        "token_entropy": entropy,
         "schedules": {schedule_label(sp): parse_schedule(sp) for sp in cc.schedules},
         "drift": {k: {"overall": v["overall"], "groups": v["groups"]} for k, v in drift.items()},
     }

@@ -35,6 +35,7 @@ def test_compare_fast_variant_end_to_end(tmp_path):
     assert set(doc["eval"]) == {"base", "es", "grpo", "es-grpo.1", "es-grpo"}
     assert doc["drift"]["es-grpo"]["overall"]["rel_l2"] > 0
     assert set(doc["pareto"]["points"]) == set(doc["eval"]) and doc["pareto"]["front"]
+    assert set(doc["token_entropy"]) == set(doc["eval"]) and all(h > 0 for h in doc["token_entropy"].values())
     for m in doc["eval"].values():
         assert m["n_samples_per_problem"] == cc.n and m["n_problems"] == cc.eval_size
         assert set(m["pass_at_k"]) == set(m["maj_at_k"]) == {"1", "2", "4", "8"}
@@ -55,7 +56,7 @@ def test_compare_fast_variant_end_to_end(tmp_path):
     ):
         assert os.path.getsize(os.path.join(out, f)) > 0, f
     text = open(os.path.join(out, "report.md")).read()
-    assert "| ES | " in text and "| GRPO | " in text and "progressions" in text
+    assert "| ES | " in text and "| GRPO | " in text and "progressions" in text and "## Token entropy" in text
 
 
 def test_schedules_parse_into_phases_that_share_the_budget(capsys):
