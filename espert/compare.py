@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -134,6 +135,7 @@ def run_schedule(base_dir: str, out_dir: str, spec: str, cc: CompareConfig, echo
     previous one's model.  Returns (summed budget, {label: checkpoint directory of every phase})."""
     label = schedule_label(spec)
     total = {"rollouts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "train_reward": []}
+    total["train_entropy"] = []  # GRPO phases: (phase, step, bits)
     checkpoints, start = {}, base_dir
     phases = parse_schedule(spec)
     for i, (method, share) in enumerate(phases, 1):
@@ -146,6 +148,7 @@ def run_schedule(base_dir: str, out_dir: str, spec: str, cc: CompareConfig, echo
         for key in ("rollouts", "prompt_tokens", "generated_tokens", "seconds"):
             total[key] += b[key]
         total["train_reward"] += b["train_reward"]
+        total["train_entropy"] += [(i, step, h) for step, h in b.get("train_entropy", [])]
         checkpoints[label if i == len(phases) else f"{label}.{i}"] = out
         start = out
     total["seconds"] = round(total["seconds"], 1)
@@ -275,7 +278,10 @@ def run_grpo(base_dir: str, out_dir: str, cc: CompareConfig, echo=print, steps: 
     tok.save_pretrained(out_dir)
     if echo:
         echo(f"[compare] GRPO: {steps} steps, last mean reward {curve[-1]:.3f}")
-    budget.update(seconds=round(time.time() - t0, 1), steps=steps, train_reward=curve)
+    # TRL's own token entropy of the policy on its sampled completions (nats), at each logging step:
+    # GRPO's entropy during training, in bits
+    entropy = [(h["step"], h["entropy"] / math.log(2)) for h in trainer.state.log_history if "entropy" in h]
+    budget.update(seconds=round(time.time() - t0, 1), steps=steps, train_reward=curve, train_entropy=entropy)
     return budget
 
 
@@ -405,12 +411,16 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
     doc = {
         "config": dataclasses.asdict(cc),
         "n_params": P,
-        "budgets": {k: {kk: vv for kk, vv in v.items() if kk != "train_reward"} for k, v in budgets.items()},
+        "budgets": {
+            k: {kk: vv for kk, vv in v.items() if kk not in ("train_reward", "train_entropy")}
+            for k, v in budgets.items()
+        },
         "train_reward": {k: v["train_reward"] for k, v in budgets.items()},
         "eval": report["models"],
         "comparisons": report["comparisons"],
         "pareto": report["pareto"],
         "token_entropy": entropy,
+        "grpo_train_entropy": {k: v["train_entropy"] for k, v in budgets.items() if v.get("train_entropy")},
         "schedules": {schedule_label(sp): parse_schedule(sp) for sp in cc.schedules},
         "drift": {k: {"overall": v["overall"], "groups": v["groups"]} for k, v in drift.items()},
     }

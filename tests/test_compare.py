@@ -36,6 +36,9 @@ def test_compare_fast_variant_end_to_end(tmp_path):
     assert doc["drift"]["es-grpo"]["overall"]["rel_l2"] > 0
     assert set(doc["pareto"]["points"]) == set(doc["eval"]) and doc["pareto"]["front"]
     assert set(doc["token_entropy"]) == set(doc["eval"]) and all(h > 0 for h in doc["token_entropy"].values())
+    # GRPO's own token entropy during training (TRL's log), in bits, and per phase in the composition
+    assert doc["grpo_train_entropy"]["GRPO"] and all(h >= 0 for _, h in doc["grpo_train_entropy"]["GRPO"])
+    assert {phase for phase, _, _ in doc["grpo_train_entropy"]["es-grpo"]} == {2}
     for m in doc["eval"].values():
         assert m["n_samples_per_problem"] == cc.n and m["n_problems"] == cc.eval_size
         assert set(m["pass_at_k"]) == set(m["maj_at_k"]) == {"1", "2", "4", "8"}
