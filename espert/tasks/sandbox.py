@@ -286,6 +286,8 @@ def run_program(program: str, limits: Limits = Limits(), deadline: Optional[floa
             p.stdout.close()
         tail = b"\n" + token + b"\n"
         passed = status is None and p.returncode == 0 and buf.endswith(tail)
+        if status is None and p.returncode == -signal.SIGXCPU:
+            status = "timeout"  # the CPU-time limit (RLIMIT_CPU) can fire before the wall-clock one
         if status is None:
             status = "passed" if passed else "failed"
         out = buf[: -len(tail)] if buf.endswith(tail) else buf
