@@ -22,8 +22,8 @@ tokens are the completion's token ids up to and including the end token; forward
 ``2·P·(prompt + generated tokens)`` for the rollouts (GRPO's backward pass, about twice the forward,
 is reported separately).  Everything lands in ``OUT/report.md``, ``OUT/compare.json`` and the PNGs.
 
-TRL is an optional extra (``pip install espert[compare]``); without it this module raises a clear
-``ImportError`` at :func:`run_grpo`.
+TRL is an optional extra (``pip install espert[compare]``); without it :func:`run_compare` stops with
+:class:`espert.extras.MissingExtra` before it builds anything.
 """
 
 from __future__ import annotations
@@ -226,12 +226,9 @@ def run_es(base_dir: str, out_dir: str, cc: CompareConfig, echo=print, iteration
 def run_grpo(base_dir: str, out_dir: str, cc: CompareConfig, echo=print, steps: Optional[int] = None) -> dict:
     """GRPO (``trl.GRPOTrainer``) on ``copy`` from ``base_dir`` for ``steps`` optimizer steps (default:
     ES's rollout budget, :meth:`CompareConfig.grpo_steps`); saves to ``out_dir``."""
-    try:
-        from datasets import Dataset
-        from trl import GRPOConfig, GRPOTrainer
-    except ImportError as e:
-        raise ImportError(f"the ES-vs-GRPO comparison needs TRL: pip install 'espert[compare]' ({e})") from None
+    from datasets import Dataset
     from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
 
     from espert.tasks import load_task
 
@@ -352,7 +349,12 @@ def _budget_lines(budgets: dict, P: int) -> list[str]:
 
 
 def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
-    """The whole comparison; returns the ``compare.json`` document."""
+    """The whole comparison; returns the ``compare.json`` document.  The packages it needs and every
+    schedule are checked before anything is built or written."""
+    for module in ("trl", "accelerate", "datasets", "matplotlib"):
+        require(module, "espert compare")
+    for spec in cc.schedules:
+        parse_schedule(spec)
     from espert.eval.analyze import compute_drift, format_drift_summary, plot_drift
     from espert.eval.report import format_summary
     from espert.tiny import build_tiny_model
@@ -466,10 +468,6 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         cc = CompareConfig.fast() if args.fast else CompareConfig()
         cc = dataclasses.replace(cc, schedules=tuple(args.schedule))
-        for spec in cc.schedules:
-            parse_schedule(spec)  # a bad schedule: one line before anything runs
-        for module in ("trl", "accelerate", "matplotlib"):  # before the base model is built
-            require(module, "espert compare")
         torch.set_num_threads(1)
         run_compare(args.out, cc, echo=lambda s: print(s, file=sys.stderr))
     except (ImportError, ValueError, FileNotFoundError) as e:
