@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+import typing
 from typing import Any, Callable, Optional, Sequence
 
 from espert.extras import require
@@ -70,17 +71,19 @@ def point_name(point: dict[str, str]) -> str:
 
 
 def _flags(settings: dict[str, str]) -> list[str]:
+    """``espert train`` flags for config values given as strings (booleans and lists by the field's type)."""
+    from espert.config import field_type
+
     out = []
     for k, v in settings.items():
-        flag = "--" + k.replace("_", "-")
-        if v.lower() in ("true", "false"):
+        flag, t = "--" + k.replace("_", "-"), field_type(k)
+        if t is bool:
+            if v.lower() not in ("true", "false"):
+                raise ValueError(f"{k}={v!r}: expected true or false")
             out.append(flag if v.lower() == "true" else "--no-" + k.replace("_", "-"))
         else:
-            out += [flag, *v.split()] if k in _LIST_FIELDS else [flag, v]
+            out += [flag, *v.split()] if typing.get_origin(t) is list else [flag, v]
     return out
-
-
-_LIST_FIELDS = ("include", "exclude", "trackers", "vllm_rename", "weight_decay_exclude")
 
 
 def train_argv(run_dir: str, point: dict[str, str], base: dict[str, str], config: Optional[str]) -> list[str]:
