@@ -17,6 +17,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")
+#: nvcc's flags as CMakeLists.txt builds the kernels (sm_90 here), for the PTX and SASS checks
+NVCC_FLAGS = ["-arch=sm_90", "-std=c++17", "-O3", "--fmad=false", "-DESPERT_WITH_CUDA"]
+
+
+def triton_compiled(script: str, *args: str, timeout: int = 600):
+    """The JSON that ``script`` prints, run in a subprocess without TRITON_INTERPRET (Triton's own
+    compiler: under the interpreter @triton.jit returns functions it cannot compile)."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
 
 # Compiled in a subprocess: TRITON_INTERPRET=1 (set for the whole CI run) makes @triton.jit return
 # interpreted functions, which Triton's compiler cannot take.
@@ -62,17 +78,7 @@ def assert_exact_ptx(name: str, ptx: str) -> None:
 def test_triton_quant_kernel_ptx_is_exact():
     import json
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run(
-        [sys.executable, "-c", TRITON_QUANT_PTX, json.dumps(QUANT_CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    ptx = json.loads(res.stdout)
+    ptx = triton_compiled(TRITON_QUANT_PTX, json.dumps(QUANT_CASES))
     assert len(ptx) == len(QUANT_CASES)
     for name, text in ptx.items():
         assert ".entry" in text
@@ -82,25 +88,15 @@ def test_triton_quant_kernel_ptx_is_exact():
 
 def nvcc_ptx(tmp_path: Path, source: str) -> str:
     """PTX of a CUDA source compiled the way the build compiles it (sm_90, no FMA contraction)."""
-    ptx = tmp_path / (Path(source).stem + ".ptx")
-    res = subprocess.run(
-        [
-            NVCC,
-            "-ptx",
-            "-arch=sm_90",
-            "-std=c++17",
-            "-O3",
-            "--fmad=false",
-            "-DESPERT_WITH_CUDA",
-            str(ROOT / source),
-            "-o",
-            str(ptx),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    return nvcc(tmp_path, source, "-ptx").read_text()
+
+
+def nvcc(tmp_path: Path, source: str, kind: str) -> Path:
+    """``source`` compiled by nvcc with the build's flags (sm_90) to ``kind`` (``-ptx`` or ``-cubin``)."""
+    out = tmp_path / (Path(source).stem + "." + kind.lstrip("-"))
+    res = subprocess.run([NVCC, kind, *NVCC_FLAGS, str(ROOT / source), "-o", str(out)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    return ptx.read_text()
+    return out
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")

@@ -15,17 +15,15 @@ element, which today's kernels are far from).  No GPU has run these kernels: the
 """
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_cuda_ptx import NVCC, nvcc, triton_compiled
 
 ROOT = Path(__file__).resolve().parents[1]
-NVCC = shutil.which("nvcc")
 
 
 def _tool(name: str) -> str | None:
@@ -133,12 +131,7 @@ def measured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sass")
     out = {}
     if NVCC is not None:
-        cubin = tmp / "apply_cuda.cubin"
-        cmd = [NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-O3", "--fmad=false", "-DESPERT_WITH_CUDA"]
-        res = subprocess.run(
-            [*cmd, str(ROOT / "csrc/cuda/apply_cuda.cu"), "-o", str(cubin)], capture_output=True, text=True
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
+        cubin = nvcc(tmp, "csrc/cuda/apply_cuda.cu", "-cubin")
         for name, fn in sass_functions(cubin).items():
             m = re.search(r"apply_kernelILi(\d)ELi(\d)E", name)
             if m and int(m.group(2)) in FAMILIES:
@@ -147,17 +140,7 @@ def measured(tmp_path_factory):
         import triton  # noqa: F401
 
         cases = [(2, 0), (2, 1)]
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        res = subprocess.run(
-            [sys.executable, "-c", TRITON_CUBIN, str(tmp), json.dumps(cases)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=600,
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
-        for key, v in json.loads(res.stdout).items():
+        for key, v in triton_compiled(TRITON_CUBIN, str(tmp), json.dumps(cases)).items():
             dt, fam = map(int, key.split("/"))
             (fn,) = sass_functions(Path(v["cubin"])).values()
             out[("triton", DTYPES[dt], FAMILIES[fam])] = measure(fn, "triton", v["elems_per_thread"])

@@ -341,23 +341,11 @@ print(json.dumps(out))
 def test_apply_kernel_ptx_is_exact_for_every_dtype_and_family():
     """Compiled for sm_90 by Triton's own compiler (a subprocess without TRITON_INTERPRET): no FMA, no
     approximate division or square root, no flush-to-zero, in all nine launch variants."""
-    import json
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run(
-        [sys.executable, "-c", APPLY_PTX],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=Path(__file__).resolve().parents[1],
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    ptx = json.loads(res.stdout)
+    from test_cuda_ptx import triton_compiled
+
+    ptx = triton_compiled(APPLY_PTX, timeout=900)
     assert len(ptx) == 9
     for name, text in ptx.items():
         assert ".entry" in text, name
