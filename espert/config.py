@@ -33,6 +33,7 @@ OptimizerName = Literal["sgd", "momentum", "adam"]
 SigmaMode = Literal["absolute", "rms"]
 PromptSampler = Literal["sha256", "python_random"]
 MemberErrors = Literal["raise", "nan"]
+Members = Literal["serial", "batched"]
 Tracker = Literal["wandb", "tensorboard"]
 
 NORMALIZATIONS: tuple[str, ...] = typing.get_args(Normalization)
@@ -118,6 +119,13 @@ class ESConfig:
         "evaluator vllm: 'vllm_name=checkpoint_name' pairs for models whose "
         "parameter names differ from the checkpoint's beyond fusion",
     )
+    vllm_members: Members = opt(
+        "serial",
+        "evaluator vllm: serial (each member perturbed in place, one generate per member) or batched "
+        "(noise lowrank:R only: each member is a LoRA adapter and a chunk of members shares one generate; "
+        "moves only the Linear weights LoRA carries, not embeddings, lm_head, norms or biases; docs/vllm.md)",
+    )
+    vllm_max_loras: int = opt(8, "vllm_members batched: LoRA slots per engine, the members of one generate call")
     quant: Quant = opt(
         "none",
         "quantize the Linear layers (not lm_head) at load; ES perturbs and updates the "
@@ -227,6 +235,12 @@ class ESConfig:
         need(
             self.vllm_engines >= 1 and self.vllm_tensor_parallel_size >= 1,
             "vllm_engines and vllm_tensor_parallel_size must be >= 1",
+        )
+        need(self.vllm_max_loras >= 1, f"vllm_max_loras must be >= 1, got {self.vllm_max_loras}")
+        need(
+            self.vllm_members == "serial" or (self.evaluator == "vllm" and self.noise.startswith("lowrank:")),
+            f"vllm_members: batched serves members as rank-R LoRA adapters in vLLM: it needs evaluator: vllm and "
+            f"noise: lowrank:R (got evaluator {self.evaluator!r}, noise {self.noise!r})",
         )
         need(self.cpu_threads >= 0, f"cpu_threads must be >= 0, got {self.cpu_threads}")
         need(self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every and checkpoint_every must be >= 0")

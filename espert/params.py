@@ -88,3 +88,17 @@ def torch_param_views(
 
 def total_numel(views: Iterable[ParamView]) -> int:
     return sum(v.numel for v in views)
+
+
+def lora_carried(model: torch.nn.Module, views: Sequence[ParamView]) -> list[ParamView]:
+    """The views a vLLM LoRA adapter carries, for ``vllm_members: batched`` (:mod:`espert.vllm.lora`): the
+    weights of ``nn.Linear`` layers with more than one output row, except the output embeddings (lm_head).
+    Embeddings, norms and biases are left out.  The torch side of the rule (replay, exports): tests check it
+    selects what vLLM's LoRA layers hold."""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = {
+        m.weight.data_ptr()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not out_emb and m.weight.dim() == 2 and m.weight.shape[0] > 1
+    }
+    return [v for v in views if v.tensor.dim() == 2 and v.tensor.data_ptr() in linear]

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from espert.center import Center, CenterStore
-from espert.params import torch_param_views
+from espert.params import lora_carried, torch_param_views
 
 from .base import ModelEvaluator, score_and_extract
 
@@ -105,6 +105,8 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
         quantized = quantize_model(model, cfg.quant, group_size=cfg.quant_group_size)
         return model_quant_center(quantized, pin=pin, noise=cfg.noise)
     views = torch_param_views(model, include=cfg.include, exclude=cfg.exclude)
+    if getattr(cfg, "vllm_members", "serial") == "batched":  # vLLM's LoRA members move only these
+        views = lora_carried(model, views)
     return CenterStore(
         views,
         master_dtype=torch.float32,

@@ -24,6 +24,7 @@ with greedy fp32 decoding the vLLM and torch evaluators score the same text.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Callable, Mapping, Sequence
@@ -147,7 +148,20 @@ class VLLMEvaluator(Evaluator):
         no_decay: Sequence[str] = (),
         llm_kwargs: dict | None = None,
         extract: Callable | None = None,
+        members: str = "serial",
+        max_loras: int = 8,
     ):
+        if members not in ("serial", "batched"):
+            raise ValueError(f"members must be 'serial' or 'batched', got {members!r}")
+        if members == "batched":
+            from espert.vllm.lora import batched_rank, lora_rank_for
+
+            rank = batched_rank(noise)
+            if max_loras < 1:
+                raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+            llm_kwargs = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": lora_rank_for(rank)} | dict(
+                llm_kwargs or {}
+            )
         if member_errors not in ("raise", "nan"):
             raise ValueError(f"member_errors must be 'raise' or 'nan', got {member_errors!r}")
         if max_new_tokens < 1:
@@ -173,6 +187,7 @@ class VLLMEvaluator(Evaluator):
                     optimizer=optimizer,
                     sigma_scales=sigma_scales,
                     no_decay=list(no_decay),
+                    members=members,
                 ),
             )
         except AttributeError as e:
@@ -187,6 +202,11 @@ class VLLMEvaluator(Evaluator):
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision)
         self.sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, seed=seed, detokenize=False)
         self.timings = {"perturb": 0.0, "generate": 0.0, "restore": 0.0, "update": 0.0, "members": 0}
+        self.members = members
+        #: LoRA slots per engine call (members: batched), the same on every rank
+        self.lora_slots = self.rpc("es_lora_slots")[0] if members == "batched" else 0
+        #: logical names the center does not move (members: batched: what no LoRA slot carries)
+        self.unmoved = sorted({n for r in self.info for n in r.get("unmoved", [])})
         self._cache_key: tuple | None = None
         self._prompts: list = []
         self._pulled: dict[str, torch.Tensor] | None = None
@@ -261,6 +281,8 @@ class VLLMEvaluator(Evaluator):
     def evaluate(
         self, members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str]
     ) -> list[float]:
+        if self.members == "batched":
+            return self._evaluate_batched(members, sigma, prompts, answers)
         ext = None if self.extract is None else []
         rollout = self.rollout if ext is None else self.rollout_answers
         rewards = score_members(
@@ -268,6 +290,53 @@ class VLLMEvaluator(Evaluator):
         )
         self.member_answers = ext
         return rewards
+
+    def _evaluate_batched(
+        self, members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str]
+    ) -> list[float]:
+        """members: batched: each chunk of members fills the LoRA slots (factors made on the workers from the
+        seeds) and all its members' prompts go into one ``generate``, each with its slot's LoRARequest."""
+        from vllm.lora.request import LoRARequest
+
+        from espert.vllm.lora import chunks, members_per_chunk
+
+        if len(prompts) != len(answers) or not prompts:
+            raise ValueError(
+                f"need the same, nonzero number of prompts and answers; got {len(prompts)} and {len(answers)}"
+            )
+        tokens = self._token_prompts(prompts)
+        out, ext = [], None if self.extract is None else []
+        for chunk in chunks(list(members), members_per_chunk(len(members), self.lora_slots)):
+            t0 = time.perf_counter()
+            try:
+                self._quiesced()
+                ids = self.rpc("es_lora_fill", [[int(s), int(g)] for s, g in chunk], float(sigma))[0]
+                self._changed()  # the slots' adapters changed: cached KV under the same adapter name is stale
+                t1 = time.perf_counter()
+                self.timings["perturb"] += t1 - t0
+                lora = [LoRARequest(f"espert-slot-{i}", i, "espert-slot") for i in ids for _ in tokens]
+                outs = self.llm.generate(tokens * len(chunk), self.sampling, lora_request=lora, use_tqdm=False)
+                texts = [self.tokenizer.decode(list(o.outputs[0].token_ids), skip_special_tokens=True) for o in outs]
+                self.timings["generate"] += time.perf_counter() - t1
+                per_member = [texts[m * len(tokens) : (m + 1) * len(tokens)] for m in range(len(chunk))]
+                scored = [
+                    score_and_extract(self.score, self.extract, c, answers)
+                    if ext is not None
+                    else (list(self.score(c, answers)), None)
+                    for c in per_member
+                ]
+            except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
+                if self.member_errors == "raise":
+                    raise
+                log.warning("members %s failed, dropped: %r", [s for s, _ in chunk], e)
+                scored = [([math.nan], [None] * len(prompts)) for _ in chunk]
+            self.timings["members"] += len(chunk)
+            for rewards, extracted in scored:
+                out.append(math.fsum(rewards) / len(rewards))
+                if ext is not None:
+                    ext.append(list(extracted))
+        self.member_answers = ext
+        return out
 
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return self.rollout(prompts, answers)

@@ -286,6 +286,8 @@ def vllm_param_views(
         seen.add(id(p))
         prefix, _, leaf = pname.rpartition(".")
         module = modules.get(prefix, model)
+        # LoRA-enabled engines wrap each layer (``qkv_proj.base_layer.weight``); the checkpoint name has no wrapper
+        pname, prefix = pname.replace(".base_layer.", "."), prefix.removesuffix(".base_layer")
         if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.w8a8
             continue
         if p.dtype not in DTYPE_CODES:

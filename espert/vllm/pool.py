@@ -369,7 +369,8 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
     the task's answer extractor (the evaluator then fills ``member_answers``).
 
     Reads optional config fields when present (``vllm_tensor_parallel_size``, ``vllm_engines``,
-    ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``, ``vllm_rename``); defaults otherwise.
+    ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``, ``vllm_rename``, ``vllm_members``,
+    ``vllm_max_loras``); defaults otherwise.
     The center's loop fields (``noise``, ``optimizer*``, ``sigma_mode``, ``weight_decay_exclude``) go to
     every worker's center as :func:`espert.evaluators.torch_model.config_center` gives them to the torch
     evaluator's.  A malformed ``vllm_rename`` is refused before any engine starts.
@@ -394,6 +395,8 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
         member_errors=cfg.member_errors,
         rename=rename,
         extract=extract,
+        members=getattr(cfg, "vllm_members", "serial"),
+        max_loras=int(getattr(cfg, "vllm_max_loras", 8) or 8),
         **center_kwargs(cfg, model_path),
     )
     if engines > 1:

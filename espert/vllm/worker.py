@@ -120,6 +120,7 @@ class ESWorkerExtension:
         optimizer: dict | str | None = None,
         sigma_scales: dict[str, float] | None = None,
         no_decay: Sequence[str] = (),
+        members: str = "serial",
     ) -> dict:
         """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
 
@@ -136,12 +137,17 @@ class ESWorkerExtension:
         :func:`espert.vllm.stream.checkpoint_rms_scales`), so every TP rank and fused piece uses the
         scale of its whole logical tensor; it must name every selected parameter.
 
+        members: ``"serial"`` (perturb in place per member) or ``"batched"`` (lowrank:r noise only: members
+        are LoRA adapters in this engine's slots, filled by :meth:`es_lora_fill`; see :mod:`espert.vllm.lora`).
+        Batched, the center holds only the tensors a LoRA slot carries; the others are listed under
+        ``"unmoved"`` and never change.
+
         Ends with a self-test (:mod:`espert.vllm.selftest`): one tensor of each module kind is
         perturbed and restored, and the engine's forward pass must change and then come back bit
         for bit; otherwise :class:`~espert.vllm.selftest.EditsNotVisible` is raised (weights restored).
 
         Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device",
-        "self_test": [probed logical names]}``.  Raises (naming the parameter) for layouts it cannot
+        "self_test": [probed logical names], "members", "unmoved": [logical names]}``.  Raises (naming the parameter) for layouts it cannot
         map, and RuntimeError when the CPU prepack patch did not take effect.
         """
         from espert.center import CenterStore
@@ -156,6 +162,10 @@ class ESWorkerExtension:
             def check(views):
                 return None
 
+        if members not in ("serial", "batched"):
+            raise ValueError(f"members must be 'serial' or 'batched', got {members!r}")
+        if w8a8.has_w8a8(model) and members == "batched":
+            raise ValueError("members: batched needs unquantized weights (LoRA slots); this model has W8A8 int8 layers")
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, see espert/vllm/w8a8.py
             from espert.center import Optimizer
 
@@ -176,6 +186,20 @@ class ESWorkerExtension:
             model, include=include, exclude=exclude, rename=(lambda n: rename.get(n, n)) if rename else None
         )
         check(views)
+        unmoved = []
+        if members == "batched":
+            from espert.vllm.lora import batched_rank, lora_targets
+
+            batched_rank(noise)
+            if getattr(self.model_runner, "lora_manager", None) is None:
+                raise ValueError(
+                    "members: batched needs an engine created with enable_lora=True (espert.vllm.make_llm)"
+                )
+            _, skip = lora_targets(model, views)
+            unmoved = [views[i].name for i in skip]
+            views = [v for i, v in enumerate(views) if i not in set(skip)]
+            if not views:
+                raise ValueError("members: batched: no selected parameter is carried by a LoRA layer")
         device = views[0].tensor.device
         if master not in ("float32", "weights"):
             raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
@@ -194,7 +218,15 @@ class ESWorkerExtension:
             sigma_scales=scales,
             no_decay=list(no_decay),
         )
-        return self._es_install(cpu_patch.RepackingCenter(center, model), model, str(device))
+        info = self._es_install(cpu_patch.RepackingCenter(center, model), model, str(device))
+        self._es_lora = None
+        if members == "batched":
+            from espert.vllm.lora import LoraSlots, batched_rank
+
+            self._es_lora = LoraSlots(
+                self.model_runner.lora_manager, model, center.views, center.sigma_scales, batched_rank(noise)
+            )
+        return {**info, "members": members, "unmoved": unmoved}
 
     def _es_install(self, center, model: torch.nn.Module, device: str) -> dict:
         """Run the self-test (edits must reach the forward pass; :mod:`espert.vllm.selftest`), then make
@@ -241,6 +273,31 @@ class ESWorkerExtension:
         """Live weights <- center + sign·σ·ε(seed) (from the restored state), in place."""
         self._es_require().perturb(int(seed), float(sigma), int(sign))
         self._es_sync()
+
+    def es_lora_fill(self, members: Sequence[Sequence[int]], sigma: float) -> list[int]:
+        """members: batched: write the factors of ``members`` [(seed, sign)] into this engine's LoRA slots
+        (the weights are not touched); returns the adapter ids to generate with, in member order."""
+        slots = getattr(self, "_es_lora", None)
+        if slots is None:
+            raise RuntimeError("espert worker extension: es_lora_fill needs es_setup(members='batched')")
+        ids = slots.fill([(int(s), int(g)) for s, g in members], float(sigma))
+        self._es_sync()
+        return ids
+
+    def es_lora_error(self, seed: int, sign: int, sigma: float) -> dict[str, float]:
+        """members: batched: max relative difference, per logical piece on this rank, between the change a
+        LoRA slot adds and the in-place perturbation of the same member (:func:`espert.vllm.lora.slot_error`)."""
+        from espert.vllm.lora import slot_error
+
+        slots = getattr(self, "_es_lora", None)
+        if slots is None:
+            raise RuntimeError("espert worker extension: es_lora_error needs es_setup(members='batched')")
+        return slot_error(slots, int(seed), int(sign), float(sigma))
+
+    def es_lora_slots(self) -> int:
+        """The number of LoRA slots espert fills (0 unless set up with members='batched')."""
+        slots = getattr(self, "_es_lora", None)
+        return 0 if slots is None else slots.count
 
     def es_restore(self) -> None:
         """Live weights <- the exact center (host copy), in place."""

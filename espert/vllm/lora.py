@@ -1,0 +1,230 @@
+"""Batched low-rank members: a lowrank:r population served as vLLM LoRA adapters, in one ``generate``.
+
+With ``noise: lowrank:r`` a member's perturbation of a logical [R, C] matrix is exactly rank r
+(docs/noise.md §5.2): ``sign·σ·s_t·ε = (σ·s_t·A') @ (sign·Bᵀ)``, A' = fl(K_r·A) [R, r] and Bᵀ [r, C].
+That is a LoRA adapter with ``lora_b = σ·s_t·A'`` (vLLM's [out, rank]: the scale) and
+``lora_a = sign·Bᵀ`` ([rank, in]: the sign).  So instead of perturb → generate → restore per member,
+every member of a chunk becomes one adapter slot and all their prompts go into one multi-LoRA
+``generate`` (``members: batched``); the base weights stay at the center.
+
+- **Slots, not adapters.** :class:`LoraSlots` registers K zero adapters once (vLLM's dummy LoRAs),
+  pins them (never evicted), and writes each member's factors straight into vLLM's stacked slot
+  buffers (``lora_a_stacked`` / ``lora_b_stacked`` of every LoRA layer).  The factors are made on the
+  worker from the seed by espert's own staging kernel (:func:`espert.ops.lowrank_stage`, the A' and Bᵀ
+  the fused ops read), one staging buffer per tensor and call, never a tensor per member; only seeds
+  and scalars cross the RPC.
+- **Logical noise of every piece.** A fused ``qkv_proj`` / ``gate_up_proj`` has one LoRA slice per
+  checkpoint tensor (q, k, v; gate, up): each slice gets the (name, logical index) factors of its
+  piece.  Under tensor parallelism a rank's slice buffers hold its rows (column-parallel: its rows of
+  A') or its columns (row-parallel: its columns of Bᵀ), and the view's Block says which.
+- **What LoRA cannot carry** (1-D norms and biases, embeddings, ``lm_head``, any tensor no LoRA
+  layer wraps) is not moved in this mode: :func:`lora_targets` leaves it out of the center, so the
+  update (espert's fused lowrank update on the float32 master, unchanged) moves exactly what the
+  rewards saw.  EGGROLL does the same.
+
+The rewards differ from an in-place evaluation of the same member only in rounding: vLLM computes
+``x·Wᵀ + (x·lora_aᵀ)·lora_bᵀ`` instead of ``x·(W + σε)ᵀ`` (docs/vllm.md, "Batched members").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from espert.noise import NoiseFamily
+from espert.params import ParamView
+
+#: vLLM's allowed ``max_lora_rank`` values (vllm/config/lora.py); a lowrank:r population takes the
+#: smallest one >= r and leaves the extra rank columns at zero.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+#: First adapter id of espert's slots (ids are vLLM's ``lora_int_id``; anything > 0 works).
+SLOT_ID_BASE = 1
+
+
+class LoraLayoutError(ValueError):
+    """A selected parameter cannot be carried by a vLLM LoRA slot in the way espert maps it."""
+
+
+def lora_rank_for(rank: int) -> int:
+    """The ``max_lora_rank`` a lowrank:``rank`` population needs: the smallest vLLM allows that is >= rank."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"lowrank:{rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+
+
+def batched_rank(noise: str) -> int:
+    """The rank r of a ``lowrank:r`` noise spec; ValueError naming the noise for any other family."""
+    fam = NoiseFamily.parse(noise)
+    if fam.name != "lowrank":
+        raise ValueError(
+            f"members: batched serves each member as a rank-r LoRA adapter, so it needs noise: lowrank:r (got {noise!r})"
+        )
+    return fam.rank
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one center view lives in vLLM's LoRA buffers: ``layer.lora_{a,b}_stacked[slice]``, its rows
+    starting at ``row`` of that slice's output (``rows`` of them) and all the slice's input columns."""
+
+    view: int  # index into the center's views
+    layer: torch.nn.Module
+    slice: int
+    row: int
+    rows: int
+    cols: int
+
+
+def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """vLLM's LoRA-wrapped linear layers (they have per-slice ``output_slices`` and a ``base_layer``)."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, BaseLayerWithLoRA) and hasattr(m, "output_slices") and hasattr(m, "lora_a_stacked"):
+            w = getattr(m.base_layer, "weight", None)
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                out.append(m)
+    return out
+
+
+def lora_targets(model: torch.nn.Module, views: Sequence[ParamView]) -> tuple[list[Target], list[int]]:
+    """Match every view to the LoRA slice holding it.  Returns ``(targets, uncovered)``: one Target per
+    coverable view, and the indices of the views no LoRA layer carries (1-D, embeddings, lm_head, ...).
+
+    A view is covered when it is a 2-D block of a LoRA layer's base weight spanning whole rows, inside
+    one output slice, of a logical parameter with more than one row (lowrank's 1-row tensors take the
+    Gaussian, which no rank-r adapter carries).  Raises LoraLayoutError for a view that shares a LoRA
+    layer's storage in any other way."""
+    by_storage = {m.base_layer.weight.untyped_storage().data_ptr(): m for m in _lora_layers(model)}
+    targets, uncovered = [], []
+    for i, v in enumerate(views):
+        t = v.tensor
+        layer = by_storage.get(t.untyped_storage().data_ptr()) if t.dim() == 2 else None
+        logical_rows = t.shape[0] if v.block is None or v.block.logical_rows is None else v.block.logical_rows
+        if layer is None or logical_rows < 2:
+            uncovered.append(i)
+            continue
+        w = layer.base_layer.weight
+        start = (t.data_ptr() - w.data_ptr()) // (w.stride(0) * w.element_size())
+        if t.shape[1] != w.shape[1] or t.stride() != w.stride():
+            raise LoraLayoutError(f"{v.name}: covers part of the rows of {type(layer).__name__}'s weight")
+        edge = 0
+        for s, size in enumerate(layer.output_slices):
+            if edge <= start < edge + size:
+                if start + t.shape[0] > edge + size:
+                    raise LoraLayoutError(f"{v.name}: rows {start}..{start + t.shape[0]} cross a LoRA slice edge")
+                targets.append(Target(i, layer, s, start - edge, t.shape[0], t.shape[1]))
+                break
+            edge += size
+        else:
+            raise LoraLayoutError(f"{v.name}: rows from {start} are outside the LoRA slices {layer.output_slices}")
+    return targets, uncovered
+
+
+def _block_geometry(v: ParamView) -> tuple[int, int, int]:
+    """(row_offset, col_offset, logical_cols) of a view inside its logical parameter."""
+    b = v.block
+    if b is None:
+        return 0, 0, int(v.tensor.shape[1])
+    cols = v.tensor.shape[1] if b.logical_cols is None else b.logical_cols
+    return int(b.row_offset), int(b.col_offset), int(cols)
+
+
+class LoraSlots:
+    """K pinned vLLM LoRA slots that espert fills with members' factors (see the module docstring).
+
+    worker_lora: the worker's ``model_runner.lora_manager`` (an ``LRUCacheWorkerLoRAManager``).
+    views / scales: the center's views and σ multipliers s_t (None: all 1).  rank: the noise's r.
+    After construction ``ids[k]`` is the ``lora_int_id`` of slot k (generate with it), ``count`` = K.
+    """
+
+    def __init__(self, worker_lora, model: torch.nn.Module, views, scales, rank: int, count: int | None = None):
+        from vllm.lora.request import LoRARequest
+
+        am = worker_lora._adapter_manager
+        self.count = int(count or am.lora_slots)
+        if not 1 <= self.count <= am.lora_slots:
+            raise ValueError(f"{self.count} slots asked, the engine has {am.lora_slots} (max_loras)")
+        self.rank = int(rank)
+        self.targets, self.uncovered = lora_targets(model, views)
+        self.views, self.scales = list(views), scales
+        self.ids = [SLOT_ID_BASE + k for k in range(self.count)]
+        for i in self.ids:
+            if i not in worker_lora.list_adapters():
+                worker_lora.add_dummy_lora(LoRARequest(f"espert-slot-{i}", i, "espert-slot"), self.rank)
+            worker_lora.pin_adapter(i)  # activates it in a slot and keeps it there
+        self.index = [am.lora_index_to_id.index(i) for i in self.ids]  # slot index in the stacked buffers
+        for layer in {id(t.layer): t.layer for t in self.targets}.values():
+            for k in self.index:
+                layer.reset_lora(k)  # zero the whole slot: rank columns >= r stay zero
+
+    def fill(self, members: Sequence[tuple[int, int]], sigma: float) -> list[int]:
+        """Write the factors of ``members`` [(seed, sign)] into the first len(members) slots; returns
+        their adapter ids.  Slot k then adds ``sign_k·σ·s_t·ε(seed_k)`` (up to rounding) to every target."""
+        n = len(members)
+        if not 1 <= n <= self.count:
+            raise ValueError(f"{n} members for {self.count} LoRA slots")
+        from espert.ops import lowrank_stage
+        from espert.ops.backends import default_backend
+
+        seeds = np.array([int(s) for s, _ in members], dtype=np.uint64)
+        r = self.rank
+        for t in self.targets:
+            v = self.views[t.view]
+            row_off, col_off, logical_cols = _block_geometry(v)
+            a_buf, b_buf = t.layer.lora_a_stacked[t.slice], t.layer.lora_b_stacked[t.slice]
+            stage, _, _ = lowrank_stage(
+                v.key, t.rows, t.cols, row_off, col_off, logical_cols, seeds, r, a_buf.device, default_backend(a_buf)
+            )
+            a_prime = stage[: n * t.rows * r].view(n, t.rows, r)  # A' = fl(K_r·A), float32
+            b_t = stage[n * t.rows * r :].view(n, r, t.cols)  # Bᵀ, float32
+            s = float(sigma) * (1.0 if self.scales is None else float(self.scales[t.view]))
+            for m, (_, sign) in enumerate(members):
+                k = self.index[m]
+                b_buf[k, 0, t.row : t.row + t.rows, :r].copy_(a_prime[m] * s)
+                a_buf[k, 0, :r, : t.cols].copy_(b_t[m] if sign > 0 else -b_t[m])
+        return self.ids[:n]
+
+    def delta(self, k: int, target: Target) -> torch.Tensor:
+        """The weight change slot k adds to ``target``'s rows: lora_b @ lora_a in float64 ([rows, cols]); tests."""
+        a = target.layer.lora_a_stacked[target.slice][self.index[k], 0].to(torch.float64)
+        b = target.layer.lora_b_stacked[target.slice][self.index[k], 0, target.row : target.row + target.rows]
+        return b.to(torch.float64) @ a[:, : target.cols]
+
+
+def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float) -> dict[str, float]:
+    """Fill slot 0 with member (seed, sign) and compare, on every target, the weight change the slot adds
+    (lora_b @ lora_a, float64) with the in-place perturbation of the same member (espert's fused op on a
+    zero float32 block: fl(sign·σ·s_t·ε)).  Returns ``{logical name: max |difference| / max |in-place|}``
+    for this rank's pieces: float32 rounding of the factors (about 1e-7), never O(1)."""
+    from espert.ops import perturb_
+
+    slots.fill([(seed, sign)], sigma)
+    out = {}
+    for t in slots.targets:
+        v = slots.views[t.view]
+        s = float(sigma) * (1.0 if slots.scales is None else float(slots.scales[t.view]))
+        ref = torch.zeros(v.tensor.shape, dtype=torch.float32, device=v.tensor.device)
+        perturb_(ref, int(seed), v.key, s, int(sign), block=v.block, noise=f"lowrank:{slots.rank}")
+        got = slots.delta(0, t)
+        scale = float(ref.abs().max()) or 1.0
+        out[v.name] = float((got - ref.to(torch.float64)).abs().max()) / scale
+    return out
+
+
+def chunks(members: Sequence, size: int) -> list[list]:
+    """``members`` in consecutive chunks of at most ``size`` (the engine's LoRA slots)."""
+    return [list(members[i : i + size]) for i in range(0, len(members), size)]
+
+
+def members_per_chunk(n: int, slots: int) -> int:
+    """Chunk size that spreads n members evenly over the fewest generate calls of <= ``slots`` each."""
+    calls = math.ceil(n / slots)
+    return math.ceil(n / calls)
