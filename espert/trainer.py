@@ -225,6 +225,12 @@ def train(
                 + ("" if resume else "; nothing was written, so the same command works once it is fixed")
             ) from e
         run.commit()  # everything loaded: only now does the run directory appear
+        unmoved = getattr(evaluator, "unmoved", None)
+        if unmoved:  # vllm_members: batched (config.yaml records the mode; docs/vllm.md says what stays)
+            say(
+                f"[espert] vllm_members batched: {len(unmoved)} tensors stay at the base (no LoRA slot carries "
+                f"them: embeddings, lm_head, norms, biases), e.g. {', '.join(unmoved[:3])}"
+            )
         energy = evaluator.noise_energy()
         meter = IterationMeter(evaluator, run.iterations(), answer_equivalence(train_task.name))
         start = run.restore(evaluator)
