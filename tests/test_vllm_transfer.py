@@ -8,10 +8,11 @@
 - each command is a few dozen bytes, the same at TP=1 and TP=2 (half the weights per rank), as
   received by the workers (pickled) and as the LLM encodes it for its engine core (msgpack);
 - a bad command (unknown op or key, wrong type, out of range) raises one error naming it and leaves
-  the weights untouched; an update before ``init_weight_transfer_engine`` is refused;
+  the weights untouched; so does a bad ``init_info``; an update before ``init_weight_transfer_engine``
+  and an engine without the worker extension are refused;
 - the client in bench/vllm_transfer_client.py (vLLM's calls only) runs an ES iteration.
 
-Runtime: ~2 min (two engine starts).
+Runtime: ~1.5 min (two engine starts).
 """
 
 import importlib.util
@@ -191,6 +192,22 @@ def test_update_before_init_is_refused(ev1):
             ev1.llm.update_weights({"update_info": {"op": "restore"}})
     finally:
         ev1.llm.collective_rpc(lambda w: setattr(w.worker, "_es_center", w._saved_center))
+
+
+def test_bad_init_info_is_refused(ev1):
+    before = ev1.checksum()
+    with pytest.raises(ValueError, match="Invalid init_info for ESWeightTransferEngine.*'optimiser'"):
+        ev1.llm.init_weight_transfer_engine({"init_info": {"optimiser": "sgd"}})
+    assert ev1.checksum() == before
+
+
+def test_engine_needs_the_worker_extension(ev1):
+    """Built anywhere but in a worker's load_model (here: by hand), the engine has no center to drive."""
+    from espert.vllm.transfer import ESWeightTransferEngine
+
+    cfg = ev1.llm.llm_engine.vllm_config
+    with pytest.raises(ValueError, match="needs worker_extension_cls='espert.vllm.worker.ESWorkerExtension'"):
+        ESWeightTransferEngine(WeightTransferConfig(backend="espert"), cfg, torch.device("cpu"), torch.nn.Linear(2, 2))
 
 
 def test_bench_client_runs_an_es_iteration(ev1):
