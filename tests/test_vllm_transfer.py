@@ -263,7 +263,7 @@ def test_tp2_native_api_bit_identical_to_worker_extension(ev2):
 
 def test_tp2_bad_command_names_the_problem(ev2):
     """Last with this engine: after any worker error vLLM 0.32's multiprocess executor leaves the other
-    ranks' replies queued, so the next collective_rpc reads a stale one (vllm-project/vllm#49972); the
+    ranks' replies queued, so the next collective_rpc reads a stale one (vllm-project/vllm#58242, fix proposed in #57846); the
     weights after a bad command are checked at TP=1 above."""
     ev2.llm.start_weight_update()
     with pytest.raises(Exception, match="espert weight transfer: unknown op 'perturbb'"):
