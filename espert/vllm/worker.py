@@ -14,8 +14,9 @@ Only seeds, scalars and (for checkpoints) the float32 center and optimizer state
 go through espert's fused ops on the live tensors (never reallocated: data pointers and CUDA
 graphs stay valid); the only copy of the weights is espert's CenterStore in host memory.
 
-Importing this module installs the vLLM-CPU prepack patch (:mod:`espert.vllm.cpu_patch`), and
-vLLM imports it in each worker before the model loads.  Method names start with ``es_`` so they
+Importing this module installs the vLLM-CPU prepack patch (:mod:`espert.vllm.cpu_patch`) and, on a
+vLLM with the native weight-transfer API, registers the ``"espert"`` backend (:mod:`espert.vllm.transfer`:
+the same commands through ``llm.update_weights``); vLLM imports it in each worker before the model loads.  Method names start with ``es_`` so they
 cannot collide with the worker's own attributes.
 """
 
@@ -33,6 +34,24 @@ cpu_patch.install()  # before the worker loads the model: see espert/vllm/cpu_pa
 seeded.install()  # seeded sampling with chunked prefill on CPU (espert/vllm/seeded.py)
 w8a8.install()  # W8A8 int8 layers keep their codes (espert/vllm/w8a8.py)
 lora.install_cpu_kernels()  # vLLM-CPU's LoRA ops as dense GEMMs over all slots (espert/vllm/lora.py)
+
+
+def _register_transfer_engine() -> None:
+    """Register the ``"espert"`` weight-transfer backend (:mod:`espert.vllm.transfer`) with vLLM's factory.
+
+    Here because vLLM imports this module in every worker process before ``load_model`` creates the
+    engine; the registration is lazy (a module path), so nothing more is imported until it is used."""
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without the native weight-transfer API: the es_* RPCs below still work
+        return
+    try:
+        WeightTransferEngineFactory.register_engine("espert", "espert.vllm.transfer", "ESWeightTransferEngine")
+    except ValueError:  # registered already: this module was imported before in this process
+        pass
+
+
+_register_transfer_engine()
 
 #: Elements sampled per tensor for the checksum hash.
 CHECKSUM_SAMPLES = 1024
