@@ -191,17 +191,27 @@ def test_tp2_slices_hold_each_ranks_piece(tiny_dir, ev, monkeypatch):
     assert sum(a == b for a, b in zip(rewards, single)) >= len(MEMBERS) - 1, (rewards, single)
 
 
-def test_dense_cpu_lora_ops_equal_vllms_own():
-    """espert's dense all-slot GEMMs against vLLM's gather-per-token CPU ops, on random slots."""
-    import espert.vllm.worker  # noqa: F401  (installs the dense ops, keeping vLLM's in VLLM_OPS)
+@pytest.mark.parametrize("order", ["slots in order", "runs", "uneven runs", "scattered"])
+def test_dense_cpu_lora_ops_equal_vllms_own(order):
+    """espert's CPU LoRA ops against vLLM's gather-per-token CPU ops, on random slots."""
+    import espert.vllm.worker  # noqa: F401  (installs espert's ops, keeping vLLM's in VLLM_OPS)
     from espert.vllm import lora
 
     g = torch.Generator().manual_seed(0)
-    k, r, d_in, d_out, t = 5, 8, 48, 40, 37
+    k, r, d_in, d_out = 5, 8, 48, 40
+    if order == "slots in order":  # espert's fill order: the slots' weights are a slice
+        idx = torch.tensor([1, 2, 3]).repeat_interleave(torch.tensor([9, 9, 2]))
+    elif order == "runs":  # how members arrive: each slot's requests in a row, equal counts, a subset of slots
+        idx = torch.tensor([3, 1, 4, 0]).repeat_interleave(9)
+    elif order == "uneven runs":  # a prefill chunk that cuts the last member's prompts
+        idx = torch.tensor([3, 1, 4, 0]).repeat_interleave(torch.tensor([9, 9, 9, 4]))
+    else:
+        idx = torch.randint(0, k, (37,), generator=g)
+    t = idx.numel()
+    assert (lora._runs(idx, k) is None) == (order == "scattered")
     x = torch.randn(t, d_in, generator=g)
     a = torch.randn(k, 1, r, d_in, generator=g)
     b = torch.randn(k, 1, d_out, r, generator=g)
-    idx = torch.randint(0, k, (t,), generator=g)
     h_ours, h_vllm = torch.zeros(t, r), torch.zeros(t, r)
     lora.dense_shrink(x, a, h_ours, idx, 0.5)
     lora.VLLM_OPS["bgmv_shrink"](x, a, h_vllm, idx, 0.5)
@@ -226,3 +236,6 @@ def test_dense_cpu_lora_ops_equal_vllms_own():
     h = torch.full((t, r), 7.0)
     lora.dense_shrink(x, a, h, idx)
     assert torch.all(h[:5] == 0)
+    y = base.clone()
+    lora.dense_expand(torch.ones(t, r), b, y, idx, True)
+    assert torch.equal(y[:5], base[:5])

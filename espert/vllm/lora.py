@@ -244,16 +244,65 @@ def _slots(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
+#: the last token -> slot indices (their bytes: vLLM makes them under inference mode, which keeps no version
+#: counter) and K, with their runs: all layers of a forward step share them, so they are found once a step
+_RUNS: dict[str, tuple] = {}
+
+
+def _runs(indices: torch.Tensor, k: int):
+    """``(slots, run lengths, slot tensor)`` when the tokens come in runs, one per slot (how espert's members
+    arrive: a member's requests in a row), else None (scattered tokens, or tokens without an adapter).  Then
+    a run is a view of the activations: equal runs are one batched GEMM ([slots, G, in] @ [slots, in, r]),
+    unequal ones (a prefill chunk that cuts the last member) one small GEMM each, with no copy."""
+    key = (k, indices.dtype, indices.cpu().numpy().tobytes())
+    if _RUNS.get("key") == key:
+        return _RUNS["value"]
+    value = None
+    if indices.numel() and bool((indices >= 0).all()):
+        used, counts = torch.unique_consecutive(indices, return_counts=True)
+        if used.numel() == torch.unique(used).numel():
+            value = (used.tolist(), counts.tolist(), used)
+    _RUNS.update(key=key, value=value)
+    return value
+
+
+def _run_gemms(x: torch.Tensor, w: torch.Tensor, runs) -> torch.Tensor:
+    """``x[t] @ w[slot(t)]ᵀ`` over the runs of :func:`_runs`: x [T, a], w [K, b, a] -> [T, b].  Consecutive
+    runs of one length are one batched GEMM on a view; a run on its own (a cut member) one GEMM."""
+    slots, counts, used = runs
+    out = x.new_empty(x.shape[0], w.shape[1])
+    i = start = 0
+    while i < len(slots):
+        j = i
+        while j + 1 < len(slots) and counts[j + 1] == counts[i]:
+            j += 1
+        n, g = j - i + 1, counts[i]
+        rows = slice(start, start + n * g)
+        if n == 1:
+            torch.mm(x[rows], w[slots[i]].t(), out=out[rows])
+        else:  # espert's slots are filled in order, so the slots of a block are usually a slice: no gather
+            ws = w[slots[i] : slots[j] + 1] if slots[j] - slots[i] == j - i else w[used[i : j + 1]]
+            out[rows] = torch.bmm(x[rows].reshape(n, g, -1), ws.transpose(1, 2)).reshape(n * g, -1)
+        start, i = start + n * g, j + 1
+    return out
+
+
 def dense_shrink(inputs, lora_a, output, indices, scaling: float = 1.0) -> None:
     """``output[t] = scaling · lora_a[indices[t]] @ inputs[t]``: inputs [T, in], lora_a [K, (1,) r, in],
-    output [T, ≥r]; one GEMM over all K slots.  Replaces vLLM's ``bgmv_shrink``."""
+    output [T, ≥r].  Replaces vLLM's ``bgmv_shrink``: tokens in runs per slot go through per-run GEMMs on
+    views (:func:`_run_gemms`); scattered tokens through one GEMM against all K slots at once."""
     w = _slots(lora_a).to(output.dtype)
     w = w[:, : USED_RANK.get(lora_a.data_ptr(), w.shape[1])]
-    k, r, _ = w.shape
+    k, r, d_in = w.shape
     t = inputs.shape[0]
-    every = (inputs.to(output.dtype) @ w.reshape(k * r, -1).t()).view(t, k, r)
-    picked = every[torch.arange(t, device=inputs.device), indices.clamp(min=0)]
-    picked = picked.masked_fill((indices < 0)[:, None], 0)
+    x = inputs.to(output.dtype)
+    runs = _runs(indices, k)
+    if runs is not None:
+        picked = _run_gemms(x, w, runs)
+    else:
+        every = (x @ w.reshape(k * r, -1).t()).view(t, k, r)
+        picked = every[torch.arange(t, device=inputs.device), indices.clamp(min=0)]
+        picked = picked.masked_fill((indices < 0)[:, None], 0)
     output[:, :r] = scaling * picked
 
 
@@ -274,10 +323,15 @@ def _all_slots_b(lora_b: torch.Tensor, dtype) -> torch.Tensor:
 
 
 def _dense_expand(inputs, lora_b, indices, dtype) -> torch.Tensor:
-    w = _all_slots_b(lora_b, dtype)
     k = lora_b.shape[0]
-    r = w.shape[1] // k
+    runs = _runs(indices, k)
     t = inputs.shape[0]
+    if runs is not None:
+        w = _slots(lora_b).to(dtype)
+        w = w[:, :, : USED_RANK.get(lora_b.data_ptr(), w.shape[2])]
+        return _run_gemms(inputs[:, : w.shape[2]].to(dtype), w, runs)
+    w = _all_slots_b(lora_b, dtype)
+    r = w.shape[1] // k
     spread = torch.zeros(t, k, r, dtype=dtype, device=inputs.device)
     rows = torch.arange(t, device=inputs.device)
     ok = indices >= 0
