@@ -125,7 +125,12 @@ class VLLMEvaluator(Evaluator):
     if vLLM then refuses to reset its prefix cache.  An online server must quiesce first (stop
     admitting requests, drain or abort the running ones), edit, then resume.
 
-    ``timings`` accumulates seconds spent in perturb / generate / restore / update.
+    members: ``"serial"`` (default: perturb in place, generate, restore, per member) or ``"batched"``
+    (``noise="lowrank:R"`` only: members are LoRA adapters in ``max_loras`` pinned slots and a chunk of them
+    shares one ``generate``; an owned engine gets ``enable_lora``; only the Linear weights LoRA carries are
+    moved, :attr:`unmoved` lists the rest; see :mod:`espert.vllm.lora`).
+
+    ``timings`` accumulates seconds spent in perturb (batched: filling the slots) / generate / restore / update.
     """
 
     def __init__(
