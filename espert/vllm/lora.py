@@ -29,6 +29,7 @@ The rewards differ from an in-place evaluation of the same member only in roundi
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -166,8 +167,8 @@ class LoraSlots:
                 layer.reset_lora(k)  # zero the whole slot: rank columns >= r stay zero
         if self.count == am.lora_slots:  # every slot is espert's: the dense CPU ops may skip the zero columns
             for t in self.targets:
-                USED_RANK[t.layer.lora_a_stacked[t.slice].data_ptr()] = self.rank
-                USED_RANK[t.layer.lora_b_stacked[t.slice].data_ptr()] = self.rank
+                for buf in (t.layer.lora_a_stacked[t.slice], t.layer.lora_b_stacked[t.slice]):
+                    USED_RANK[id(buf)] = (weakref.ref(buf), self.rank)
 
     def fill(self, members: Sequence[tuple[int, int]], sigma: float) -> list[int]:
         """Write the factors of ``members`` [(seed, sign)] into the first len(members) slots; returns
@@ -233,10 +234,16 @@ def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float) -> dict[str
 # Same float32 math, another summation order; tokens with index -1 (no adapter) get zero.
 
 
-#: data_ptr of a LoRA layer's stacked buffer -> the rank espert's slots use in it (the columns past it stay
-#: zero: :class:`LoraSlots` resets every slot and writes only r), so a lowrank:4 population does not pay for
-#: vLLM's smallest allowed max_lora_rank of 8.  Buffers not in it are used whole.
-USED_RANK: dict[int, int] = {}
+#: id of a LoRA layer's stacked buffer -> (a weak reference to it, the rank espert's slots use in it: the
+#: columns past it stay zero, :class:`LoraSlots` resets every slot and writes only r), so a lowrank:4
+#: population does not pay for vLLM's smallest allowed max_lora_rank of 8.  Other buffers are used whole;
+#: the weak reference keeps a freed buffer's id (reused by a new tensor) from matching.
+USED_RANK: dict[int, tuple] = {}
+
+
+def _used_rank(buf: torch.Tensor, full: int) -> int:
+    hit = USED_RANK.get(id(buf))
+    return hit[1] if hit is not None and hit[0]() is buf else full
 
 
 def _slots(w: torch.Tensor) -> torch.Tensor:
@@ -292,7 +299,7 @@ def dense_shrink(inputs, lora_a, output, indices, scaling: float = 1.0) -> None:
     output [T, ≥r].  Replaces vLLM's ``bgmv_shrink``: tokens in runs per slot go through per-run GEMMs on
     views (:func:`_run_gemms`); scattered tokens through one GEMM against all K slots at once."""
     w = _slots(lora_a).to(output.dtype)
-    w = w[:, : USED_RANK.get(lora_a.data_ptr(), w.shape[1])]
+    w = w[:, : _used_rank(lora_a, w.shape[1])]
     k, r, d_in = w.shape
     t = inputs.shape[0]
     x = inputs.to(output.dtype)
@@ -306,19 +313,21 @@ def dense_shrink(inputs, lora_a, output, indices, scaling: float = 1.0) -> None:
     output[:, :r] = scaling * picked
 
 
-#: lora_b buffer (data_ptr) -> (its version, the [out, K·r] matrix of all slots): rebuilt only after a fill
-_EXPAND_CACHE: dict[int, tuple[int, torch.Tensor]] = {}
+#: id of a lora_b buffer -> (a weak reference to it, its version, the [out, K·r] matrix of all slots):
+#: rebuilt only after a fill (an in-place write bumps the version)
+_EXPAND_CACHE: dict[int, tuple] = {}
 
 
 def _all_slots_b(lora_b: torch.Tensor, dtype) -> torch.Tensor:
-    hit = _EXPAND_CACHE.get(lora_b.data_ptr())
     w = _slots(lora_b)
-    w = w[:, :, : USED_RANK.get(lora_b.data_ptr(), w.shape[2])]
+    w = w[:, :, : _used_rank(lora_b, w.shape[2])]
     k, out, r = w.shape
-    if hit is not None and hit[0] == lora_b._version and hit[1].dtype == dtype and hit[1].shape == (out, k * r):
-        return hit[1]
+    hit = _EXPAND_CACHE.get(id(lora_b))
+    if hit is not None and hit[0]() is lora_b and hit[1] == lora_b._version and hit[2].dtype == dtype:
+        if hit[2].shape == (out, k * r):
+            return hit[2]
     flat = w.permute(1, 0, 2).reshape(out, k * r).to(dtype).contiguous()
-    _EXPAND_CACHE[lora_b.data_ptr()] = (lora_b._version, flat)
+    _EXPAND_CACHE[id(lora_b)] = (weakref.ref(lora_b), lora_b._version, flat)
     return flat
 
 
@@ -328,7 +337,7 @@ def _dense_expand(inputs, lora_b, indices, dtype) -> torch.Tensor:
     t = inputs.shape[0]
     if runs is not None:
         w = _slots(lora_b).to(dtype)
-        w = w[:, :, : USED_RANK.get(lora_b.data_ptr(), w.shape[2])]
+        w = w[:, :, : _used_rank(lora_b, w.shape[2])]
         return _run_gemms(inputs[:, : w.shape[2]].to(dtype), w, runs)
     w = _all_slots_b(lora_b, dtype)
     r = w.shape[1] // k
