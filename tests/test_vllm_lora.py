@@ -198,7 +198,7 @@ def test_tp2_slices_hold_each_ranks_piece(tiny_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("order", ["slots in order", "runs", "uneven runs", "scattered"])
-def test_dense_cpu_lora_ops_equal_vllms_own(order):
+def test_cpu_lora_ops_equal_vllms_own(order):
     """espert's CPU LoRA ops against vLLM's gather-per-token CPU ops, on random slots."""
     import espert.vllm.worker  # noqa: F401  (installs espert's ops, keeping vLLM's in VLLM_OPS)
     from espert.vllm import lora
@@ -219,29 +219,29 @@ def test_dense_cpu_lora_ops_equal_vllms_own(order):
     a = torch.randn(k, 1, r, d_in, generator=g)
     b = torch.randn(k, 1, d_out, r, generator=g)
     h_ours, h_vllm = torch.zeros(t, r), torch.zeros(t, r)
-    lora.dense_shrink(x, a, h_ours, idx, 0.5)
+    lora.cpu_shrink(x, a, h_ours, idx, 0.5)
     lora.VLLM_OPS["bgmv_shrink"](x, a, h_vllm, idx, 0.5)
     torch.testing.assert_close(h_ours, h_vllm, rtol=1e-5, atol=1e-5)
     base = torch.randn(t, d_out + 8, generator=g)
     y_ours, y_vllm = base.clone(), base.clone()
-    lora.dense_expand(h_vllm, b, y_ours, idx, True)
+    lora.cpu_expand(h_vllm, b, y_ours, idx, True)
     lora.VLLM_OPS["bgmv_expand"](h_vllm, b, y_vllm, idx, True)
     torch.testing.assert_close(y_ours, y_vllm, rtol=1e-5, atol=1e-5)
     y_ours, y_vllm = base.clone(), base.clone()
-    lora.dense_expand_slice(h_vllm, b, y_ours, idx, 4, d_out, True)
+    lora.cpu_expand_slice(h_vllm, b, y_ours, idx, 4, d_out, True)
     lora.VLLM_OPS["bgmv_expand_slice"](h_vllm, b, y_vllm, idx, 4, d_out, True)
     torch.testing.assert_close(y_ours, y_vllm, rtol=1e-5, atol=1e-5)
     # a refill of the slots (in place, as LoraSlots.fill writes them) is seen by the next expand
     b[2].mul_(3.0)
     y_ours, y_vllm = base.clone(), base.clone()
-    lora.dense_expand(h_vllm, b, y_ours, idx, False)
+    lora.cpu_expand(h_vllm, b, y_ours, idx, False)
     lora.VLLM_OPS["bgmv_expand"](h_vllm, b, y_vllm, idx, False)
     torch.testing.assert_close(y_ours, y_vllm, rtol=1e-5, atol=1e-5)
     # tokens without an adapter (index -1) get no LoRA term
     idx[:5] = -1
     h = torch.full((t, r), 7.0)
-    lora.dense_shrink(x, a, h, idx)
+    lora.cpu_shrink(x, a, h, idx)
     assert torch.all(h[:5] == 0)
     y = base.clone()
-    lora.dense_expand(torch.ones(t, r), b, y, idx, True)
+    lora.cpu_expand(torch.ones(t, r), b, y, idx, True)
     assert torch.equal(y[:5], base[:5])

@@ -130,6 +130,12 @@ def center_energy(evaluator: Evaluator, scales: Mapping[str, float] | None = Non
         return None
 
 
+def check_prompts(prompts: Sequence[str], answers: Sequence[str]) -> None:
+    """ValueError unless there are as many answers as prompts, and at least one of each."""
+    if len(prompts) != len(answers) or not prompts:
+        raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and {len(answers)}")
+
+
 def score_members(
     members: Sequence[Member],
     sigma: float,
@@ -151,8 +157,7 @@ def score_members(
     answers_out: when a list, rollout returns ``(rewards, extracted answers)`` instead and each
     member's extracted answers (one per prompt; all ``None`` for a failed member) are appended to it.
     """
-    if len(prompts) != len(answers) or not prompts:
-        raise ValueError(f"need the same, nonzero number of prompts and answers; got {len(prompts)} and {len(answers)}")
+    check_prompts(prompts, answers)
     t = timings if timings is not None else defaultdict(float)
     out = []
     for seed, sign in members:

@@ -31,7 +31,14 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from espert.evaluators.base import Evaluator, Member, center_energy, score_and_extract, score_members
+from espert.evaluators.base import (
+    Evaluator,
+    Member,
+    center_energy,
+    check_prompts,
+    score_and_extract,
+    score_members,
+)
 from espert.vllm import WORKER_EXTENSION, cpu_patch
 
 log = logging.getLogger("espert.vllm")
@@ -305,10 +312,7 @@ class VLLMEvaluator(Evaluator):
 
         from espert.vllm.lora import chunks, members_per_chunk
 
-        if len(prompts) != len(answers) or not prompts:
-            raise ValueError(
-                f"need the same, nonzero number of prompts and answers; got {len(prompts)} and {len(answers)}"
-            )
+        check_prompts(prompts, answers)
         tokens = self._token_prompts(prompts)
         out, ext = [], None if self.extract is None else []
         for chunk in chunks(list(members), members_per_chunk(len(members), self.lora_slots)):

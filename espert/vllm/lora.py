@@ -28,6 +28,7 @@ The rewards differ from an in-place evaluation of the same member only in roundi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -141,22 +142,34 @@ def _block_geometry(v: ParamView) -> tuple[int, int, int]:
 class LoraSlots:
     """K pinned vLLM LoRA slots that espert fills with members' factors (see the module docstring).
 
-    worker_lora: the worker's ``model_runner.lora_manager`` (an ``LRUCacheWorkerLoRAManager``).
-    views / scales: the center's views and σ multipliers s_t (None: all 1).  rank: the noise's r.
-    After construction ``ids[k]`` is the ``lora_int_id`` of slot k (generate with it), ``count`` = K.
+    views: the selected ParamViews; rank: the noise's r.  After construction ``views`` are those a LoRA
+    slot carries (the center's views in this mode) and ``unmoved`` the names of the others; ValueError
+    when none is carried.  :meth:`pin` then registers the slots with the worker's LoRA manager.
     """
 
-    def __init__(self, worker_lora, model: torch.nn.Module, views, scales, rank: int, count: int | None = None):
+    def __init__(self, model: torch.nn.Module, views, rank: int):
+        self.rank = int(rank)
+        targets, uncovered = lora_targets(model, views)
+        if not targets:
+            raise ValueError("members: batched: no selected parameter is carried by a LoRA layer")
+        self.unmoved = [views[i].name for i in uncovered]
+        self.views = [views[t.view] for t in targets]
+        self.targets = [dataclasses.replace(t, view=i) for i, t in enumerate(targets)]  # indices into self.views
+        self.ids: list[int] = []
+        self.count = 0
+
+    def pin(self, worker_lora, count: int | None = None) -> None:
+        """Register ``count`` (default: all, ``max_loras``) zero adapters with the worker's LoRA manager (an
+        ``LRUCacheWorkerLoRAManager``) and pin them in their slots; ``ids[k]`` is then the ``lora_int_id`` of
+        slot k (generate with it).  Call it after the engine's own forward passes (es_setup's self-test),
+        which drop every adapter."""
         from vllm.lora.request import LoRARequest
 
         am = worker_lora._adapter_manager
-        self.count = int(count or am.lora_slots)
-        if not 1 <= self.count <= am.lora_slots:
-            raise ValueError(f"{self.count} slots asked, the engine has {am.lora_slots} (max_loras)")
-        self.rank = int(rank)
-        self.targets, self.uncovered = lora_targets(model, views)
-        self.views, self.scales = list(views), scales
-        self.ids = [SLOT_ID_BASE + k for k in range(self.count)]
+        count = int(count or am.lora_slots)
+        if not 1 <= count <= am.lora_slots:
+            raise ValueError(f"{count} slots asked, the engine has {am.lora_slots} (max_loras)")
+        self.count, self.ids = count, [SLOT_ID_BASE + k for k in range(count)]
         for i in self.ids:
             if i not in worker_lora.list_adapters():
                 worker_lora.add_dummy_lora(LoRARequest(f"espert-slot-{i}", i, "espert-slot"), self.rank)
@@ -165,14 +178,17 @@ class LoraSlots:
         for layer in {id(t.layer): t.layer for t in self.targets}.values():
             for k in self.index:
                 layer.reset_lora(k)  # zero the whole slot: rank columns >= r stay zero
-        if self.count == am.lora_slots:  # every slot is espert's: the dense CPU ops may skip the zero columns
+        if self.count == am.lora_slots:  # every slot is espert's: the CPU ops may skip the zero columns
             for t in self.targets:
                 for buf in (t.layer.lora_a_stacked[t.slice], t.layer.lora_b_stacked[t.slice]):
                     USED_RANK[id(buf)] = (weakref.ref(buf), self.rank)
 
-    def fill(self, members: Sequence[tuple[int, int]], sigma: float) -> list[int]:
+    def fill(
+        self, members: Sequence[tuple[int, int]], sigma: float, scales: Sequence[float] | None = None
+    ) -> list[int]:
         """Write the factors of ``members`` [(seed, sign)] into the first len(members) slots; returns
-        their adapter ids.  Slot k then adds ``sign_k·σ·s_t·ε(seed_k)`` (up to rounding) to every target."""
+        their adapter ids.  Slot k then adds ``sign_k·σ·s_t·ε(seed_k)`` (up to rounding) to every target;
+        scales: the σ multipliers s_t of :attr:`views` (the center's ``sigma_scales``; None: all 1)."""
         n = len(members)
         if not 1 <= n <= self.count:
             raise ValueError(f"{n} members for {self.count} LoRA slots")
@@ -190,7 +206,7 @@ class LoraSlots:
             )
             a_prime = stage[: n * t.rows * r].view(n, t.rows, r)  # A' = fl(K_r·A), float32
             b_t = stage[n * t.rows * r :].view(n, r, t.cols)  # Bᵀ, float32
-            s = float(sigma) * (1.0 if self.scales is None else float(self.scales[t.view]))
+            s = float(sigma) * (1.0 if scales is None else float(scales[t.view]))
             for m, (_, sign) in enumerate(members):
                 k = self.index[m]
                 b_buf[k, 0, t.row : t.row + t.rows, :r].copy_(a_prime[m] * s)
@@ -204,18 +220,18 @@ class LoraSlots:
         return b.to(torch.float64) @ a[:, : target.cols]
 
 
-def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float) -> dict[str, float]:
-    """Fill slot 0 with member (seed, sign) and compare, on every target, the weight change the slot adds
+def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float, scales=None) -> dict[str, float]:
+    """Fill slot 0 with member (seed, sign) (σ multipliers ``scales``, as :meth:`LoraSlots.fill`) and compare, on every target, the weight change the slot adds
     (lora_b @ lora_a, float64) with the in-place perturbation of the same member (espert's fused op on a
     zero float32 block: fl(sign·σ·s_t·ε)).  Returns ``{logical name: max |difference| / max |in-place|}``
     for this rank's pieces: float32 rounding of the factors (about 1e-7), never O(1)."""
     from espert.ops import perturb_
 
-    slots.fill([(seed, sign)], sigma)
+    slots.fill([(seed, sign)], sigma, scales)
     out = {}
     for t in slots.targets:
         v = slots.views[t.view]
-        s = float(sigma) * (1.0 if slots.scales is None else float(slots.scales[t.view]))
+        s = float(sigma) * (1.0 if scales is None else float(scales[t.view]))
         ref = torch.zeros(v.tensor.shape, dtype=torch.float32, device=v.tensor.device)
         perturb_(ref, int(seed), v.key, s, int(sign), block=v.block, noise=f"lowrank:{slots.rank}")
         got = slots.delta(0, t)
@@ -224,14 +240,15 @@ def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float) -> dict[str
     return out
 
 
-# ---- vLLM-CPU's LoRA kernels, as dense GEMMs over all slots ----------------------------------------
+# ---- vLLM-CPU's LoRA kernels, as GEMMs over the slots ----------------------------------------------
 #
 # vLLM's CPU punica ops (vllm/lora/ops/torch_ops) gather every token's adapter, ``w[idx]`` of
 # [tokens, rank, in], and multiply token by token: on a 46 M model that makes one LoRA generate 2.5x
-# slower than plain generation (measured, bench/population.py), most of it in ``aten::index``.  With
-# K slots of rank r, K·r is small next to the layer's width, so one GEMM against all slots at once
-# ([tokens, in] @ [in, K·r]) and a pick of each token's block costs about K·r/width of the base GEMM.
-# Same float32 math, another summation order; tokens with index -1 (no adapter) get zero.
+# slower than plain generation (measured, bench/population.py), most of it in ``aten::index``.  espert's
+# members arrive in runs (a member's requests in a row), so each run is a view of the activations and
+# runs of one length are one batched GEMM; scattered tokens take one GEMM against all K slots at once
+# ([tokens, in] @ [in, K·r]) and a pick of each token's block.  Same float32 math, another summation
+# order; tokens with index -1 (no adapter) get zero.
 
 
 #: id of a LoRA layer's stacked buffer -> (a weak reference to it, the rank espert's slots use in it: the
@@ -241,14 +258,14 @@ def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float) -> dict[str
 USED_RANK: dict[int, tuple] = {}
 
 
-def _used_rank(buf: torch.Tensor, full: int) -> int:
+def _slot_weights(buf: torch.Tensor, rank_dim: int, dtype=None) -> torch.Tensor:
+    """A stacked slot buffer as [K, a, b] (vLLM's [K, 1, a, b] squeezed), in ``dtype``, its rank axis
+    (1 for lora_a's [K, r, in], 2 for lora_b's [K, out, r]) cut to the rank espert's slots use (USED_RANK)."""
+    w = buf.squeeze(1) if buf.dim() == 4 else buf
     hit = USED_RANK.get(id(buf))
-    return hit[1] if hit is not None and hit[0]() is buf else full
-
-
-def _slots(w: torch.Tensor) -> torch.Tensor:
-    w = w.squeeze(1) if w.dim() == 4 else w  # [K, 1, a, b] -> [K, a, b]
-    return w
+    if hit is not None and hit[0]() is buf:
+        w = w.narrow(rank_dim, 0, hit[1])
+    return w if dtype is None else w.to(dtype)
 
 
 #: the last token -> slot indices (their bytes: vLLM makes them under inference mode, which keeps no version
@@ -294,13 +311,12 @@ def _run_gemms(x: torch.Tensor, w: torch.Tensor, runs) -> torch.Tensor:
     return out
 
 
-def dense_shrink(inputs, lora_a, output, indices, scaling: float = 1.0) -> None:
+def cpu_shrink(inputs, lora_a, output, indices, scaling: float = 1.0) -> None:
     """``output[t] = scaling · lora_a[indices[t]] @ inputs[t]``: inputs [T, in], lora_a [K, (1,) r, in],
     output [T, ≥r].  Replaces vLLM's ``bgmv_shrink``: tokens in runs per slot go through per-run GEMMs on
     views (:func:`_run_gemms`); scattered tokens through one GEMM against all K slots at once."""
-    w = _slots(lora_a).to(output.dtype)
-    w = w[:, : _used_rank(lora_a, w.shape[1])]
-    k, r, d_in = w.shape
+    w = _slot_weights(lora_a, 1, output.dtype)
+    k, r, _ = w.shape
     t = inputs.shape[0]
     x = inputs.to(output.dtype)
     runs = _runs(indices, k)
@@ -319,8 +335,7 @@ _EXPAND_CACHE: dict[int, tuple] = {}
 
 
 def _all_slots_b(lora_b: torch.Tensor, dtype) -> torch.Tensor:
-    w = _slots(lora_b)
-    w = w[:, :, : _used_rank(lora_b, w.shape[2])]
+    w = _slot_weights(lora_b, 2)
     k, out, r = w.shape
     hit = _EXPAND_CACHE.get(id(lora_b))
     if hit is not None and hit[0]() is lora_b and hit[1] == lora_b._version and hit[2].dtype == dtype:
@@ -331,14 +346,13 @@ def _all_slots_b(lora_b: torch.Tensor, dtype) -> torch.Tensor:
     return flat
 
 
-def _dense_expand(inputs, lora_b, indices, dtype) -> torch.Tensor:
+def _expand(inputs, lora_b, indices, dtype) -> torch.Tensor:
     k = lora_b.shape[0]
     runs = _runs(indices, k)
-    t = inputs.shape[0]
     if runs is not None:
-        w = _slots(lora_b).to(dtype)
-        w = w[:, :, : _used_rank(lora_b, w.shape[2])]
+        w = _slot_weights(lora_b, 2, dtype)
         return _run_gemms(inputs[:, : w.shape[2]].to(dtype), w, runs)
+    t = inputs.shape[0]
     w = _all_slots_b(lora_b, dtype)
     r = w.shape[1] // k
     spread = torch.zeros(t, k, r, dtype=dtype, device=inputs.device)
@@ -348,10 +362,10 @@ def _dense_expand(inputs, lora_b, indices, dtype) -> torch.Tensor:
     return spread.view(t, k * r) @ w.t()
 
 
-def dense_expand(inputs, lora_b, output, indices, add_inputs: bool = True) -> None:
-    """``output[t] (+)= lora_b[indices[t]] @ inputs[t]``: inputs [T, r], lora_b [K, (1,) out, r];
-    one GEMM over all K slots.  Replaces vLLM's ``bgmv_expand`` (same padding and broadcast rules)."""
-    outputs = _dense_expand(inputs, lora_b, indices, output.dtype)
+def cpu_expand(inputs, lora_b, output, indices, add_inputs: bool = True) -> None:
+    """``output[t] (+)= lora_b[indices[t]] @ inputs[t]``: inputs [T, r], lora_b [K, (1,) out, r], with the GEMMs
+    of :func:`cpu_shrink`.  Replaces vLLM's ``bgmv_expand`` (same padding and broadcast rules)."""
+    outputs = _expand(inputs, lora_b, indices, output.dtype)
     limit = 1 if outputs.shape[0] == 1 and output.shape[0] != 1 else output.shape[0]
     n = min(outputs.shape[1], output.shape[1])
     if add_inputs:
@@ -360,9 +374,9 @@ def dense_expand(inputs, lora_b, output, indices, add_inputs: bool = True) -> No
         output[:, :n] = outputs[:limit, :n]
 
 
-def dense_expand_slice(inputs, lora_b, output, indices, slice_offset: int, slice_size: int, add_inputs=True) -> None:
-    """:func:`dense_expand` into ``output[:, slice_offset : slice_offset + slice_size]``."""
-    outputs = _dense_expand(inputs, lora_b, indices, output.dtype)
+def cpu_expand_slice(inputs, lora_b, output, indices, slice_offset: int, slice_size: int, add_inputs=True) -> None:
+    """:func:`cpu_expand` into ``output[:, slice_offset : slice_offset + slice_size]``."""
+    outputs = _expand(inputs, lora_b, indices, output.dtype)
     if add_inputs:
         output[:, slice_offset : slice_offset + slice_size] += outputs
     else:
@@ -375,7 +389,7 @@ VLLM_OPS: dict[str, object] = {}
 
 
 def install_cpu_kernels() -> None:
-    """Route vLLM's CPU LoRA ops (decode and, through them, prefill) to the dense versions above.  Idempotent;
+    """Route vLLM's CPU LoRA ops (decode and, through them, prefill) to espert's versions above.  Idempotent;
     GPU platforms keep vLLM's punica kernels.  The worker extension module calls it on import."""
     global _INSTALLED
     if _INSTALLED:
@@ -385,10 +399,11 @@ def install_cpu_kernels() -> None:
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:  # a vLLM without these modules: its own kernels stay
         return
-    VLLM_OPS.update(bgmv_shrink=lora_ops.bgmv_shrink, bgmv_expand=lora_ops.bgmv_expand)
-    VLLM_OPS.update(bgmv_expand_slice=lora_ops.bgmv_expand_slice)
+    ours = {"bgmv_shrink": cpu_shrink, "bgmv_expand": cpu_expand, "bgmv_expand_slice": cpu_expand_slice}
+    VLLM_OPS.update({name: getattr(lora_ops, name) for name in ours})
     for mod in (lora_ops, punica_cpu):
-        mod.bgmv_shrink, mod.bgmv_expand, mod.bgmv_expand_slice = dense_shrink, dense_expand, dense_expand_slice
+        for name, fn in ours.items():
+            setattr(mod, name, fn)
     _INSTALLED = True
 
 

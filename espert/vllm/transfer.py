@@ -52,6 +52,8 @@ after each change), as for the worker extension.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import sys
 from dataclasses import dataclass
@@ -78,20 +80,18 @@ OPS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
-class ESInitInfo(WeightTransferInitInfo):
-    """``init_info`` of ``init_weight_transfer_engine``: the keyword arguments of
-    :meth:`espert.vllm.worker.ESWorkerExtension.es_setup` (see there), with its defaults."""
+def _setup_fields() -> list[tuple]:
+    """(name, type, field with its default) of every keyword argument of ``es_setup``."""
+    from espert.vllm.worker import ESWorkerExtension
 
-    include: list[str] | None = None
-    exclude: list[str] | None = None
-    master: str = "float32"
-    rename: dict[str, str] | None = None
-    check_names: bool = True
-    noise: str = "gaussian"
-    optimizer: dict | str | None = None
-    sigma_scales: dict[str, float] | None = None
-    no_decay: list[str] | tuple[str, ...] = ()
+    params = list(inspect.signature(ESWorkerExtension.es_setup).parameters.values())[1:]  # after self
+    return [(p.name, Any, dataclasses.field(default=p.default)) for p in params]
+
+
+#: ``init_info`` of ``init_weight_transfer_engine``: the keyword arguments of
+#: :meth:`espert.vllm.worker.ESWorkerExtension.es_setup` (see there), with its defaults, read from its
+#: signature so the two cannot drift.  An unknown key is refused by vLLM's ``parse_init_info``.
+ESInitInfo = dataclasses.make_dataclass("ESInitInfo", _setup_fields(), bases=(WeightTransferInitInfo,))
 
 
 @dataclass

@@ -33,7 +33,7 @@ from espert.vllm import cpu_patch, lora, seeded, w8a8
 cpu_patch.install()  # before the worker loads the model: see espert/vllm/cpu_patch.py
 seeded.install()  # seeded sampling with chunked prefill on CPU (espert/vllm/seeded.py)
 w8a8.install()  # W8A8 int8 layers keep their codes (espert/vllm/w8a8.py)
-lora.install_cpu_kernels()  # vLLM-CPU's LoRA ops as dense GEMMs over all slots (espert/vllm/lora.py)
+lora.install_cpu_kernels()  # vLLM-CPU's LoRA ops as GEMMs over the slots, no gather (espert/vllm/lora.py)
 
 
 def _register_transfer_engine() -> None:
@@ -206,20 +206,17 @@ class ESWorkerExtension:
             model, include=include, exclude=exclude, rename=(lambda n: rename.get(n, n)) if rename else None
         )
         check(views)
-        unmoved = []
-        if members == "batched":
-            from espert.vllm.lora import batched_rank, lora_targets
+        slots = None
+        if members == "batched":  # the center holds what the LoRA slots carry (espert/vllm/lora.py)
+            from espert.vllm.lora import LoraSlots, batched_rank
 
-            batched_rank(noise)
+            rank = batched_rank(noise)
             if getattr(self.model_runner, "lora_manager", None) is None:
                 raise ValueError(
                     "members: batched needs an engine created with enable_lora=True (espert.vllm.make_llm)"
                 )
-            _, skip = lora_targets(model, views)
-            unmoved = [views[i].name for i in skip]
-            views = [v for i, v in enumerate(views) if i not in set(skip)]
-            if not views:
-                raise ValueError("members: batched: no selected parameter is carried by a LoRA layer")
+            slots = LoraSlots(model, views, rank)
+            views = slots.views
         device = views[0].tensor.device
         if master not in ("float32", "weights"):
             raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
@@ -239,14 +236,10 @@ class ESWorkerExtension:
             no_decay=list(no_decay),
         )
         info = self._es_install(cpu_patch.RepackingCenter(center, model), model, str(device))
-        self._es_lora = None
-        if members == "batched":
-            from espert.vllm.lora import LoraSlots, batched_rank
-
-            self._es_lora = LoraSlots(
-                self.model_runner.lora_manager, model, center.views, center.sigma_scales, batched_rank(noise)
-            )
-        return {**info, "members": members, "unmoved": unmoved}
+        if slots is not None:
+            slots.pin(self.model_runner.lora_manager)  # after the self-test's forward passes
+        self._es_lora = slots
+        return {**info, "members": members, "unmoved": [] if slots is None else slots.unmoved}
 
     def _es_install(self, center, model: torch.nn.Module, device: str) -> dict:
         """Run the self-test (edits must reach the forward pass; :mod:`espert.vllm.selftest`), then make
@@ -300,7 +293,7 @@ class ESWorkerExtension:
         slots = getattr(self, "_es_lora", None)
         if slots is None:
             raise RuntimeError("espert worker extension: es_lora_fill needs es_setup(members='batched')")
-        ids = slots.fill([(int(s), int(g)) for s, g in members], float(sigma))
+        ids = slots.fill([(int(s), int(g)) for s, g in members], float(sigma), self._es_require().sigma_scales)
         self._es_sync()
         return ids
 
@@ -312,7 +305,7 @@ class ESWorkerExtension:
         slots = getattr(self, "_es_lora", None)
         if slots is None:
             raise RuntimeError("espert worker extension: es_lora_error needs es_setup(members='batched')")
-        return slot_error(slots, int(seed), int(sign), float(sigma))
+        return slot_error(slots, int(seed), int(sign), float(sigma), self._es_require().sigma_scales)
 
     def es_lora_slots(self) -> int:
         """The number of LoRA slots espert fills (0 unless set up with members='batched')."""
