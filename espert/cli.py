@@ -454,7 +454,7 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command in ("train", "replay", "tiny"):
+        if args.command in ("train", "replay", "tiny", "compare"):
             from espert.evaluators.torch_model import quiet_transformers
 
             quiet_transformers()

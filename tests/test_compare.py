@@ -36,6 +36,16 @@ def test_compare_fast_variant_end_to_end(tmp_path):
     assert doc["drift"]["es-grpo"]["overall"]["rel_l2"] > 0
     assert set(doc["pareto"]["points"]) == set(doc["eval"]) and doc["pareto"]["front"]
     assert set(doc["token_entropy"]) == set(doc["eval"]) and all(h > 0 for h in doc["token_entropy"].values())
+    # token entropy on the probe set during training, at equal steps of each budget (step 0: the
+    # base); the last probe is the saved model's entropy, so the probe saw the trained weights
+    cc_steps = {"ES": [0, 1, 2, 4, 5, 6], "GRPO": [0, 1, 2, 4, 5, 6]}
+    for method, label in (("ES", "es"), ("GRPO", "grpo")):
+        probes = doc["probe_entropy"][method]
+        assert [s for s, _ in probes] == cc_steps[method]
+        assert probes[0][1] == pytest.approx(doc["token_entropy"]["base"], abs=1e-9)
+        assert probes[-1][1] == pytest.approx(doc["token_entropy"][label], abs=1e-9)
+    assert len({h for _, h in doc["probe_entropy"]["GRPO"]}) > 1  # the policy's entropy moved
+    assert {phase for phase, _, _ in doc["probe_entropy"]["es-grpo"]} == {1, 2}
     # GRPO's own token entropy during training (TRL's log), in bits, and per phase in the composition
     assert doc["grpo_train_entropy"]["GRPO"] and all(h >= 0 for _, h in doc["grpo_train_entropy"]["GRPO"])
     assert {phase for phase, _, _ in doc["grpo_train_entropy"]["es-grpo"]} == {2}
@@ -53,6 +63,7 @@ def test_compare_fast_variant_end_to_end(tmp_path):
         "eval/progressions.png",
         "eval/drift_groups.png",
         "eval/pareto.png",
+        "eval/probe_entropy.png",
         "es-grpo/2-grpo/model.safetensors",
         "es/model.safetensors",
         "grpo/model.safetensors",
@@ -82,3 +93,18 @@ def test_schedules_parse_into_phases_that_share_the_budget(capsys):
             parse_schedule(bad)
     assert main(["compare", "--fast", "--schedule", "es,sft"]) == 2
     assert capsys.readouterr().err.strip().endswith("unknown phase 'sft'; phases are es, grpo")
+
+
+def test_entropy_curves_put_every_method_on_the_same_budget_axis():
+    from espert.compare import entropy_curves, probe_steps
+
+    assert probe_steps(6, 5) == [0, 1, 2, 4, 5, 6] and probe_steps(1, 5) == [0, 1] and probe_steps(4, 0) == []
+    probes = {
+        "ES": [(0, 1.0), (3, 0.5), (6, 0.25)],
+        "es-grpo": [(1, 0, 1.0), (1, 3, 0.9), (2, 0, 0.9), (2, 2, 0.4), (2, 8, 0.2)],
+        "GRPO": [],
+    }
+    curves = entropy_curves(probes, {"es-grpo": [("es", 0.25), ("grpo", 0.75)]})
+    assert curves["ES"] == [(0.0, 1.0), (0.5, 0.5), (1.0, 0.25)]
+    assert curves["es-grpo"] == [(0.0, 1.0), (0.25, 0.9), (0.25, 0.9), (0.4375, 0.4), (1.0, 0.2)]
+    assert "GRPO" not in curves

@@ -109,3 +109,38 @@ def test_one_es_iteration_heldout_eval_and_bit_identical_replay(smollm2, tmp_pat
         runs.Run.open(d2, cfg2, resume=True, echo=None)
     with pytest.raises(runs.RunError, match="copy.gguf: size changed"):
         runs.replay(d2, echo=None)
+
+
+def test_compare_runs_on_the_real_model_with_its_chat_template(smollm2, tmp_path):
+    """Before: `espert compare` always built the tiny base and trained `copy`.  Now it takes the model,
+    task, data and chat template of a real run: the smallest budget on SmolLM2, both methods."""
+    pytest.importorskip("trl", reason="espert compare needs TRL (pip install 'espert[compare]')")
+    from espert.cli import main
+
+    data = {}
+    for split, n, seed in (("train", 8, 0), ("eval", 2, 1)):
+        data[split] = str(tmp_path / f"add_{split}.jsonl")
+        with open(data[split], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in additions(n, seed))
+    out = str(tmp_path / "cmp")
+    sizes = {"iterations": 1, "population": 2, "prompts-per-iteration": 2, "num-generations": 2}
+    sizes.update({"prompts-per-step": 2, "n": 2, "eval-size": 2, "train-size": 8, "max-new-tokens": 4})
+    sizes.update({"probe-points": 1, "sigma": 4e-3, "alpha": 2e-3, "learning-rate": 1e-5})
+    argv = ["compare", "--out", out, "--model", "smollm2-135m-instruct", "--task", "gsm8k", "--chat-template"]
+    argv += ["--train-data", data["train"], "--eval-data", data["eval"]]
+    argv += [x for k, v in sizes.items() for x in (f"--{k}", str(v))]
+    assert main(argv) == 0
+    doc = json.load(open(os.path.join(out, "compare.json")))
+    assert doc["base"] == gguf.gguf_model_dir(smollm2) and doc["n_params"] > 100_000_000
+    assert doc["config"]["task"] == "gsm8k" and doc["config"]["chat_template"] is True
+    es, grpo = doc["budgets"]["ES"], doc["budgets"]["GRPO"]
+    assert es["rollouts"] == grpo["rollouts"] == 4 and grpo["steps"] == 1
+    # the additions' prompts all have one token length, so equal counts mean both methods counted
+    # the same templated prompts (the chat template alone is about 30 tokens)
+    assert es["prompt_tokens"] == grpo["prompt_tokens"] > 4 * 30
+    assert set(doc["eval"]) == {"base", "es", "grpo"}
+    for method, label in (("ES", "es"), ("GRPO", "grpo")):
+        probes = doc["probe_entropy"][method]
+        assert [s for s, _ in probes] == [0, 1]
+        assert probes[-1][1] == pytest.approx(doc["token_entropy"][label], abs=1e-9)
+    assert "# ES vs GRPO on `gsm8k` (`smollm2-135m-instruct`" in open(os.path.join(out, "report.md")).read()

@@ -149,6 +149,20 @@ def plot_pareto(report: dict, path: str) -> str:
     return save_figure(fig, path)
 
 
+def plot_lines(curves: dict, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    """One line with markers per label: ``curves = {label: [(x, y), ...]}``."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.6, 3.8), dpi=120)
+    for lab, pts in curves.items():
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=lab)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return save_figure(fig, path)
+
+
 def write_plots(report: dict, out_dir: str) -> list[str]:
     """Write ``pass_at_k.png``, ``accuracy_hist.png``, ``progressions.png`` and ``pareto.png`` into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
