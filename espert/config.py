@@ -68,6 +68,11 @@ class ESConfig:
     )
     gguf_file: str | None = opt(None, "the GGUF file inside the model directory to load (model: its directory)")
     tiny_seed: int = opt(0, "seed of the tiny model's random initialization and pretraining")
+    tiny_hidden_size: int = opt(
+        64,
+        "model 'tiny': hidden size, a multiple of 32 (MLP 2x, heads of dim 32; 32/64/128: about 21k/84k/331k "
+        "parameters); the model-size knob of a sweep",
+    )
     pretrain_steps: int = opt(
         600, "model 'tiny': steps of next-character pretraining on the built-in corpus before ES (0: random init)"
     )
@@ -218,6 +223,10 @@ class ESConfig:
         )
         need(0 <= self.seed < U64 and 0 <= self.tiny_seed < U64, "seed and tiny_seed must be in [0, 2^64)")
         need(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
+        need(
+            self.tiny_hidden_size >= 32 and self.tiny_hidden_size % 32 == 0,
+            f"tiny_hidden_size must be a positive multiple of 32, got {self.tiny_hidden_size}",
+        )
         need(self.pretrain_steps >= 0, f"pretrain_steps must be >= 0, got {self.pretrain_steps}")
         need(
             0 <= self.pretrain_reverse_share <= 1,

@@ -53,6 +53,13 @@ class TinySpec:
     alphabet: str = DEFAULT_ALPHABET
 
 
+def tiny_spec(hidden_size: int = 64) -> TinySpec:
+    """The tiny model at another width: MLP 2x the hidden size, heads of dim 32 (64: the default)."""
+    if hidden_size < 32 or hidden_size % 32:
+        raise ValueError(f"tiny hidden size must be a positive multiple of 32, got {hidden_size}")
+    return TinySpec(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_attention_heads=hidden_size // 32)
+
+
 def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     """A character-level tokenizer over ``alphabet`` (one token per character), as ``PreTrainedTokenizerFast``.
 

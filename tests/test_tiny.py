@@ -51,3 +51,29 @@ def test_spec_changes_shape(tmp_path):
         spec=TinySpec(hidden_size=32, num_attention_heads=1, intermediate_size=48, num_hidden_layers=1),
     )
     assert m.config.hidden_size == 32 and m.config.num_hidden_layers == 1
+
+
+def test_a_run_sweeps_the_tiny_model_width(tmp_path, capsys):
+    """Before: every `model: tiny` run built the same 84k-parameter model, so a sweep had no
+    model-size axis.  Now tiny_hidden_size builds 21k / 84k / 331k-parameter bases (64: the default,
+    the main job's model unchanged)."""
+    import pytest
+
+    from espert.cli import main
+    from espert.config import ESConfig
+    from espert.runs.run import build_tiny_base
+    from espert.tiny import tiny_spec
+
+    assert tiny_spec(64) == TinySpec()
+    sizes = {}
+    for h in (32, 64, 128):
+        build_tiny_base(str(tmp_path / str(h)), ESConfig(tiny_hidden_size=h, pretrain_steps=0))
+        cfg = json.load(open(tmp_path / str(h) / "config.json"))
+        assert cfg["hidden_size"] == h and cfg["intermediate_size"] == 2 * h and cfg["num_attention_heads"] == h // 32
+        sizes[h] = sum(p.numel() for p in build_tiny_model(str(tmp_path / "x"), spec=tiny_spec(h)).parameters())
+    assert sizes == {32: 21344, 64: 83648, 128: 331136}
+    with pytest.raises(ValueError, match="tiny_hidden_size must be a positive multiple of 32, got 48"):
+        ESConfig(tiny_hidden_size=48)
+    assert main(["train", "--tiny-hidden-size", "40", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "tiny_hidden_size must be a positive multiple of 32, got 40" in err and "Traceback" not in err

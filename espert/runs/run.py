@@ -100,11 +100,15 @@ def check_inputs(cfg: ESConfig, ref: str) -> None:
 def build_tiny_base(path: str, cfg: ESConfig) -> None:
     """The tiny base model of a run with ``model: tiny``, written to ``path``: random init from
     ``tiny_seed``, then ``pretrain_steps`` of pretraining on the copy/reverse mixture (deterministic)."""
-    from espert.tiny import build_tiny_model
+    from espert.tiny import build_tiny_model, tiny_spec
 
     try:
         build_tiny_model(
-            path, seed=cfg.tiny_seed, pretrain_steps=cfg.pretrain_steps, reverse_share=cfg.pretrain_reverse_share
+            path,
+            seed=cfg.tiny_seed,
+            spec=tiny_spec(cfg.tiny_hidden_size),
+            pretrain_steps=cfg.pretrain_steps,
+            reverse_share=cfg.pretrain_reverse_share,
         )
     except Exception as e:  # noqa: BLE001 - safetensors' Rust writer reports a full disk as SafetensorError
         m = re.search(r"\(os error (\d+)\)", str(e))
