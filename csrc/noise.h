@@ -167,6 +167,10 @@ ESPERT_HD float lowrank_scale(int64_t r) { return fdiv(1.0f, fsqrt((float)r)); }
 
 ESPERT_HD bool is_nan(float x) { return (f2u(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 
+// The bits of a NaN that an add creates (inf - inf), pinned for every backend (docs/noise.md §3): x86
+// would give 0xFFC00000 and a CUDA add 0x7FFFFFFF.  Narrowed: bf16 0x7FC0, fp16 0x7E00.
+constexpr uint32_t kCanonicalNaN = 0x7FC00000u;
+
 // ---- storage formats: exact widening, round-to-nearest-even narrowing -------
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -176,7 +180,7 @@ ESPERT_HD uint16_t f32_to_bf16(float f) {
   const uint32_t b = f2u(f);
   const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
   const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
-  return (uint16_t)(nan ? ((b >> 16) | 0x40u) : rounded);
+  return (uint16_t)(nan ? (kCanonicalNaN >> 16) : rounded);  // any NaN: the pinned one
 }
 
 ESPERT_HD float f16_to_f32(uint16_t h) {
@@ -194,7 +198,7 @@ ESPERT_HD uint16_t f32_to_f16(float f) {
   const uint32_t b = f2u(f);
   const uint32_t sign = (b >> 16) & 0x8000u;
   const uint32_t a = b & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // nan, quiet
+  if (a > 0x7F800000u) return (uint16_t)0x7E00u;  // any NaN: the pinned one (kCanonicalNaN)
   if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);                        // rounds to >= 65520: inf
   if (a >= 0x38800000u) {                // normal half: rebias and round the 13 dropped bits to nearest even
     const uint32_t v = a - 0x38000000u;  // exponent 127 -> 15
@@ -218,7 +222,7 @@ template <>
 struct Storage<kFloat32> {
   using T = float;
   static ESPERT_HD float load(float v) { return v; }
-  static ESPERT_HD float store(float v) { return v; }
+  static ESPERT_HD float store(float v) { return is_nan(v) ? u2f(kCanonicalNaN) : v; }
 };
 template <>
 struct Storage<kFloat16> {
@@ -234,7 +238,8 @@ struct Storage<kBFloat16> {
 };
 
 // w + d rounded to the storage format; a NaN element keeps its own bits (exact restore needs them,
-// and a hardware add would quiet or canonicalize the NaN).
+// and a hardware add would quiet or canonicalize the NaN), and a NaN the add creates is kCanonicalNaN
+// (the stores above pin it).
 template <int DT>
 ESPERT_HD typename Storage<DT>::T add_to(typename Storage<DT>::T w, float d) {
   const float x = Storage<DT>::load(w);

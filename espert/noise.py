@@ -304,12 +304,16 @@ def family_noise(family, seed: int, key: int, index, logical_rows: int, logical_
 # ---- rounding from binary32 to the storage formats, by integer operations --------------------
 
 
+#: the bits of a NaN the add creates (inf − inf), on every backend (docs/noise.md §3)
+CANONICAL_NAN = 0x7FC00000
+
+
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even binary32 -> bfloat16 bits (uint16); NaN stays a quiet NaN."""
+    """Round-to-nearest-even binary32 -> bfloat16 bits (uint16); any NaN gives the pinned 0x7FC0."""
     b = np.asarray(x, dtype=np.float32).view(np.uint32)
     rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
     nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    return np.where(nan, (b >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+    return np.where(nan, np.uint32(CANONICAL_NAN >> 16), rounded).astype(np.uint16)
 
 
 def bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
@@ -319,15 +323,19 @@ def bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
 def apply_update(center: np.ndarray, delta: np.ndarray, dtype: str) -> np.ndarray:
     """Round float32(center) + delta back to ``dtype`` ('float32', 'float16', 'bfloat16' as uint16 bits).
 
-    A NaN element of ``center`` keeps its own bits (docs/noise.md §3)."""
+    A NaN element of ``center`` keeps its own bits, and a NaN the add creates is the pinned
+    :data:`CANONICAL_NAN` (fp16 0x7E00, bf16 0x7FC0) (docs/noise.md §3)."""
     with np.errstate(invalid="ignore", over="ignore"):
         if dtype == "bfloat16":
             nan = (np.asarray(center, dtype=np.uint16) & np.uint16(0x7FFF)) > np.uint16(0x7F80)
             return np.where(nan, center, f32_to_bf16_bits(bf16_bits_to_f32(center) + delta)).astype(np.uint16)
         if dtype == "float16":
             out = (center.astype(np.float32) + delta).astype(np.float16)  # numpy rounds to nearest even
+            out = np.where(np.isnan(out), np.uint16(0x7E00).view(np.float16), out)
             return np.where(np.isnan(center), center, out)
-        return np.where(np.isnan(center), center, center + delta)
+        out = (center + delta).astype(np.float32)
+        out = np.where(np.isnan(out), np.uint32(CANONICAL_NAN).view(np.float32), out)
+        return np.where(np.isnan(center), center, out)
 
 
 def perturb_reference(

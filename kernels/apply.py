@@ -85,6 +85,9 @@ NF = tl.constexpr(len(PLAN_FIELDS))
 # Flip to False if the GPU bit-exactness check of fp16 fails.
 FP16_HW_CVT = True
 
+# The bits of a NaN the add creates (inf - inf), on every backend (csrc/noise.h kCanonicalNaN).
+CANONICAL_NAN: tl.constexpr = tl.constexpr(0x7FC00000)
+
 # Launch shape on GPU (untuned: no GPU yet).  256 groups on 2 warps = 4 groups (16 elements) per
 # thread: ~93-124 registers on sm_90, no spills, and little tail waste on rows like 11008 columns.
 # Tests under the interpreter pass their own block.
@@ -204,11 +207,11 @@ def member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, BLOCK: tl.c
 
 @triton.jit
 def _f32_to_bf16_bits(x):
-    """Round-to-nearest-even float32 -> bfloat16 bits (low 16 bits of a uint32); NaN quiet."""
+    """Round-to-nearest-even float32 -> bfloat16 bits (low 16 bits of a uint32); any NaN: 0x7FC0."""
     b = x.to(tl.uint32, bitcast=True)
     rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     nan = (b & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan, (b >> 16) | 0x40, rounded)
+    return tl.where(nan, CANONICAL_NAN >> 16, rounded)
 
 
 @triton.jit
@@ -243,8 +246,7 @@ def _f32_to_f16_bits(x):
     sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.uint32)
     mag = tl.where(a >= 0x38800000, normal, tl.where(e < 102, 0, sub))
     mag = tl.where(a >= 0x477FF000, 0x7C00, mag)  # rounds to >= 65520: inf
-    mag = tl.where(a > 0x7F800000, 0x7E00 | ((a >> 13) & 0x3FF), mag)  # nan, quiet
-    return sign | mag
+    return tl.where(a > 0x7F800000, 0x7E00, sign | mag)  # any NaN: the pinned one
 
 
 @triton.jit
@@ -264,11 +266,12 @@ def _widen(v, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
 
 @triton.jit
 def _narrow(x, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
-    """float32 rounded (nearest even) to the storage format: fp32, or 16-bit as int16 bits."""
+    """float32 rounded (nearest even) to the storage format: fp32, or 16-bit as int16 bits.  Any NaN
+    becomes the pinned one (CANONICAL_NAN; fp16 0x7E00, bf16 0x7FC0)."""
     if DTYPE == 0:
-        return x
+        return tl.where(x != x, CANONICAL_NAN, x.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
     elif DTYPE == 1 and F16_HW:
-        return x.to(tl.float16).to(tl.int16, bitcast=True)
+        return tl.where(x != x, 0x7E00, x.to(tl.float16).to(tl.int16, bitcast=True)).to(tl.int16)
     else:
         if DTYPE == 1:
             h = _f32_to_f16_bits(x)

@@ -123,7 +123,7 @@ def ref_bf16(v: np.ndarray) -> np.ndarray:
     b = np.asarray(v, F).view(np.uint32)
     rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
     nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    return np.where(nan, (b >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+    return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
 def ref_apply(w_bits: np.ndarray, dtype: str, seeds, coeffs, key: int, idx: np.ndarray) -> np.ndarray:
@@ -133,13 +133,15 @@ def ref_apply(w_bits: np.ndarray, dtype: str, seeds, coeffs, key: int, idx: np.n
         acc = acc + F(cf) * ref_normal(s, key, idx)
     if dtype == "float32":
         x = w_bits.view(F)
-        out = (x + acc).view(np.uint32)
+        v = x + acc
+        out = np.where(np.isnan(v), np.uint32(0x7FC00000), v.view(np.uint32))  # a created NaN: pinned
     elif dtype == "bfloat16":
         x = (w_bits.astype(np.uint32) << np.uint32(16)).view(F)
         out = ref_bf16(x + acc)
     else:
         x = w_bits.view(np.float16).astype(F)
-        out = (x + acc).astype(np.float16).view(np.uint16)
+        v = x + acc
+        out = np.where(np.isnan(v), np.uint16(0x7E00), v.astype(np.float16).view(np.uint16))
     return np.where(np.isnan(x), w_bits, out)
 
 

@@ -44,12 +44,13 @@ pytestmark = pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found (
 DTYPES = {0: "fp32", 1: "fp16", 2: "bf16"}
 FAMILIES = {0: "gaussian", 1: "rademacher"}
 # (backend, dtype, family) -> (perturb per element, update per member and element): measured 2026-12-01
-# with nvcc 13 and the Triton in the venv, sm_90.  Lower them when a kernel gets faster.
+# with nvcc 13 and the Triton in the venv, sm_90; perturb lowered 2026-12-02 (a created NaN narrows to a
+# constant, docs/noise.md §3).  Lower them when a kernel gets faster.
 BUDGET = {
-    ("cuda", "bf16", "gaussian"): (121.0, 74.75),
-    ("cuda", "bf16", "rademacher"): (75.5, 29.5),
-    ("triton", "bf16", "gaussian"): (142.0625, 68.0625),  # Triton perturb: the whole kernel (search, prologue)
-    ("triton", "bf16", "rademacher"): (97.25, 35.75),
+    ("cuda", "bf16", "gaussian"): (119.0, 74.75),
+    ("cuda", "bf16", "rademacher"): (73.5, 29.5),
+    ("triton", "bf16", "gaussian"): (138.375, 68.0625),  # Triton perturb: the whole kernel (search, prologue)
+    ("triton", "bf16", "rademacher"): (95.6875, 35.75),
 }
 REG_CEILING = {"cuda": 64, "triton": 128}
 GOAL = "28-31"

@@ -19,14 +19,17 @@ __global__ void quant_kernel(QuantArgs a, int64_t units) {
     run_unit<E, L, MODE>(a, u);
 }
 
+// The launch's cudaError; nothing to do returns 0 before any CUDA call (no launch, no error query),
+// so an empty call works without a device (tests/test_cuda_bindings.py).
 template <int E, int L, int MODE>
-void launch(const QuantArgs& a, cudaStream_t s) {
+int launch(const QuantArgs& a, cudaStream_t s) {
   const int64_t units = Lay<L>::units(a.N, a.K);
-  if (units == 0) return;
+  if (units == 0) return 0;
   const int threads = 256;
   const int64_t want = (units + threads - 1) / threads;
   const int blocks = (int)(want < 65535 * 16 ? want : 65535 * 16);
   quant_kernel<E, L, MODE><<<blocks, threads, 0, s>>>(a, units);
+  return (int)cudaGetLastError();
 }
 
 }  // namespace
@@ -35,8 +38,9 @@ int quant_cuda(const QuantArgs& a, void* stream) {
   const std::string err = check_codes(a);
   if (!err.empty()) throw std::invalid_argument(err);  // before any launch
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  QUANT_SWITCH(a, E, L, MODE, [&] { launch<E, L, MODE>(a, s); });
-  return (int)cudaGetLastError();
+  int rc = 0;
+  QUANT_SWITCH(a, E, L, MODE, [&] { rc = launch<E, L, MODE>(a, s); });
+  return rc;
 }
 
 }  // namespace quant
