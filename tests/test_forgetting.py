@@ -61,3 +61,30 @@ def test_eval_over_several_tasks_writes_a_report_each_and_the_table(tmp_path, ca
         assert got == pytest.approx(rep["models"]["es"]["pass_at_k"]["1"] - rep["models"]["base"]["pass_at_k"]["1"])
     assert "forgetting: every model on every task" in capsys.readouterr().out
     assert main([*argv[:-1], str(tmp_path / "o2"), "--data", "x.jsonl"]) == 2  # --data goes with one task
+
+
+def test_each_task_may_bring_its_own_problems_file(tmp_path, capsys):
+    """Before: --data served one task only, so a forgetting report could not hold a task trained from a
+    local file (two-digit additions graded by the gsm8k rule) next to the built-in held-out tasks."""
+    from espert.cli import main
+
+    base = build_tiny_model(str(tmp_path / "base"), seed=0)
+    other = build_tiny_model(str(tmp_path / "other"), seed=1)
+    probs = tmp_path / "add.jsonl"
+    probs.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in (11, 12, 13)))
+    out = tmp_path / "out"
+    argv = ["eval", "--task", f"gsm8k={probs}", "copy", "--limit", "2", "--models", f"base={base}", f"es={other}"]
+    argv += ["-n", "2", "--max-new-tokens", "3", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.load(open(out / "forgetting.json"))
+    assert set(doc["tasks"]) == {"gsm8k", "copy"}
+    rep = json.load(open(out / "gsm8k" / "report.json"))
+    assert rep["task"] == "gsm8k" and rep["models"]["base"]["n_problems"] == 2  # from the file, --limit 2
+    capsys.readouterr()
+    argv[2] = f"gsm8k={tmp_path / 'missing.jsonl'}"
+    assert main([*argv[:-1], str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "problems file of task 'gsm8k' not found" in err and "Traceback" not in err
+    argv[2:4] = ["copy", "copy=" + str(probs)]
+    assert main([*argv[:-1], str(tmp_path / "o3")]) == 2
+    assert "a task is given twice" in capsys.readouterr().err

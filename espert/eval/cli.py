@@ -73,7 +73,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         metavar="TASK",
         help="a built-in task (copy, arithmetic, countdown, humaneval, gsm8k, math500, ...) or an import path "
         "package.module:name, as espert train takes it (a reward function takes its problems from --data); "
-        "several tasks: a report per task in OUT/TASK/ and the forgetting table (base vs tuned per task)",
+        "several tasks: a report per task in OUT/TASK/ and the forgetting table (base vs tuned per task); "
+        "TASK=JSONL gives one task its own problems file (e.g. gsm8k=heldout.jsonl arithmetic countdown)",
     )
     data.add_argument("--data", metavar="JSONL", help="local JSONL file with the problems (instead of the Hub)")
     data.add_argument("--split", default="test", help="dataset split (default: test)")
@@ -179,6 +180,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
         if looks_local and not os.path.exists(os.path.expanduser(path)):
             raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
+    if len({spec.partition("=")[0] for spec in tasks}) < len(tasks):
+        raise ValueError(f"a task is given twice: {' '.join(tasks)}")
     loaded = [(spec, _load(args, spec)) for spec in tasks]  # every task's problems before any sampling
     _quiet_transformers()
     from ..vllm import quiet_logging
@@ -186,9 +189,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     quiet_logging(args.verbose)
     reports = {}
     for spec, task in loaded:
-        out = args.out if len(tasks) == 1 else os.path.join(args.out, _dir_name(spec))
+        out = args.out if len(tasks) == 1 else os.path.join(args.out, _dir_name(spec.partition("=")[0]))
         threshold = task.success_threshold if args.threshold is None else args.threshold
-        reports[spec] = _write(args, _sample(args, task, models, out), out, threshold)
+        reports[spec.partition("=")[0]] = _write(args, _sample(args, task, models, out), out, threshold)
     if len(tasks) > 1:
         from ..runs.files import atomic_write_text
         from .report import forgetting
@@ -206,11 +209,15 @@ def _dir_name(spec: str) -> str:
 
 
 def _load(args: argparse.Namespace, spec: str):
+    """The problems of ``spec``: a task, or ``TASK=JSONL`` (that task's problems from its own file)."""
     from ..tasks import load_spec_task
 
-    task = load_spec_task(spec, args.split, n=args.limit, path=args.data)
+    spec, _, path = spec.partition("=")
+    if path and not os.path.isfile(path):
+        raise FileNotFoundError(f"problems file of task {spec!r} not found: {path}")
+    task = load_spec_task(spec, args.split, n=args.limit, path=path or args.data)
     if task is None or len(task) == 0:
-        raise ValueError(f"task {spec!r} has no {args.split!r} problems (give them with --data JSONL)")
+        raise ValueError(f"task {spec!r} has no {args.split!r} problems (give them with --data JSONL or {spec}=JSONL)")
     return task
 
 
