@@ -114,7 +114,7 @@ JUNIT=()
 for be in "${BACKENDS[@]}"; do
   JUNIT+=("$DIR/gpu_tests_$be.xml")
   CUDA_LAUNCH_BLOCKING=1 ESPERT_GPU_BACKENDS=$be run "GPU tests ($be)" "$T_TESTS" "$PY" -m pytest -q \
-    -p no:cacheprovider -rfE tests/test_gpu.py --junitxml="$DIR/gpu_tests_$be.xml"
+    -p no:cacheprovider -rfE tests/test_gpu.py tests/test_nan_pinning.py --junitxml="$DIR/gpu_tests_$be.xml"
 done
 if [ "$DRY" = 0 ]; then
   JUNIT+=("$DIR/gpu_tests_ptx.xml")
