@@ -321,7 +321,8 @@ def run_es(
                 entropy.append((t, probe(ev.export_state())))
             if echo and (t % max(1, cc.iterations // 5) == 0 or t == cc.iterations):
                 echo(f"[compare] ES iteration {t}/{cc.iterations}: mean member reward {rec['reward']['mean']:.3f}")
-        export_model(ev.center_stream() or ev.export_state(), base_dir, out_dir)
+        stream = ev.center_stream()  # vLLM: chunk by chunk from the workers; torch: the dict
+        export_model(ev.export_state() if stream is None else stream, base_dir, out_dir)
     finally:
         ev.close()
     budget.update(seconds=round(time.time() - t0, 1), train_reward=curve, probe_entropy=entropy)
