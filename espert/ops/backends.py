@@ -69,28 +69,37 @@ def _run_cpu(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -
         _C.apply_many_cpu(st.table.ctypes.data, len(st.table), seeds.ctypes.data, c.ctypes.data, len(seeds))
 
 
+def _slots(n_int64: int) -> int:
+    """int64 slots for a region of the upload, rounded up to 16 bytes (two slots)."""
+    return n_int64 + (n_int64 & 1)
+
+
 def _upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray):
     """Seeds, coefficients, ones and every step's table in ONE host-to-device copy.
-    Returns (seeds int64, coeffs float32, ones float32, [table int64 [E, F]]) device views."""
+    Returns (seeds int64, coeffs float32, ones float32, [table int64 [E, F]]) device views.
+
+    Every region starts 16-byte aligned, whatever the number of members or plan rows: Triton
+    specializes a kernel on its pointers' 16-byte alignment, so an odd count would compile a second
+    variant of every kernel."""
     n = len(seeds)
     half = (n + 1) // 2  # two float32 per int64 slot
-    fl = np.zeros(2 * half, np.float32)
-    fl[:n] = coeffs
-    one = np.zeros(2 * half, np.float32)
-    one[:n] = 1.0
-    parts = [seeds.view(np.int64), fl.view(np.int64), one.view(np.int64)] + [st.table.reshape(-1) for st in steps]
-    host = torch.from_numpy(np.concatenate(parts))
+    sizes = [_slots(n), _slots(half), _slots(half)] + [_slots(st.table.size) for st in steps]
+    host_np = np.zeros(sum(sizes), np.int64)
+    starts = np.cumsum([0] + sizes[:-1])
+    host_np[:n] = seeds.view(np.int64)
+    host_np[starts[1] : starts[1] + half].view(np.float32)[:n] = coeffs
+    host_np[starts[2] : starts[2] + half].view(np.float32)[:n] = 1.0
+    for st, at in zip(steps, starts[3:]):
+        host_np[at : at + st.table.size] = st.table.reshape(-1)
+    host = torch.from_numpy(host_np)
     if device.type == "cuda":
         host = host.pin_memory()
     COUNTERS["h2d"] += 1
     dev = host.to(device, non_blocking=True)
     s = dev[:n]
-    c = dev[n : n + half].view(torch.float32)[:n]
-    o = dev[n + half : n + 2 * half].view(torch.float32)[:n]
-    tables, at = [], n + 2 * half
-    for st in steps:
-        tables.append(dev[at : at + st.table.size].view(st.table.shape))
-        at += st.table.size
+    c = dev[starts[1] : starts[1] + half].view(torch.float32)[:n]
+    o = dev[starts[2] : starts[2] + half].view(torch.float32)[:n]
+    tables = [dev[at : at + st.table.size].view(st.table.shape) for st, at in zip(steps, starts[3:])]
     return s, c, o, tables
 
 
