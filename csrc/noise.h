@@ -198,8 +198,8 @@ ESPERT_HD uint16_t f32_to_f16(float f) {
   const uint32_t b = f2u(f);
   const uint32_t sign = (b >> 16) & 0x8000u;
   const uint32_t a = b & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return (uint16_t)0x7E00u;  // any NaN: the pinned one (kCanonicalNaN)
-  if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);                        // rounds to >= 65520: inf
+  if (a > 0x7F800000u) return (uint16_t)0x7E00u;            // any NaN: the pinned one (kCanonicalNaN)
+  if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);  // rounds to >= 65520: inf
   if (a >= 0x38800000u) {                // normal half: rebias and round the 13 dropped bits to nearest even
     const uint32_t v = a - 0x38000000u;  // exponent 127 -> 15
     return (uint16_t)(sign | ((v + 0xFFFu + ((v >> 13) & 1u)) >> 13));
