@@ -254,14 +254,27 @@ def format_table(doc: dict) -> str:
 
 
 def plot_sweep(doc: dict, path: str) -> str:
-    """The smoothed training-reward curve of every grid point."""
+    """The smoothed training-reward curve of every grid point: the first grid key's value picks the
+    colour and the second's the line style, so that a 4 × 3 grid stays readable."""
     from espert.eval.plots import pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.4), dpi=120)
-    curves = {name: run["smoothed"] for name, run in doc["runs"].items() if run["smoothed"]}
-    for name, curve in curves.items():
-        ax.plot(range(1, len(curve) + 1), curve, label=name)
+    keys = list(doc["grid"])
+    colour = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(doc["grid"][keys[0]])} if keys else {}
+    styles = ("-", "--", ":", "-.")
+    style = {v: styles[i % len(styles)] for i, v in enumerate(doc["grid"][keys[1]])} if len(keys) > 1 else {}
+    curves = {name: run for name, run in doc["runs"].items() if run["smoothed"]}
+    for name, run in curves.items():
+        point = run.get("params", {})
+        curve = run["smoothed"]
+        ax.plot(
+            range(1, len(curve) + 1),
+            curve,
+            label=name,
+            color=colour.get(point.get(keys[0])) if keys else None,
+            linestyle=style.get(point.get(keys[1]), "-") if len(keys) > 1 else "-",
+        )
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"training reward (smoothed, {doc['smoothing']})")
     ax.grid(True, alpha=0.3)
