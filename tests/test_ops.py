@@ -240,13 +240,13 @@ def test_in_place_ops_bump_the_autograd_version(op):
 def test_upload_regions_are_16_byte_aligned_for_any_member_count(n):
     """Before: with an odd number of members the coefficients started 8 bytes into a 16-byte word, so
     Triton (which specializes kernels on 16-byte pointer alignment) compiled a variant per parity."""
-    from espert.ops.backends import _upload
+    from espert.ops.backends import upload
     from espert.ops.plan import Step
 
     seeds = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(2**63 + 7)
     coeffs = np.linspace(-1, 1, n).astype(np.float32)
     tables = [np.arange(3 * 5, dtype=np.int64).reshape(3, 5), np.arange(7, dtype=np.int64).reshape(1, 7)]
-    s, c, o, t = _upload(torch.device("cpu"), [Step(x, False, []) for x in tables], seeds, coeffs)
+    s, c, o, t = upload(torch.device("cpu"), [Step(x, False, []) for x in tables], seeds, coeffs)
     for view in (s, c, o, *t):
         assert view.data_ptr() % 16 == 0
     assert s.numpy().view(np.uint64).tolist() == seeds.tolist()

@@ -87,7 +87,7 @@ def test_torch_unpack_equals_the_numpy_reference(fmt):
     assert torch.equal(formats.unpack_int4_t(fmt, words, n, k), torch.from_numpy(want))
 
 
-def test_quant_cuda_runner_launches_under_the_weights_device_guard(monkeypatch):
+def test_quant_cuda_runner_launches_under_the_weights_device_guard_with_one_upload(monkeypatch):
     """The quantized CUDA runner makes the weight's device current around the launch (the plain runner
     does): a weight on cuda:1 called from cuda:0 would otherwise launch on the wrong device.  Without a GPU
     the guard and the launch are recorded (the kernel itself cannot run here)."""
@@ -116,6 +116,12 @@ def test_quant_cuda_runner_launches_under_the_weights_device_guard(monkeypatch):
     g = qgeometry(qw, None)
     seeds, coeffs = np.array([5], dtype=np.uint64), np.array([1e-3], dtype=np.float32)
     qn = qops._noise(qops.NoiseFamily.parse("gaussian"), g, 1, seeds, qw.qweight.device, "cuda")
-    qops._run_cuda(qw, g, None, "perturb", seeds, coeffs, 1, qn)
+    from espert import ops
+
+    with ops.counting() as copies:
+        qops._run_cuda(qw, g, None, "perturb", seeds, coeffs, 1, qn)
     assert [e[0] for e in events] == ["enter", "launch", "exit"], events
+    # seeds and coefficients go in the ops' one upload (pinned, non-blocking on a GPU); before: two
+    # pageable .to(dev) copies, each of which synchronizes the stream
+    assert copies["h2d"] == 1
     assert events[0][1] == qw.qweight.device

@@ -74,7 +74,7 @@ def _slots(n_int64: int) -> int:
     return n_int64 + (n_int64 & 1)
 
 
-def _upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray):
+def upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray):
     """Seeds, coefficients, ones and every step's table in ONE host-to-device copy.
     Returns (seeds int64, coeffs float32, ones float32, [table int64 [E, F]]) device views.
 
@@ -106,7 +106,7 @@ def _upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray):
 def _run_cuda(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
-        s, c, o, tables = _upload(device, steps, seeds, coeffs)
+        s, c, o, tables = upload(device, steps, seeds, coeffs)
         for st, dt in zip(steps, tables):
             if st.zero is not None:
                 st.zero.zero_()
@@ -130,7 +130,7 @@ def _run_triton(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray
         _C.check_plan(st.table.ctypes.data, len(st.table), len(seeds))
     ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
-        s, c, o, tables = _upload(device, steps, seeds, coeffs)
+        s, c, o, tables = upload(device, steps, seeds, coeffs)
         for st, dt in zip(steps, tables):
             if st.zero is not None:
                 st.zero.zero_()

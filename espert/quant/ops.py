@@ -29,6 +29,7 @@ import torch
 from espert import _C, noise, ops
 from espert.noise import NoiseFamily
 from espert.ops import STAGING_BYTES, sync_cpu_threads
+from espert.ops.backends import upload
 from espert.ops.checks import U64, Block, check_members, check_sigma, check_sign, check_u64
 
 from . import reference as ref
@@ -284,8 +285,7 @@ def _run_cpu(qw, g, master, mode, seeds, coeffs, key, qn):
 def _run_cuda(qw, g, master, mode, seeds, coeffs, key, qn):
     dev = qw.qweight.device
     with torch.cuda.device(dev):  # the kernel launches on the current device: make it the weight's
-        s = torch.from_numpy(seeds.view(np.int64)).to(dev)
-        c = torch.from_numpy(coeffs).to(dev)
+        s, c, _, _ = upload(dev, [], seeds, coeffs)  # one pinned, non-blocking copy (no stream sync)
         row = _kernel_args(qw, g, master, mode, qn, s.data_ptr(), c.data_ptr(), len(seeds), key)
         _C.quant_cuda(row.ctypes.data, torch.cuda.current_stream(dev).cuda_stream)
 
@@ -294,8 +294,7 @@ def _run_triton(qw, g, master, mode, seeds, coeffs, key, qn):
     from espert.kernels.quant import quant_apply
 
     dev = qw.qweight.device
-    s = torch.from_numpy(seeds.view(np.int64)).to(dev)
-    c = torch.from_numpy(coeffs).to(dev)
+    s, c, _, _ = upload(dev, [], seeds, coeffs)
     quant_apply(
         g, qw.scales, master, MODES[mode], s, c, key, family=ops.FAMILY_CODES[qn.family], rank=qn.rank, stage=qn.stage
     )
