@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
+from espert.tasks.base import chat_prompt
+
 
 @runtime_checkable
 class Sampler(Protocol):
@@ -97,9 +99,7 @@ class TransformersSampler:
             return prompt
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"--chat-template was requested but {self.model_path} has no chat template")
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        return chat_prompt(self.tokenizer, prompt)
 
     def sample(
         self,
@@ -211,10 +211,7 @@ class VLLMSampler:
         ]
         if self.chat_template:
             tok = self.llm.get_tokenizer()
-            prompts = [
-                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                for p in prompts
-            ]
+            prompts = [chat_prompt(tok, p) for p in prompts]
         outs = self.llm.generate(list(prompts), params)
         result = [[o.text for o in out.outputs] * (n // draws) for out in outs]
         if len(result) != len(prompts) or any(len(r) != n for r in result):

@@ -10,6 +10,7 @@ import torch
 
 from espert.center import Center, CenterStore
 from espert.params import lora_carried, torch_param_views
+from espert.tasks.base import chat_prompt
 
 from .base import ModelEvaluator, score_and_extract
 
@@ -205,9 +206,7 @@ class TorchEvaluator(ModelEvaluator):
     def _format(self, prompt: str) -> str:
         if not self.chat_template:
             return prompt
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        return chat_prompt(self.tokenizer, prompt)
 
     def _encoded(self, prompts: Sequence[str]) -> list[dict[str, torch.Tensor]]:
         key = tuple(prompts)

@@ -14,6 +14,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    """``prompt`` as the text a chat model sees: one user turn in the tokenizer's chat template, with the
+    assistant's turn opened (``add_generation_prompt``).  Every evaluator, sampler and ``espert compare``
+    formats prompts this way when asked for the chat template."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+
+
 BatchedReward = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 PerItemReward = Callable[[str, str], float]
 Extractor = Callable[..., Optional[str]]

@@ -39,6 +39,7 @@ from espert.evaluators.base import (
     score_and_extract,
     score_members,
 )
+from espert.tasks.base import chat_prompt
 from espert.vllm import WORKER_EXTENSION, cpu_patch
 
 log = logging.getLogger("espert.vllm")
@@ -251,9 +252,7 @@ class VLLMEvaluator(Evaluator):
     def _format(self, prompt: str) -> str:
         if not self.chat_template:
             return prompt
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        return chat_prompt(self.tokenizer, prompt)
 
     def _token_prompts(self, prompts: Sequence[str]) -> list:
         key = tuple(prompts)
