@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from espert.extras import require
+from espert.tasks.base import chat_prompt
 
 
 #: What the two methods are compared on (model, task, budget).  Defaults: the full run.
@@ -176,13 +177,6 @@ def run_schedule(
     return total, checkpoints
 
 
-def _format(tok, prompt: str, chat_template: bool) -> str:
-    """The prompt text the model sees (the chat template's user turn when asked), for token counts."""
-    if not chat_template:
-        return prompt
-    return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-
-
 def _token_counter(tokenizer, max_new_tokens: int):
     """count(completion texts) -> generated tokens, the same rule for both methods: the completion's
     token ids plus the end token when generation stopped before ``max_new_tokens``."""
@@ -243,8 +237,8 @@ class Probe:
 
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
-        loaded = {p.data_ptr() for n, p in self.model.state_dict().items() if n not in missing}
         live = self.model.state_dict()
+        loaded = {p.data_ptr() for n, p in live.items() if n not in missing}
         untied = [n for n in missing if live[n].data_ptr() not in loaded]  # tied weights come with their twin
         if unexpected or untied:
             raise ValueError(
@@ -313,7 +307,7 @@ def run_es(
             idx = prompt_indices(cfg, t, len(train))
             prompts = [train.prompts[i] for i in idx]
             budget["prompt_tokens"] += cc.population * sum(
-                len(tok(_format(tok, p, cc.chat_template)).input_ids) for p in prompts
+                len(tok(chat_prompt(tok, p) if cc.chat_template else p).input_ids) for p in prompts
             )
             rec = es_step(ev, cfg, t, prompts, [train.answers[i] for i in idx])
             curve.append(rec["reward"]["mean"])
@@ -351,7 +345,7 @@ def run_grpo(
         budget["rollouts"] += len(texts)
         budget["generated_tokens"] += count(texts)
         budget["prompt_tokens"] += sum(
-            len(tok(p if isinstance(p, str) else _format(tok, p[-1]["content"], True)).input_ids) for p in prompts
+            len(tok(p if isinstance(p, str) else chat_prompt(tok, p[-1]["content"])).input_ids) for p in prompts
         )
         r = train.score(texts, answer)
         curve.append(sum(r) / len(r))
@@ -493,7 +487,7 @@ def base_model(out_dir: str, cc: CompareConfig, echo=print) -> tuple[str, str]:
     return base, f"`{cc.model}`"
 
 
-def _entropy_table(budgets: dict, probes: dict) -> list[str]:
+def _entropy_table(budgets: dict) -> list[str]:
     """Markdown rows: each method's probe entropy at its probed steps (phase.step for compositions)."""
     lines = ["| method | probe-set token entropy (bits) at step |", "|---|---|"]
     for lab, b in budgets.items():
@@ -596,7 +590,7 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
         "During training (the same probe, at equally spaced steps of each method's budget):",
         "",
     ]
-    lines += _entropy_table(budgets, entropy)
+    lines += _entropy_table(budgets)
     lines += ["", "## Drift (espert analyze)", "", "```"]
     lines += [format_drift_summary(lab, d) for lab, d in drift.items()]
     lines += ["```", ""]
