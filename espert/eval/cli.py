@@ -180,18 +180,19 @@ def _run_eval(args: argparse.Namespace) -> int:
         looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
         if looks_local and not os.path.exists(os.path.expanduser(path)):
             raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
-    if len({spec.partition("=")[0] for spec in tasks}) < len(tasks):
+    named = [spec.partition("=")[::2] for spec in tasks]  # (task, its own problems file or "")
+    if len({name for name, _ in named}) < len(named):
         raise ValueError(f"a task is given twice: {' '.join(tasks)}")
-    loaded = [(spec, _load(args, spec)) for spec in tasks]  # every task's problems before any sampling
+    loaded = [(name, _load(args, name, path)) for name, path in named]  # every task's problems before sampling
     _quiet_transformers()
     from ..vllm import quiet_logging
 
     quiet_logging(args.verbose)
     reports = {}
-    for spec, task in loaded:
-        out = args.out if len(tasks) == 1 else os.path.join(args.out, _dir_name(spec.partition("=")[0]))
+    for name, task in loaded:
+        out = args.out if len(tasks) == 1 else os.path.join(args.out, _dir_name(name))
         threshold = task.success_threshold if args.threshold is None else args.threshold
-        reports[spec.partition("=")[0]] = _write(args, _sample(args, task, models, out), out, threshold)
+        reports[name] = _write(args, _sample(args, task, models, out), out, threshold)
     if len(tasks) > 1:
         from ..runs.files import atomic_write_text
         from .report import forgetting
@@ -208,11 +209,10 @@ def _dir_name(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
 
 
-def _load(args: argparse.Namespace, spec: str):
-    """The problems of ``spec``: a task, or ``TASK=JSONL`` (that task's problems from its own file)."""
+def _load(args: argparse.Namespace, spec: str, path: str = ""):
+    """The problems of task ``spec``: from ``path`` (its own file, ``TASK=JSONL``), else --data or its source."""
     from ..tasks import load_spec_task
 
-    spec, _, path = spec.partition("=")
     if path and not os.path.isfile(path):
         raise FileNotFoundError(f"problems file of task {spec!r} not found: {path}")
     task = load_spec_task(spec, args.split, n=args.limit, path=path or args.data)
