@@ -201,7 +201,50 @@ def graph_checks(device: str, dtype=torch.bfloat16) -> dict:
             r.update(replay_matches_eager=bool(same_out), restored_exactly=bool(restored))
         r.pop("graph", None)
         res[name] = r
+    res["Prepared perturb-forward-restore, members switched between replays"] = member_switch(
+        model, views, store, x, out, be, device, centers
+    )
     return res
+
+
+def member_switch(model, views, store, x, out, backend, device: str, centers, seeds=(5, 6, 2**64 - 1)) -> dict:
+    """One captured ops.Prepared perturb-forward-restore step replayed for several members, each set by
+    rewriting the staged seed between replays: every replay must give that member's eager output (the
+    dry run, without CUDA, runs the same step eagerly for each member)."""
+    items = [(v.tensor, v.key, None) for v in views]
+    want = []
+    with torch.no_grad():
+        for seed in seeds:
+            ops.perturb_many_(items, seed, SIGMA)
+            want.append(model(x).clone())
+            store.restore()
+    p = ops.Prepared(items, backend=backend)
+    p.set_members([seeds[0]], [SIGMA])
+
+    def step():
+        with torch.no_grad():
+            p.apply()
+            out.copy_(model(x))
+            store.restore()
+
+    r = capture(step, device)
+    if r.get("ok") is False:
+        return r
+    g = r.pop("graph", None)
+    matches = []
+    for seed, w in zip(seeds, want):
+        p.set_members([seed], [SIGMA])
+        out.zero_()
+        if g is not None:
+            g.replay()
+            torch.cuda.synchronize()
+        else:
+            step()
+        matches.append(bool(torch.equal(out.view(torch.int16), w.view(torch.int16))))
+    centers_ok = all(torch.equal(v.tensor.view(torch.int16), c.view(torch.int16)) for v, c in zip(views, centers))
+    distinct = len({tuple(w.view(torch.int16).flatten()[:64].tolist()) for w in want}) == len(want)
+    r.update(replay_matches_eager=all(matches) and distinct, members=matches, restored_exactly=bool(centers_ok))
+    return r
 
 
 class Report(dict):
@@ -411,7 +454,13 @@ def summary(r: dict) -> str:
     if "error" in g or not g:
         out.append(f"cuda_graph: ERROR {g.get('error', 'missing')}")
     else:
-        out.append("cuda_graph: " + "; ".join(f"{k}: ok={v.get('ok')}" for k, v in g.items()))
+        out.append(
+            "cuda_graph: "
+            + "; ".join(
+                f"{k.split(',')[0]}: captured={v.get('ok')} eager_bits={v.get('replay_matches_eager')}"
+                for k, v in g.items()
+            )
+        )
     for name, tst in r.get("tests", {}).items():
         if "error" in tst:
             out.append(f"{name}: {tst['error']}")

@@ -39,6 +39,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert report["store"]["member_ms"] > 0 and report["store"]["update_n32_host_s"] > 0
     graph = report["cuda_graph"]
     assert all(g["replay_matches_eager"] and g["restored_exactly"] for g in graph.values())
+    # issue 21 §1.5: one captured step serves every member by rewriting the staged seed
+    assert graph["Prepared perturb-forward-restore, members switched between replays"]["members"] == [True] * 3
     assert set(report["tests"]) == {"gpu_tests_triton.xml"}  # one pytest process per backend
     tests = report["tests"]["gpu_tests_triton.xml"]
     assert tests["failures"] == tests["errors"] == 0 and tests["tests"] - tests["skipped"] >= 60

@@ -246,8 +246,8 @@ def test_upload_regions_are_16_byte_aligned_for_any_member_count(n):
     seeds = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(2**63 + 7)
     coeffs = np.linspace(-1, 1, n).astype(np.float32)
     tables = [np.arange(3 * 5, dtype=np.int64).reshape(3, 5), np.arange(7, dtype=np.int64).reshape(1, 7)]
-    s, c, o, t = upload(torch.device("cpu"), [Step(x, False, []) for x in tables], seeds, coeffs)
-    for view in (s, c, o, *t):
+    s, c, o, t, members = upload(torch.device("cpu"), [Step(x, False, []) for x in tables], seeds, coeffs)
+    for view in (s, c, o, *t, members):
         assert view.data_ptr() % 16 == 0
     assert s.numpy().view(np.uint64).tolist() == seeds.tolist()
     assert c.tolist() == coeffs.tolist() and o.tolist() == [1.0] * n

@@ -19,8 +19,8 @@ dispatched by layout to the lattice kernels of ``espert.quant`` (docs/quantized.
 ``torch.compile(fullgraph=True)`` the ops record their ``torch.ops.espert`` operators.
 
 The package: :mod:`.checks` (argument rules, :class:`Block`), :mod:`.plan` (the typed plan row and
-the launch plan), :mod:`.backends` (the registry and the runners), :mod:`.core` (the ops) and
-:mod:`.torch_ops` (the torch operators).
+the launch plan), :mod:`.backends` (the registry and the runners), :mod:`.core` (the ops),
+:mod:`.prepared` (a call planned once, for CUDA graphs) and :mod:`.torch_ops` (the torch operators).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from .core import (
     restore_,
 )
 from .plan import FAMILY_CODES, PLAN_DTYPE, PLAN_FIELDS, plan_table, units_per_row
+from .prepared import Prepared
 from .torch_ops import _es_update_op, _perturb_op, _restore_op  # noqa: F401  (registers torch.ops.espert.*)
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "U64",
     "Backend",
     "Block",
+    "Prepared",
     "WeightType",
     "as_int64",
     "available_backends",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -42,15 +42,38 @@ def counting() -> Iterator[dict]:
 
 @dataclass(frozen=True)
 class Backend:
-    """A kernel backend: one entry serves every weight type.  ``run`` executes float launch plans;
-    ``quant`` (filled in by :mod:`espert.quant.ops`) runs the quantized lattice kernels; either may be
-    None where the backend has no such kernels (``reference`` is quantized-only)."""
+    """A kernel backend: one entry serves every weight type.  Float launch plans go through ``stage``
+    (seeds, coefficients and tables to where the kernels read them) and ``launch`` (the kernels, reading
+    only staged buffers: no allocation, no host copy, so a CUDA graph can capture it; see
+    :class:`espert.ops.prepared.Prepared`).  ``quant`` (filled in by :mod:`espert.quant.ops`) runs the
+    quantized lattice kernels.  Either kind may be None where the backend has no such kernels
+    (``reference`` is quantized-only)."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]  # capability gate, on the (storage) tensor
-    run: Callable | None  # (device, steps, seeds uint64 [N], coeffs float32 [N]) -> None
+    stage: Callable | None  # (device, steps, seeds uint64 [N], coeffs float32 [N]) -> Staged
+    launch: Callable | None = None  # (device, steps, Staged) -> None
     unit_groups: Callable[[], int] | None = None  # GPU: Philox groups per launch unit (None: CPU tiles itself)
     quant: Callable | None = None  # (qw, geometry, master, mode, seeds, coeffs, key, family name) -> None
+
+    @property
+    def run(self) -> Callable | None:
+        """(device, steps, seeds, coeffs) -> None: stage, then launch (None: no float kernels)."""
+        if self.stage is None:
+            return None
+        return lambda device, steps, seeds, coeffs: self.launch(device, steps, self.stage(device, steps, seeds, coeffs))
+
+
+class Staged(NamedTuple):
+    """A call's buffers where its kernels read them: seeds int64 [N] (uint64 bits), coeffs and ones
+    float32 [N], one int64 [E, F] table per step, and ``members`` int64 [M], the one piece of memory
+    that holds the seeds and the coefficients (rewriting it switches members; see Prepared)."""
+
+    seeds: torch.Tensor
+    coeffs: torch.Tensor
+    ones: torch.Tensor
+    tables: list
+    members: torch.Tensor
 
 
 def sync_cpu_threads() -> None:
@@ -58,25 +81,26 @@ def sync_cpu_threads() -> None:
     _C.set_num_threads(torch.get_num_threads())
 
 
-def _run_cpu(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
-    sync_cpu_threads()
-    ones = np.ones(len(coeffs), np.float32)
-    for st in steps:
-        if st.zero is not None:
-            st.zero.zero_()
-        c = ones if st.ones else coeffs
-        COUNTERS["launches"] += 1
-        _C.apply_many_cpu(st.table.ctypes.data, len(st.table), seeds.ctypes.data, c.ctypes.data, len(seeds))
-
-
 def _slots(n_int64: int) -> int:
     """int64 slots for a region of the upload, rounded up to 16 bytes (two slots)."""
     return n_int64 + (n_int64 & 1)
 
 
-def upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray):
-    """Seeds, coefficients, ones and every step's table in ONE host-to-device copy.
-    Returns (seeds int64, coeffs float32, ones float32, [table int64 [E, F]]) device views.
+def member_slots(n: int) -> np.ndarray:
+    """The host image of a staged ``members`` region for n members (int64, zeros): seeds, then coefficients."""
+    return np.zeros(_slots(n) + _slots((n + 1) // 2), np.int64)
+
+
+def write_members(region: np.ndarray, seeds: np.ndarray, coeffs: np.ndarray) -> None:
+    """Seeds (uint64 [n]) and coefficients (float32 [n]) into a :func:`member_slots` image, in place."""
+    n = len(seeds)
+    region[:n] = seeds.view(np.int64)
+    region[_slots(n) :].view(np.float32)[:n] = coeffs
+
+
+def upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray, *, copy: bool = True) -> Staged:
+    """Seeds, coefficients, ones and every step's table in ONE host-to-device copy (``copy=False``
+    on a CPU device: the host buffer itself, nothing counted).
 
     Every region starts 16-byte aligned, whatever the number of members or plan rows: Triton
     specializes a kernel on its pointers' 16-byte alignment, so an odd count would compile a second
@@ -86,28 +110,43 @@ def upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray):
     sizes = [_slots(n), _slots(half), _slots(half)] + [_slots(st.table.size) for st in steps]
     host_np = np.zeros(sum(sizes), np.int64)
     starts = np.cumsum([0] + sizes[:-1])
-    host_np[:n] = seeds.view(np.int64)
-    host_np[starts[1] : starts[1] + half].view(np.float32)[:n] = coeffs
+    write_members(host_np[: starts[2]], seeds, coeffs)
     host_np[starts[2] : starts[2] + half].view(np.float32)[:n] = 1.0
     for st, at in zip(steps, starts[3:]):
         host_np[at : at + st.table.size] = st.table.reshape(-1)
     host = torch.from_numpy(host_np)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    COUNTERS["h2d"] += 1
-    dev = host.to(device, non_blocking=True)
+    if copy or device.type != "cpu":
+        if device.type == "cuda":
+            host = host.pin_memory()
+        COUNTERS["h2d"] += 1
+        dev = host.to(device, non_blocking=True)
+    else:
+        dev = host
     s = dev[:n]
     c = dev[starts[1] : starts[1] + half].view(torch.float32)[:n]
     o = dev[starts[2] : starts[2] + half].view(torch.float32)[:n]
     tables = [dev[at : at + st.table.size].view(st.table.shape) for st, at in zip(steps, starts[3:])]
-    return s, c, o, tables
+    return Staged(s, c, o, tables, dev[: starts[2]])
 
 
-def _run_cuda(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
+def _stage_cpu(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> Staged:
+    return upload(device, steps, seeds, coeffs, copy=False)
+
+
+def _launch_cpu(device, steps: list[Step], staged: Staged) -> None:
+    sync_cpu_threads()
+    for st, table in zip(steps, staged.tables):
+        if st.zero is not None:
+            st.zero.zero_()
+        c = staged.ones if st.ones else staged.coeffs
+        COUNTERS["launches"] += 1
+        _C.apply_many_cpu(table.data_ptr(), len(st.table), staged.seeds.data_ptr(), c.data_ptr(), len(staged.seeds))
+
+
+def _launch_cuda(device, steps: list[Step], staged: Staged) -> None:
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
-        s, c, o, tables = upload(device, steps, seeds, coeffs)
-        for st, dt in zip(steps, tables):
+        for st, dt in zip(steps, staged.tables):
             if st.zero is not None:
                 st.zero.zero_()
             for e0, e1 in st.groups:
@@ -116,27 +155,32 @@ def _run_cuda(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) 
                     st.table[e0:].ctypes.data,
                     dt[e0].data_ptr(),
                     e1 - e0,
-                    len(seeds),
-                    s.data_ptr(),
-                    (o if st.ones else c).data_ptr(),
+                    len(staged.seeds),
+                    staged.seeds.data_ptr(),
+                    (staged.ones if st.ones else staged.coeffs).data_ptr(),
                     stream,
                 )
 
 
-def _run_triton(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> None:
+def _stage_gpu(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> Staged:
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        return upload(device, steps, seeds, coeffs)
+
+
+def _launch_triton(device, steps: list[Step], staged: Staged) -> None:
     from espert.kernels.apply import apply_many
 
     for st in steps:  # the codes are checked by C++ here too: one rule for every backend
-        _C.check_plan(st.table.ctypes.data, len(st.table), len(seeds))
+        _C.check_plan(st.table.ctypes.data, len(st.table), len(staged.seeds))
     ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
-        s, c, o, tables = upload(device, steps, seeds, coeffs)
-        for st, dt in zip(steps, tables):
+        for st, dt in zip(steps, staged.tables):
             if st.zero is not None:
                 st.zero.zero_()
             for e0, e1 in st.groups:
                 COUNTERS["launches"] += 1
-                apply_many(st.table[e0:e1], dt[e0:e1], s, o if st.ones else c)
+                apply_many(st.table[e0:e1], dt[e0:e1], staged.seeds, staged.ones if st.ones else staged.coeffs)
 
 
 def _triton_ok(w: torch.Tensor) -> bool:
@@ -154,9 +198,11 @@ def _triton_block() -> int:
 
 
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _run_cpu),
-    "cuda": Backend("cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _run_cuda, lambda: int(_C.CUDA_UNIT_GROUPS)),
-    "triton": Backend("triton", _triton_ok, _run_triton, _triton_block),
+    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _stage_cpu, _launch_cpu),
+    "cuda": Backend(
+        "cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _stage_gpu, _launch_cuda, lambda: int(_C.CUDA_UNIT_GROUPS)
+    ),
+    "triton": Backend("triton", _triton_ok, _stage_gpu, _launch_triton, _triton_block),
 }
 
 

@@ -285,8 +285,8 @@ def _run_cpu(qw, g, master, mode, seeds, coeffs, key, qn):
 def _run_cuda(qw, g, master, mode, seeds, coeffs, key, qn):
     dev = qw.qweight.device
     with torch.cuda.device(dev):  # the kernel launches on the current device: make it the weight's
-        s, c, _, _ = upload(dev, [], seeds, coeffs)  # one pinned, non-blocking copy (no stream sync)
-        row = _kernel_args(qw, g, master, mode, qn, s.data_ptr(), c.data_ptr(), len(seeds), key)
+        st = upload(dev, [], seeds, coeffs)  # one pinned, non-blocking copy (no stream sync)
+        row = _kernel_args(qw, g, master, mode, qn, st.seeds.data_ptr(), st.coeffs.data_ptr(), len(seeds), key)
         _C.quant_cuda(row.ctypes.data, torch.cuda.current_stream(dev).cuda_stream)
 
 
@@ -294,9 +294,18 @@ def _run_triton(qw, g, master, mode, seeds, coeffs, key, qn):
     from espert.kernels.quant import quant_apply
 
     dev = qw.qweight.device
-    s, c, _, _ = upload(dev, [], seeds, coeffs)
+    st = upload(dev, [], seeds, coeffs)
     quant_apply(
-        g, qw.scales, master, MODES[mode], s, c, key, family=ops.FAMILY_CODES[qn.family], rank=qn.rank, stage=qn.stage
+        g,
+        qw.scales,
+        master,
+        MODES[mode],
+        st.seeds,
+        st.coeffs,
+        key,
+        family=ops.FAMILY_CODES[qn.family],
+        rank=qn.rank,
+        stage=qn.stage,
     )
 
 
