@@ -17,7 +17,11 @@ def _weights(seed=0):
     return [
         (torch.randn(7, 33, generator=g).to(torch.bfloat16), 11, None),
         (torch.randn(130, generator=g), 2**64 - 5, None),
-        (torch.randn(5, 64, generator=g).to(torch.float16), 3, ops.Block(row_offset=10, col_offset=7, logical_rows=20, logical_cols=200)),
+        (
+            torch.randn(5, 64, generator=g).to(torch.float16),
+            3,
+            ops.Block(row_offset=10, col_offset=7, logical_rows=20, logical_cols=200),
+        ),
     ]
 
 

@@ -1,4 +1,4 @@
-"""Style: `ruff check`, `ruff format --check` and clang-format (csrc/) pass on the whole tree."""
+"""Style: `ruff check`, `ruff format --check` and clang-format (csrc/, tests/) pass on the whole tree."""
 
 import glob
 import os
@@ -36,7 +36,10 @@ def test_clang_format_is_clean():
     exe = shutil.which("clang-format", path=os.path.dirname(sys.executable)) or shutil.which("clang-format")
     assert exe, "clang-format is a dev requirement: pip install -r requirements-dev.txt"
     files = sorted(
-        f for ext in ("h", "cpp", "cu") for f in glob.glob(os.path.join(ROOT, "csrc", "**", f"*.{ext}"), recursive=True)
+        f
+        for top in ("csrc", "tests")
+        for ext in ("h", "cpp", "cu", "cuh")
+        for f in glob.glob(os.path.join(ROOT, top, "**", f"*.{ext}"), recursive=True)
     )
     p = subprocess.run([exe, "--dry-run", "--Werror", *files], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert p.returncode == 0, "run `clang-format -i csrc/**/*.{h,cpp,cu}`:\n" + p.stderr[-4000:]
+    assert p.returncode == 0, "run `clang-format -i csrc/**/*.{h,cpp,cu,cuh} tests/**/*.cpp`:\n" + p.stderr[-4000:]
