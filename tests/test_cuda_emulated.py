@@ -110,7 +110,9 @@ def _guarded(shape, dtype, gen, cols_stride=None):
 
 def _case(seed: int):
     """Items of every dtype in one call: a long tensor (several launch units, NaNs, collapsed rows), a
-    column slice with an unaligned Block start, and a 1-D tensor whose logical indices end at 2^64 - 2."""
+    column slice with an unaligned Block start, a 1-D tensor whose logical indices end at 2^64 - 2, and
+    one that ends 2 elements before a unit boundary (the bound of the hot loop), and a long one whose
+    logical start leaves its units misaligned in memory (the hot loop's alignment test)."""
     g = torch.Generator().manual_seed(seed)
     dts = [torch.float32, torch.float16, torch.bfloat16]
     dts = dts[seed % 3 :] + dts[: seed % 3]
@@ -119,12 +121,16 @@ def _case(seed: int):
     a.view(-1)[5000] = float("inf")
     b, base_b = _guarded((5, 39), dts[1], g, cols_stride=64)
     c, base_c = _guarded((131,), dts[2], g)
+    d, base_d = _guarded((2 * 4096 - 2,), dts[0], g)  # a unit, then one 2 elements short of whole
+    e, base_e = _guarded((9000,), dts[1], g)  # long, and its logical start 1 leaves every unit misaligned
     items = [
+        (d, 5, None),
+        (e, 6, ops.Block(col_offset=1, logical_cols=9001)),
         (a, 7, None),
         (b, 2**63 + 5, ops.Block(row_offset=2, col_offset=3, logical_rows=9, logical_cols=101)),
         (c, 2**64 - 1, ops.Block(col_offset=2**64 - 131 - 2, logical_cols=2**64 - 2)),
     ]
-    return items, [base_a, base_b, base_c]
+    return items, [base_a, base_b, base_c, base_d, base_e]
 
 
 def _twin(items, bases):
@@ -151,7 +157,7 @@ def test_emulated_cuda_kernel_equals_the_cpu_backend(emulator, tmp_path, noise, 
     before = [b.clone() for b in bases]
     seeds = [2**64 - 1 - 977 * k for k in range(members)]
     coeffs = [(-1) ** k * (0.5 + k) * 1e-2 for k in range(members)]
-    scales = [1.0, 0.25, 3.0]
+    scales = [0.5, 2.0, 1.0, 0.25, 3.0]
     out = emulate(emulator["plain"], items, seeds, coeffs, noise, scales, max_blocks, tmp_path)
     ops.es_update_many_(twin, seeds, coeffs, noise=noise, scales=scales, backend="cpu")
     for b, cl, b0 in zip(bases, clones, before):

@@ -16,7 +16,7 @@ int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64
   int64_t units;
   if (!launch_units(host_plan, n_entries, dtype, family, units)) return (int)cudaErrorInvalidValue;
   if (units == 0) return 0;
-  const int blocks = (int)(units < kMaxBlocks ? units : kMaxBlocks);
+  const int blocks = (int)launch_blocks(family, units);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   DTYPE_SWITCH(dtype, DT, [&] {
     FAMILY_SWITCH(family, FAM, [&] {

@@ -1,13 +1,17 @@
-// The body of the CUDA perturb/update kernel (apply_cuda.cu launches it).  A block of 256 threads owns
-// one unit: row i of an entry and kCudaUnitGroups = 1024 consecutive groups of 4 elements (4 per thread,
-// strided by 256 so warps stay coalesced).  The block finds its entry by binary search over unit_start
-// and its row by one divide; per group there is no 64-bit divide.  Interior groups whose address is
-// aligned take a vector path (one 8- or 16-byte load and store); only the row ends take the scalar,
-// bounds-checked one.
+// The body of the CUDA perturb/update kernel (apply_cuda.cu launches it).  A launch unit is row i of an
+// entry and kCudaUnitGroups = 1024 consecutive groups of 4 elements; the block finds its entry by binary
+// search over unit_start and its row by one divide (per group there is no 64-bit divide).
+// - Gaussian, lowrank: a block of 256 threads owns a unit, 4 groups per thread strided by 256, so warps
+//   stay coalesced (block_unit).
+// - Rademacher: a warp owns a unit and shares each Philox call across its lanes (rademacher_unit).
+// Units (or chunks) wholly inside the row at a vector-aligned address run a loop of their own with one
+// 8- or 16-byte __ldcs/__stcs per group and no bounds checks: the hot loop that tests/test_sass_budget.py
+// counts.  The rest (row ends, unaligned rows) checks every group and element (add_group).
 //
 // Included by nvcc (apply_cuda.cu) and, through host_shim.h, by a host C++ compiler: the emulated CUDA
 // backend of tests/test_cuda_emulated.py runs this exact body block by block and thread by thread on
-// the CPU, with the launch shape of launch_units() below, so CPU CI sees the kernel's indexing.
+// the CPU, with the launch shape of launch_units() and launch_blocks() below, so CPU CI sees the
+// kernel's indexing.
 #pragma once
 
 #include "../apply.h"
@@ -47,7 +51,7 @@ struct Vec4<kFloat16> {
 template <>
 struct Vec4<kBFloat16> : Vec4<kFloat16> {};
 
-// Σ over the entry's members of c_eff · ε for the four lanes of one group.
+// Σ over the entry's members of c_eff · ε for the four lanes of one group (Gaussian, lowrank).
 template <int FAM>
 __device__ __forceinline__ void group_sum(const PlanEntry& e, int64_t i, uint64_t g, int64_t c0,
                                           const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs,
@@ -62,13 +66,6 @@ __device__ __forceinline__ void group_sum(const PlanEntry& e, int64_t i, uint64_
       acc[1] = fadd(acc[1], fmul(c, f.n1));
       acc[2] = fadd(acc[2], fmul(c, f.n2));
       acc[3] = fadd(acc[3], fmul(c, f.n3));
-    } else if constexpr (FAM == kRademacher) {
-      // elements 4g..4g+3 are bits 4(g & 7) .. +3 of word (g >> 3) & 3 of call g >> 5
-      const U4 x = rademacher_words(seeds[m], e.key, g >> 5);
-      const uint32_t wd = u4_word(x, (int)((g >> 3) & 3)) >> (4 * (uint32_t)(g & 7));
-      const uint32_t cb = f2u(c);
-#pragma unroll
-      for (int l = 0; l < 4; ++l) acc[l] = fadd(acc[l], u2f(cb ^ (((wd >> l) & 1u) << 31)));
     } else {
       const int64_t mm = m - e.member_begin, r = e.rank;
       const float* a = reinterpret_cast<const float*>(e.stage_a) + (mm * e.rows + i) * r;
@@ -90,55 +87,224 @@ __device__ __forceinline__ void group_sum(const PlanEntry& e, int64_t i, uint64_
   }
 }
 
+// The entry, row and chunk of launch unit u: the last entry whose unit_start <= u (binary search), then
+// one divide.
+__device__ __forceinline__ const PlanEntry* find_unit(const PlanEntry* __restrict__ plan, int64_t n_entries, int64_t u,
+                                                      int64_t& i, int64_t& chunk) {
+  int64_t lo = 0, hi = n_entries - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (plan[mid].unit_start <= u)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const PlanEntry* e = plan + lo;
+  const int64_t local = u - e->unit_start;
+  i = local / e->units_per_row;
+  chunk = local - i * e->units_per_row;
+  return e;
+}
+
+// The row-end path of add_group, element by element in a loop that is not unrolled (a row has at most
+// two such groups; unrolled, its copies would be most of the hot loop's code).  acc[l] by selects: an
+// indexed register array would go through local memory.
+template <int DT>
+__device__ __forceinline__ void add_group_tail(typename Storage<DT>::T* row, int64_t c0, int64_t cols,
+                                               const float (&acc)[4]) {
+#pragma unroll 1
+  for (int l = 0; l < 4; ++l) {
+    const float a = l == 0 ? acc[0] : l == 1 ? acc[1] : l == 2 ? acc[2] : acc[3];
+    if (c0 + l >= 0 && c0 + l < cols) row[c0 + l] = add_to<DT>(row[c0 + l], a);
+  }
+}
+
+// w[c0 .. c0+3] += acc, the columns of the row that exist: one vector load and store where the four are
+// inside the row and aligned, else add_group_tail.
+template <int DT>
+__device__ __forceinline__ void add_group(typename Storage<DT>::T* row, int64_t c0, int64_t cols,
+                                          const float (&acc)[4]) {
+  using T = typename Storage<DT>::T;
+  using V = typename Vec4<DT>::V;
+  T* p = row + c0;
+  if (c0 >= 0 && c0 + 4 <= cols && (reinterpret_cast<uintptr_t>(p) % sizeof(V)) == 0) {
+    T x[4];
+    Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);  // LDG.E.64/.128, streaming
+#pragma unroll
+    for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[l]);
+    __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+  } else {
+    add_group_tail<DT>(row, c0, cols, acc);
+  }
+}
+
+// A value held by another lane of the warp: on the device a shuffle of this lane's `mine`; on the host
+// (the emulated backend runs one thread at a time) the value lane `src` would hold, word_of(src).  Every
+// lane of the warp must call it together.
+template <class F>
+__device__ __forceinline__ uint32_t from_lane(uint32_t mine, int src, const F& word_of) {
+#if defined(__CUDA_ARCH__)
+  (void)word_of;
+  return __shfl_sync(0xFFFFFFFFu, mine, src);
+#else
+  (void)mine;
+  return word_of(src);
+#endif
+}
+template <class F>
+__device__ __forceinline__ uint32_t own_word(const F& word_of, int lane) {
+#if defined(__CUDA_ARCH__)
+  return word_of(lane);
+#else
+  (void)word_of;
+  (void)lane;
+  return 0u;  // unused: from_lane recomputes the source lane's word
+#endif
+}
+
+// Rademacher: one warp owns one unit (kCudaUnitGroups = 1024 groups = 32 Philox calls of 128 elements,
+// the row's groups counted from a call boundary, so shift < 128).  The unit is 4 chunks of 8 calls; at
+// step s of a chunk the warp covers the 128 elements of call s, lane l its group l (bits 4(l & 7) ..
+// +3 of word l >> 3).  Lane 8k + j computes call j of the chunk and keeps word k: 8 calls, each by 4
+// lanes, per 32 elements of a thread (one group per thread computed a whole call per 4 elements), and
+// each step takes its word from lane 8(l >> 3) + s by one shuffle.
+constexpr int kRadSteps = 8, kRadChunks = kCudaUnitGroups / (32 * kRadSteps);
+
+// One chunk: Σ over the members, then the 8 groups of this lane added to the row.  kInterior: the whole
+// chunk lies inside the row at a vector-aligned address (the warp decides it together), so every group
+// takes the vector path with no bounds check; else add_group decides per group.
+template <int DT, bool kInterior>
+__device__ __forceinline__ void rademacher_chunk(const PlanEntry& e, typename Storage<DT>::T* row, int64_t first,
+                                                 uint64_t call, const uint64_t* __restrict__ seeds,
+                                                 const float* __restrict__ coeffs) {
+  using T = typename Storage<DT>::T;
+  using V = typename Vec4<DT>::V;
+  const int lane = (int)(threadIdx.x & 31u);
+  const float scale = u2f((uint32_t)e.scale_bits);
+  float acc[kRadSteps][4];
+#pragma unroll
+  for (int s = 0; s < kRadSteps; ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0.0f;
+#pragma unroll 1
+  for (int64_t m = e.member_begin; m < e.member_end; ++m) {
+    const uint32_t cb = f2u(fmul(coeffs[m], scale));
+    const uint64_t seed = seeds[m];
+    const auto word_of = [&](int l) { return u4_word(rademacher_words(seed, e.key, call + (l & 7)), l >> 3); };
+    const uint32_t mine = own_word(word_of, lane);
+#pragma unroll
+    for (int s = 0; s < kRadSteps; ++s) {
+      const uint32_t wd = from_lane(mine, (lane & ~7) | s, word_of) >> (4 * (lane & 7));
+#pragma unroll
+      for (int l = 0; l < 4; ++l) acc[s][l] = fadd(acc[s][l], u2f(cb ^ (((wd >> l) & 1u) << 31)));
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kRadSteps; ++s) {
+    const int64_t c0 = first + 4 * (32 * s + lane);
+    if constexpr (kInterior) {
+      T* p = row + c0;
+      T x[4];
+      Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);
+#pragma unroll
+      for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[s][l]);
+      __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+    } else if (c0 < e.cols) {
+      add_group<DT>(row, c0, e.cols, acc[s]);
+    }
+  }
+}
+
+template <int DT>
+__device__ __forceinline__ void rademacher_unit(const PlanEntry& e, int64_t i, int64_t chunk,
+                                                const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs) {
+  using T = typename Storage<DT>::T;
+  using V = typename Vec4<DT>::V;
+  constexpr int64_t kSpan = 4 * 32 * kRadSteps;  // elements of a chunk
+  const uint64_t base = e.block().row_base(i);
+  const int64_t shift = (int64_t)(base & 127);
+  const uint64_t call0 = (base >> 7) + (uint64_t)chunk * (kCudaUnitGroups / 32);
+  T* row = reinterpret_cast<T*>(e.data) + i * e.row_stride;
+  const int64_t first0 = 4 * chunk * kCudaUnitGroups - shift;  // column of the unit's first element
+  // chunks [lo, hi) lie inside the row; all chunks share the alignment of row + first0 (kSpan elements apart)
+  const bool aligned = reinterpret_cast<uintptr_t>(row + first0) % sizeof(V) == 0;
+  int64_t lo = first0 >= 0 ? 0 : 1;  // shift < 128 < kSpan: only chunk 0 can start before the row
+  int64_t hi = (e.cols - first0) / kSpan;
+  hi = !aligned ? 0 : hi < kRadChunks ? hi : kRadChunks;
+  lo = lo < hi ? lo : hi;
+#pragma unroll 1
+  for (int64_t r = lo; r < hi; ++r)  // the hot loop: whole chunks, vector accesses only
+    rademacher_chunk<DT, true>(e, row, first0 + kSpan * r, call0 + kRadSteps * r, seeds, coeffs);
+#pragma unroll 1
+  for (int64_t r = 0; r < kRadChunks; ++r) {  // the rest: the row's ends, or every chunk of an unaligned row
+    if (r == lo) r = hi;
+    if (r >= kRadChunks || first0 + kSpan * r >= e.cols) break;  // the same for the whole warp
+    rademacher_chunk<DT, false>(e, row, first0 + kSpan * r, call0 + kRadSteps * r, seeds, coeffs);
+  }
+}
+
+// Launch units per block: a Gaussian or lowrank unit is a block (256 threads, 4 groups each), a
+// Rademacher unit a warp (rademacher_unit).
+__host__ __device__ constexpr int64_t units_per_block(int family) { return family == kRademacher ? kThreads / 32 : 1; }
+
+// A Gaussian or lowrank unit: 4 groups per thread, strided by 256.  kInterior: the block found the whole
+// unit inside the row and aligned, so every group takes the vector path with no bounds check (the hot
+// loop); else add_group decides per group (row ends, unaligned rows).
+template <int DT, int FAM, bool kInterior>
+__device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_t chunk, uint64_t base, int64_t shift,
+                                           typename Storage<DT>::T* row, const uint64_t* __restrict__ seeds,
+                                           const float* __restrict__ coeffs) {
+  using T = typename Storage<DT>::T;
+  using V = typename Vec4<DT>::V;
+#pragma unroll 1
+  for (int s = 0; s < kGroupsPerThread; ++s) {
+    const int64_t q = chunk * kCudaUnitGroups + s * kThreads + threadIdx.x;
+    const int64_t c0 = 4 * q - shift;
+    if (!kInterior && c0 >= e.cols) break;
+    float acc[4];
+    group_sum<FAM>(e, i, (base >> 2) + (uint64_t)q, c0, seeds, coeffs, acc);
+    if constexpr (kInterior) {
+      T* p = row + c0;
+      T x[4];
+      Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);
+#pragma unroll
+      for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[l]);
+      __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+    } else {
+      add_group<DT>(row, c0, e.cols, acc);
+    }
+  }
+}
+
 template <int DT, int FAM>
 __global__ void apply_kernel(const PlanEntry* __restrict__ plan, int64_t n_entries, int64_t total_units,
                              const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs) {
-  using S = Storage<DT>;
-  using T = typename S::T;
-  using V = typename Vec4<DT>::V;
-  for (int64_t u = blockIdx.x; u < total_units; u += gridDim.x) {
-    int64_t lo = 0, hi = n_entries - 1;  // the last entry whose unit_start <= u
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) >> 1;
-      if (plan[mid].unit_start <= u)
-        lo = mid;
+  using T = typename Storage<DT>::T;
+  constexpr int64_t kPerBlock = units_per_block(FAM);
+  const int64_t within = kPerBlock == 1 ? 0 : (int64_t)(threadIdx.x / 32);
+  for (int64_t u = (int64_t)blockIdx.x * kPerBlock + within; u < total_units; u += (int64_t)gridDim.x * kPerBlock) {
+    int64_t i, chunk;
+    const PlanEntry& e = *find_unit(plan, n_entries, u, i, chunk);
+    if constexpr (FAM == kRademacher) {
+      rademacher_unit<DT>(e, i, chunk, seeds, coeffs);
+    } else {
+      const uint64_t base = e.block().row_base(i);
+      // lowrank groups start at column 0; Gaussian groups are aligned to logical index 4g
+      const int64_t shift = FAM == kLowRank ? 0 : (int64_t)(base & 3);
+      T* row = reinterpret_cast<T*>(e.data) + i * e.row_stride;
+      const int64_t first = 4 * chunk * kCudaUnitGroups - shift;  // column of the unit's first element
+      // the whole unit inside the row at a vector-aligned address: the same for every thread of the block
+      const bool interior = first >= 0 && first + 4 * kCudaUnitGroups <= e.cols &&
+                            reinterpret_cast<uintptr_t>(row + first) % sizeof(typename Vec4<DT>::V) == 0;
+      if (interior)
+        block_unit<DT, FAM, true>(e, i, chunk, base, shift, row, seeds, coeffs);
       else
-        hi = mid - 1;
-    }
-    const PlanEntry e = plan[lo];
-    const int64_t local = u - e.unit_start;
-    const int64_t i = local / e.units_per_row;  // once per block-unit of 1024 groups
-    const int64_t chunk = local - i * e.units_per_row;
-    const uint64_t base = e.block().row_base(i);
-    // lowrank groups start at column 0; Philox families' groups are aligned to logical index 4g
-    const int64_t shift = FAM == kLowRank ? 0 : (int64_t)(base & 3);
-    T* row = reinterpret_cast<T*>(e.data) + i * e.row_stride;
-#pragma unroll 1
-    for (int s = 0; s < kGroupsPerThread; ++s) {
-      const int64_t q = chunk * kCudaUnitGroups + s * kThreads + threadIdx.x;
-      const int64_t c0 = 4 * q - shift;
-      if (c0 >= e.cols) break;
-      float acc[4];
-      group_sum<FAM>(e, i, (base >> 2) + (uint64_t)q, c0, seeds, coeffs, acc);
-      T* p = row + c0;
-      if (c0 >= 0 && c0 + 4 <= e.cols && (reinterpret_cast<uintptr_t>(p) % sizeof(V)) == 0) {
-        T x[4];
-        Vec4<DT>::split(*reinterpret_cast<const V*>(p), x);
-#pragma unroll
-        for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[l]);
-        *reinterpret_cast<V*>(p) = Vec4<DT>::join(x);
-      } else {
-#pragma unroll
-        for (int l = 0; l < 4; ++l)
-          if (c0 + l >= 0 && c0 + l < e.cols) p[l] = add_to<DT>(p[l], acc[l]);
-      }
+        block_unit<DT, FAM, false>(e, i, chunk, base, shift, row, seeds, coeffs);
     }
   }
 }
 
 // The grid of one launch over entries [0, n_entries) of a host plan: their common dtype and family, and
 // the number of units.  False when the entries do not share a dtype and family or a units_per_row is
-// not this kernel's (espert/ops groups and fills them).  Blocks: min(units, 2^30), grid-stride beyond.
+// not this kernel's (espert/ops groups and fills them).  Blocks: launch_blocks (grid-stride beyond).
 inline bool launch_units(const PlanEntry* host_plan, int64_t n_entries, int& dtype, int& family, int64_t& units) {
   dtype = (int)host_plan[0].dtype;
   family = (int)host_plan[0].family;
@@ -152,6 +318,11 @@ inline bool launch_units(const PlanEntry* host_plan, int64_t n_entries, int& dty
   return true;
 }
 constexpr int64_t kMaxBlocks = (int64_t)1 << 30;
+// Blocks of a launch of `units` units of `family`: enough for one unit each, at most kMaxBlocks.
+inline int64_t launch_blocks(int family, int64_t units) {
+  const int64_t b = (units + units_per_block(family) - 1) / units_per_block(family);
+  return b < kMaxBlocks ? b : kMaxBlocks;
+}
 
 }  // namespace cuda_kernel
 }  // namespace espert

@@ -8,22 +8,45 @@
 #endif
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
 
 struct dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 inline dim3 threadIdx, blockIdx, blockDim, gridDim;  // set by the emulated launch
 
-struct float4 {
+struct alignas(16) float4 {  // CUDA's alignment: a misaligned vector access faults there
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
-struct uint2 {
+struct alignas(8) uint2 {
   uint32_t x, y;
 };
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+
+// streaming loads and stores: plain accesses on the host, refused where the GPU would fault
+// (cudaErrorMisalignedAddress): a vector access at an address that is not a multiple of its size
+template <class T>
+inline void check_aligned(const T* p) {
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) {
+    std::fprintf(stderr, "emulated CUDA: misaligned %zu-byte access at %p\n", sizeof(T), (const void*)p);
+    std::abort();
+  }
+}
+template <class T>
+inline T __ldcs(const T* p) {
+  check_aligned(p);
+  return *p;
+}
+template <class T>
+inline void __stcs(T* p, T v) {
+  check_aligned(p);
+  *p = v;
+}

@@ -1,6 +1,6 @@
 // The emulated CUDA backend: csrc/cuda/apply_kernel.cuh compiled as host C++ (through host_shim.h) and
-// launched block by block, thread by thread, with the real launch shape (launch_units, the 2^30 block
-// cap, or a forced smaller grid so the grid-stride loop runs).  tests/test_cuda_emulated.py builds it
+// launched block by block, thread by thread, with the real launch shape (launch_units and launch_blocks,
+// or a forced smaller grid so the grid-stride loop runs).  tests/test_cuda_emulated.py builds it
 // (plain and under ASan/UBSan) and feeds it launch plans made by espert/ops for the CUDA backend.
 //
 //   emulate IN OUT       (emulate --unit-groups prints kCudaUnitGroups)
@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
       return 4;
     }
     if (units == 0) continue;
-    int64_t blocks = units < cuda_kernel::kMaxBlocks ? units : cuda_kernel::kMaxBlocks;
+    int64_t blocks = cuda_kernel::launch_blocks(family, units);
     if (max_blocks > 0 && max_blocks < blocks) blocks = max_blocks;
     blocks_run += blocks;
     const float* c = use_ones ? ones.data() : coeffs.data();
