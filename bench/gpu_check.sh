@@ -5,7 +5,8 @@
 #   bash bench/gpu_check.sh OUT_DIR              preflight, build for sm_90, GPU tests, GPU benchmarks,
 #                                                the model-shaped check (bench/gpu_check.py)
 #   bash bench/gpu_check.sh --dry-run [OUT_DIR]  the same flow on CPU with small sizes and interpreted
-#                                                Triton, no build (CI runs it: tests/test_gpu_check.py)
+#                                                Triton; the build goes to OUT_DIR/build and is checked,
+#                                                the installed module runs (CI: tests/test_gpu_check.py)
 #
 # Writes into OUT_DIR: gpu_check_log.txt, gpu_tests_<backend>.xml (JUnit, one pytest process per backend so
 # a sticky CUDA fault in one cannot take the other's results), gpu_bench.json (pytest-benchmark) and
@@ -19,7 +20,7 @@ DIR=""
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $a (see --help)" >&2; exit 2 ;;
     *) DIR=$a ;;
   esac
@@ -59,6 +60,21 @@ run() {
   return "$rc"
 }
 
+# check_built SO: the module at SO loads and holds CUDA kernels for exactly ESPERT_CUDA_ARCHS
+check_built() {
+  timeout "$T_PRE" "$PY" - "$1" <<'EOF' 2>&1 | tee -a "$LOG"
+import importlib.machinery, importlib.util, os, sys
+loader = importlib.machinery.ExtensionFileLoader("espert._C", sys.argv[1])
+C = importlib.util.module_from_spec(importlib.util.spec_from_loader("espert._C", loader))
+loader.exec_module(C)
+want = os.environ["ESPERT_CUDA_ARCHS"].replace(";", ",")
+assert C.has_cuda, f"{sys.argv[1]} was built without CUDA kernels"
+assert C.cuda_archs == want, f"{sys.argv[1]} holds CUDA kernels for {C.cuda_archs}, not {want}"
+print("built", sys.argv[1], "| CUDA kernels for sm_" + C.cuda_archs, "| CPU", C.cpu_isa())
+EOF
+  [ "${PIPESTATUS[0]}" = 0 ] || die "espert._C is not the CUDA build asked for (see above)"
+}
+
 # ---- preflight: nothing runs until the build can only be a CUDA build ---------------------------------
 say "preflight"
 command -v "$PY" >/dev/null || die "python not found: $PY (set PYTHON=...)"
@@ -91,15 +107,23 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
   say "build espert._C for sm_$ESPERT_CUDA_ARCHS"
   timeout "$T_BUILD" "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -30 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || die "build failed"
-  timeout "$T_PRE" "$PY" -c "from espert import _C; assert _C.has_cuda, 'espert._C was built without CUDA'; print('has_cuda', _C.has_cuda)" \
-    2>&1 | tee -a "$LOG"
-  [ "${PIPESTATUS[0]}" = 0 ] || die "espert._C has no CUDA kernels"
+  check_built "$(timeout "$T_PRE" "$PY" -c 'from espert import _C; print(_C.__file__)')"
   export TRITON_INTERPRET=0  # real Triton (it decides at import time)
   DRYFLAG=()
   BACKENDS=(triton cuda)
 else
-  BUDGET_S=1500 T_TESTS=600 T_PTX=0 T_BENCH=300 T_MODEL=300
-  say "dry run: CPU tensors, small sizes, interpreted Triton; build skipped (the installed espert._C is used)"
+  BUDGET_S=1500 T_PRE=60 T_BUILD=300 T_TESTS=600 T_PTX=0 T_BENCH=300 T_MODEL=300
+  say "dry run: CPU tensors, small sizes, interpreted Triton; the installed espert._C runs"
+  if [ -n "$NVCC" ]; then
+    # the same CMake/nvcc build pip runs above, into a throwaway folder: a build break fails the dry run
+    say "build espert._C for sm_$ESPERT_CUDA_ARCHS (CMake, nvcc) into $DIR/build"
+    timeout "$T_BUILD" "$PY" setup.py -q build_ext --build-temp "$DIR/build/tmp" --build-lib "$DIR/build/lib" 2>&1 \
+      | tail -30 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" = 0 ] || die "build failed"
+    check_built "$(ls "$DIR"/build/lib/espert/_C*.so)"
+  else
+    say "no nvcc here: the build is not checked"
+  fi
   "$PY" -c "from espert import _C; print('has_cuda', _C.has_cuda, 'cpu_isa', _C.cpu_isa())" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || die "espert._C is not importable"
   export ESPERT_GPU_DRY_RUN=1 TRITON_INTERPRET=1

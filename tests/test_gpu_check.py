@@ -1,6 +1,7 @@
-"""`bash bench/gpu_check.sh --dry-run` runs the GPU check's whole flow on CPU (preflight, GPU tests with
-interpreted Triton, the GPU benchmarks, the model-shaped check) so the script cannot rot before the
-first GPU run.  About two minutes on the 2-core CI machine, most of it interpreted Triton."""
+"""`bash bench/gpu_check.sh --dry-run` runs the GPU check's whole flow on CPU (preflight, the CMake/nvcc
+build for sm_90 into its own folder, GPU tests with interpreted Triton, the GPU benchmarks, the
+model-shaped check) so the script cannot rot before the first GPU run.  About two and a half minutes
+on the 2-core CI machine, most of it interpreted Triton."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cuda_ptx import NVCC
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +34,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert "all steps passed" in res.stdout and any(
         line.startswith("SUMMARY") for line in res.stdout.splitlines()[-12:]
     )
+    log = (tmp_path / "gpu_check_log.txt").read_text()
+    if NVCC is not None:  # the dry run builds as the GPU run does (CMake, nvcc), into its own folder
+        assert "CUDA kernels for sm_90 |" in log, log[-3000:]
+        assert list((tmp_path / "build/lib/espert").glob("_C*.so"))
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["tensors"] == 26 and report["parameters"] > 0
     assert set(report["backends"]) == {"cpu"} and "error" not in report["backends"]["cpu"]
@@ -98,7 +104,8 @@ def _gpu_step_limits(text: str) -> tuple[int | None, list[tuple[str, int]]]:
         tok = tok.strip('"')
         return env[tok[1:]] if tok.startswith("$") else int(tok)
 
-    steps = [("timeout " + t, value(t)) for t in re.findall(r"^\s*timeout (\S+)", gpu_branch, re.M)]
+    steps = [("timeout " + t, value(t)) for t in re.findall(r"\btimeout (\S+)", gpu_branch)]
+    steps += [("check_built", env["T_PRE"])] * len(re.findall(r"^\s*check_built ", gpu_branch, re.M))
     rest = text[text.index("# ---- GPU tests") :]
     for name, limit in re.findall(r'\brun "([^"]+)" (\S+)', rest):
         steps += [(name, value(limit))] * (len(backends) if "$be" in name else 1)
