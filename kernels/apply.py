@@ -316,7 +316,9 @@ def _seed_coeff(seeds_ptr, coeffs_ptr, m, scale):
     return seed.to(tl.uint32), (seed >> 32).to(tl.uint32), tl.load(coeffs_ptr + m) * scale
 
 
-@triton.jit
+# n_entries and n_search change from call to call (and are 1 for one-tensor calls): specialized, each
+# value 1 and each multiple of 16 would compile another variant (tests/test_triton_kernel.py counts them)
+@triton.jit(do_not_specialize=["n_entries", "n_search"])
 def _apply_kernel(
     plan_ptr,
     n_entries,

@@ -4,6 +4,7 @@ Each interpreted program instance costs milliseconds, so tensors are small and b
 NaN weights keep their exact bits (the kernel selects the input's bits for a NaN element).
 """
 
+import json
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
@@ -352,3 +353,56 @@ def test_apply_kernel_ptx_is_exact_for_every_dtype_and_family():
         assert not re.search(r"\bfma\.rn\.f32|\bmad\.f32", text), f"{name}: fused multiply-add"
         assert not re.search(r"\.approx\b", text), f"{name}: approximate division or square root"
         assert not re.findall(r"\b[\w.]*\.ftz[\w.]*", text), f"{name}: flush-to-zero"
+
+
+# ---- JIT specializations: what one ES run would compile ------------------------------------------------
+
+SPECIALIZATIONS = r"""
+import json, os
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from espert.kernels import apply as A
+from espert import ops
+
+# Triton's own binder for sm_90 (what JITFunction.run keys its cache on), fed every launch the ops make
+binder = create_function_from_signature(A._apply_kernel.signature, A._apply_kernel.params,
+                                        make_backend(GPUTarget("cuda", 90, 32)))
+keys = {}
+class Recorder:
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            _, spec, opts = binder(*args, **kw)
+            key = json.dumps([[str(x) for x in s] for s in spec] + sorted([a, str(b)] for a, b in opts.items()))
+            keys[key] = keys.get(key, 0) + 1
+        return launch
+A._apply_kernel = Recorder()
+os.environ["TRITON_INTERPRET"] = "1"  # the backend gate takes CPU tensors; no kernel runs
+# a Qwen2/Llama-shaped model: embeddings; per layer q, k, v, o, gate, up, down, two norms, q/k/v biases
+H, I = 64, 176
+layer = [(H, H), (H // 4, H), (H // 4, H), (H, H), (I, H), (I, H), (H, I), (H,), (H,), (H,), (H // 4,), (H // 4,)]
+shapes = [(1000, H)] + layer * 4 + [(H,)]
+for dtype in (torch.bfloat16, torch.float32):
+    items = [(torch.zeros(s, dtype=dtype), k, None) for k, s in enumerate(shapes)]
+    for noise in ("gaussian", "rademacher", "lowrank:4"):
+        for seed in range(3):  # members: the whole model, and one tensor at a time
+            ops.perturb_many_(items, seed, 1e-3, noise=noise, backend="triton")
+            ops.perturb_many_(items[seed : seed + 1], seed, 1e-3, noise=noise, backend="triton")
+        for n in (1, 7, 32):  # updates
+            ops.es_update_many_(items, list(range(n)), [1e-3] * n, noise=noise, backend="triton")
+print(json.dumps(keys))
+"""
+
+
+def test_an_es_run_compiles_one_triton_variant_per_dtype_and_family():
+    """Every launch of perturb and update calls on a model-shaped list (2 dtypes x 3 families, one tensor or
+    all, 1 to 32 members) keyed by Triton's own binder for sm_90: one variant per (dtype, family) present,
+    the lowrank staging fill sharing float32 Gaussian's.  Before: 14, since n_entries and n_search were
+    specialized (the value 1 and multiples of 16 each compile another variant, ~1 s of JIT each)."""
+    from test_cuda_ptx import triton_compiled
+
+    keys = triton_compiled(SPECIALIZATIONS)
+    pairs = {json.dumps(json.loads(k)[5:7]) for k in keys}  # the DTYPE and FAMILY constexprs
+    print(f"\n{len(keys)} Triton variants over {sum(keys.values())} launches")
+    assert len(keys) == len(pairs) == 6, sorted(keys)
