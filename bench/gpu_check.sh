@@ -128,7 +128,7 @@ else
   [ "${PIPESTATUS[0]}" = 0 ] || die "espert._C is not importable"
   export ESPERT_GPU_DRY_RUN=1 TRITON_INTERPRET=1
   DRYFLAG=(--dry-run)
-  BACKENDS=(triton)  # the PTX checks need no GPU and already run in the test suite
+  BACKENDS=(triton cuda_emulated)  # cuda_emulated: the CUDA kernels' bodies on the CPU (tests/cuda_host/)
 fi
 
 # ---- GPU tests, GPU benchmarks, the model-shaped check ---------------------------------------------------

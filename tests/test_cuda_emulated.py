@@ -1,99 +1,35 @@
-"""The CUDA kernel as a CI backend (issue 21 §2): csrc/cuda/apply_kernel.cuh, the body apply_cuda.cu
-launches, compiled as host C++ through csrc/cuda/host_shim.h (tests/cuda_host/emulate.cpp) and run
-block by block, thread by thread on launch plans that espert/ops builds for the CUDA backend (its unit
-size, its launch groups, the lowrank staging fill).  Its bits must equal the CPU backend's, on every
-dtype and family, with guard bands around every tensor, with the real grid and with forced small
-grids (so the grid-stride loop runs), and under ASan and UBSan.  This is how a CPU-only CI sees the
-CUDA kernel's indexing: vector-path alignment, row ends, unaligned Block starts, 64-bit indices."""
+"""The CUDA kernel as a CI backend (issue 21 §2): the bodies of the CUDA kernels
+(csrc/cuda/apply_kernel.cuh, csrc/cuda/quant_kernel.cuh) compiled as host C++ through
+csrc/cuda/host_shim.h and run block by block, thread by thread, as the ops backend ``cuda_emulated``
+(tests/cuda_host/emulated.py) on the ops' own CUDA launch plans (the CUDA unit size, one launch per
+dtype and family, the lowrank staging fill) and the quantized kernels' argument row.  Its bits must
+equal the CPU backend's on every dtype, family and quantized layout, with guard bands around every
+tensor, with the real grid and with forced small grids (so the grid-stride loops run), and under ASan
+and UBSan.  This is how a CPU-only CI sees the CUDA kernels' indexing: vector-path alignment, row ends,
+unaligned Block starts, 64-bit indices.  (tests/test_gpu.py also runs on it in the GPU check's dry run.)"""
 
-import shutil
-import struct
-import subprocess
-from pathlib import Path
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
+from cuda_host import emulated
+from test_gpu import Q_CASES  # the quantized layouts tests/test_gpu.py runs on a GPU
 
 from espert import ops
-from espert.noise import NoiseFamily
-from espert.ops.core import _check_items
-from espert.ops.plan import build_steps, plan_fields
 
-ROOT = Path(__file__).resolve().parents[1]
-CXX = shutil.which("g++") or shutil.which("c++")
-pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
-FLAGS = ["-std=c++17", "-ffp-contract=off", "-DESPERT_WITH_CUDA", "-Wall", "-Werror", "-Wno-unknown-pragmas"]
-SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
-GUARD = 24  # elements of guard band before and after every tensor
+pytestmark = pytest.mark.skipif(emulated.CXX is None, reason="no host C++ compiler")
+GUARD = 24  # elements of guard band before and after every tensor (the emulator copies GUARD // 2 bytes of it)
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
-    """{"plain": path, "sanitized": path} of the emulator built from the kernel header as it is now."""
-    d = tmp_path_factory.mktemp("emulate")
-    out = {}
-    for name, flags in (("plain", ["-O2"]), ("sanitized", SANITIZE)):
-        out[name] = d / f"emulate_{name}"
-        src = str(ROOT / "tests/cuda_host/emulate.cpp")
-        subprocess.run([CXX, *FLAGS, *flags, "-o", str(out[name]), src], check=True, capture_output=True, text=True)
-    return out
+@pytest.fixture
+def cuda_emulated(monkeypatch):
+    return emulated.register(monkeypatch, pad=GUARD // 2)
 
 
-def _region_of(ptr: int, regions: list[torch.Tensor]) -> int:
-    for r, t in enumerate(regions):
-        if t.data_ptr() <= ptr < t.data_ptr() + t.untyped_storage().nbytes():
-            return r
-    raise AssertionError(f"plan address {ptr:#x} is in no region")
-
-
-def emulate(binary: Path, items, seeds, coeffs, noise="gaussian", scales=None, max_blocks=0, tmp=None) -> str:
-    """Run es_update_many_(items, seeds, coeffs) through the emulated CUDA kernel, in place.  Every item's
-    tensor must be a view of a contiguous base tensor (its region); returns the emulator's stdout."""
-    unit_groups = int(subprocess.run([str(binary), "--unit-groups"], capture_output=True, text=True).stdout)
-    fam = NoiseFamily.parse(noise)
-    seed_arr, coeff32 = ops.check_members(seeds, coeffs)
-    checked, bits, _, device = _check_items(items, fam, len(seed_arr), scales, "cpu")
-    steps = build_steps(checked, fam, len(seed_arr), bits, device, unit_groups)
-    regions = []
-    for w, _, _ in items:
-        if not any(w.untyped_storage().data_ptr() == r.data_ptr() for r in regions):
-            regions.append(w._base if w._base is not None else w)
-    regions += [st.zero for st in steps if st.zero is not None and all(st.zero is not r for r in regions)]
-    words = [struct.pack("<q", len(regions))]
-    for t in regions:
-        raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        words += [struct.pack("<q", len(raw)), raw + b"\0" * (-len(raw) % 8)]
-    c = coeff32.tobytes()
-    words += [struct.pack("<q", len(seed_arr)), seed_arr.tobytes(), c + b"\0" * (-len(c) % 8)]
-    launches = []
-    for st in steps:
-        f = plan_fields(st.table)
-        table = st.table.copy()
-        tf = plan_fields(table)
-        for name in ("data", "stage_a", "stage_b"):
-            for k, ptr in enumerate(f[name]):
-                if ptr:
-                    r = _region_of(int(ptr), regions)
-                    tf[name][k] = ((r + 1) << 44) | (int(ptr) - regions[r].data_ptr())
-        zero = next((k for k, r in enumerate(regions) if st.zero is r), -1)
-        for g, (e0, e1) in enumerate(st.groups):
-            launches.append((zero if g == 0 else -1, int(st.ones), table[e0:e1]))
-    words += [struct.pack("<q", max_blocks), struct.pack("<q", len(launches))]
-    for zero, ones, rows in launches:
-        words += [struct.pack("<qqq", zero, ones, len(rows)), np.ascontiguousarray(rows).tobytes()]
-    src, dst = tmp / "in.bin", tmp / "out.bin"
-    src.write_bytes(b"".join(words))
-    res = subprocess.run([str(binary), str(src), str(dst)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    data, at = dst.read_bytes(), 0
-    for t in regions:
-        (size,) = struct.unpack_from("<q", data, at)
-        at += 8
-        if size:
-            t.view(torch.uint8).copy_(torch.frombuffer(bytearray(data[at : at + size]), dtype=torch.uint8))
-        at += size
-    return res.stdout
+@pytest.fixture
+def cuda_sanitized(monkeypatch):
+    return emulated.register(monkeypatch, "sanitized", max_blocks=3)
 
 
 def _guarded(shape, dtype, gen, cols_stride=None):
@@ -151,58 +87,95 @@ def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
 @pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
 @pytest.mark.parametrize("members", [1, 3])
 @pytest.mark.parametrize("max_blocks", [0, 1, 5])
-def test_emulated_cuda_kernel_equals_the_cpu_backend(emulator, tmp_path, noise, members, max_blocks):
+def test_emulated_cuda_kernel_equals_the_cpu_backend(cuda_emulated, noise, members, max_blocks):
+    cuda_emulated.max_blocks = max_blocks
     items, bases = _case(members + max_blocks)
     twin, clones = _twin(items, bases)
     before = [b.clone() for b in bases]
     seeds = [2**64 - 1 - 977 * k for k in range(members)]
     coeffs = [(-1) ** k * (0.5 + k) * 1e-2 for k in range(members)]
     scales = [0.5, 2.0, 1.0, 0.25, 3.0]
-    out = emulate(emulator["plain"], items, seeds, coeffs, noise, scales, max_blocks, tmp_path)
+    with ops.counting() as n:
+        ops.es_update_many_(items, seeds, coeffs, noise=noise, scales=scales, backend="cuda_emulated")
     ops.es_update_many_(twin, seeds, coeffs, noise=noise, scales=scales, backend="cpu")
     for b, cl, b0 in zip(bases, clones, before):
         assert _same(b[:GUARD], b0[:GUARD]) and _same(b[-GUARD:], b0[-GUARD:])  # guard bands untouched
         assert _same(b, cl)  # bit for bit the CPU backend
         assert not _same(b, b0)  # and the call did something
-    _, launches, _, blocks = out.split()
-    assert int(launches) >= 3  # one per dtype present (lowrank: a staging fill and an apply per dtype)
+    assert n["launches"] >= 3  # one per dtype present (lowrank: a staging fill and an apply per dtype)
     if max_blocks:
-        assert int(blocks) <= max_blocks * int(launches)
+        assert cuda_emulated.last_blocks <= max_blocks
 
 
 @pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
-def test_emulated_cuda_kernel_under_asan_and_ubsan(emulator, tmp_path, noise):
+def test_emulated_cuda_kernel_under_asan_and_ubsan(cuda_sanitized, noise):
     items, bases = _case(2)
     twin, clones = _twin(items, bases)
-    emulate(emulator["sanitized"], items, [11, 2**63], [3e-3, -0.75], noise, None, 3, tmp_path)
+    ops.es_update_many_(items, [11, 2**63], [3e-3, -0.75], noise=noise, backend="cuda_emulated")
     ops.es_update_many_(twin, [11, 2**63], [3e-3, -0.75], noise=noise, backend="cpu")
     assert all(_same(b, c) for b, c in zip(bases, clones))
 
 
-def test_emulated_grid_is_the_real_one_or_the_forced_one(emulator, tmp_path):
-    """The emulator runs min(units, 2^30) blocks, or the forced grid: the grid-stride loop then covers the
-    units a smaller grid leaves (an off-by-one in it would leave elements unperturbed: the equality
-    test above fails)."""
+@pytest.mark.parametrize("mode", ["perturb", "master"])
+@pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
+@pytest.mark.parametrize("fmt,kw", Q_CASES, ids=[f"{f}-{'-'.join(map(str, k.values()))}" for f, k in Q_CASES])
+def test_emulated_quantized_kernel_equals_the_cpu_backend(monkeypatch, fmt, kw, noise, mode):
+    """The CUDA quantized kernel (run_unit per thread, grid-stride) against the CPU's tiled kernel, with a
+    forced grid of 2 blocks (512 threads for more units): every layout, family and mode."""
+    from espert.quant import quantize_weight
+    from espert.quant.center import initial_master
+
+    emulated.register(monkeypatch, max_blocks=2)
+    kw = dict(kw)
+    group = kw.pop("group", 32)
+    base = quantize_weight(torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 0.02, fmt, group, **kw)
+    key = 2**64 - 3
+
+    def run(be):
+        qw = dataclasses.replace(base.clone(), qweight=base.qweight.clone(), scales=base.scales.clone())
+        master = initial_master(qw) if mode == "master" else None
+        if mode == "perturb":
+            ops.perturb_(qw, 5, key, 2e-3, -1, noise=noise, backend=be)
+        else:
+            ops.es_update_(qw, [1, 2**64 - 1, 3], [3e-3, -2e-3, 1e-3], key, master=master, noise=noise, backend=be)
+        return qw, master
+
+    want, m_want = run("cpu")
+    got, m_got = run("cuda_emulated")
+    assert torch.equal(got.qweight.view(torch.uint8), want.qweight.view(torch.uint8))
+    assert not torch.equal(got.qweight.view(torch.uint8), base.qweight.view(torch.uint8))
+    if mode == "master":
+        assert torch.equal(m_got.view(torch.int32), m_want.view(torch.int32))
+
+
+def test_emulated_grid_is_the_real_one_or_the_forced_one(cuda_emulated):
+    """The emulator runs launch_blocks(units) blocks, or the forced grid: the grid-stride loop then covers
+    the units a smaller grid leaves (an off-by-one in it would leave elements unperturbed)."""
     w = torch.zeros(10 * 4096)
-    units = ops.units_per_row(len(w), ops.FAMILY_CODES["gaussian"], 1024)
-    full = emulate(emulator["plain"], [(w, 1, None)], [1], [1.0], tmp=tmp_path)
-    assert full.split() == ["launches", "1", "blocks", str(int(units))]
+    ops.es_update_many_([(w, 1, None)], [1], [1.0], backend="cuda_emulated")
+    assert cuda_emulated.last_blocks == int(ops.units_per_row(len(w), ops.FAMILY_CODES["gaussian"], 1024))
     w.zero_()
-    forced = emulate(emulator["plain"], [(w, 1, None)], [1], [1.0], max_blocks=3, tmp=tmp_path)
-    assert forced.split() == ["launches", "1", "blocks", "3"] and bool((w != 0).all())
+    cuda_emulated.max_blocks = 3
+    ops.es_update_many_([(w, 1, None)], [1], [1.0], backend="cuda_emulated")
+    assert cuda_emulated.last_blocks == 3 and bool((w != 0).all())
+    w.zero_()
+    cuda_emulated.max_blocks = 0  # Rademacher: a warp per unit, 8 units per block
+    ops.es_update_many_([(w, 1, None)], [1], [1.0], noise="rademacher", backend="cuda_emulated")
+    assert cuda_emulated.last_blocks == -(-int(ops.units_per_row(len(w), ops.FAMILY_CODES["rademacher"], 1024)) // 8)
 
 
-def test_the_emulator_refuses_a_plan_that_is_not_the_kernels(emulator, tmp_path):
-    """A plan whose units_per_row is not the kernel's is refused (as apply_many_cuda refuses it)."""
+def test_the_emulator_refuses_a_plan_that_is_not_the_kernels(cuda_emulated):
+    """A plan whose units_per_row is not the kernel's is refused, as apply_many_cuda refuses it."""
+    from espert.noise import NoiseFamily
+    from espert.ops.backends import upload
+    from espert.ops.core import _check_items
+    from espert.ops.plan import build_steps
+
     w = torch.zeros(4096)
     fam = NoiseFamily.parse("gaussian")
     checked, bits, _, dev = _check_items([(w, 1, None)], fam, 1, None, "cpu")
-    (st,) = build_steps(checked, fam, 1, bits, dev, 512)  # half the kernel's unit
-    rows = st.table.copy()
-    plan_fields(rows)["data"] = (1 << 44) | 0
-    raw = w.view(torch.uint8).numpy().tobytes()
-    blob = struct.pack("<qq", 1, len(raw)) + raw + struct.pack("<q", 1) + np.uint64(1).tobytes()
-    blob += np.float32(1.0).tobytes() + b"\0" * 4 + struct.pack("<qqqqq", 0, 1, -1, 0, 1) + rows.tobytes()
-    (tmp_path / "in.bin").write_bytes(blob)
-    res = subprocess.run([str(emulator["plain"]), str(tmp_path / "in.bin"), str(tmp_path / "o")], capture_output=True)
-    assert res.returncode == 4 and b"units_per_row" in res.stderr
+    steps = build_steps(checked, fam, 1, bits, dev, 512)  # half the kernel's unit
+    staged = upload(dev, steps, np.ones(1, np.uint64), np.ones(1, np.float32), copy=False)
+    with pytest.raises(RuntimeError, match="units_per_row"):
+        cuda_emulated.launch(dev, steps, staged)
+    assert bool((w == 0).all())

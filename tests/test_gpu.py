@@ -6,7 +6,8 @@ plus no hidden device memory.
 Run on a GPU machine by bench/gpu_check.sh, with TRITON_INTERPRET=0 (Triton decides at import time
 whether its kernels are interpreted).  Without a GPU the module is skipped, except under
 ESPERT_GPU_DRY_RUN=1 (``bash bench/gpu_check.sh --dry-run``): then the same tests run on CPU tensors
-with small sizes, Triton interpreted (TRITON_INTERPRET=1), so this file cannot rot unseen in CI.
+with small sizes, Triton interpreted (TRITON_INTERPRET=1) and the CUDA kernels' bodies run on the CPU
+as the backend ``cuda_emulated`` (tests/cuda_host/emulated.py), so this file cannot rot unseen in CI.
 """
 
 import dataclasses
@@ -26,8 +27,14 @@ pytestmark = pytest.mark.skipif(not (CUDA or DRY), reason="needs a CUDA GPU (or 
 DEV = "cuda" if CUDA else "cpu"
 if CUDA:
     GPU_BACKENDS = ["triton"] + (["cuda"] if _C.has_cuda else [])
-else:  # dry run: Triton only where it can run on CPU tensors
+else:  # dry run: Triton where it can run on CPU tensors, and the CUDA kernels' bodies emulated on the CPU
     GPU_BACKENDS = ["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else []
+    if DRY:
+        from cuda_host import emulated
+
+        if emulated.CXX is not None:
+            emulated.register()  # ops backend "cuda_emulated" (tests/cuda_host/emulated.py)
+            GPU_BACKENDS.append("cuda_emulated")
 if os.environ.get("ESPERT_GPU_BACKENDS"):  # bench/gpu_check.sh runs one pytest process per backend
     GPU_BACKENDS = [b for b in GPU_BACKENDS if b in os.environ["ESPERT_GPU_BACKENDS"].split(",")]
 KEY = noise.param_key("model.layers.7.self_attn.o_proj.weight")

@@ -1,23 +1,17 @@
-// CUDA kernel for quantized weights: one thread per unit (csrc/quant.h), grid-stride.  A unit owns
-// whole storage words (int8/fp8: 4 bytes of one row; GPTQ: one int32 word; AWQ / CPU W4A16: 4 words;
-// Marlin: 2 words), so no atomics are needed, each word is read and written once per call, and every
-// Philox group's four normals are used.  Neighbouring threads touch neighbouring words in every
-// layout (coalesced).  Torch-free, like apply_cuda.cu.
+// CUDA launch for quantized weights; the kernel (one thread per unit of csrc/quant.h, grid-stride) is
+// quant_kernel.cuh.  A unit owns whole storage words (int8/fp8: 4 bytes of one row; GPTQ: one int32
+// word; AWQ / CPU W4A16: 4 words; Marlin: 2 words), so no atomics are needed, each word is read and
+// written once per call, and every Philox group's four normals are used.  Neighbouring threads touch
+// neighbouring words in every layout (coalesced).  Torch-free, like apply_cuda.cu.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
 
-#include "../quant.h"
+#include "quant_kernel.cuh"
 
 namespace espert {
 namespace quant {
 namespace {
-
-template <int E, int L, int MODE>
-__global__ void quant_kernel(QuantArgs a, int64_t units) {
-  for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < units; u += (int64_t)gridDim.x * blockDim.x)
-    run_unit<E, L, MODE>(a, u);
-}
 
 // The launch's cudaError; nothing to do returns 0 before any CUDA call (no launch, no error query),
 // so an empty call works without a device (tests/test_cuda_bindings.py).
@@ -25,10 +19,7 @@ template <int E, int L, int MODE>
 int launch(const QuantArgs& a, cudaStream_t s) {
   const int64_t units = Lay<L>::units(a.N, a.K);
   if (units == 0) return 0;
-  const int threads = 256;
-  const int64_t want = (units + threads - 1) / threads;
-  const int blocks = (int)(want < 65535 * 16 ? want : 65535 * 16);
-  quant_kernel<E, L, MODE><<<blocks, threads, 0, s>>>(a, units);
+  quant_kernel<E, L, MODE><<<(int)quant_blocks(units), kQuantThreads, 0, s>>>(a, units);
   return (int)cudaGetLastError();
 }
 

@@ -1,125 +1,167 @@
-// The emulated CUDA backend: csrc/cuda/apply_kernel.cuh compiled as host C++ (through host_shim.h) and
-// launched block by block, thread by thread, with the real launch shape (launch_units and launch_blocks,
-// or a forced smaller grid so the grid-stride loop runs).  tests/test_cuda_emulated.py builds it
-// (plain and under ASan/UBSan) and feeds it launch plans made by espert/ops for the CUDA backend.
+// The emulated CUDA backend's engine: the CUDA kernel bodies (csrc/cuda/apply_kernel.cuh,
+// csrc/cuda/quant_kernel.cuh) compiled as host C++ through csrc/cuda/host_shim.h and launched block by
+// block, thread by thread, with the real launch shape (launch_units / launch_blocks, quant_blocks) or a
+// forced smaller grid, so the grid-stride loops run.  tests/cuda_host/emulated.py builds it (plain and
+// under ASan/UBSan) and drives it as the ops backend "cuda_emulated".
 //
-//   emulate IN OUT       (emulate --unit-groups prints kCudaUnitGroups)
-// IN (int64 little-endian words): n_regions, then per region its byte size and bytes (padded to 8);
-// n_members, seeds [n], coefficients as float32 (padded to 8); max_blocks (0: the real grid);
-// n_launches, then per launch: zero_region (-1: none), use_ones, n_entries, the plan rows [n, 18].
-// Pointer fields of the rows (data, stage_a, stage_b) are (region + 1) << 44 | byte offset (0: null).
-// Every region is its own 256-byte aligned allocation of exactly its size (as cudaMalloc aligns, so
-// the kernel takes the vector path where a GPU would; ASan sees any byte outside it).
-// OUT: the regions after every launch, each as its size and bytes.
+//   emulate IN OUT          one launch
+//   emulate --unit-groups   prints kCudaUnitGroups (the unit the ops plan in)
+//
+// IN (int64 little-endian words): kind (0: a float plan launch, 1: a quantized call); n_regions, then
+// per region its byte size, its address modulo 256 on the caller's side (kept, so the kernel sees the
+// alignment the caller's tensors have) and its bytes (padded to 8); n_members, seeds [n], coefficients
+// as float32 (padded to 8); max_blocks (0: the real grid); then kind 0: n_entries and the plan rows
+// [n, 18]; kind 1: one QuantEntry row (26 words; its seeds, coeffs and n are replaced by the above).
+// Pointer fields (plan: data, stage_a, stage_b; quant: codes, scales, master, stage_a, stage_b) are
+// (region + 1) << 44 | byte offset (0: null).  Each region is its own allocation, ending where the
+// region ends, so ASan sees any byte past it.  The caller checks the plan (_C.check_plan) first.
+// OUT: every region's bytes after the launch, in order.  Stdout: "blocks B".
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "../../csrc/cuda/host_shim.h"
-// host_shim.h first: the kernel header uses its CUDA names
+// host_shim.h first: the kernel headers use its CUDA names
 #include "../../csrc/cuda/apply_kernel.cuh"
+#include "../../csrc/cuda/quant_kernel.cuh"
 
 using namespace espert;
 
 namespace {
 
 FILE* in;
+[[noreturn]] void fail(const char* what, int code) {
+  std::fprintf(stderr, "emulate: %s\n", what);
+  std::exit(code);
+}
 int64_t word() {
   int64_t v;
-  if (std::fread(&v, 8, 1, in) != 1) {
-    std::fprintf(stderr, "emulate: truncated input\n");
-    std::exit(2);
-  }
+  if (std::fread(&v, 8, 1, in) != 1) fail("truncated input", 2);
   return v;
 }
 void bytes(void* p, int64_t n) {
-  if (n && std::fread(p, 1, (size_t)n, in) != (size_t)n) {
-    std::fprintf(stderr, "emulate: truncated input\n");
-    std::exit(2);
-  }
-  const int64_t pad = (8 - n % 8) % 8;
+  if (n && std::fread(p, 1, (size_t)n, in) != (size_t)n) fail("truncated input", 2);
   char skip[8];
-  if (pad && std::fread(skip, 1, (size_t)pad, in) != (size_t)pad) std::exit(2);
+  const int64_t pad = (8 - n % 8) % 8;
+  if (pad && std::fread(skip, 1, (size_t)pad, in) != (size_t)pad) fail("truncated input", 2);
 }
 
-template <int DT, int FAM>
-void run_grid(const PlanEntry* plan, int64_t n, int64_t units, int64_t blocks, const uint64_t* seeds,
-              const float* coeffs) {
+std::vector<char*> region;  // the caller's region r starts at region[r] here
+std::vector<char*> block;   // what was allocated (region[r] - its alignment offset)
+std::vector<int64_t> size;
+
+template <class P>
+void rebase(P& field) {
+  const int64_t v = (int64_t)field;
+  if (!v) return;
+  const int64_t r = (v >> 44) - 1;
+  if (r < 0 || r >= (int64_t)region.size()) fail("pointer field names no region", 2);
+  field = (P)(int64_t)(region[r] + (v & ((1ll << 44) - 1)));
+}
+
+// Every thread of a grid of `blocks` blocks runs `body` (the kernel); the kernels use no shared memory or
+// barriers, and the shuffles of apply_kernel.cuh recompute the source lane's value (host_shim.h).
+template <class F>
+void grid(int64_t blocks, int threads, const F& body) {
   gridDim.x = (unsigned)blocks;
-  blockDim.x = cuda_kernel::kThreads;
+  blockDim.x = (unsigned)threads;
   for (int64_t b = 0; b < blocks; ++b) {
     blockIdx.x = (unsigned)b;
-    for (int t = 0; t < cuda_kernel::kThreads; ++t) {
+    for (int t = 0; t < threads; ++t) {
       threadIdx.x = (unsigned)t;
-      cuda_kernel::apply_kernel<DT, FAM>(plan, n, units, seeds, coeffs);
+      body();
     }
   }
+}
+
+int64_t forced(int64_t blocks, int64_t max_blocks) {
+  return max_blocks > 0 && max_blocks < blocks ? max_blocks : blocks;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 2 && std::strcmp(argv[1], "--unit-groups") == 0) {  // the plan's units are in these
+  if (argc == 2 && std::strcmp(argv[1], "--unit-groups") == 0) {
     std::printf("%lld\n", (long long)kCudaUnitGroups);
     return 0;
   }
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: emulate IN OUT | emulate --unit-groups\n");
-    return 2;
-  }
+  if (argc != 3) fail("usage: emulate IN OUT | emulate --unit-groups", 2);
   in = std::fopen(argv[1], "rb");
-  if (!in) return 2;
-  std::vector<char*> region(word());
-  std::vector<int64_t> size(region.size());
-  for (size_t r = 0; r < region.size(); ++r) {
-    size[r] = word();
+  if (!in) fail("cannot open the input", 2);
+  const int64_t kind = word();
+  const int64_t n_regions = word();
+  for (int64_t r = 0; r < n_regions; ++r) {
+    size.push_back(word());
+    const int64_t align = word();
     void* p = nullptr;
-    if (posix_memalign(&p, 256, size[r] ? (size_t)size[r] : 1) != 0) return 3;
-    region[r] = static_cast<char*>(p);
-    bytes(region[r], size[r]);
+    if (posix_memalign(&p, 256, (size_t)(align + size.back() ? align + size.back() : 1)) != 0) fail("out of memory", 3);
+    block.push_back(static_cast<char*>(p));
+    region.push_back(static_cast<char*>(p) + align);
+    bytes(region.back(), size.back());
   }
   const int64_t n_members = word();
   std::vector<uint64_t> seeds(n_members);
-  std::vector<float> coeffs(n_members), ones(n_members, 1.0f);
+  std::vector<float> coeffs(n_members);
   bytes(seeds.data(), 8 * n_members);
   bytes(coeffs.data(), 4 * n_members);
   const int64_t max_blocks = word();
-  const int64_t n_launches = word();
   int64_t blocks_run = 0;
-  for (int64_t l = 0; l < n_launches; ++l) {
-    const int64_t zero = word(), use_ones = word(), n = word();
+  if (kind == 0) {
+    const int64_t n = word();
     std::vector<PlanEntry> plan(n);
     bytes(plan.data(), n * (int64_t)sizeof(PlanEntry));
-    for (PlanEntry& e : plan)
-      for (int64_t* f : {&e.data, &e.stage_a, &e.stage_b})
-        if (*f) *f = (int64_t)(region[(*f >> 44) - 1] + (*f & ((1ll << 44) - 1)));
-    if (zero >= 0) std::memset(region[zero], 0, (size_t)size[zero]);
+    for (PlanEntry& e : plan) {
+      rebase(e.data);
+      rebase(e.stage_a);
+      rebase(e.stage_b);
+    }
     int dtype, family;
     int64_t units;
-    if (n == 0) continue;
-    if (!cuda_kernel::launch_units(plan.data(), n, dtype, family, units)) {
-      std::fprintf(stderr, "emulate: launch %lld: entries differ in dtype/family or units_per_row\n", (long long)l);
-      return 4;
+    if (n > 0 && !cuda_kernel::launch_units(plan.data(), n, dtype, family, units))
+      fail("the entries differ in dtype or family, or a units_per_row is not the kernel's", 4);
+    if (n > 0 && units > 0) {
+      blocks_run = forced(cuda_kernel::launch_blocks(family, units), max_blocks);
+      DTYPE_SWITCH(dtype, DT, [&] {
+        FAMILY_SWITCH(family, FAM, [&] {
+          grid(blocks_run, cuda_kernel::kThreads,
+               [&] { cuda_kernel::apply_kernel<DT, FAM>(plan.data(), n, units, seeds.data(), coeffs.data()); });
+        });
+      });
     }
-    if (units == 0) continue;
-    int64_t blocks = cuda_kernel::launch_blocks(family, units);
-    if (max_blocks > 0 && max_blocks < blocks) blocks = max_blocks;
-    blocks_run += blocks;
-    const float* c = use_ones ? ones.data() : coeffs.data();
-    DTYPE_SWITCH(dtype, DT, [&] {
-      FAMILY_SWITCH(family, FAM, [&] { run_grid<DT, FAM>(plan.data(), n, units, blocks, seeds.data(), c); });
+  } else if (kind == 1) {
+    using namespace quant;  // QUANT_SWITCH names the codes unqualified
+    QuantEntry q;
+    bytes(&q, (int64_t)sizeof(q));
+    rebase(q.codes);
+    rebase(q.scales);
+    rebase(q.master);
+    rebase(q.stage_a);
+    rebase(q.stage_b);
+    q.seeds = (int64_t)seeds.data();
+    q.coeffs = (int64_t)coeffs.data();
+    q.n = n_members;
+    const QuantArgs a = q.args();
+    const std::string err = check_codes(a);
+    if (!err.empty()) fail(err.c_str(), 4);
+    QUANT_SWITCH(a, E, L, MODE, [&] {
+      const int64_t units = Lay<L>::units(a.N, a.K);
+      if (units == 0) return;
+      blocks_run = forced(quant_blocks(units), max_blocks);
+      grid(blocks_run, kQuantThreads, [&] { quant_kernel<E, L, MODE>(a, units); });
     });
+  } else {
+    fail("unknown kind", 2);
   }
   std::fclose(in);
   FILE* out = std::fopen(argv[2], "wb");
-  if (!out) return 2;
+  if (!out) fail("cannot open the output", 2);
   for (size_t r = 0; r < region.size(); ++r) {
-    std::fwrite(&size[r], 8, 1, out);
     std::fwrite(region[r], 1, (size_t)size[r], out);
-    std::free(region[r]);
+    std::free(block[r]);
   }
   std::fclose(out);
-  std::printf("launches %lld blocks %lld\n", (long long)n_launches, (long long)blocks_run);
+  std::printf("blocks %lld\n", (long long)blocks_run);
   return 0;
 }
