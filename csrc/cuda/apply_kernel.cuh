@@ -254,6 +254,39 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
                                            const float* __restrict__ coeffs) {
   using T = typename Storage<DT>::T;
   using V = typename Vec4<DT>::V;
+  if constexpr (kInterior && FAM == kGaussian) {
+    // the hot loop with the members outside: one seed and coefficient load per member for the thread's
+    // 4 groups, whose 4 Philox calls share the key schedule (the sums keep member order per element)
+    const int64_t q0 = chunk * kCudaUnitGroups + threadIdx.x;
+    const uint64_t g0 = (base >> 2) + (uint64_t)q0;
+    const float scale = u2f((uint32_t)e.scale_bits);
+    float acc[kGroupsPerThread][4];
+#pragma unroll
+    for (int s = 0; s < kGroupsPerThread; ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0.0f;
+#pragma unroll 1
+    for (int64_t m = e.member_begin; m < e.member_end; ++m) {
+      const float c = fmul(coeffs[m], scale);
+      const uint64_t seed = seeds[m];
+#pragma unroll
+      for (int s = 0; s < kGroupsPerThread; ++s) {
+        const F4 f = normals4(seed, e.key, g0 + (uint64_t)(s * kThreads));
+        acc[s][0] = fadd(acc[s][0], fmul(c, f.n0));
+        acc[s][1] = fadd(acc[s][1], fmul(c, f.n1));
+        acc[s][2] = fadd(acc[s][2], fmul(c, f.n2));
+        acc[s][3] = fadd(acc[s][3], fmul(c, f.n3));
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kGroupsPerThread; ++s) {
+      T* p = row + 4 * (q0 + s * kThreads) - shift;
+      T x[4];
+      Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);
+#pragma unroll
+      for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[s][l]);
+      __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+    }
+    return;
+  }
 #pragma unroll 1
   for (int s = 0; s < kGroupsPerThread; ++s) {
     const int64_t q = chunk * kCudaUnitGroups + s * kThreads + threadIdx.x;
