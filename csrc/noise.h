@@ -177,7 +177,11 @@ constexpr uint64_t kLowRankKeyA = 0x4C4F5752414E4B41ull;
 constexpr uint64_t kLowRankKeyB = 0x4C4F5752414E4B42ull;
 ESPERT_HD float lowrank_scale(int64_t r) { return fdiv(1.0f, fsqrt((float)r)); }
 
-ESPERT_HD bool is_nan(float x) { return (f2u(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+#if defined(__CUDA_ARCH__)
+ESPERT_HD bool is_nan(float x) { return isnan(x); }  // one FSETP.NAN instead of a mask and a compare
+#else
+ESPERT_HD bool is_nan(float x) { return (f2u(x) & 0x7FFFFFFFu) > 0x7F800000u; }  // immune to -ffast-math
+#endif
 
 // The bits of a NaN that an add creates (inf - inf), pinned for every backend (docs/noise.md §3): x86
 // would give 0xFFC00000 and a CUDA add 0x7FFFFFFF.  Narrowed: bf16 0x7FC0, fp16 0x7E00.
@@ -191,7 +195,7 @@ ESPERT_HD float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
 ESPERT_HD uint16_t f32_to_bf16(float f) {
   const uint32_t b = f2u(f);
   const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+  const bool nan = is_nan(f);
   return (uint16_t)(nan ? (kCanonicalNaN >> 16) : rounded);  // any NaN: the pinned one
 }
 

@@ -51,6 +51,35 @@ struct Vec4<kFloat16> {
 template <>
 struct Vec4<kBFloat16> : Vec4<kFloat16> {};
 
+// p[0..3] = round(p[l] + acc[l]) through one vector load and store (p aligned to the vector, inside the row).
+template <int DT>
+__device__ __forceinline__ void add_vec4(typename Storage<DT>::T* p, const float (&acc)[4]) {
+  using T = typename Storage<DT>::T;
+  using V = typename Vec4<DT>::V;
+  T x[4];
+  Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);  // LDG.E.64/.128, streaming
+#pragma unroll
+  for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[l]);
+  __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+}
+
+// bf16: add_to<kBFloat16> with each element kept in the high half of a 32-bit word (its float32 bits, the
+// rounding done there), so one byte permute packs two results: the same bits, fewer instructions.
+__device__ __forceinline__ uint32_t bf16_add_high(uint32_t w_high, float d) {
+  const float x = u2f(w_high), y = fadd(x, d);
+  const uint32_t b = f2u(y);
+  const uint32_t rounded = b + 0x7FFFu + ((b >> 16) & 1u);  // f32_to_bf16's rounding, before its >> 16
+  const uint32_t out = is_nan(y) ? kCanonicalNaN : rounded;
+  return is_nan(x) ? w_high : out;  // a NaN element keeps its bits
+}
+template <>
+__device__ __forceinline__ void add_vec4<kBFloat16>(uint16_t* p, const float (&acc)[4]) {
+  const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
+  const uint32_t a0 = bf16_add_high(v.x << 16, acc[0]), a1 = bf16_add_high(v.x & 0xFFFF0000u, acc[1]);
+  const uint32_t a2 = bf16_add_high(v.y << 16, acc[2]), a3 = bf16_add_high(v.y & 0xFFFF0000u, acc[3]);
+  __stcs(reinterpret_cast<uint2*>(p), make_uint2(__byte_perm(a0, a1, 0x7632), __byte_perm(a2, a3, 0x7632)));
+}
+
 // Σ over the entry's members of c_eff · ε for the four lanes of one group (Gaussian, lowrank).
 template <int FAM>
 __device__ __forceinline__ void group_sum(const PlanEntry& e, int64_t i, uint64_t g, int64_t c0,
@@ -128,11 +157,7 @@ __device__ __forceinline__ void add_group(typename Storage<DT>::T* row, int64_t 
   using V = typename Vec4<DT>::V;
   T* p = row + c0;
   if (c0 >= 0 && c0 + 4 <= cols && (reinterpret_cast<uintptr_t>(p) % sizeof(V)) == 0) {
-    T x[4];
-    Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);  // LDG.E.64/.128, streaming
-#pragma unroll
-    for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[l]);
-    __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+    add_vec4<DT>(p, acc);
   } else {
     add_group_tail<DT>(row, c0, cols, acc);
   }
@@ -178,7 +203,6 @@ __device__ __forceinline__ void rademacher_chunk(const PlanEntry& e, typename St
                                                  uint64_t call, const uint64_t* __restrict__ seeds,
                                                  const float* __restrict__ coeffs) {
   using T = typename Storage<DT>::T;
-  using V = typename Vec4<DT>::V;
   const int lane = (int)(threadIdx.x & 31u);
   const float scale = u2f((uint32_t)e.scale_bits);
   float acc[kRadSteps][4];
@@ -202,11 +226,7 @@ __device__ __forceinline__ void rademacher_chunk(const PlanEntry& e, typename St
     const int64_t c0 = first + 4 * (32 * s + lane);
     if constexpr (kInterior) {
       T* p = row + c0;
-      T x[4];
-      Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);
-#pragma unroll
-      for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[s][l]);
-      __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+      add_vec4<DT>(p, acc[s]);
     } else if (c0 < e.cols) {
       add_group<DT>(row, c0, e.cols, acc[s]);
     }
@@ -253,7 +273,6 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
                                            typename Storage<DT>::T* row, const uint64_t* __restrict__ seeds,
                                            const float* __restrict__ coeffs) {
   using T = typename Storage<DT>::T;
-  using V = typename Vec4<DT>::V;
   if constexpr (kInterior && FAM == kGaussian) {
     // the hot loop with the members outside: one seed and coefficient load per member for the thread's
     // 4 groups, whose 4 Philox calls share the key schedule (the sums keep member order per element)
@@ -279,11 +298,7 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
 #pragma unroll
     for (int s = 0; s < kGroupsPerThread; ++s) {
       T* p = row + 4 * (q0 + s * kThreads) - shift;
-      T x[4];
-      Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);
-#pragma unroll
-      for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[s][l]);
-      __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+      add_vec4<DT>(p, acc[s]);
     }
     return;
   }
@@ -296,11 +311,7 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
     group_sum<FAM>(e, i, (base >> 2) + (uint64_t)q, c0, seeds, coeffs, acc);
     if constexpr (kInterior) {
       T* p = row + c0;
-      T x[4];
-      Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), x);
-#pragma unroll
-      for (int l = 0; l < 4; ++l) x[l] = add_to<DT>(x[l], acc[l]);
-      __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(x));
+      add_vec4<DT>(p, acc);
     } else {
       add_group<DT>(row, c0, e.cols, acc);
     }

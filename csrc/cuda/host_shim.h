@@ -50,3 +50,11 @@ inline void __stcs(T* p, T v) {
   check_aligned(p);
   *p = v;
 }
+
+// __byte_perm(x, y, s): byte k of the result is byte (s >> 4k) & 7 of the 8 bytes y:x (x the low word)
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t v = ((uint64_t)y << 32) | x;
+  uint32_t out = 0;
+  for (int k = 0; k < 4; ++k) out |= (uint32_t)((v >> (8 * ((s >> (4 * k)) & 7))) & 0xFFu) << (8 * k);
+  return out;
+}

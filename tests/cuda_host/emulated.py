@@ -32,6 +32,7 @@ BUILDS = {
 }
 SOURCES = ["tests/cuda_host/emulate.cpp", "csrc/cuda/host_shim.h", "csrc/cuda/apply_kernel.cuh",
            "csrc/cuda/quant_kernel.cuh", "csrc/apply.h", "csrc/noise.h", "csrc/quant.h"]  # fmt: skip
+_FAILED: dict[Path, str] = {}
 _ES = {0: 4, 1: 2, 2: 2}  # plan dtype code -> bytes per element
 _F = {name: i for i, name in enumerate(_C.PLAN_FIELDS)}
 _Q = {name: i for i, name in enumerate(_C.QUANT_FIELDS)}
@@ -45,10 +46,15 @@ def build(kind: str = "plain") -> Path:
     for src in SOURCES:
         h.update((ROOT / src).read_bytes())
     out = Path(tempfile.gettempdir()) / f"espert-emulate-{kind}-{h.hexdigest()[:16]}"
+    if out in _FAILED:  # a build that failed once fails at once (not once per test)
+        raise RuntimeError(_FAILED[out])
     if not out.exists():
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         cmd = [CXX, *FLAGS, *BUILDS[kind], "-o", str(tmp), str(ROOT / SOURCES[0])]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            _FAILED[out] = f"the emulator did not build ({kind}):\n{res.stderr[-3000:]}"
+            raise RuntimeError(_FAILED[out])
         tmp.replace(out)  # atomic: parallel test workers may build at once
     return out
 
