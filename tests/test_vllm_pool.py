@@ -3,8 +3,9 @@
 - two engines give the same rewards, extracted answers and final center as one engine (bitwise);
 - replicas compare checksums at every update and stop loudly on divergence;
 - a dead engine's members are re-queued on a live one, not lost: an engine process dies in the
-  middle of scoring (os._exit), and later the last one is killed with ray.kill (the pool raises).
-Runtime: ~1 min (two actors start an engine each).
+  middle of scoring (os._exit), and later the last one is killed with ray.kill (the pool raises);
+- batched members (lowrank:2 as LoRA adapters) over two engines equal one batched engine.
+Runtime: ~1 min (two actors start an engine each, twice).
 """
 
 import os
@@ -144,3 +145,39 @@ def test_losing_every_engine_raises(pool):
     ray.kill(pool.actors[pool.alive[0]])
     with pytest.raises(RuntimeError, match="every engine"):
         pool.evaluate(members(4), 0.05, TASK.prompts, TASK.answers)
+
+
+def test_two_batched_engines_equal_one_batched_engine(tiny_dir):
+    """Issue 23's batched members (lowrank:2 as LoRA adapters) over an EnginePool: two engines give one
+    engine's rewards and answers, and the centers stay equal through updates.  After the tests above
+    both of the first pool's actors are dead, so their CPUs are free for two new ones."""
+    from espert.vllm import EnginePool, VLLMEvaluator
+
+    kw = dict(noise="lowrank:2", members="batched", max_loras=4, max_new_tokens=6, extract=TASK.extract)
+    single = VLLMEvaluator(tiny_dir, TASK.score, llm_kwargs=dict(max_model_len=64, multiprocess=False), **kw)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    pool = EnginePool(
+        tiny_dir,
+        TASK.score,
+        engines=2,
+        llm_kwargs=dict(max_model_len=64),
+        ray_init=dict(num_cpus=2, object_store_memory=128 << 20),
+        **kw,
+    )
+    try:
+        assert single.lora_slots == 4  # both sides really are batched: 4 pinned LoRA slots per engine
+        assert [ray.get(a.rpc.remote("es_lora_slots")) for a in pool.actors] == [[4], [4]]
+        for t in (1, 2):
+            m = members(t)
+            r_pool = pool.evaluate(m, 0.3, TASK.prompts, TASK.answers)
+            r_one = single.evaluate(m, 0.3, TASK.prompts, TASK.answers)
+            assert r_pool == r_one and pool.member_answers == single.member_answers
+            seeds, coeffs = coefficients(m, r_one, normalize(r_one), 0.02)
+            pool.update(seeds, coeffs, 0.999)
+            single.update(seeds, coeffs, 0.999)
+        got, want = pool.center_state(), single.center_state()
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+        assert exact(pool.checksum()[0]) == exact(single.checksum())
+    finally:
+        pool.close()
+        single.close()
