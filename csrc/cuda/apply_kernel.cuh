@@ -187,6 +187,18 @@ __device__ __forceinline__ uint32_t own_word(const F& word_of, int lane) {
 #endif
 }
 
+// acc[k][l] = the entry's sum over its members, in member order from +0, of what add(acc, seed, c)
+// adds for each member (c = fl(coefficient · scale)): the loop both multi-group hot paths share.
+template <int K, class F>
+__device__ __forceinline__ void sum_members(const PlanEntry& e, const uint64_t* __restrict__ seeds,
+                                            const float* __restrict__ coeffs, float (&acc)[K][4], const F& add) {
+  const float scale = u2f((uint32_t)e.scale_bits);
+#pragma unroll
+  for (int k = 0; k < K; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.0f;
+#pragma unroll 1
+  for (int64_t m = e.member_begin; m < e.member_end; ++m) add(acc, seeds[m], fmul(coeffs[m], scale));
+}
+
 // Rademacher: one warp owns one unit (kCudaUnitGroups = 1024 groups = 32 Philox calls of 128 elements,
 // the row's groups counted from a call boundary, so shift < 128).  The unit is 4 chunks of 8 calls; at
 // step s of a chunk the warp covers the 128 elements of call s, lane l its group l (bits 4(l & 7) ..
@@ -204,23 +216,18 @@ __device__ __forceinline__ void rademacher_chunk(const PlanEntry& e, typename St
                                                  const float* __restrict__ coeffs) {
   using T = typename Storage<DT>::T;
   const int lane = (int)(threadIdx.x & 31u);
-  const float scale = u2f((uint32_t)e.scale_bits);
   float acc[kRadSteps][4];
-#pragma unroll
-  for (int s = 0; s < kRadSteps; ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0.0f;
-#pragma unroll 1
-  for (int64_t m = e.member_begin; m < e.member_end; ++m) {
-    const uint32_t cb = f2u(fmul(coeffs[m], scale));
-    const uint64_t seed = seeds[m];
+  sum_members(e, seeds, coeffs, acc, [&](float (&a)[kRadSteps][4], uint64_t seed, float c) {
+    const uint32_t cb = f2u(c);
     const auto word_of = [&](int l) { return u4_word(rademacher_words(seed, e.key, call + (l & 7)), l >> 3); };
     const uint32_t mine = own_word(word_of, lane);
 #pragma unroll
     for (int s = 0; s < kRadSteps; ++s) {
       const uint32_t wd = from_lane(mine, (lane & ~7) | s, word_of) >> (4 * (lane & 7));
 #pragma unroll
-      for (int l = 0; l < 4; ++l) acc[s][l] = fadd(acc[s][l], u2f(cb ^ (((wd >> l) & 1u) << 31)));
+      for (int l = 0; l < 4; ++l) a[s][l] = fadd(a[s][l], u2f(cb ^ (((wd >> l) & 1u) << 31)));
     }
-  }
+  });
 #pragma unroll
   for (int s = 0; s < kRadSteps; ++s) {
     const int64_t c0 = first + 4 * (32 * s + lane);
@@ -278,23 +285,17 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
     // 4 groups, whose 4 Philox calls share the key schedule (the sums keep member order per element)
     const int64_t q0 = chunk * kCudaUnitGroups + threadIdx.x;
     const uint64_t g0 = (base >> 2) + (uint64_t)q0;
-    const float scale = u2f((uint32_t)e.scale_bits);
     float acc[kGroupsPerThread][4];
-#pragma unroll
-    for (int s = 0; s < kGroupsPerThread; ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0.0f;
-#pragma unroll 1
-    for (int64_t m = e.member_begin; m < e.member_end; ++m) {
-      const float c = fmul(coeffs[m], scale);
-      const uint64_t seed = seeds[m];
+    sum_members(e, seeds, coeffs, acc, [&](float (&a)[kGroupsPerThread][4], uint64_t seed, float c) {
 #pragma unroll
       for (int s = 0; s < kGroupsPerThread; ++s) {
         const F4 f = normals4(seed, e.key, g0 + (uint64_t)(s * kThreads));
-        acc[s][0] = fadd(acc[s][0], fmul(c, f.n0));
-        acc[s][1] = fadd(acc[s][1], fmul(c, f.n1));
-        acc[s][2] = fadd(acc[s][2], fmul(c, f.n2));
-        acc[s][3] = fadd(acc[s][3], fmul(c, f.n3));
+        a[s][0] = fadd(a[s][0], fmul(c, f.n0));
+        a[s][1] = fadd(a[s][1], fmul(c, f.n1));
+        a[s][2] = fadd(a[s][2], fmul(c, f.n2));
+        a[s][3] = fadd(a[s][3], fmul(c, f.n3));
       }
-    }
+    });
 #pragma unroll
     for (int s = 0; s < kGroupsPerThread; ++s) {
       T* p = row + 4 * (q0 + s * kThreads) - shift;
