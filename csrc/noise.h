@@ -158,6 +158,14 @@ ESPERT_HD F4 normals4(uint64_t seed, uint64_t key, uint64_t g) {
   return out;
 }
 
+// acc[l] = fl(acc[l] + fl(c · n_l)) for the four normals of a group: one member's term of the spec's sum.
+ESPERT_HD void add_normals(float (&acc)[4], float c, const F4& f) {
+  acc[0] = fadd(acc[0], fmul(c, f.n0));
+  acc[1] = fadd(acc[1], fmul(c, f.n1));
+  acc[2] = fadd(acc[2], fmul(c, f.n2));
+  acc[3] = fadd(acc[3], fmul(c, f.n3));
+}
+
 // ---- noise families (docs/noise.md §5) ---------------------------------------
 // rademacher: element i is ±1 from bit (i & 31) of word (i >> 5) & 3 of the Philox call with
 // group h = (i >> 7) | 2^62 (bit 1 -> -1).  Normal groups are i >> 2 < 2^62 and the stochastic-rounding
@@ -192,9 +200,11 @@ enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 ESPERT_HD float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
 
+// binary32 bits b rounded to nearest even at bit 16: the bf16 result is the high half (NaNs aside).
+ESPERT_HD uint32_t bf16_round_high(uint32_t b) { return b + 0x7FFFu + ((b >> 16) & 1u); }
+
 ESPERT_HD uint16_t f32_to_bf16(float f) {
-  const uint32_t b = f2u(f);
-  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const uint32_t rounded = bf16_round_high(f2u(f)) >> 16;
   const bool nan = is_nan(f);
   return (uint16_t)(nan ? (kCanonicalNaN >> 16) : rounded);  // any NaN: the pinned one
 }

@@ -429,11 +429,7 @@ ESPERT_HD void unit_members(const QuantArgs& a, const int64_t (&gn)[G], const in
     const float c = a.coeffs[m];
     ESPERT_UNROLL
     for (int j = 0; j < G; ++j) {
-      const F4 f = member_noise4<FAM>(a, m, seed, gn[j], gk[j], gg[j]);
-      acc[j][0] = fadd(acc[j][0], fmul(c, f.n0));
-      acc[j][1] = fadd(acc[j][1], fmul(c, f.n1));
-      acc[j][2] = fadd(acc[j][2], fmul(c, f.n2));
-      acc[j][3] = fadd(acc[j][3], fmul(c, f.n3));
+      add_normals(acc[j], c, member_noise4<FAM>(a, m, seed, gn[j], gk[j], gg[j]));
     }
   }
 }

