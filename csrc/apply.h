@@ -17,9 +17,21 @@
 namespace espert {
 
 // Noise families (docs/noise.md §5).  Codes are exported to Python by bindings.cpp.
-enum Family : int { kGaussian = 0, kRademacher = 1, kLowRank = 2 };
+enum Family : int { kGaussian = 0, kRademacher = 1, kLowRank = 2, kGaussianIcdf = 3 };
 constexpr int kNumDTypes = 3;
-constexpr int kNumFamilies = 3;
+constexpr int kNumFamilies = 4;
+// The families of 4-element normal groups (one Philox call per group): the same tiles and launch units.
+ESPERT_HD constexpr bool is_normal_family(int64_t family) { return family == kGaussian || family == kGaussianIcdf; }
+
+// The four normals of group g in normal family FAM.
+template <int FAM>
+ESPERT_HD F4 family_normals4(uint64_t seed, uint64_t key, uint64_t g) {
+  static_assert(is_normal_family(FAM), "a normal family");
+  if constexpr (FAM == kGaussianIcdf)
+    return icdf_normals4(seed, key, g);
+  else
+    return normals4(seed, key, g);
+}
 
 // ---- dispatch: a runtime code -> a constexpr int inside a lambda body (FlashAttention's
 // static_switch.h idiom).  Host code only; the body is instantiated once per code:
@@ -50,6 +62,7 @@ constexpr int kNumFamilies = 3;
       ESPERT_CASE(kGaussian, NAME, __VA_ARGS__)   \
       ESPERT_CASE(kRademacher, NAME, __VA_ARGS__) \
       ESPERT_CASE(kLowRank, NAME, __VA_ARGS__)    \
+      ESPERT_CASE(kGaussianIcdf, NAME, __VA_ARGS__) \
       ESPERT_UNKNOWN("noise family", VALUE);      \
     }                                             \
   }()

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "icdf_table.h"
+
 #if defined(__CUDACC__)
 #define ESPERT_HD __host__ __device__ __forceinline__
 #define ESPERT_UNROLL _Pragma("unroll")
@@ -29,6 +31,7 @@ ESPERT_HD float fsub(float a, float b) { return __fsub_rn(a, b); }
 ESPERT_HD float fmul(float a, float b) { return __fmul_rn(a, b); }
 ESPERT_HD float fdiv(float a, float b) { return __fdiv_rn(a, b); }
 ESPERT_HD float fsqrt(float a) { return __fsqrt_rn(a); }
+ESPERT_HD float ffma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 ESPERT_HD uint32_t f2u(float f) { return __float_as_uint(f); }
 ESPERT_HD float u2f(uint32_t u) { return __uint_as_float(u); }
 #else
@@ -37,6 +40,8 @@ ESPERT_HD float fsub(float a, float b) { return a - b; }
 ESPERT_HD float fmul(float a, float b) { return a * b; }
 ESPERT_HD float fdiv(float a, float b) { return a / b; }
 ESPERT_HD float fsqrt(float a) { return __builtin_sqrtf(a); }
+// IEEE fused multiply-add, rounded once (an FMA instruction where the target has one, else libm's fmaf)
+ESPERT_HD float ffma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 ESPERT_HD uint32_t f2u(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -156,6 +161,38 @@ ESPERT_HD F4 normals4(uint64_t seed, uint64_t key, uint64_t g) {
   out.n2 = fmul(r1, c);
   out.n3 = fmul(r1, s);
   return out;
+}
+
+// ---- gaussian-icdf (docs/noise.md §5.4): one normal per Philox word ----------------------------
+// |ε| = the cubic of table row j at y in [1, 2), three fused multiply-adds; the sign is bit 31 of x.
+// Row j and y come from the bits of float(d), d = 2^24 - 1 - 2 ((x >> 8) & 0x7FFFFF): its binade and
+// top 3 mantissa bits pick the row, the other 20 mantissa bits are y's.  Rows are (c3, c2, c1, c0).
+constexpr int kIcdfRows = 192;
+alignas(16) static constexpr uint32_t kIcdfTable[kIcdfRows][4] = {ESPERT_ICDF_TABLE};
+#if defined(__CUDACC__)
+static __device__ const uint4 kIcdfTableDevice[kIcdfRows] = {ESPERT_ICDF_TABLE};  // one LDG.128 per row
+#endif
+
+ESPERT_HD float icdf_normal(uint32_t x) {
+  const uint32_t d = ((~x >> 7) & 0x00FFFFFEu) | 1u;  // odd, 1 .. 2^24 - 1
+  const uint32_t b = f2u((float)(int32_t)d);           // exact
+  const uint32_t j = (b >> 20) - 1016u;                // 0 .. 191
+  const float y = u2f((b & 0x000FFFFFu) | 0x3F800000u);
+#if defined(__CUDA_ARCH__)
+  const uint4 c = __ldg(&kIcdfTableDevice[j]);
+  const uint32_t c3 = c.x, c2 = c.y, c1 = c.z, c0 = c.w;
+#else
+  const uint32_t c3 = kIcdfTable[j][0], c2 = kIcdfTable[j][1], c1 = kIcdfTable[j][2], c0 = kIcdfTable[j][3];
+#endif
+  const float p = ffma(ffma(ffma(u2f(c3), y, u2f(c2)), y, u2f(c1)), y, u2f(c0));
+  return u2f(f2u(p) ^ (x & 0x80000000u));
+}
+
+// The four gaussian-icdf normals of group g: the transform of each word of the v1 normals' Philox call.
+ESPERT_HD F4 icdf_normals4(uint64_t seed, uint64_t key, uint64_t g) {
+  const U4 x = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
+                             (uint32_t)(seed >> 32));
+  return F4{icdf_normal(x.x0), icdf_normal(x.x1), icdf_normal(x.x2), icdf_normal(x.x3)};
 }
 
 // acc[l] = fl(acc[l] + fl(c · n_l)) for the four normals of a group: one member's term of the spec's sum.

@@ -114,7 +114,7 @@ inline std::string check_codes(const QuantArgs& a) {
   if (a.scale_dtype != kFloat32 && a.scale_dtype != kFloat16 && a.scale_dtype != kBFloat16)
     return bad("scale dtype", a.scale_dtype);
   if (a.mode != kPerturb && a.mode != kUpdateMaster && a.mode != kUpdateNaive) return bad("mode", a.mode);
-  if (a.family != kGaussian && a.family != kRademacher && a.family != kLowRank) return bad("noise family", a.family);
+  if (a.family < 0 || a.family >= kNumFamilies) return bad("noise family", a.family);
   if (a.family == kLowRank && (a.rank < 1 || !a.stage_a || !a.stage_b))
     return "lowrank needs rank >= 1 and staged factors";
   return "";
@@ -177,13 +177,13 @@ ESPERT_HD F4 rademacher4(uint64_t seed, uint64_t key, uint64_t g) {
   return F4{plus_minus_one(b), plus_minus_one(b >> 1), plus_minus_one(b >> 2), plus_minus_one(b >> 3)};
 }
 
-// ε of group g's four lanes in family FAM (kGaussian: spec v1; kRademacher: ±1, so c·ε is exact)
+// ε of group g's four lanes in family FAM (a normal family, or kRademacher: ±1, so c·ε is exact)
 template <int FAM>
 ESPERT_HD F4 group_noise4(uint64_t seed, uint64_t key, uint64_t g) {
   if constexpr (FAM == kRademacher)
     return rademacher4(seed, key, g);
   else
-    return normals4(seed, key, g);
+    return family_normals4<FAM>(seed, key, g);
 }
 
 // ---- rounding helpers ----------------------------------------------------------------------
@@ -452,6 +452,8 @@ ESPERT_HD void run_unit(const QuantArgs& a, int64_t u) {
     unit_members<kRademacher, G>(a, gn, gk, gg, acc);
   else if (a.family == kLowRank)
     unit_members<kLowRank, G>(a, gn, gk, gg, acc);
+  else if (a.family == kGaussianIcdf)
+    unit_members<kGaussianIcdf, G>(a, gn, gk, gg, acc);
   else
     unit_members<kGaussian, G>(a, gn, gk, gg, acc);
   ESPERT_UNROLL

@@ -196,7 +196,7 @@ class CenterStore:
 
     views: the live weights (any device; every view is validated here, once).
     master_dtype: torch.float32 (default, faithful updates) or None (the weights' dtype).
-    noise: the noise family (``"gaussian"``, ``"rademacher"``, ``"lowrank:R"``), see docs/noise.md.
+    noise: the noise family (``"gaussian"``, ``"gaussian-icdf"``, ``"rademacher"``, ``"lowrank:R"``), see docs/noise.md.
     optimizer: ``"sgd"`` | ``"momentum"`` | ``"adam"`` (or a dict / :class:`Optimizer`); needs the master.
     sigma_scales: per-view multipliers of σ and of the step (per-tensor σ; default all 1.0).
     no_decay: name patterns (see :func:`espert.params.matches`) of views that :meth:`scale` leaves alone.

@@ -40,7 +40,7 @@ NORMALIZATIONS: tuple[str, ...] = typing.get_args(Normalization)
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
 #: Noise families: the syntax of espert.noise.NoiseFamily.parse, checked here without importing the
 #: noise layer (tests/test_es_config.py keeps the two in agreement).
-NOISE_RE = re.compile(r"^(gaussian|rademacher|lowrank:[1-9][0-9]*)$")
+NOISE_RE = re.compile(r"^(gaussian|gaussian-icdf|rademacher|lowrank:[1-9][0-9]*)$")
 NOISE_MAX_RANK = 1024
 #: A task given as an import path: ``package.module:attribute``.
 TASK_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -154,7 +154,7 @@ class ESConfig:
         "sigma*RMS(t) of the base model (the step scales alike)",
     )
     noise: str = opt(
-        "gaussian", "noise family: gaussian | rademacher | lowrank:R (see docs/noise.md); fixed for the life of a run"
+        "gaussian", "noise family: gaussian | gaussian-icdf | rademacher | lowrank:R (see docs/noise.md); fixed for the life of a run"
     )
     alpha: float = opt(0.005, "step size: theta += alpha/N * sum z_n eps_n (not divided by sigma)")
     alpha_schedule: Schedule = opt("constant", "alpha schedule from alpha to alpha_end")
@@ -279,7 +279,7 @@ class ESConfig:
         need(self.alpha * self.weight_decay < 1, "alpha·weight_decay must be < 1")
         need(
             NOISE_RE.match(self.noise) is not None and int(self.noise.partition(":")[2] or 1) <= NOISE_MAX_RANK,
-            f"noise must be gaussian, rademacher or lowrank:R (1 <= R <= {NOISE_MAX_RANK}), got {self.noise!r}",
+            f"noise must be gaussian, gaussian-icdf, rademacher or lowrank:R (1 <= R <= {NOISE_MAX_RANK}), got {self.noise!r}",
         )
         for k in ("optimizer_beta1", "optimizer_beta2"):
             need(0 <= getattr(self, k) < 1, f"{k} must be in [0, 1), got {getattr(self, k)}")

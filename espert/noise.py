@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .icdf_table import ICDF_TABLE
+
 SPEC_VERSION = 1
 
 # Philox4x32-10 constants (Salmon et al. 2011, Random123).
@@ -69,6 +71,9 @@ COS_C6 = _hexf("-0x1.6c16c2p-10")  # -1/6!
 COS_C8 = _hexf("0x1.a01a02p-16")  # 1/8!
 COS_C10 = _hexf("-0x1.27e4fcp-22")  # -1/10!
 UNIFORM_SCALE = _hexf("0x1p-24")
+
+ICDF_ROWS = 192  # gaussian-icdf: 24 binades of d = 2^24 − 1 − 2v, 8 rows each
+ICDF_TABLE_F32 = np.array(ICDF_TABLE, dtype=np.uint32).view(np.float32)
 
 
 def param_key(name: str) -> int:
@@ -185,6 +190,91 @@ def normal(seed: int, key: int, index) -> np.ndarray:
     return np.take_along_axis(n4, (index & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
 
 
+# ---- gaussian-icdf: one normal per word by a piecewise-cubic inverse CDF (docs/noise.md §5.4) ----
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """round_binary32(a·b + c) computed exactly (IEEE fused multiply-add), a, b, c float32 arrays.
+
+    a·b is exact in float64 (48 significant bits); TwoSum gives the exact error e of s = fl64(a·b + c),
+    and rounding s to odd (its last bit set when e ≠ 0) before rounding to binary32 gives the correctly
+    rounded result (Boldo and Melquiond 2008: 53 ≥ 24 + 2 bits).  Plain float64 would round twice.
+    """
+    a, b, c = (np.asarray(v, dtype=np.float32).astype(np.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    even = (np.asarray(s).view(np.uint64) & np.uint64(1)) == 0
+    s = np.where((e != 0) & even, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def icdf_from_word(x) -> np.ndarray:
+    """ε of gaussian-icdf from a Philox word x (uint32 array): float32 of x's shape.
+
+    |ε| ≈ Φ⁻¹(1/2 + (v + 1/2)·2⁻²⁴) for v = (x >> 8) & 0x7FFFFF, by the cubic of row j of
+    ``ICDF_TABLE`` (espert/icdf_table.py) in y ∈ [1, 2); the sign is bit 31 of x.
+    """
+    x = np.asarray(x, dtype=np.uint32)
+    d = ((~x >> np.uint32(7)) & np.uint32(0x00FFFFFE)) | np.uint32(1)  # 2^24 − 1 − 2v: odd, 1 … 2^24 − 1
+    b = d.astype(np.float32).view(np.uint32)  # exact
+    j = ((b >> np.uint32(20)) - np.uint32(1016)).astype(np.int64)  # 8·binade + top 3 mantissa bits
+    y = ((b & np.uint32(0x000FFFFF)) | np.uint32(0x3F800000)).view(np.float32)
+    c = ICDF_TABLE_F32[j]
+    p = fma32(fma32(fma32(c[..., 0], y, c[..., 1]), y, c[..., 2]), y, c[..., 3])
+    return (p.view(np.uint32) ^ (x & np.uint32(0x80000000))).view(np.float32)
+
+
+def normal_icdf(seed: int, key: int, index) -> np.ndarray:
+    """ε of gaussian-icdf at logical element(s) ``index`` (uint64): word ``index & 3`` of the same
+    Philox call as the v1 normal (group index >> 2), through ``icdf_from_word``.  float32."""
+    index = np.asarray(index, dtype=np.uint64)
+    words = np.stack(philox_words(seed, key, index >> np.uint64(2)), axis=-1)
+    x = np.take_along_axis(words, (index & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
+    return icdf_from_word(x)
+
+
+def fit_icdf_table() -> np.ndarray:
+    """How espert/icdf_table.py was made (``python -m espert.noise icdf-table``): per row j, a least-squares
+    cubic in y through Φ⁻¹ at the row's inputs (all of them, or 2049 spread evenly), its coefficients
+    rounded to binary32, then c0 moved to centre the error.  The committed table is the spec, not this
+    fit (LAPACK may differ in the last bits between machines).  Returns float32 [192, 4] (c3, c2, c1, c0).
+    """
+    import statistics
+
+    inv = statistics.NormalDist().inv_cdf
+    d = np.arange(1, 1 << 24, 2, dtype=np.uint32)
+    row = (d.astype(np.float32).view(np.uint32) >> np.uint32(20)) - np.uint32(1016)
+    table = np.zeros((ICDF_ROWS, 4), dtype=np.float32)
+    for j in range(ICDF_ROWS):
+        dj = d[row == j]
+        if len(dj) == 0:
+            continue  # no input reaches the row: zeros
+        dj = dj[np.unique(np.linspace(0, len(dj) - 1, min(len(dj), 2049)).round().astype(np.int64))]
+        y = ((dj.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFF)) | np.uint32(0x3F800000)).view(np.float32)
+        g = np.array([-inv(float(v) * 2.0**-25) for v in dj])
+        k = min(3, len(dj) - 1)
+        c = np.linalg.lstsq(np.vander(y.astype(np.float64), k + 1), g, rcond=None)[0]
+        c = np.concatenate([np.zeros(3 - k), c]).astype(np.float32)
+        err = fma32(fma32(fma32(np.full_like(y, c[0]), y, c[1]), y, c[2]), y, c[3]).astype(np.float64) - g
+        c[3] = np.float32(float(c[3]) - (err.max() + err.min()) / 2)
+        table[j] = c
+    return table
+
+
+def render_icdf_table(table: np.ndarray) -> tuple[str, str]:
+    """The two committed forms of the table: (espert/icdf_table.py, csrc/icdf_table.h)."""
+    bits = np.asarray(table, dtype=np.float32).view(np.uint32)
+    rows = ["(" + ", ".join(f"0x{int(v):08X}" for v in r) + ")" for r in bits]
+    head = "gaussian-icdf's coefficient table (docs/noise.md §5.4): row j holds the bits of (c3, c2, c1, c0).\n"
+    gen = "Generated by `python -m espert.noise icdf-table` (espert.noise.fit_icdf_table); do not edit.\n"
+    py = f'"""{head}{gen}"""\n\nICDF_TABLE = (\n' + "".join(f"    {r},\n" for r in rows) + ")\n"
+    body = " \\\n".join("  {" + ", ".join(f"0x{int(v):08X}u" for v in r) + "}," for r in bits)
+    h = f"// {head}// {gen}#pragma once\n\n#define ESPERT_ICDF_TABLE \\\n{body}\n"
+    return py, h
+
+
 def block_indices(shape: tuple[int, ...], row_offset: int = 0, col_offset: int = 0, logical_cols: int | None = None):
     """Logical element indices of a [rows, cols] block at (row_offset, col_offset) inside a
     logical [R, logical_cols] matrix.  1-D tensors are one row.  Returns a uint64 array of ``shape``."""
@@ -215,7 +305,7 @@ def sr_uniform(seed: int, key: int, index) -> np.ndarray:
 
 # ---- noise families (docs/noise.md §5) --------------------------------------------------------
 
-FAMILIES = ("gaussian", "rademacher", "lowrank")
+FAMILIES = ("gaussian", "rademacher", "lowrank", "gaussian-icdf")
 RADEMACHER_STREAM_BIT = np.uint64(1 << 62)  # normal groups are < 2^62; SR sets bit 63
 LOWRANK_KEY_A = 0x4C4F5752414E4B41  # "LOWRANKA"
 LOWRANK_KEY_B = 0x4C4F5752414E4B42  # "LOWRANKB"
@@ -224,7 +314,7 @@ MAX_RANK = 1024
 
 @dataclass(frozen=True)
 class NoiseFamily:
-    """A noise family: ``gaussian`` (spec v1), ``rademacher``, or ``lowrank:r`` (1 <= r <= 1024).
+    """A noise family: ``gaussian`` (spec v1), ``gaussian-icdf``, ``rademacher``, or ``lowrank:r`` (1 <= r <= 1024).
 
     ``NoiseFamily.parse("lowrank:4")``; ``str()`` gives the spec back.  Torch-free.
     """
@@ -238,10 +328,10 @@ class NoiseFamily:
             return spec
         if not isinstance(spec, str):
             raise TypeError(
-                f"noise family must be a string such as 'gaussian', 'rademacher' or 'lowrank:4', got {spec!r}"
+                f"noise family must be a string such as 'gaussian', 'gaussian-icdf', 'rademacher' or 'lowrank:4', got {spec!r}"
             )
         name, _, arg = spec.strip().partition(":")
-        if name in ("gaussian", "rademacher") and not _:
+        if name in ("gaussian", "gaussian-icdf", "rademacher") and not _:
             return cls(name)
         if name == "lowrank" and _:
             if not arg.isdigit() or not 1 <= int(arg) <= MAX_RANK:
@@ -250,7 +340,7 @@ class NoiseFamily:
                 )
             return cls("lowrank", int(arg))
         raise ValueError(
-            f"unknown noise family {spec!r}; known: 'gaussian', 'rademacher', 'lowrank:r' "
+            f"unknown noise family {spec!r}; known: 'gaussian', 'gaussian-icdf', 'rademacher', 'lowrank:r' "
             f"(r an integer in [1, {MAX_RANK}])"
         )
 
@@ -296,6 +386,8 @@ def family_noise(family, seed: int, key: int, index, logical_rows: int, logical_
     fam = NoiseFamily.parse(family)
     if fam.name == "rademacher":
         return rademacher(seed, key, index)
+    if fam.name == "gaussian-icdf":
+        return normal_icdf(seed, key, index)
     if fam.name == "lowrank" and logical_rows > 1:
         return lowrank(seed, key, index, logical_cols, fam.rank)
     return normal(seed, key, index)
@@ -436,7 +528,7 @@ FAMILY_GOLDEN_BLOCKS = [
     (1, 24, 0, 2**64 - 26, 1, 2**64 - 1),  # 1-D, the last indices (the last valid index is 2^64 - 2)
     (2, 21, 2**32 - 3, 2**32 - 22, 2**32 - 1, 2**32 - 1),  # 2-D near 2^64 elements (lowrank rows ~ 2^32)
 ]
-FAMILY_GOLDEN_FAMILIES = ["gaussian", "rademacher", "lowrank:1", "lowrank:2", "lowrank:4"]
+FAMILY_GOLDEN_FAMILIES = ["gaussian", "rademacher", "lowrank:1", "lowrank:2", "lowrank:4", "gaussian-icdf"]
 FAMILY_GOLDEN_SEEDS = [(0, "model.layers.3.mlp.up_proj.weight"), (2**64 - 1, "lm_head.weight")]
 
 
@@ -462,8 +554,17 @@ def family_golden_vectors() -> dict:
     return {"spec_version": SPEC_VERSION, "cases": cases}
 
 
-if __name__ == "__main__":  # python -m espert.noise [families] > tests/golden/noise_v1.json (families_v1.json)
+if __name__ == "__main__":
+    # python -m espert.noise [families] > tests/golden/noise_v1.json (families_v1.json);
+    # python -m espert.noise icdf-table rewrites espert/icdf_table.py and csrc/icdf_table.h from a new fit
     import json
     import sys
+    from pathlib import Path
 
-    print(json.dumps(family_golden_vectors() if sys.argv[1:] == ["families"] else golden_vectors(), indent=1))
+    if sys.argv[1:] == ["icdf-table"]:
+        py, h = render_icdf_table(fit_icdf_table())
+        root = Path(__file__).resolve().parents[1]
+        (root / "espert" / "icdf_table.py").write_text(py)
+        (root / "csrc" / "icdf_table.h").write_text(h)
+    else:
+        print(json.dumps(family_golden_vectors() if sys.argv[1:] == ["families"] else golden_vectors(), indent=1))

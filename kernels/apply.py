@@ -31,6 +31,7 @@ from espert.ops.plan import ONE_BITS, plan_table, units_per_row
 # Storage and family codes and the plan's columns: from the compiled module (csrc/apply.h).
 FLOAT32, FLOAT16, BFLOAT16 = (_C.DTYPE_CODES[n] for n in ("float32", "float16", "bfloat16"))
 GAUSSIAN, RADEMACHER, LOWRANK = (_C.FAMILY_CODES[n] for n in ("gaussian", "rademacher", "lowrank"))
+GAUSSIAN_ICDF: tl.constexpr = tl.constexpr(_C.FAMILY_CODES["gaussian-icdf"])
 PLAN_FIELDS = tuple(_C.PLAN_FIELDS)
 NF = tl.constexpr(len(PLAN_FIELDS))
 (
@@ -184,9 +185,46 @@ def normals4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi):
 
 
 @triton.jit
-def member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, BLOCK: tl.constexpr):
-    """Σ_m coeffs[m]·ε(seeds[m]) for the four lanes of BLOCK groups: the spec's sum, from +0.0 in
-    member order, kept in registers.  seeds: int64 bit patterns of uint64; coeffs: float32."""
+def _icdf_normal(x, icdf_ptr):
+    """gaussian-icdf's normal of Philox word(s) x (uint32): noise.h icdf_normal; icdf_ptr: the float32
+    [192, 4] table (icdf_table)."""
+    d = ((~x >> 7) & 0x00FFFFFE) | 1  # odd, 1 .. 2^24 - 1
+    b = d.to(tl.int32).to(tl.float32).to(tl.uint32, bitcast=True)  # exact
+    row = icdf_ptr + 4 * ((b >> 20) - 1016).to(tl.int32)
+    y = ((b & 0x000FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    p = tl.fma(tl.fma(tl.fma(tl.load(row), y, tl.load(row + 1)), y, tl.load(row + 2)), y, tl.load(row + 3))
+    return (p.to(tl.uint32, bitcast=True) ^ (x & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def family_normals4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY: tl.constexpr):
+    """The four normals of group(s) g in a normal family: gaussian (v1) or gaussian-icdf."""
+    if FAMILY == GAUSSIAN_ICDF:
+        x0, x1, x2, x3 = philox4x32_10(g_lo, g_hi, key_lo, key_hi, seed_lo, seed_hi)
+        return _icdf_normal(x0, icdf_ptr), _icdf_normal(x1, icdf_ptr), _icdf_normal(x2, icdf_ptr), _icdf_normal(
+            x3, icdf_ptr
+        )
+    else:
+        return normals4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi)
+
+
+_ICDF_TABLES: dict = {}
+
+
+def icdf_table(device) -> torch.Tensor:
+    """gaussian-icdf's coefficient table (espert/icdf_table.py) on ``device``: float32 [192, 4], made once
+    per device (so a kernel launch never copies it: call it before a CUDA graph capture)."""
+    key = str(torch.device(device))
+    if key not in _ICDF_TABLES:
+        _ICDF_TABLES[key] = torch.from_numpy(_ref.ICDF_TABLE_F32.copy()).to(device)
+    return _ICDF_TABLES[key]
+
+
+@triton.jit
+def member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY: tl.constexpr, BLOCK: tl.constexpr):
+    """Σ_m coeffs[m]·ε(seeds[m]) for the four lanes of BLOCK groups in normal family FAMILY: the spec's
+    sum, from +0.0 in member order, kept in registers.  seeds: int64 bit patterns of uint64; coeffs:
+    float32."""
     acc0 = tl.zeros([BLOCK], tl.float32)
     acc1 = tl.zeros([BLOCK], tl.float32)
     acc2 = tl.zeros([BLOCK], tl.float32)
@@ -194,7 +232,9 @@ def member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, BLOCK: tl.c
     for m in range(n):
         seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
         c = tl.load(coeffs_ptr + m)
-        n0, n1, n2, n3 = normals4(seed.to(tl.uint32), (seed >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
+        n0, n1, n2, n3 = family_normals4(
+            seed.to(tl.uint32), (seed >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY
+        )
         acc0 = acc0 + c * n0
         acc1 = acc1 + c * n1
         acc2 = acc2 + c * n2
@@ -325,6 +365,7 @@ def _apply_kernel(
     n_search,
     seeds_ptr,
     coeffs_ptr,
+    icdf_ptr,
     DTYPE: tl.constexpr,
     FAMILY: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -363,7 +404,7 @@ def _apply_kernel(
     me = tl.load(e + F_MEMBER_END)
     row_ptr = w_ptr + i * tl.load(e + F_ROW_STRIDE)
 
-    if FAMILY == 0:  # gaussian: BLOCK groups, lane 0 of the row's first group sits base % 4 columns early
+    if FAMILY == 0 or FAMILY == GAUSSIAN_ICDF:  # normals: BLOCK groups, the row's first lane base % 4 columns early
         col0 = blk * (4 * BLOCK) - (base & 3).to(tl.int64)
         g = (base >> 2) + blk.to(tl.uint64) * BLOCK + tl.arange(0, BLOCK).to(tl.uint64)
         g_lo = g.to(tl.uint32)
@@ -374,7 +415,7 @@ def _apply_kernel(
         acc3 = tl.zeros([BLOCK], tl.float32)
         for m in range(mb, me):
             s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
-            n0, n1, n2, n3 = normals4(s_lo, s_hi, key_lo, key_hi, g_lo, g_hi)
+            n0, n1, n2, n3 = family_normals4(s_lo, s_hi, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY)
             acc0 = acc0 + c * n0
             acc1 = acc1 + c * n1
             acc2 = acc2 + c * n2
@@ -449,6 +490,7 @@ def apply_many(
         n_search,
         seeds,
         coeffs,
+        icdf_table(seeds.device),
         DTYPE=dtype,
         FAMILY=family,
         BLOCK=block,
@@ -474,7 +516,7 @@ def apply(
     block: int = DEFAULT_BLOCK,
     family: int = GAUSSIAN,
 ) -> None:
-    """One tensor, Gaussian or Rademacher (``family``): in place on the block ``w`` ([rows, cols], row
+    """One tensor, any family but lowrank (``family``): in place on the block ``w`` ([rows, cols], row
     stride ``row_stride`` elements, unit column stride), ``w[i, j] <- round(float32(w[i, j]) +
     Σ_m coeffs[m]·ε(seeds[m], key, (row_offset+i)*logical_cols + col_offset + j))``.  A one-entry
     plan through :func:`apply_many` (the ops layer validates; tests call this directly).

@@ -16,7 +16,7 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
-from espert.kernels.apply import member_sum, philox4x32_10
+from espert.kernels.apply import icdf_table, member_sum, philox4x32_10
 
 from espert import _C
 
@@ -285,6 +285,7 @@ def _quant_kernel(
     seeds_ptr,
     coeffs_ptr,
     stage_ptr,
+    icdf_ptr,
     b_off,
     rank,
     n_members,
@@ -346,7 +347,9 @@ def _quant_kernel(
         elif FAMILY == LOWRANK:
             a0, a1, a2, a3 = _lowrank_sum(stage_ptr, b_off, coeffs_ptr, n_members, rank, N, K, n, k0, mask, BLOCK)
         else:
-            a0, a1, a2, a3 = member_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g_lo, g_hi, BLOCK)
+            a0, a1, a2, a3 = member_sum(
+                seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY, BLOCK
+            )
         if MODE == PERTURB:
             u0, u1, u2, u3 = _sr_uniforms4(s0.to(tl.uint32), (s0 >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
         else:
@@ -479,6 +482,7 @@ def quant_apply(
             seeds,
             coeffs,
             st,
+            icdf_table(data.device),
             coeffs_n * rank * geom.N,  # Bᵀ's offset in the stage (elements)
             rank,
             coeffs_n,

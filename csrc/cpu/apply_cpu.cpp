@@ -1,5 +1,5 @@
 // CPU kernel: one OpenMP region over the tiles of every entry of a launch plan (all tensors of
-// a call).  Tiles: gaussian 16 Philox groups (64 logical elements), rademacher 8 Philox calls
+// a call).  Tiles: gaussian and gaussian-icdf 16 Philox groups (64 logical elements), rademacher 8 Philox calls
 // (1024 elements), lowrank 256 columns.  The per-lane math is noise.h inlined into loops the compiler
 // vectorizes; the same loops are compiled three times, for AVX-512 and AVX2 (each with Philox and
 // the normal transform written in intrinsics) and for the baseline ISA, and the path is chosen at
@@ -73,22 +73,28 @@ ESPERT_AVX512 inline void philox_tile_avx512(uint64_t seed, uint64_t key, uint64
   _mm512_storeu_si512(x[3], c3);
 }
 
-// The normals of one tile, in element order: n[4 j + lane] for group g0 + j.
-template <int kIsa>
+// The normals of one tile of normal family FAM, in element order: n[4 j + lane] for group g0 + j.
+template <int FAM, int kIsa>
 ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)[kTileElems]) {
   alignas(64) float n0[kTileGroups], n1[kTileGroups], n2[kTileGroups], n3[kTileGroups];
   if constexpr (kIsa == kAvx512Isa) {
     alignas(64) uint32_t x[4][16];
     philox_tile_avx512(seed, key, g0, x);
-    avx512::normals_tile16(x, n);  // the transform in intrinsics, already in element order
+    if constexpr (FAM == kGaussianIcdf)
+      avx512::icdf_tile16(x, n);
+    else
+      avx512::normals_tile16(x, n);  // the transform in intrinsics, already in element order
     return;
   } else if constexpr (kIsa == kAvx2Isa) {
-    avx2::normals_tile16(seed, key, g0, n);  // Philox and the transform in intrinsics, in element order
+    if constexpr (FAM == kGaussianIcdf)
+      avx2::icdf_tile16(seed, key, g0, n);
+    else
+      avx2::normals_tile16(seed, key, g0, n);  // Philox and the transform in intrinsics, in element order
     return;
   } else {
 #pragma GCC ivdep
     for (int j = 0; j < kTileGroups; ++j) {
-      const F4 f = normals4(seed, key, g0 + (uint64_t)j);
+      const F4 f = family_normals4<FAM>(seed, key, g0 + (uint64_t)j);
       n0[j] = f.n0;
       n1[j] = f.n1;
       n2[j] = f.n2;
@@ -105,7 +111,7 @@ ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)
 
 // Tiles per row of an entry: units of one tile's groups (lowrank: 4-column groups).
 inline int64_t tiles_per_row(const PlanEntry& e) {
-  const int64_t tile_groups = e.family == kGaussian     ? kTileGroups
+  const int64_t tile_groups = is_normal_family(e.family) ? kTileGroups
                               : e.family == kRademacher ? 32 * kRadTileCalls
                                                         : kLowRankCols / 4;
   return units_per_row(e.family, e.cols, tile_groups);
@@ -121,8 +127,8 @@ ESPERT_HD void store_row(void* data, int64_t i, int64_t row_stride, int64_t col0
   for (int64_t k = cf; k < ce; ++k) row[k] = add_to<DT>(row[k], acc[k - col0]);
 }
 
-template <int DT, int kIsa>
-ESPERT_HD void gaussian_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds, const float* coeffs) {
+template <int DT, int FAM, int kIsa>
+ESPERT_HD void normal_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds, const float* coeffs) {
   const Block b = e.block();
   const uint64_t base = b.row_base(i);
   const int64_t col0 = tile * kTileElems - (int64_t)(base & 3);  // column of the tile's first lane
@@ -135,7 +141,7 @@ ESPERT_HD void gaussian_tile(const PlanEntry& e, int64_t i, int64_t tile, const 
   for (int64_t m = e.member_begin; m < e.member_end; ++m) {
     const float c = fmul(coeffs[m], scale);
     alignas(64) float n[kTileElems];
-    tile_normals<kIsa>(seeds[m], e.key, g0, n);
+    tile_normals<FAM, kIsa>(seeds[m], e.key, g0, n);
     for (int k = 0; k < kTileElems; ++k) acc[k] = fadd(acc[k], fmul(c, n[k]));
   }
   store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc);
@@ -207,8 +213,8 @@ ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin,
                                const float* coeffs) {
   int64_t i = t_begin / tpr, tile = t_begin % tpr;
   for (int64_t t = t_begin; t < t_end; ++t) {
-    if constexpr (FAM == kGaussian)
-      gaussian_tile<DT, kIsa>(e, i, tile, seeds, coeffs);
+    if constexpr (is_normal_family(FAM))
+      normal_tile<DT, FAM, kIsa>(e, i, tile, seeds, coeffs);
     else if constexpr (FAM == kRademacher)
       rademacher_tile<DT>(e, i, tile, seeds, coeffs);
     else
@@ -226,11 +232,11 @@ ESPERT_AVX512 void run_avx512(const PlanEntry& e, int64_t tpr, int64_t b, int64_
   run_entry_tiles<DT, FAM, kAvx512Isa>(e, tpr, b, end, s, c);
 }
 
-// For processors without AVX-512: the Gaussian tile in AVX2 intrinsics (normals_avx2.h), the other
-// loops compiled for AVX2 (8 lanes instead of SSE2's 4; no FMA: the target adds none and
-// -ffp-contract=off forbids contraction anyway).
+// For processors without AVX-512: the normal tiles in AVX2 intrinsics (normals_avx2.h), the other
+// loops compiled for AVX2 (8 lanes instead of SSE2's 4).  The fma target serves gaussian-icdf's fused
+// multiply-adds only: -ffp-contract=off forbids contracting any other multiply and add.
 template <int DT, int FAM>
-__attribute__((target("avx2"))) void run_avx2(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end,
+__attribute__((target("avx2,fma"))) void run_avx2(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end,
                                               const uint64_t* s, const float* c) {
   run_entry_tiles<DT, FAM, kAvx2Isa>(e, tpr, b, end, s, c);
 }
@@ -259,7 +265,7 @@ bool use_avx2() {
   static const bool yes = [] {
     const char* forced = std::getenv("ESPERT_CPU_ISA");
     if (forced && std::strcmp(forced, "generic") == 0) return false;
-    return (bool)__builtin_cpu_supports("avx2");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }();
   return yes;
 }

@@ -16,10 +16,14 @@
 
 #include <cstdint>
 
-#define ESPERT_AVX2_FN inline __attribute__((always_inline, target("avx2")))
+#include "../noise.h"
+
+// the fma target only for gaussian-icdf's fused multiply-adds: -ffp-contract=off keeps every other mul and
+// add separate (an intrinsic is never contracted)
+#define ESPERT_AVX2_FN inline __attribute__((always_inline, target("avx2,fma")))
 // not always_inline: its callers (templates without the target attribute) may not force-inline it;
 // GCC still inlines it into the AVX2 kernel, whose target matches
-#define ESPERT_AVX2_ENTRY inline __attribute__((target("avx2")))
+#define ESPERT_AVX2_ENTRY inline __attribute__((target("avx2,fma")))
 
 namespace espert {
 namespace avx2 {
@@ -128,16 +132,9 @@ ESPERT_AVX2_FN void sincos8(__m256i y, __m256& c_out, __m256& s_out) {
   s_out = _mm256_castsi256_ps(_mm256_xor_si256(s, neg_s));
 }
 
-// The 32 normals of 8 consecutive groups from their Philox words (x[w] lane j: word w of group j), in
-// element order: n[4 j + lane], lanes 0..3 = R0 cos θ1, R0 sin θ1, R2 cos θ3, R2 sin θ3 (noise.h normals4).
-ESPERT_AVX2_FN void normals8(const __m256i (&x)[4], float* n) {
-  const __m256 r0 = radius8(x[0]), r1 = radius8(x[2]);
-  __m256 c, s;
-  sincos8(x[1], c, s);
-  const __m256 n0 = _mm256_mul_ps(r0, c), n1 = _mm256_mul_ps(r0, s);
-  sincos8(x[3], c, s);
-  const __m256 n2 = _mm256_mul_ps(r1, c), n3 = _mm256_mul_ps(r1, s);
-  // 4 x 8 -> 8 x 4 transpose.  Within each 128-bit half H (groups 4H .. 4H+3):
+// n[4 j + l] = lane j of n_l: 4 x 8 -> 8 x 4, the element order of 8 groups' normals.
+ESPERT_AVX2_FN void store_groups8(__m256 n0, __m256 n1, __m256 n2, __m256 n3, float* n) {
+  // within each 128-bit half H (groups 4H .. 4H+3):
   const __m256 lo01 = _mm256_unpacklo_ps(n0, n1), hi01 = _mm256_unpackhi_ps(n0, n1);
   const __m256 lo23 = _mm256_unpacklo_ps(n2, n3), hi23 = _mm256_unpackhi_ps(n2, n3);
   // ga: groups 0 and 4; gb: 1 and 5; gc: 2 and 6; gd: 3 and 7 (low half, high half)
@@ -149,6 +146,39 @@ ESPERT_AVX2_FN void normals8(const __m256i (&x)[4], float* n) {
   _mm256_storeu_ps(n + 8, _mm256_permute2f128_ps(gc, gd, 0x20));
   _mm256_storeu_ps(n + 16, _mm256_permute2f128_ps(ga, gb, 0x31));
   _mm256_storeu_ps(n + 24, _mm256_permute2f128_ps(gc, gd, 0x31));
+}
+
+
+// The 32 normals of 8 consecutive groups from their Philox words (x[w] lane j: word w of group j), in
+// element order: n[4 j + lane], lanes 0..3 = R0 cos θ1, R0 sin θ1, R2 cos θ3, R2 sin θ3 (noise.h normals4).
+ESPERT_AVX2_FN void normals8(const __m256i (&x)[4], float* n) {
+  const __m256 r0 = radius8(x[0]), r1 = radius8(x[2]);
+  __m256 c, s;
+  sincos8(x[1], c, s);
+  const __m256 n0 = _mm256_mul_ps(r0, c), n1 = _mm256_mul_ps(r0, s);
+  sincos8(x[3], c, s);
+  const __m256 n2 = _mm256_mul_ps(r1, c), n3 = _mm256_mul_ps(r1, s);
+  store_groups8(n0, n1, n2, n3, n);
+}
+
+// gaussian-icdf's normal of each lane's word: noise.h icdf_normal (gathers for the table rows).
+ESPERT_AVX2_FN __m256 icdf8(__m256i x) {
+  const __m256i d = _mm256_or_si256(_mm256_andnot_si256(_mm256_srli_epi32(x, 7), i32(0x00FFFFFEu)), i32(1));
+  const __m256i b = _mm256_castps_si256(_mm256_cvtepi32_ps(d));  // exact
+  const __m256i j4 = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(b, 20), i32(1016)), 2);
+  const __m256 y = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b, i32(0x000FFFFFu)), i32(0x3F800000u)));
+  const float* t = reinterpret_cast<const float*>(kIcdfTable);
+  __m256 p = _mm256_fmadd_ps(_mm256_i32gather_ps(t, j4, 4), y, _mm256_i32gather_ps(t + 1, j4, 4));
+  p = _mm256_fmadd_ps(p, y, _mm256_i32gather_ps(t + 2, j4, 4));
+  p = _mm256_fmadd_ps(p, y, _mm256_i32gather_ps(t + 3, j4, 4));
+  return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(p), _mm256_and_si256(x, i32(0x80000000u))));
+}
+
+// The 64 gaussian-icdf normals of groups g0 .. g0+15 in element order (one CPU kernel tile).
+ESPERT_AVX2_ENTRY void icdf_tile16(uint64_t seed, uint64_t key, uint64_t g0, float (&n)[64]) {
+  __m256i x[2][4];
+  philox16(seed, key, g0, x);
+  for (int h = 0; h < 2; ++h) store_groups8(icdf8(x[h][0]), icdf8(x[h][1]), icdf8(x[h][2]), icdf8(x[h][3]), n + 32 * h);
 }
 
 // The 64 normals of groups g0 .. g0+15 in element order (one CPU kernel tile).

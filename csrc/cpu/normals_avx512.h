@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "../noise.h"
+
 #if defined(ESPERT_SIMDE)
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -91,17 +93,9 @@ ESPERT_AVX512_FN void sincos16(__m512i y, __m512& c_out, __m512& s_out) {
   s_out = _mm512_castsi512_ps(_mm512_mask_xor_epi32(s, neg_s, s, i32(0x80000000u)));
 }
 
-// The 64 normals of 16 consecutive groups from their Philox words x[w][j] (word w of group j), in
-// element order: n[4 j + lane], lanes 0..3 = R0 cos θ1, R0 sin θ1, R2 cos θ3, R2 sin θ3 (noise.h normals4).
-ESPERT_AVX512_ENTRY void normals_tile16(const uint32_t (&x)[4][16], float (&n)[64]) {
-  const __m512 r0 = radius16(_mm512_loadu_si512(x[0]));
-  const __m512 r1 = radius16(_mm512_loadu_si512(x[2]));
-  __m512 c, s;
-  sincos16(_mm512_loadu_si512(x[1]), c, s);
-  const __m512 n0 = _mm512_mul_ps(r0, c), n1 = _mm512_mul_ps(r0, s);
-  sincos16(_mm512_loadu_si512(x[3]), c, s);
-  const __m512 n2 = _mm512_mul_ps(r1, c), n3 = _mm512_mul_ps(r1, s);
-  // 4 x 16 -> 16 x 4 transpose.  Within each 128-bit lane L (groups 4L .. 4L+3):
+// n[4 j + l] = lane j of n_l: 4 x 16 -> 16 x 4, the element order of 16 groups' normals.
+ESPERT_AVX512_FN void store_groups16(__m512 n0, __m512 n1, __m512 n2, __m512 n3, float* n) {
+  // within each 128-bit lane L (groups 4L .. 4L+3):
   const __m512 lo01 = _mm512_unpacklo_ps(n0, n1), hi01 = _mm512_unpackhi_ps(n0, n1);
   const __m512 lo23 = _mm512_unpacklo_ps(n2, n3), hi23 = _mm512_unpackhi_ps(n2, n3);
   // g0: lane L holds group 4L's four normals; g1: group 4L+1; g2: 4L+2; g3: 4L+3
@@ -116,6 +110,38 @@ ESPERT_AVX512_ENTRY void normals_tile16(const uint32_t (&x)[4][16], float (&n)[6
   _mm512_storeu_ps(n + 16, _mm512_shuffle_f32x4(g01_lo, g23_lo, 0xDD));
   _mm512_storeu_ps(n + 32, _mm512_shuffle_f32x4(g01_hi, g23_hi, 0x88));
   _mm512_storeu_ps(n + 48, _mm512_shuffle_f32x4(g01_hi, g23_hi, 0xDD));
+}
+
+// gaussian-icdf's normal of each lane's word: noise.h icdf_normal (gathers for the table rows).
+ESPERT_AVX512_FN __m512 icdf16(__m512i x) {
+  const __m512i d = _mm512_or_si512(_mm512_andnot_si512(_mm512_srli_epi32(x, 7), i32(0x00FFFFFEu)), i32(1));
+  const __m512i b = _mm512_castps_si512(_mm512_cvtepi32_ps(d));  // exact
+  const __m512i j4 = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(b, 20), i32(1016)), 2);
+  const __m512 y = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(b, i32(0x000FFFFFu)), i32(0x3F800000u)));
+  const float* t = reinterpret_cast<const float*>(kIcdfTable);
+  __m512 p = _mm512_fmadd_ps(_mm512_i32gather_ps(j4, t, 4), y, _mm512_i32gather_ps(j4, t + 1, 4));
+  p = _mm512_fmadd_ps(p, y, _mm512_i32gather_ps(j4, t + 2, 4));
+  p = _mm512_fmadd_ps(p, y, _mm512_i32gather_ps(j4, t + 3, 4));
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(p), _mm512_and_si512(x, i32(0x80000000u))));
+}
+
+// The 64 gaussian-icdf normals of 16 groups from their Philox words (x[w] lane j: word w of group j).
+ESPERT_AVX512_ENTRY void icdf_tile16(const uint32_t (&x)[4][16], float (&n)[64]) {
+  store_groups16(icdf16(_mm512_loadu_si512(x[0])), icdf16(_mm512_loadu_si512(x[1])), icdf16(_mm512_loadu_si512(x[2])),
+                 icdf16(_mm512_loadu_si512(x[3])), n);
+}
+
+// The 64 normals of 16 consecutive groups from their Philox words x[w][j] (word w of group j), in
+// element order: n[4 j + lane], lanes 0..3 = R0 cos θ1, R0 sin θ1, R2 cos θ3, R2 sin θ3 (noise.h normals4).
+ESPERT_AVX512_ENTRY void normals_tile16(const uint32_t (&x)[4][16], float (&n)[64]) {
+  const __m512 r0 = radius16(_mm512_loadu_si512(x[0]));
+  const __m512 r1 = radius16(_mm512_loadu_si512(x[2]));
+  __m512 c, s;
+  sincos16(_mm512_loadu_si512(x[1]), c, s);
+  const __m512 n0 = _mm512_mul_ps(r0, c), n1 = _mm512_mul_ps(r0, s);
+  sincos16(_mm512_loadu_si512(x[3]), c, s);
+  const __m512 n2 = _mm512_mul_ps(r1, c), n3 = _mm512_mul_ps(r1, s);
+  store_groups16(n0, n1, n2, n3, n);
 }
 
 }  // namespace avx512

@@ -78,7 +78,7 @@ __device__ __forceinline__ void add_vec4<kBFloat16>(uint16_t* p, const float (&a
   __stcs(reinterpret_cast<uint2*>(p), make_uint2(__byte_perm(a0, a1, 0x7632), __byte_perm(a2, a3, 0x7632)));
 }
 
-// Σ over the entry's members of c_eff · ε for the four lanes of one group (Gaussian, lowrank).
+// Σ over the entry's members of c_eff · ε for the four lanes of one group (normal families, lowrank).
 template <int FAM>
 __device__ __forceinline__ void group_sum(const PlanEntry& e, int64_t i, uint64_t g, int64_t c0,
                                           const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs,
@@ -87,8 +87,8 @@ __device__ __forceinline__ void group_sum(const PlanEntry& e, int64_t i, uint64_
   acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
   for (int64_t m = e.member_begin; m < e.member_end; ++m) {
     const float c = fmul(coeffs[m], scale);
-    if constexpr (FAM == kGaussian) {
-      add_normals(acc, c, normals4(seeds[m], e.key, g));
+    if constexpr (is_normal_family(FAM)) {
+      add_normals(acc, c, family_normals4<FAM>(seeds[m], e.key, g));
     } else {
       const int64_t mm = m - e.member_begin, r = e.rank;
       const float* a = reinterpret_cast<const float*>(e.stage_a) + (mm * e.rows + i) * r;
@@ -274,7 +274,7 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
                                            typename Storage<DT>::T* row, const uint64_t* __restrict__ seeds,
                                            const float* __restrict__ coeffs) {
   using T = typename Storage<DT>::T;
-  if constexpr (kInterior && FAM == kGaussian) {
+  if constexpr (kInterior && is_normal_family(FAM)) {
     // the hot loop with the members outside: one seed and coefficient load per member for the thread's
     // 4 groups, whose 4 Philox calls share the key schedule (the sums keep member order per element)
     const int64_t q0 = chunk * kCudaUnitGroups + threadIdx.x;
@@ -283,7 +283,7 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
     sum_members(e, seeds, coeffs, acc, [&](float (&a)[kGroupsPerThread][4], uint64_t seed, float c) {
 #pragma unroll
       for (int s = 0; s < kGroupsPerThread; ++s)
-        add_normals(a[s], c, normals4(seed, e.key, g0 + (uint64_t)(s * kThreads)));
+        add_normals(a[s], c, family_normals4<FAM>(seed, e.key, g0 + (uint64_t)(s * kThreads)));
     });
 #pragma unroll
     for (int s = 0; s < kGroupsPerThread; ++s) {

@@ -168,6 +168,13 @@ def _stage_gpu(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray)
         return upload(device, steps, seeds, coeffs)
 
 
+def _stage_triton(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> Staged:
+    from espert.kernels.apply import icdf_table
+
+    icdf_table(device)  # made here, outside any CUDA graph capture: launches only read it
+    return _stage_gpu(device, steps, seeds, coeffs)
+
+
 def _launch_triton(device, steps: list[Step], staged: Staged) -> None:
     from espert.kernels.apply import apply_many
 
@@ -202,7 +209,7 @@ BACKENDS: dict[str, Backend] = {
     "cuda": Backend(
         "cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _stage_gpu, _launch_cuda, lambda: int(_C.CUDA_UNIT_GROUPS)
     ),
-    "triton": Backend("triton", _triton_ok, _stage_gpu, _launch_triton, _triton_block),
+    "triton": Backend("triton", _triton_ok, _stage_triton, _launch_triton, _triton_block),
 }
 
 

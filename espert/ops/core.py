@@ -135,7 +135,7 @@ def es_update_many_(
 
     w: float32 / float16 / bfloat16, [rows, cols] (unit inner stride), [n] or contiguous N-D, all on
     one device; key: int in [0, 2^64); block: :class:`Block` or None.  seeds: N ints in [0, 2^64);
-    coeffs: N finite floats.  noise: ``"gaussian"`` (v1), ``"rademacher"`` or ``"lowrank:r"``
+    coeffs: N finite floats.  noise: ``"gaussian"`` (v1), ``"gaussian-icdf"``, ``"rademacher"`` or ``"lowrank:r"``
     (docs/noise.md §5; 1-row parameters take the Gaussian).  Everything is validated before any
     write; one launch plan serves the whole list (module docstring).
     """

@@ -170,7 +170,7 @@ def build_steps(
         )
     steps = []
     if plain:
-        family = FAMILY_CODES["rademacher" if fam.name == "rademacher" else "gaussian"]
+        family = FAMILY_CODES["gaussian" if fam.name == "lowrank" else fam.name]  # lowrank's 1-row fallback
         t = plan_table(len(plain), **_columns(plain), family=family, member_end=n)
         t, groups = finish(t, unit_groups)
         steps.append(Step(t, False, groups))

@@ -61,7 +61,7 @@ class QuantCenterStore:
 
     views: QuantParamViews (weights on any device).  master: keep the float32 master (default).
     pin: page-lock the host code copies (faster GPU restores).  noise: the noise family
-    (``"gaussian"``, ``"rademacher"``, ``"lowrank:R"``; docs/noise.md §5).  Validates every view up front.
+    (``"gaussian"``, ``"gaussian-icdf"``, ``"rademacher"``, ``"lowrank:R"``; docs/noise.md §5).  Validates every view up front.
     """
 
     def __init__(

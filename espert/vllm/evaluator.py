@@ -121,7 +121,7 @@ class VLLMEvaluator(Evaluator):
     models whose names differ from the checkpoint's beyond fusion; es_setup checks every logical
     name and shape against the checkpoint.
 
-    noise (``"gaussian" | "rademacher" | "lowrank:R"``), optimizer (a name or ``{"name", "beta1",
+    noise (``"gaussian" | "gaussian-icdf" | "rademacher" | "lowrank:R"``), optimizer (a name or ``{"name", "beta1",
     "beta2", "eps"}``), sigma_scales (``{logical name: σ multiplier}``, for ``sigma_mode: rms``: see
     :func:`espert.vllm.stream.checkpoint_rms_scales`) and no_decay (name patterns weight decay
     leaves alone): the center's loop fields, as ``CenterStore`` takes them; every worker builds its
