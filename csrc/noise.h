@@ -164,20 +164,33 @@ ESPERT_HD F4 normals4(uint64_t seed, uint64_t key, uint64_t g) {
 }
 
 // ---- gaussian-icdf (docs/noise.md §5.4): one normal per Philox word ----------------------------
-// |ε| = the cubic of table row j at y in [1, 2), three fused multiply-adds; the sign is bit 31 of x.
-// Row j and y come from the bits of float(d), d = 2^24 - 1 - 2 ((x >> 8) & 0x7FFFFF): its binade and
-// top 3 mantissa bits pick the row, the other 20 mantissa bits are y's.  Rows are (c3, c2, c1, c0).
+// |ε| ≈ Φ⁻¹(1 - d 2^-25) for d = 2 (x & 0x7FFFFF) + 1: the cubic of table row j at y in [1, 2), three
+// fused multiply-adds; the sign is bit 31 of x.  The binade and top 3 mantissa bits of float(d) pick
+// the row, its other 20 mantissa bits are y's.  Rows are (c3, c2, c1, c0).
 constexpr int kIcdfRows = 192;
+
+// (a & kMask) | c.  On the device one LOP3 with c in a register: ptxas otherwise spends two LOP3s, one
+// per immediate.  0xEA is PTX's lookup table of (a & b) | c (tests/test_noise_spec_icdf.py derives it).
+template <uint32_t kMask>
+ESPERT_HD uint32_t and_or(uint32_t a, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(kMask), "r"(c));
+  return r;
+#else
+  return (a & kMask) | c;
+#endif
+}
 alignas(16) static constexpr uint32_t kIcdfTable[kIcdfRows][4] = {ESPERT_ICDF_TABLE};
 #if defined(__CUDACC__)
 static __device__ const uint4 kIcdfTableDevice[kIcdfRows] = {ESPERT_ICDF_TABLE};  // one LDG.128 per row
 #endif
 
 ESPERT_HD float icdf_normal(uint32_t x) {
-  const uint32_t d = ((~x >> 7) & 0x00FFFFFEu) | 1u;  // odd, 1 .. 2^24 - 1
+  const uint32_t d = and_or<0x00FFFFFEu>(x << 1, 1u);  // 2 (x & 0x7FFFFF) + 1: odd, 1 .. 2^24 - 1
   const uint32_t b = f2u((float)(int32_t)d);           // exact
   const uint32_t j = (b >> 20) - 1016u;                // 0 .. 191
-  const float y = u2f((b & 0x000FFFFFu) | 0x3F800000u);
+  const float y = u2f(and_or<0x000FFFFFu>(b, 0x3F800000u));
 #if defined(__CUDA_ARCH__)
   const uint4 c = __ldg(&kIcdfTableDevice[j]);
   const uint32_t c3 = c.x, c2 = c.y, c1 = c.z, c0 = c.w;

@@ -72,7 +72,7 @@ COS_C8 = _hexf("0x1.a01a02p-16")  # 1/8!
 COS_C10 = _hexf("-0x1.27e4fcp-22")  # -1/10!
 UNIFORM_SCALE = _hexf("0x1p-24")
 
-ICDF_ROWS = 192  # gaussian-icdf: 24 binades of d = 2^24 − 1 − 2v, 8 rows each
+ICDF_ROWS = 192  # gaussian-icdf: 24 binades of d = 2v + 1, 8 rows each
 ICDF_TABLE_F32 = np.array(ICDF_TABLE, dtype=np.uint32).view(np.float32)
 
 
@@ -213,11 +213,11 @@ def fma32(a, b, c) -> np.ndarray:
 def icdf_from_word(x) -> np.ndarray:
     """ε of gaussian-icdf from a Philox word x (uint32 array): float32 of x's shape.
 
-    |ε| ≈ Φ⁻¹(1/2 + (v + 1/2)·2⁻²⁴) for v = (x >> 8) & 0x7FFFFF, by the cubic of row j of
-    ``ICDF_TABLE`` (espert/icdf_table.py) in y ∈ [1, 2); the sign is bit 31 of x.
+    |ε| ≈ Φ⁻¹(1 − d·2⁻²⁵) for d = 2v + 1, v = x & 0x7FFFFF (d·2⁻²⁵ is the upper tail's probability),
+    by the cubic of row j of ``ICDF_TABLE`` (espert/icdf_table.py) in y ∈ [1, 2); the sign is bit 31 of x.
     """
     x = np.asarray(x, dtype=np.uint32)
-    d = ((~x >> np.uint32(7)) & np.uint32(0x00FFFFFE)) | np.uint32(1)  # 2^24 − 1 − 2v: odd, 1 … 2^24 − 1
+    d = ((x << np.uint32(1)) & np.uint32(0x00FFFFFE)) | np.uint32(1)  # 2v + 1: odd, 1 … 2^24 − 1
     b = d.astype(np.float32).view(np.uint32)  # exact
     j = ((b >> np.uint32(20)) - np.uint32(1016)).astype(np.int64)  # 8·binade + top 3 mantissa bits
     y = ((b & np.uint32(0x000FFFFF)) | np.uint32(0x3F800000)).view(np.float32)

@@ -188,7 +188,7 @@ def normals4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi):
 def _icdf_normal(x, icdf_ptr):
     """gaussian-icdf's normal of Philox word(s) x (uint32): noise.h icdf_normal; icdf_ptr: the float32
     [192, 4] table (icdf_table)."""
-    d = ((~x >> 7) & 0x00FFFFFE) | 1  # odd, 1 .. 2^24 - 1
+    d = ((x << 1) & 0x00FFFFFE) | 1  # 2 (x & 0x7FFFFF) + 1: odd, 1 .. 2^24 - 1
     b = d.to(tl.int32).to(tl.float32).to(tl.uint32, bitcast=True)  # exact
     row = icdf_ptr + 4 * ((b >> 20) - 1016).to(tl.int32)
     y = ((b & 0x000FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)

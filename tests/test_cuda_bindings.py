@@ -24,7 +24,7 @@ def test_apply_many_cuda_with_only_empty_rows_touches_no_cuda():
     from espert.ops.plan import FAMILY_CODES, plan_table, units_per_row
 
     cols = 64
-    for family in ("gaussian", "rademacher"):
+    for family in ("gaussian", "gaussian-icdf", "rademacher"):
         fam = FAMILY_CODES[family]
         upr = int(units_per_row(cols, fam, _C.CUDA_UNIT_GROUPS))
         table = np.ascontiguousarray(plan_table(2, rows=0, cols=cols, dtype=2, family=fam, units_per_row=upr))

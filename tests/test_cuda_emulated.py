@@ -84,7 +84,7 @@ def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
-@pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
+@pytest.mark.parametrize("noise", ["gaussian", "gaussian-icdf", "rademacher", "lowrank:2"])
 @pytest.mark.parametrize("members", [1, 3])
 @pytest.mark.parametrize("max_blocks", [0, 1, 5])
 def test_emulated_cuda_kernel_equals_the_cpu_backend(cuda_emulated, noise, members, max_blocks):
@@ -107,7 +107,7 @@ def test_emulated_cuda_kernel_equals_the_cpu_backend(cuda_emulated, noise, membe
         assert cuda_emulated.last_blocks <= max_blocks
 
 
-@pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
+@pytest.mark.parametrize("noise", ["gaussian", "gaussian-icdf", "rademacher", "lowrank:2"])
 def test_emulated_cuda_kernel_under_asan_and_ubsan(cuda_sanitized, noise):
     items, bases = _case(2)
     twin, clones = _twin(items, bases)
@@ -117,7 +117,7 @@ def test_emulated_cuda_kernel_under_asan_and_ubsan(cuda_sanitized, noise):
 
 
 @pytest.mark.parametrize("mode", ["perturb", "master"])
-@pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
+@pytest.mark.parametrize("noise", ["gaussian", "gaussian-icdf", "rademacher", "lowrank:2"])
 @pytest.mark.parametrize("fmt,kw", Q_CASES, ids=[f"{f}-{'-'.join(map(str, k.values()))}" for f, k in Q_CASES])
 def test_emulated_quantized_kernel_equals_the_cpu_backend(monkeypatch, fmt, kw, noise, mode):
     """The CUDA quantized kernel (run_unit per thread, grid-stride) against the CPU's tiled kernel, with a

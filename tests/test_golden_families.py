@@ -35,7 +35,7 @@ def noise_bits(case, backend, device="cpu"):
 
 def test_golden_file_covers_every_family_blocks_and_the_top_of_the_index_space():
     fams = {c["family"] for c in CASES}
-    assert {"gaussian", "rademacher"} <= fams and sum(f.startswith("lowrank:") for f in fams) >= 2
+    assert {"gaussian", "gaussian-icdf", "rademacher"} <= fams and sum(f.startswith("lowrank:") for f in fams) >= 2
     assert max((c["block"][2] + c["block"][0]) * c["block"][5] for c in CASES) > 2**63  # indices past 2^63
     assert any(c["block"][0] > 1 and (c["block"][2] or c["block"][3]) for c in CASES)  # a 2-D shard
 

@@ -159,7 +159,7 @@ def test_gpu_normals_long_runs_match_reference(backend, start):
 
 
 @backends
-@pytest.mark.parametrize("family", ["rademacher", "lowrank:1", "lowrank:4"])
+@pytest.mark.parametrize("family", ["gaussian-icdf", "rademacher", "lowrank:1", "lowrank:4"])
 @pytest.mark.parametrize("where", ["aligned", "misaligned"])
 def test_gpu_noise_families_match_cpu(backend, family, where):
     cols, block = BLOCKS[where]
@@ -173,7 +173,7 @@ def test_gpu_noise_families_match_cpu(backend, family, where):
 
 
 @backends
-@pytest.mark.parametrize("family", ["gaussian", "rademacher", "lowrank:2"])
+@pytest.mark.parametrize("family", ["gaussian", "gaussian-icdf", "rademacher", "lowrank:2"])
 def test_gpu_multi_tensor_matches_cpu(backend, family):
     """One call over a model-like list: matrices, vectors, odd shapes, a shard, every dtype."""
     shapes = [(64, 96), (96,), (33, 7), (5, 1000), (1,), (128, 64)]

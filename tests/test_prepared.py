@@ -30,7 +30,7 @@ def _bits(items):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("noise", ["gaussian", "rademacher", "lowrank:2"])
+@pytest.mark.parametrize("noise", ["gaussian", "gaussian-icdf", "rademacher", "lowrank:2"])
 def test_each_member_of_a_prepared_call_is_the_eager_op(backend, noise):
     items = _weights()
     base = [w.clone() for w, _, _ in items]

@@ -28,7 +28,7 @@ from espert.quant.reference import e4m3_to_f32, f32_to_e4m3
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = noise.param_key("model.layers.1.mlp.down_proj.weight")
-FAMILIES = ["gaussian", "rademacher", "lowrank:3"]  # every noise family (docs/noise.md §5)
+FAMILIES = ["gaussian", "gaussian-icdf", "rademacher", "lowrank:3"]  # every noise family (docs/noise.md §5)
 
 
 def qweight(fmt, n=128, k=64, group=32, seed=0, **kw):

@@ -163,7 +163,7 @@ ESPERT_AVX2_FN void normals8(const __m256i (&x)[4], float* n) {
 
 // gaussian-icdf's normal of each lane's word: noise.h icdf_normal (gathers for the table rows).
 ESPERT_AVX2_FN __m256 icdf8(__m256i x) {
-  const __m256i d = _mm256_or_si256(_mm256_andnot_si256(_mm256_srli_epi32(x, 7), i32(0x00FFFFFEu)), i32(1));
+  const __m256i d = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(x, 1), i32(0x00FFFFFEu)), i32(1));
   const __m256i b = _mm256_castps_si256(_mm256_cvtepi32_ps(d));  // exact
   const __m256i j4 = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(b, 20), i32(1016)), 2);
   const __m256 y = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b, i32(0x000FFFFFu)), i32(0x3F800000u)));

@@ -114,7 +114,7 @@ ESPERT_AVX512_FN void store_groups16(__m512 n0, __m512 n1, __m512 n2, __m512 n3,
 
 // gaussian-icdf's normal of each lane's word: noise.h icdf_normal (gathers for the table rows).
 ESPERT_AVX512_FN __m512 icdf16(__m512i x) {
-  const __m512i d = _mm512_or_si512(_mm512_andnot_si512(_mm512_srli_epi32(x, 7), i32(0x00FFFFFEu)), i32(1));
+  const __m512i d = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(x, 1), i32(0x00FFFFFEu)), i32(1));
   const __m512i b = _mm512_castps_si512(_mm512_cvtepi32_ps(d));  // exact
   const __m512i j4 = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(b, 20), i32(1016)), 2);
   const __m512 y = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(b, i32(0x000FFFFFu)), i32(0x3F800000u)));

@@ -20,7 +20,7 @@ int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   DTYPE_SWITCH(dtype, DT, [&] {
     FAMILY_SWITCH(family, FAM, [&] {
-      apply_kernel<DT, FAM><<<blocks, kThreads, 0, st>>>(dev_plan, n_entries, units, seeds, coeffs);
+      apply_kernel<DT, FAM><<<blocks, block_threads(FAM), 0, st>>>(dev_plan, n_entries, units, seeds, coeffs);
     });
   });
   return (int)cudaGetLastError();

@@ -2,7 +2,7 @@
 // entry and kCudaUnitGroups = 1024 consecutive groups of 4 elements; the block finds its entry by binary
 // search over unit_start and its row by one divide (per group there is no 64-bit divide).
 // - Gaussian, lowrank: a block of 256 threads owns a unit, 4 groups per thread strided by 256, so warps
-//   stay coalesced (block_unit).
+//   stay coalesced (block_unit); gaussian-icdf: a block of 128 threads, 8 groups per thread.
 // - Rademacher: a warp owns a unit and shares each Philox call across its lanes (rademacher_unit).
 // Units (or chunks) wholly inside the row at a vector-aligned address run code of their own with one
 // 8- or 16-byte __ldcs/__stcs per group and no bounds checks: the hot path that tests/test_sass_budget.py
@@ -20,7 +20,17 @@ namespace espert {
 namespace cuda_kernel {
 
 constexpr int kThreads = 256;
-constexpr int kGroupsPerThread = kCudaUnitGroups / kThreads;
+
+// Threads that share one launch unit: a warp for Rademacher (rademacher_unit); 128 for gaussian-icdf, so a
+// thread's 8 groups share each member's seed load and key schedule (its transform is cheap enough that
+// this per-member setup was a tenth of its hot path); else the block, 4 groups per thread.
+__host__ __device__ constexpr int unit_threads(int family) {
+  return family == kRademacher ? 32 : family == kGaussianIcdf ? 128 : kThreads;
+}
+// Threads per block: gaussian-icdf's 8 groups take about 132 registers per thread, so its blocks are one
+// unit of 128 threads (3 blocks, 12 warps, per SM; 256-thread blocks would fit only one).
+__host__ __device__ constexpr int block_threads(int family) { return family == kGaussianIcdf ? 128 : kThreads; }
+__host__ __device__ constexpr int groups_per_thread(int family) { return kCudaUnitGroups / unit_threads(family); }
 
 template <int DT>
 struct Vec4;
@@ -262,11 +272,10 @@ __device__ __forceinline__ void rademacher_unit(const PlanEntry& e, int64_t i, i
   }
 }
 
-// Launch units per block: a Gaussian or lowrank unit is a block (256 threads, 4 groups each), a
-// Rademacher unit a warp (rademacher_unit).
-__host__ __device__ constexpr int64_t units_per_block(int family) { return family == kRademacher ? kThreads / 32 : 1; }
+// Launch units per block: a Gaussian, gaussian-icdf or lowrank unit is a block, a Rademacher unit a warp.
+__host__ __device__ constexpr int64_t units_per_block(int family) { return block_threads(family) / unit_threads(family); }
 
-// A Gaussian or lowrank unit: 4 groups per thread, strided by 256.  kInterior: the block found the whole
+// A unit of a normal family or lowrank: groups_per_thread groups per thread, strided by unit_threads.  kInterior: the block found the whole
 // unit inside the row and aligned, so every group takes the vector path with no bounds check (the hot
 // loop); else add_group decides per group (row ends, unaligned rows).
 template <int DT, int FAM, bool kInterior>
@@ -274,27 +283,29 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
                                            typename Storage<DT>::T* row, const uint64_t* __restrict__ seeds,
                                            const float* __restrict__ coeffs) {
   using T = typename Storage<DT>::T;
+  constexpr int kUnitThreads = unit_threads(FAM), kGroupsPerThread = groups_per_thread(FAM);
+  const int64_t t = (int64_t)(threadIdx.x % kUnitThreads);  // this thread within the unit
   if constexpr (kInterior && is_normal_family(FAM)) {
     // the hot loop with the members outside: one seed and coefficient load per member for the thread's
     // 4 groups, whose 4 Philox calls share the key schedule (the sums keep member order per element)
-    const int64_t q0 = chunk * kCudaUnitGroups + threadIdx.x;
+    const int64_t q0 = chunk * kCudaUnitGroups + t;
     const uint64_t g0 = (base >> 2) + (uint64_t)q0;
     float acc[kGroupsPerThread][4];
     sum_members(e, seeds, coeffs, acc, [&](float (&a)[kGroupsPerThread][4], uint64_t seed, float c) {
 #pragma unroll
       for (int s = 0; s < kGroupsPerThread; ++s)
-        add_normals(a[s], c, family_normals4<FAM>(seed, e.key, g0 + (uint64_t)(s * kThreads)));
+        add_normals(a[s], c, family_normals4<FAM>(seed, e.key, g0 + (uint64_t)(s * kUnitThreads)));
     });
 #pragma unroll
     for (int s = 0; s < kGroupsPerThread; ++s) {
-      T* p = row + 4 * (q0 + s * kThreads) - shift;
+      T* p = row + 4 * (q0 + s * kUnitThreads) - shift;
       add_vec4<DT>(p, acc[s]);
     }
     return;
   }
 #pragma unroll 1
   for (int s = 0; s < kGroupsPerThread; ++s) {
-    const int64_t q = chunk * kCudaUnitGroups + s * kThreads + threadIdx.x;
+    const int64_t q = chunk * kCudaUnitGroups + s * kUnitThreads + t;
     const int64_t c0 = 4 * q - shift;
     if (!kInterior && c0 >= e.cols) break;
     float acc[4];
@@ -313,7 +324,7 @@ __global__ void apply_kernel(const PlanEntry* __restrict__ plan, int64_t n_entri
                              const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs) {
   using T = typename Storage<DT>::T;
   constexpr int64_t kPerBlock = units_per_block(FAM);
-  const int64_t within = kPerBlock == 1 ? 0 : (int64_t)(threadIdx.x / 32);
+  const int64_t within = kPerBlock == 1 ? 0 : (int64_t)(threadIdx.x / unit_threads(FAM));
   for (int64_t u = (int64_t)blockIdx.x * kPerBlock + within; u < total_units; u += (int64_t)gridDim.x * kPerBlock) {
     int64_t i, chunk;
     const PlanEntry& e = *find_unit(plan, n_entries, u, i, chunk);

@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
       blocks_run = forced(cuda_kernel::launch_blocks(family, units), max_blocks);
       DTYPE_SWITCH(dtype, DT, [&] {
         FAMILY_SWITCH(family, FAM, [&] {
-          grid(blocks_run, cuda_kernel::kThreads,
+          grid(blocks_run, cuda_kernel::block_threads(FAM),
                [&] { cuda_kernel::apply_kernel<DT, FAM>(plan.data(), n, units, seeds.data(), coeffs.data()); });
         });
       });
