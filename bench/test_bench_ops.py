@@ -23,7 +23,7 @@ import torch
 from espert import noise, ops
 
 SIGMA = 1e-3
-FAMILIES = ["gaussian", "rademacher", "lowrank:1", "lowrank:4"]
+FAMILIES = ["gaussian", "gaussian-icdf", "rademacher", "lowrank:1", "lowrank:4"]
 GOALS = {  # (kind, goal, "min" fraction of copy speed | "max" perturbs per update)
     "perturb gaussian": (0.30, "min"),
     "perturb rademacher": (0.80, "min"),

@@ -1,7 +1,8 @@
 """The hand-vectorized normal transforms (csrc/cpu/normals_avx512.h, csrc/cpu/normals_avx2.h) against
 the scalar spec math of csrc/noise.h, exhaustively: all 2^24 radius inputs and all 2^24 angle inputs,
 plus whole tiles (element order of the transpose; for AVX2 also its Philox, from seeds, across a
-carry of the counter's low word).
+carry of the counter's low word); and gaussian-icdf's transform (icdf16 / icdf8, gathers and fused
+multiply-adds) over all 2^24 inputs its spec reads, and its tiles.
 
 Machines without AVX-512 (this project's CI machines among them) cannot run the intrinsics, so the
 header is compiled a second time against SIMDe, a portable implementation of the same intrinsics
@@ -63,7 +64,30 @@ int main() {
                   (bits(nv[4 * j + 2]) != bits(f.n2)) + (bits(nv[4 * j + 3]) != bits(f.n3));
     }
   }
-  std::printf("%ld %ld %ld %ld %ld\n", n, bad_r, bad_c, bad_s, bad_tile);
+  // gaussian-icdf: every (sign, 23-bit magnitude) input once; bits 23..30 (ignored by the spec) vary
+  long bad_icdf = 0, bad_icdf_tile = 0;
+  for (uint32_t k0 = 0; k0 < (1u << 24); k0 += 16) {
+    for (int j = 0; j < 16; ++j) { const uint32_t k = k0 + j; xs[j] = (k & 0x7FFFFFu) | ((k >> 23) << 31) | ((k * 2654435761u) & 0x7F800000u); }
+    _mm512_storeu_ps(r, avx512::icdf16(_mm512_loadu_si512(xs)));
+    for (int j = 0; j < 16; ++j) bad_icdf += bits(r[j]) != bits(icdf_normal(xs[j]));
+  }
+  for (uint64_t g0 = (1ull << 32) - 4096; g0 < (1ull << 32) + 4096; g0 += 16) {
+    alignas(64) uint32_t x[4][16];
+    alignas(64) float nv[64];
+    for (int j = 0; j < 16; ++j) {
+      const uint64_t g = g0 + j;
+      const U4 w = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32),
+                                 (uint32_t)seed, (uint32_t)(seed >> 32));
+      x[0][j] = w.x0; x[1][j] = w.x1; x[2][j] = w.x2; x[3][j] = w.x3;
+    }
+    avx512::icdf_tile16(x, nv);
+    for (int j = 0; j < 16; ++j) {
+      const F4 f = icdf_normals4(seed, key, g0 + j);
+      bad_icdf_tile += (bits(nv[4 * j]) != bits(f.n0)) + (bits(nv[4 * j + 1]) != bits(f.n1)) +
+                       (bits(nv[4 * j + 2]) != bits(f.n2)) + (bits(nv[4 * j + 3]) != bits(f.n3));
+    }
+  }
+  std::printf("%ld %ld %ld %ld %ld %ld %ld\n", n, bad_r, bad_c, bad_s, bad_tile, bad_icdf, bad_icdf_tile);
   return 0;
 }
 """
@@ -76,7 +100,7 @@ DRIVER_AVX2 = r"""
 #include "cpu/normals_avx2.h"
 using namespace espert;
 static uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-__attribute__((target("avx2"))) int run() {
+__attribute__((target("avx2,fma"))) int run() {
   long n = 0, bad_r = 0, bad_c = 0, bad_s = 0, bad_tile = 0;
   alignas(32) uint32_t xs[8];
   alignas(32) float r[8], co[8], so[8];
@@ -108,10 +132,26 @@ __attribute__((target("avx2"))) int run() {
                   (bits(nv[4 * j + 2]) != bits(f.n2)) + (bits(nv[4 * j + 3]) != bits(f.n3));
     }
   }
-  std::printf("%ld %ld %ld %ld %ld\n", n, bad_r, bad_c, bad_s, bad_tile);
+  // gaussian-icdf: every (sign, 23-bit magnitude) input once; bits 23..30 (ignored by the spec) vary
+  long bad_icdf = 0, bad_icdf_tile = 0;
+  for (uint32_t k0 = 0; k0 < (1u << 24); k0 += 8) {
+    for (int j = 0; j < 8; ++j) { const uint32_t k = k0 + j; xs[j] = (k & 0x7FFFFFu) | ((k >> 23) << 31) | ((k * 2654435761u) & 0x7F800000u); }
+    _mm256_storeu_ps(r, avx2::icdf8(_mm256_loadu_si256((const __m256i*)xs)));
+    for (int j = 0; j < 8; ++j) bad_icdf += bits(r[j]) != bits(icdf_normal(xs[j]));
+  }
+  for (uint64_t g0 = (1ull << 32) - 4099; g0 < (1ull << 32) + 4096; g0 += 16) {
+    alignas(64) float nv[64];
+    avx2::icdf_tile16(seed, key, g0, nv);
+    for (int j = 0; j < 16; ++j) {
+      const F4 f = icdf_normals4(seed, key, g0 + j);
+      bad_icdf_tile += (bits(nv[4 * j]) != bits(f.n0)) + (bits(nv[4 * j + 1]) != bits(f.n1)) +
+                       (bits(nv[4 * j + 2]) != bits(f.n2)) + (bits(nv[4 * j + 3]) != bits(f.n3));
+    }
+  }
+  std::printf("%ld %ld %ld %ld %ld %ld %ld\n", n, bad_r, bad_c, bad_s, bad_tile, bad_icdf, bad_icdf_tile);
   return 0;
 }
-int main() { return __builtin_cpu_supports("avx2") ? run() : 3; }
+int main() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? run() : 3; }
 """
 
 
@@ -171,16 +211,18 @@ def test_avx512_transform_bit_identical_to_scalar_exhaustive(tmp_path, impl):
         inc = _simde_include()
         if inc is None:
             pytest.skip("simde-py is not installed (requirements-dev.txt)")
-        flags = ["-DESPERT_SIMDE", "-I", inc]
-    n, bad_radius, bad_cos, bad_sin, bad_tile = _run_driver(tmp_path, flags)
+        # SIMDe's portable _mm512_fmadd_ps is a multiply and an add (two roundings); on top of native AVX2
+        # and FMA it runs as two _mm256_fmadd_ps, the fused operation gaussian-icdf's spec requires
+        flags = ["-DESPERT_SIMDE", "-mavx2", "-mfma", "-I", inc]
+    n, bad_radius, bad_cos, bad_sin, bad_tile, bad_icdf, bad_icdf_tile = _run_driver(tmp_path, flags)
     assert n == 1 << 24
-    assert (bad_radius, bad_cos, bad_sin, bad_tile) == (0, 0, 0, 0)
+    assert (bad_radius, bad_cos, bad_sin, bad_tile, bad_icdf, bad_icdf_tile) == (0, 0, 0, 0, 0, 0)
 
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def test_avx2_transform_and_philox_bit_identical_to_scalar_exhaustive(tmp_path):
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("the processor has no AVX2")
-    n, bad_radius, bad_cos, bad_sin, bad_tile = _run_driver(tmp_path, [], DRIVER_AVX2)
+    n, bad_radius, bad_cos, bad_sin, bad_tile, bad_icdf, bad_icdf_tile = _run_driver(tmp_path, [], DRIVER_AVX2)
     assert n == 1 << 24
-    assert (bad_radius, bad_cos, bad_sin, bad_tile) == (0, 0, 0, 0)
+    assert (bad_radius, bad_cos, bad_sin, bad_tile, bad_icdf, bad_icdf_tile) == (0, 0, 0, 0, 0, 0)
