@@ -56,15 +56,15 @@ ESPERT_HD F4 family_normals4(uint64_t seed, uint64_t key, uint64_t g) {
     }                                           \
   }()
 
-#define FAMILY_SWITCH(VALUE, NAME, ...)           \
-  [&] {                                           \
-    switch (VALUE) {                              \
-      ESPERT_CASE(kGaussian, NAME, __VA_ARGS__)   \
-      ESPERT_CASE(kRademacher, NAME, __VA_ARGS__) \
-      ESPERT_CASE(kLowRank, NAME, __VA_ARGS__)    \
+#define FAMILY_SWITCH(VALUE, NAME, ...)             \
+  [&] {                                             \
+    switch (VALUE) {                                \
+      ESPERT_CASE(kGaussian, NAME, __VA_ARGS__)     \
+      ESPERT_CASE(kRademacher, NAME, __VA_ARGS__)   \
+      ESPERT_CASE(kLowRank, NAME, __VA_ARGS__)      \
       ESPERT_CASE(kGaussianIcdf, NAME, __VA_ARGS__) \
-      ESPERT_UNKNOWN("noise family", VALUE);      \
-    }                                             \
+      ESPERT_UNKNOWN("noise family", VALUE);        \
+    }                                               \
   }()
 
 // Launch units per row of a block of `cols` columns in noise family `family`, a unit being

@@ -20,8 +20,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DTYPE_CODES") = py::dict(py::arg("float32") = (int)kFloat32, py::arg("float16") = (int)kFloat16,
                                    py::arg("bfloat16") = (int)kBFloat16);
   m.attr("FAMILY_CODES") = py::dict(py::arg("gaussian") = (int)kGaussian, py::arg("rademacher") = (int)kRademacher,
-                                    py::arg("lowrank") = (int)kLowRank,
-                                    py::arg("gaussian-icdf") = (int)kGaussianIcdf);
+                                    py::arg("lowrank") = (int)kLowRank, py::arg("gaussian-icdf") = (int)kGaussianIcdf);
   m.attr("PLAN_FIELDS") = py::make_tuple(ESPERT_PLAN_FIELDS);
   m.def("units_per_row", &units_per_row, py::arg("family"), py::arg("cols"), py::arg("unit_groups"),
         "Launch units per row of `cols` columns in noise family `family`, a unit being `unit_groups` groups of 4 "

@@ -154,7 +154,8 @@ class ESConfig:
         "sigma*RMS(t) of the base model (the step scales alike)",
     )
     noise: str = opt(
-        "gaussian", "noise family: gaussian | gaussian-icdf | rademacher | lowrank:R (see docs/noise.md); fixed for the life of a run"
+        "gaussian",
+        "noise family: gaussian | gaussian-icdf | rademacher | lowrank:R (see docs/noise.md); fixed for the life of a run",
     )
     alpha: float = opt(0.005, "step size: theta += alpha/N * sum z_n eps_n (not divided by sigma)")
     alpha_schedule: Schedule = opt("constant", "alpha schedule from alpha to alpha_end")

@@ -201,8 +201,11 @@ def family_normals4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMI
     """The four normals of group(s) g in a normal family: gaussian (v1) or gaussian-icdf."""
     if FAMILY == GAUSSIAN_ICDF:
         x0, x1, x2, x3 = philox4x32_10(g_lo, g_hi, key_lo, key_hi, seed_lo, seed_hi)
-        return _icdf_normal(x0, icdf_ptr), _icdf_normal(x1, icdf_ptr), _icdf_normal(x2, icdf_ptr), _icdf_normal(
-            x3, icdf_ptr
+        return (
+            _icdf_normal(x0, icdf_ptr),
+            _icdf_normal(x1, icdf_ptr),
+            _icdf_normal(x2, icdf_ptr),
+            _icdf_normal(x3, icdf_ptr),
         )
     else:
         return normals4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi)
@@ -221,7 +224,9 @@ def icdf_table(device) -> torch.Tensor:
 
 
 @triton.jit
-def member_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY: tl.constexpr, BLOCK: tl.constexpr):
+def member_sum(
+    seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY: tl.constexpr, BLOCK: tl.constexpr
+):
     """Σ_m coeffs[m]·ε(seeds[m]) for the four lanes of BLOCK groups in normal family FAMILY: the spec's
     sum, from +0.0 in member order, kept in registers.  seeds: int64 bit patterns of uint64; coeffs:
     float32."""

@@ -186,7 +186,16 @@ def test_family_parser_round_trips_and_names_bad_values():
     for spec in ("gaussian", "gaussian-icdf", "rademacher", "lowrank:1", "lowrank:16"):
         assert str(NoiseFamily.parse(spec)) == spec
         assert NoiseFamily.parse(NoiseFamily.parse(spec)) == NoiseFamily.parse(spec)
-    for bad in ("gauss", "gaussian-icdf:2", "lowrank", "lowrank:0", "lowrank:x", "lowrank:-1", "rademacher:2", "lowrank:1025"):
+    for bad in (
+        "gauss",
+        "gaussian-icdf:2",
+        "lowrank",
+        "lowrank:0",
+        "lowrank:x",
+        "lowrank:-1",
+        "rademacher:2",
+        "lowrank:1025",
+    ):
         with pytest.raises(ValueError, match=bad.split(":")[-1] if ":" in bad else bad):
             NoiseFamily.parse(bad)
     with pytest.raises(TypeError, match="noise family"):

@@ -42,6 +42,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert report["tensors"] == 26 and report["parameters"] > 0
     assert set(report["backends"]) == {"cpu"} and "error" not in report["backends"]["cpu"]
     assert report["backends"]["cpu"]["perturb_launches"] == 1  # one multi-tensor call for 26 tensors
+    assert set(report["backends"]["cpu"]["families"]) == {"gaussian-icdf", "rademacher"}
     assert report["store"]["member_ms"] > 0 and report["store"]["update_n32_host_s"] > 0
     graph = report["cuda_graph"]
     assert all(g["replay_matches_eager"] and g["restored_exactly"] for g in graph.values())

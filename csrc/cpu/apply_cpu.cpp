@@ -112,8 +112,8 @@ ESPERT_HD void tile_normals(uint64_t seed, uint64_t key, uint64_t g0, float (&n)
 // Tiles per row of an entry: units of one tile's groups (lowrank: 4-column groups).
 inline int64_t tiles_per_row(const PlanEntry& e) {
   const int64_t tile_groups = is_normal_family(e.family) ? kTileGroups
-                              : e.family == kRademacher ? 32 * kRadTileCalls
-                                                        : kLowRankCols / 4;
+                              : e.family == kRademacher  ? 32 * kRadTileCalls
+                                                         : kLowRankCols / 4;
   return units_per_row(e.family, e.cols, tile_groups);
 }
 
@@ -237,7 +237,7 @@ ESPERT_AVX512 void run_avx512(const PlanEntry& e, int64_t tpr, int64_t b, int64_
 // multiply-adds only: -ffp-contract=off forbids contracting any other multiply and add.
 template <int DT, int FAM>
 __attribute__((target("avx2,fma"))) void run_avx2(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end,
-                                              const uint64_t* s, const float* c) {
+                                                  const uint64_t* s, const float* c) {
   run_entry_tiles<DT, FAM, kAvx2Isa>(e, tpr, b, end, s, c);
 }
 

@@ -148,7 +148,6 @@ ESPERT_AVX2_FN void store_groups8(__m256 n0, __m256 n1, __m256 n2, __m256 n3, fl
   _mm256_storeu_ps(n + 24, _mm256_permute2f128_ps(gc, gd, 0x31));
 }
 
-
 // The 32 normals of 8 consecutive groups from their Philox words (x[w] lane j: word w of group j), in
 // element order: n[4 j + lane], lanes 0..3 = R0 cos θ1, R0 sin θ1, R2 cos θ3, R2 sin θ3 (noise.h normals4).
 ESPERT_AVX2_FN void normals8(const __m256i (&x)[4], float* n) {

@@ -273,11 +273,13 @@ __device__ __forceinline__ void rademacher_unit(const PlanEntry& e, int64_t i, i
 }
 
 // Launch units per block: a Gaussian, gaussian-icdf or lowrank unit is a block, a Rademacher unit a warp.
-__host__ __device__ constexpr int64_t units_per_block(int family) { return block_threads(family) / unit_threads(family); }
+__host__ __device__ constexpr int64_t units_per_block(int family) {
+  return block_threads(family) / unit_threads(family);
+}
 
-// A unit of a normal family or lowrank: groups_per_thread groups per thread, strided by unit_threads.  kInterior: the block found the whole
-// unit inside the row and aligned, so every group takes the vector path with no bounds check (the hot
-// loop); else add_group decides per group (row ends, unaligned rows).
+// A unit of a normal family or lowrank: groups_per_thread groups per thread, strided by unit_threads.  kInterior: the
+// block found the whole unit inside the row and aligned, so every group takes the vector path with no bounds check (the
+// hot loop); else add_group decides per group (row ends, unaligned rows).
 template <int DT, int FAM, bool kInterior>
 __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_t chunk, uint64_t base, int64_t shift,
                                            typename Storage<DT>::T* row, const uint64_t* __restrict__ seeds,
