@@ -64,7 +64,7 @@ def test_config_module_imports_no_torch_or_numpy():
 def test_literal_fields_are_validated_with_a_clear_message():
     with pytest.raises(ValueError, match=r"normalization must be one of \('zscore', 'rank', 'rank_unit'\)"):
         ESConfig(normalization="minmax")
-    with pytest.raises(ValueError, match="noise must be gaussian, rademacher or lowrank:R"):
+    with pytest.raises(ValueError, match="noise must be gaussian, gaussian-icdf, rademacher or lowrank:R"):
         ESConfig(noise="lowrank:0")
     for ok in ("gaussian", "rademacher", "lowrank:4"):
         assert ESConfig(noise=ok).noise == ok

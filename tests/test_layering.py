@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "noise",
         (
             "espert.noise",
+            "espert.icdf_table",  # data only: the noise spec's gaussian-icdf table
             "espert.quant.formats",
             "espert.quant.reference",
             "espert.tasks",

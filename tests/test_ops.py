@@ -212,7 +212,7 @@ def test_unknown_codes_are_errors_not_no_ops():
     seeds, coeffs = np.array([1], np.uint64), np.array([1.0], np.float32)
     assert set(_C.DTYPE_CODES) == {"float32", "float16", "bfloat16"}
     assert ops.DTYPE_CODES[torch.bfloat16] == _C.DTYPE_CODES["bfloat16"]
-    for field, bad in (("dtype", 3), ("dtype", -1), ("family", 3), ("family", 99)):
+    for field, bad in (("dtype", 3), ("dtype", -1), ("family", len(_C.FAMILY_CODES)), ("family", 99)):
         t = base.copy()[None, :]
         t[0, F[field]] = bad
         with pytest.raises(ValueError, match="unknown"):
