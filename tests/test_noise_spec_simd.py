@@ -48,6 +48,7 @@ int main() {
     }
   }
   const uint64_t seed = 0x0123456789ABCDEFull, key = 0xFEDCBA9876543210ull;
+  long bad_icdf = 0, bad_icdf_tile = 0;
   for (uint64_t g0 = (1ull << 32) - 4096; g0 < (1ull << 32) + 4096; g0 += 16) {
     alignas(64) uint32_t x[4][16];
     alignas(64) float nv[64];
@@ -58,34 +59,21 @@ int main() {
       x[0][j] = w.x0; x[1][j] = w.x1; x[2][j] = w.x2; x[3][j] = w.x3;
     }
     avx512::normals_tile16(x, nv);
+    alignas(64) float ni[64];
+    avx512::icdf_tile16(x, ni);
     for (int j = 0; j < 16; ++j) {
-      const F4 f = normals4(seed, key, g0 + j);
+      const F4 f = normals4(seed, key, g0 + j), h = icdf_normals4(seed, key, g0 + j);
       bad_tile += (bits(nv[4 * j]) != bits(f.n0)) + (bits(nv[4 * j + 1]) != bits(f.n1)) +
                   (bits(nv[4 * j + 2]) != bits(f.n2)) + (bits(nv[4 * j + 3]) != bits(f.n3));
+      bad_icdf_tile += (bits(ni[4 * j]) != bits(h.n0)) + (bits(ni[4 * j + 1]) != bits(h.n1)) +
+                       (bits(ni[4 * j + 2]) != bits(h.n2)) + (bits(ni[4 * j + 3]) != bits(h.n3));
     }
   }
   // gaussian-icdf: every (sign, 23-bit magnitude) input once; bits 23..30 (ignored by the spec) vary
-  long bad_icdf = 0, bad_icdf_tile = 0;
   for (uint32_t k0 = 0; k0 < (1u << 24); k0 += 16) {
     for (int j = 0; j < 16; ++j) { const uint32_t k = k0 + j; xs[j] = (k & 0x7FFFFFu) | ((k >> 23) << 31) | ((k * 2654435761u) & 0x7F800000u); }
     _mm512_storeu_ps(r, avx512::icdf16(_mm512_loadu_si512(xs)));
     for (int j = 0; j < 16; ++j) bad_icdf += bits(r[j]) != bits(icdf_normal(xs[j]));
-  }
-  for (uint64_t g0 = (1ull << 32) - 4096; g0 < (1ull << 32) + 4096; g0 += 16) {
-    alignas(64) uint32_t x[4][16];
-    alignas(64) float nv[64];
-    for (int j = 0; j < 16; ++j) {
-      const uint64_t g = g0 + j;
-      const U4 w = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32),
-                                 (uint32_t)seed, (uint32_t)(seed >> 32));
-      x[0][j] = w.x0; x[1][j] = w.x1; x[2][j] = w.x2; x[3][j] = w.x3;
-    }
-    avx512::icdf_tile16(x, nv);
-    for (int j = 0; j < 16; ++j) {
-      const F4 f = icdf_normals4(seed, key, g0 + j);
-      bad_icdf_tile += (bits(nv[4 * j]) != bits(f.n0)) + (bits(nv[4 * j + 1]) != bits(f.n1)) +
-                       (bits(nv[4 * j + 2]) != bits(f.n2)) + (bits(nv[4 * j + 3]) != bits(f.n3));
-    }
   }
   std::printf("%ld %ld %ld %ld %ld %ld %ld\n", n, bad_r, bad_c, bad_s, bad_tile, bad_icdf, bad_icdf_tile);
   return 0;
@@ -123,30 +111,25 @@ __attribute__((target("avx2,fma"))) int run() {
   }
   const uint64_t seed = 0x0123456789ABCDEFull, key = 0xFEDCBA9876543210ull;
   // tiles from seeds: the counter's low word wraps inside some tiles (g0 not a multiple of 16)
+  long bad_icdf = 0, bad_icdf_tile = 0;
   for (uint64_t g0 = (1ull << 32) - 4099; g0 < (1ull << 32) + 4096; g0 += 16) {
     alignas(64) float nv[64];
     avx2::normals_tile16(seed, key, g0, nv);
+    alignas(64) float ni[64];
+    avx2::icdf_tile16(seed, key, g0, ni);
     for (int j = 0; j < 16; ++j) {
-      const F4 f = normals4(seed, key, g0 + j);
+      const F4 f = normals4(seed, key, g0 + j), h = icdf_normals4(seed, key, g0 + j);
       bad_tile += (bits(nv[4 * j]) != bits(f.n0)) + (bits(nv[4 * j + 1]) != bits(f.n1)) +
                   (bits(nv[4 * j + 2]) != bits(f.n2)) + (bits(nv[4 * j + 3]) != bits(f.n3));
+      bad_icdf_tile += (bits(ni[4 * j]) != bits(h.n0)) + (bits(ni[4 * j + 1]) != bits(h.n1)) +
+                       (bits(ni[4 * j + 2]) != bits(h.n2)) + (bits(ni[4 * j + 3]) != bits(h.n3));
     }
   }
   // gaussian-icdf: every (sign, 23-bit magnitude) input once; bits 23..30 (ignored by the spec) vary
-  long bad_icdf = 0, bad_icdf_tile = 0;
   for (uint32_t k0 = 0; k0 < (1u << 24); k0 += 8) {
     for (int j = 0; j < 8; ++j) { const uint32_t k = k0 + j; xs[j] = (k & 0x7FFFFFu) | ((k >> 23) << 31) | ((k * 2654435761u) & 0x7F800000u); }
     _mm256_storeu_ps(r, avx2::icdf8(_mm256_loadu_si256((const __m256i*)xs)));
     for (int j = 0; j < 8; ++j) bad_icdf += bits(r[j]) != bits(icdf_normal(xs[j]));
-  }
-  for (uint64_t g0 = (1ull << 32) - 4099; g0 < (1ull << 32) + 4096; g0 += 16) {
-    alignas(64) float nv[64];
-    avx2::icdf_tile16(seed, key, g0, nv);
-    for (int j = 0; j < 16; ++j) {
-      const F4 f = icdf_normals4(seed, key, g0 + j);
-      bad_icdf_tile += (bits(nv[4 * j]) != bits(f.n0)) + (bits(nv[4 * j + 1]) != bits(f.n1)) +
-                       (bits(nv[4 * j + 2]) != bits(f.n2)) + (bits(nv[4 * j + 3]) != bits(f.n3));
-    }
   }
   std::printf("%ld %ld %ld %ld %ld %ld %ld\n", n, bad_r, bad_c, bad_s, bad_tile, bad_icdf, bad_icdf_tile);
   return 0;
