@@ -126,7 +126,8 @@ const char* cpu_isa();
 // coeffs are device pointers; `stream` is a cudaStream_t.  Returns a cudaError_t (0: launched).
 int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64_t n_entries, const uint64_t* seeds,
                     const float* coeffs, void* stream);
-// Philox groups (4 elements) per CUDA launch unit: one block of 256 threads, 4 groups per thread.
+// Philox groups (4 elements) per CUDA launch unit (apply_kernel.cuh: 128 threads with 8 groups each for the
+// normal families, 256 with 4 for lowrank, a warp for Rademacher).
 constexpr int64_t kCudaUnitGroups = 1024;
 #endif
 

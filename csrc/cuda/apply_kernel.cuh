@@ -1,8 +1,8 @@
 // The body of the CUDA perturb/update kernel (apply_cuda.cu launches it).  A launch unit is row i of an
 // entry and kCudaUnitGroups = 1024 consecutive groups of 4 elements; the block finds its entry by binary
 // search over unit_start and its row by one divide (per group there is no 64-bit divide).
-// - Gaussian, lowrank: a block of 256 threads owns a unit, 4 groups per thread strided by 256, so warps
-//   stay coalesced (block_unit); gaussian-icdf: a block of 128 threads, 8 groups per thread.
+// - Gaussian and gaussian-icdf: a block of 128 threads owns a unit, 8 groups per thread strided by 128, so
+//   warps stay coalesced (block_unit); lowrank: a block of 256 threads, 4 groups per thread.
 // - Rademacher: a warp owns a unit and shares each Philox call across its lanes (rademacher_unit).
 // Units (or chunks) wholly inside the row at a vector-aligned address run code of their own with one
 // 8- or 16-byte __ldcs/__stcs per group and no bounds checks: the hot path that tests/test_sass_budget.py
@@ -21,15 +21,16 @@ namespace cuda_kernel {
 
 constexpr int kThreads = 256;
 
-// Threads that share one launch unit: a warp for Rademacher (rademacher_unit); 128 for gaussian-icdf, so a
-// thread's 8 groups share each member's seed load and key schedule (its transform is cheap enough that
-// this per-member setup was a tenth of its hot path); else the block, 4 groups per thread.
+// Threads that share one launch unit: a warp for Rademacher (rademacher_unit); 128 for the normal families,
+// so a thread's 8 groups share each member's seed load and key schedule (a tenth of gaussian-icdf's hot
+// path with 4 groups; v1 perturb 71.44 -> 69.78 instructions per element); lowrank: the block, 4 groups
+// per thread.
 __host__ __device__ constexpr int unit_threads(int family) {
-  return family == kRademacher ? 32 : family == kGaussianIcdf ? 128 : kThreads;
+  return family == kRademacher ? 32 : is_normal_family(family) ? 128 : kThreads;
 }
-// Threads per block: gaussian-icdf's 8 groups take about 132 registers per thread, so its blocks are one
-// unit of 128 threads (3 blocks, 12 warps, per SM; 256-thread blocks would fit only one).
-__host__ __device__ constexpr int block_threads(int family) { return family == kGaussianIcdf ? 128 : kThreads; }
+// Threads per block: a normal family's block is its unit of 128 threads (84-94 registers: 5 blocks, 20
+// warps, per SM).
+__host__ __device__ constexpr int block_threads(int family) { return is_normal_family(family) ? 128 : kThreads; }
 __host__ __device__ constexpr int groups_per_thread(int family) { return kCudaUnitGroups / unit_threads(family); }
 
 template <int DT>
@@ -272,7 +273,7 @@ __device__ __forceinline__ void rademacher_unit(const PlanEntry& e, int64_t i, i
   }
 }
 
-// Launch units per block: a Gaussian, gaussian-icdf or lowrank unit is a block, a Rademacher unit a warp.
+// Launch units per block: a normal family's or lowrank's unit is a block, a Rademacher unit a warp.
 __host__ __device__ constexpr int64_t units_per_block(int family) {
   return block_threads(family) / unit_threads(family);
 }
