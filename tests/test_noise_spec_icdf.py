@@ -125,13 +125,16 @@ def test_round_to_odd_fma_is_exact_on_hard_cases():
     np.testing.assert_array_equal(fma_spec(a, b, c)[normal].view(np.uint32), want[normal].view(np.uint32))
 
 
-def test_every_input_against_a_second_reference_from_the_spec():
+def test_every_input_against_a_second_reference_from_the_spec(monkeypatch):
     x = all_words()
+    want = noise.icdf_from_word(x).view(np.uint32)
     for lo in range(0, len(x), 1 << 22):
         chunk = x[lo : lo + (1 << 22)]
-        np.testing.assert_array_equal(
-            noise.icdf_from_word(chunk).view(np.uint32), icdf_spec(chunk).view(np.uint32), err_msg=f"chunk {lo}"
-        )
+        np.testing.assert_array_equal(want[lo : lo + (1 << 22)], icdf_spec(chunk).view(np.uint32), err_msg=f"{lo}")
+    # a property of this table (docs/noise.md §5.4), not of the method: no input meets a double-rounding case,
+    # so evaluating the fma in float64 and rounding once to binary32 gives the same bits everywhere
+    monkeypatch.setattr(noise, "fma32", lambda a, b, c: (np.float64(a) * b + c).astype(np.float32))
+    assert np.array_equal(noise.icdf_from_word(x).view(np.uint32), want)
 
 
 DRIVER = r"""
