@@ -425,7 +425,7 @@ def run(out_dir: Path | None, dry: bool, junit: list[str]) -> dict:
 
     # -- the other families' perturb, last (a Triton compile each; nothing above waits for them) ----------
     for be in backends:
-        if "error" in per_backend.get(be, {"error": ""}):
+        if "error" in per_backend.get(be, {}) or be not in per_backend:  # its kernels never ran: nothing to time
             continue
 
         def families(be=be):

@@ -93,6 +93,13 @@ ESPERT_HD U4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, u
   return U4{c0, c1, c2, c3};
 }
 
+// The spec's Philox call for a 64-bit counter c (docs/noise.md §1): counter (lo(c), hi(c), lo(key), hi(key)),
+// key (lo(seed), hi(seed)).  Every stream (normals, Rademacher, stochastic rounding) is one of these.
+ESPERT_HD U4 philox_call(uint64_t seed, uint64_t key, uint64_t c) {
+  return philox4x32_10((uint32_t)c, (uint32_t)(c >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
+                       (uint32_t)(seed >> 32));
+}
+
 // ---- the normal transform ---------------------------------------------------
 // -2 ln u for u = ((x >> 8) + 1) * 2^-24.
 ESPERT_HD float neg2log_uniform(uint32_t x) {
@@ -153,8 +160,7 @@ struct F4 {
 
 // The four normals of group g (logical elements 4g .. 4g+3) for (seed, key).
 ESPERT_HD F4 normals4(uint64_t seed, uint64_t key, uint64_t g) {
-  const U4 x = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
-                             (uint32_t)(seed >> 32));
+  const U4 x = philox_call(seed, key, g);
   F4 out;
   const float r0 = fsqrt(neg2log_uniform(x.x0));
   const float r1 = fsqrt(neg2log_uniform(x.x2));
@@ -208,8 +214,7 @@ ESPERT_HD float icdf_normal(uint32_t x) {
 
 // The four gaussian-icdf normals of group g: the transform of each word of the v1 normals' Philox call.
 ESPERT_HD F4 icdf_normals4(uint64_t seed, uint64_t key, uint64_t g) {
-  const U4 x = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
-                             (uint32_t)(seed >> 32));
+  const U4 x = philox_call(seed, key, g);
   return F4{icdf_normal(x.x0), icdf_normal(x.x1), icdf_normal(x.x2), icdf_normal(x.x3)};
 }
 
@@ -227,9 +232,7 @@ ESPERT_HD void add_normals(float (&acc)[4], float c, const F4& f) {
 // stream sets bit 63, so the three streams never share a counter.
 constexpr uint64_t kRademacherStream = 1ull << 62;
 ESPERT_HD U4 rademacher_words(uint64_t seed, uint64_t key, uint64_t h) {
-  const uint64_t c = h | kRademacherStream;
-  return philox4x32_10((uint32_t)c, (uint32_t)(c >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
-                       (uint32_t)(seed >> 32));
+  return philox_call(seed, key, h | kRademacherStream);
 }
 ESPERT_HD uint32_t u4_word(const U4& x, int w) { return w == 0 ? x.x0 : w == 1 ? x.x1 : w == 2 ? x.x2 : x.x3; }
 

@@ -159,9 +159,7 @@ inline std::string check_codes(const QuantArgs& a) {
 
 // ---- the stochastic-rounding stream: group g' = g | 2^63, u = (x >> 8) * 2^-24 -----------------
 ESPERT_HD F4 sr_uniforms4(uint64_t seed, uint64_t key, uint64_t g) {
-  const uint64_t gp = g | (1ull << 63);
-  const U4 x = philox4x32_10((uint32_t)gp, (uint32_t)(gp >> 32), (uint32_t)key, (uint32_t)(key >> 32), (uint32_t)seed,
-                             (uint32_t)(seed >> 32));
+  const U4 x = philox_call(seed, key, g | (1ull << 63));
   const float sc = u2f(0x33800000u);  // 2^-24
   return F4{fmul((float)(x.x0 >> 8), sc), fmul((float)(x.x1 >> 8), sc), fmul((float)(x.x2 >> 8), sc),
             fmul((float)(x.x3 >> 8), sc)};

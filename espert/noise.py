@@ -183,11 +183,16 @@ def normals4(seed: int, key: int, group) -> np.ndarray:
     return np.stack(out, axis=-1)
 
 
+def _lane(values: np.ndarray, lane) -> np.ndarray:
+    """values[..., lane] per element: values [..., 4], lane an integer array of values' leading shape."""
+    return np.take_along_axis(values, np.asarray(lane).astype(np.int64)[..., None], -1)[..., 0]
+
+
 def normal(seed: int, key: int, index) -> np.ndarray:
     """ε(seed, key, index) for an array of logical element indices (uint64).  float32."""
     index = np.asarray(index, dtype=np.uint64)
     n4 = normals4(seed, key, index >> np.uint64(2))
-    return np.take_along_axis(n4, (index & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
+    return _lane(n4, index & np.uint64(3))
 
 
 # ---- gaussian-icdf: one normal per word by a piecewise-cubic inverse CDF (docs/noise.md §5.4) ----
@@ -217,13 +222,22 @@ def icdf_from_word(x) -> np.ndarray:
     by the cubic of row j of ``ICDF_TABLE`` (espert/icdf_table.py) in y ∈ [1, 2); the sign is bit 31 of x.
     """
     x = np.asarray(x, dtype=np.uint32)
-    d = ((x << np.uint32(1)) & np.uint32(0x00FFFFFE)) | np.uint32(1)  # 2v + 1: odd, 1 … 2^24 − 1
+    j, y = _icdf_row_y(((x << np.uint32(1)) & np.uint32(0x00FFFFFE)) | np.uint32(1))  # d = 2v + 1
+    p = _icdf_cubic(ICDF_TABLE_F32[j], y)
+    return (p.view(np.uint32) ^ (x & np.uint32(0x80000000))).view(np.float32)
+
+
+def _icdf_row_y(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Table row j (int64) and y in [1, 2) (float32) of tail distances d (odd uint32, 1 … 2^24 − 1)."""
     b = d.astype(np.float32).view(np.uint32)  # exact
     j = ((b >> np.uint32(20)) - np.uint32(1016)).astype(np.int64)  # 8·binade + top 3 mantissa bits
-    y = ((b & np.uint32(0x000FFFFF)) | np.uint32(0x3F800000)).view(np.float32)
-    c = ICDF_TABLE_F32[j]
-    p = fma32(fma32(fma32(c[..., 0], y, c[..., 1]), y, c[..., 2]), y, c[..., 3])
-    return (p.view(np.uint32) ^ (x & np.uint32(0x80000000))).view(np.float32)
+    return j, ((b & np.uint32(0x000FFFFF)) | np.uint32(0x3F800000)).view(np.float32)
+
+
+def _icdf_cubic(c: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """fma(fma(fma(c3, y, c2), y, c1), y, c0) for rows c [..., 4] = (c3, c2, c1, c0) (float32)."""
+    c = np.broadcast_to(c, np.shape(y) + (4,))
+    return fma32(fma32(fma32(c[..., 0], y, c[..., 1]), y, c[..., 2]), y, c[..., 3])
 
 
 def normal_icdf(seed: int, key: int, index) -> np.ndarray:
@@ -231,7 +245,7 @@ def normal_icdf(seed: int, key: int, index) -> np.ndarray:
     Philox call as the v1 normal (group index >> 2), through ``icdf_from_word``.  float32."""
     index = np.asarray(index, dtype=np.uint64)
     words = np.stack(philox_words(seed, key, index >> np.uint64(2)), axis=-1)
-    x = np.take_along_axis(words, (index & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
+    x = _lane(words, index & np.uint64(3))
     return icdf_from_word(x)
 
 
@@ -245,19 +259,19 @@ def fit_icdf_table() -> np.ndarray:
 
     inv = statistics.NormalDist().inv_cdf
     d = np.arange(1, 1 << 24, 2, dtype=np.uint32)
-    row = (d.astype(np.float32).view(np.uint32) >> np.uint32(20)) - np.uint32(1016)
+    row, _ = _icdf_row_y(d)
     table = np.zeros((ICDF_ROWS, 4), dtype=np.float32)
     for j in range(ICDF_ROWS):
         dj = d[row == j]
         if len(dj) == 0:
             continue  # no input reaches the row: zeros
         dj = dj[np.unique(np.linspace(0, len(dj) - 1, min(len(dj), 2049)).round().astype(np.int64))]
-        y = ((dj.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFF)) | np.uint32(0x3F800000)).view(np.float32)
+        _, y = _icdf_row_y(dj)
         g = np.array([-inv(float(v) * 2.0**-25) for v in dj])
         k = min(3, len(dj) - 1)
         c = np.linalg.lstsq(np.vander(y.astype(np.float64), k + 1), g, rcond=None)[0]
         c = np.concatenate([np.zeros(3 - k), c]).astype(np.float32)
-        err = fma32(fma32(fma32(np.full_like(y, c[0]), y, c[1]), y, c[2]), y, c[3]).astype(np.float64) - g
+        err = _icdf_cubic(c, y).astype(np.float64) - g
         c[3] = np.float32(float(c[3]) - (err.max() + err.min()) / 2)
         table[j] = c
     return table
@@ -299,7 +313,7 @@ def sr_uniform(seed: int, key: int, index) -> np.ndarray:
     """
     index = np.asarray(index, dtype=np.uint64)
     words = np.stack(philox_words(seed, key, (index >> np.uint64(2)) | SR_STREAM_BIT), axis=-1)
-    x = np.take_along_axis(words, (index & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
+    x = _lane(words, index & np.uint64(3))
     return (x >> np.uint32(8)).astype(np.float32) * UNIFORM_SCALE
 
 
@@ -353,7 +367,7 @@ def rademacher(seed: int, key: int, index) -> np.ndarray:
     Philox call h = (i >> 7) | 2^62, same key and counter layout as the normals; bit 1 gives -1."""
     index = np.asarray(index, dtype=np.uint64)
     words = np.stack(philox_words(seed, key, (index >> np.uint64(7)) | RADEMACHER_STREAM_BIT), axis=-1)
-    w = np.take_along_axis(words, ((index >> np.uint64(5)) & np.uint64(3)).astype(np.int64)[..., None], -1)[..., 0]
+    w = _lane(words, (index >> np.uint64(5)) & np.uint64(3))
     bit = (w >> (index & np.uint64(31)).astype(np.uint32)) & np.uint32(1)
     return np.where(bit == 1, _f(-1.0), _f(1.0)).astype(np.float32)
 

@@ -53,9 +53,7 @@ int main() {
     alignas(64) uint32_t x[4][16];
     alignas(64) float nv[64];
     for (int j = 0; j < 16; ++j) {
-      const uint64_t g = g0 + j;
-      const U4 w = philox4x32_10((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)key, (uint32_t)(key >> 32),
-                                 (uint32_t)seed, (uint32_t)(seed >> 32));
+      const U4 w = philox_call(seed, key, g0 + j);
       x[0][j] = w.x0; x[1][j] = w.x1; x[2][j] = w.x2; x[3][j] = w.x3;
     }
     avx512::normals_tile16(x, nv);
