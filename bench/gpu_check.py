@@ -435,6 +435,30 @@ def run(out_dir: Path | None, dry: bool, junit: list[str]) -> dict:
                 report.write()
 
         report.section(f"families.{be}", families)
+
+    # -- restore="patch" against the copy (docs/architecture.md), last: it builds a second center --------
+    def patch_section():
+        before = [v.tensor.clone() for v in views]
+        pstore = CenterStore(views, pin=device == "cuda", restore="patch")
+
+        def member():
+            pstore.perturb(3, SIGMA, 1)
+            pstore.restore()
+
+        ms = t.median(member, reps) * 1e3
+        st = pstore.patch_stats
+        records = st["records"] / max(st["patched"], 1)
+        report["patch"] = {
+            "member_ms": ms,
+            "member_copy_ms": report.get("store", {}).get("member_ms"),
+            "patched": st["patched"],
+            "copied": st["copied"],
+            "records_per_member": records,
+            "pcie_bytes_per_param": 2 * ops.patch.RECORD_BYTES * records / numel,
+            "exact": all(torch.equal(a, v.tensor) for a, v in zip(before, views)),
+        }
+
+    report.section("patch", patch_section)
     return report
 
 
@@ -464,6 +488,15 @@ def summary(r: dict) -> str:
         out.append(
             f"store: restore {s.get('restore_ms', float('nan')):.1f} ms, member {s.get('member_ms', float('nan')):.1f} ms, "
             f"update N=32 {s.get('update_n32_host_s', float('nan')):.2f} s"
+        )
+    p = r.get("patch", {})
+    if "error" in p or not p:
+        out.append(f"patch: ERROR {p.get('error', 'missing')}")
+    else:
+        out.append(
+            f"patch: member {p['member_ms']:.1f} ms (copy {p['member_copy_ms'] or float('nan'):.1f} ms), "
+            f"{p['records_per_member']:.0f} records/member, {p['pcie_bytes_per_param']:.3f} B/param, "
+            f"patched {p['patched']} copied {p['copied']}, exact={p['exact']}"
         )
     g = r.get("cuda_graph", {})
     if "error" in g or not g:
@@ -527,6 +560,12 @@ def markdown(r: dict) -> str:
     if "max_memory_beyond_weights_bytes" in s:
         lines.append(
             f"| max device memory beyond the weights | {s['max_memory_beyond_weights_bytes'] / 2**20:.1f} MiB |"
+        )
+    p = r.get("patch", {})
+    if "member_ms" in p:
+        lines.append(
+            f'| per-member overhead, restore="patch" | {p["member_ms"]:.1f} ms; {p["records_per_member"]:.0f} '
+            f"records ({p['pcie_bytes_per_param']:.3f} B/param over PCIe), exact: {p['exact']} |"
         )
     lines += ["", "| CUDA graph capture | result |", "|---|---|"]
     for name, g in r["cuda_graph"].items():

@@ -9,7 +9,11 @@ that it holds 65 M parameters.  2 threads.  Compared in the same run:
 - the ES-at-Scale pattern: per parameter a seeded ``torch.Generator``, ``randn`` in the weight dtype
   and ``add_`` (perturb), then the same noise regenerated and subtracted (restore);
 - espert perturb (one multi-tensor call) and the N = 32 update, per noise family;
-- espert perturb of ONE tensor holding the same 65 M parameters (multi-tensor overhead).
+- espert perturb of ONE tensor holding the same 65 M parameters (multi-tensor overhead);
+- a CenterStore member cycle (perturb + restore, gaussian-icdf) with ``restore="copy"`` (the float32
+  center converted back) and ``restore="patch"`` (recording perturb, subtraction, scatter).  On a CPU the
+  copy is a fast memory pass and the patch recomputes the noise, so patch is expected slower here: it is
+  for GPUs, where the copy crosses PCIe (docs/architecture.md).
 
     pytest bench/test_bench_ops.py --benchmark-json=bench/ops.json && python bench/test_bench_ops.py bench/ops.json
 """
@@ -118,6 +122,29 @@ def test_update_n32(benchmark, model, fam):
         rounds=1,
         warmup_rounds=0,
     )
+
+
+@pytest.mark.parametrize("restore", ["copy", "patch"])
+def test_member_cycle(benchmark, model, restore):
+    from espert.center import CenterStore
+    from espert.params import ParamView
+
+    ws, keys = model
+    live = [w.clone() for w in ws]
+    store = CenterStore(
+        [ParamView(f"model.p{i}", w) for i, w in enumerate(live)], noise="gaussian-icdf", restore=restore
+    )
+    _info(benchmark, ws, f"member cycle, restore={restore}")
+
+    def cycle():
+        store.perturb(3, SIGMA)
+        store.restore()
+
+    benchmark.pedantic(cycle, rounds=3, warmup_rounds=1)
+    if restore == "patch":
+        st = store.patch_stats
+        benchmark.extra_info.update(patched=st["patched"], records_per_member=st["records"] / max(st["patched"], 1))
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(live, ws))
 
 
 def table(path: str) -> str:

@@ -104,6 +104,60 @@ static_assert(sizeof(PlanEntry) == 18 * sizeof(int64_t), "PlanEntry must match t
   "data", "dtype", "rows", "cols", "row_stride", "row_offset", "col_offset", "logical_cols", "key", "scale_bits", \
       "family", "rank", "stage_a", "stage_b", "member_begin", "member_end", "units_per_row", "unit_start"
 
+// ---- restore="patch" (docs/architecture.md): a recording perturb lists the elements that subtraction
+// cannot give back.  The restore is this kernel with the coefficients negated, whose sum for an element is
+// fsub(+0, acc) bit for bit (rounding to nearest even is symmetric, and a sum started at +0 is never -0),
+// then the list written over it.  So an element gets a record exactly when add_to(add_to(old, acc),
+// fsub(+0, acc)) is not old, and the restore is exact by construction.
+struct PatchList {
+  int64_t* records;  // [capacity][2]: the element's address, then its old bits | dtype << 32
+  int64_t capacity;
+  int64_t* count;  // every miss is counted, also those past capacity (then the list is incomplete: copy instead)
+};
+
+template <int DT>
+ESPERT_HD uint32_t storage_bits(typename Storage<DT>::T v) {
+  if constexpr (DT == kFloat32)
+    return f2u(v);
+  else
+    return (uint32_t)v;
+}
+
+// Whether the restore's subtraction takes `now` = add_to(old, acc) back to old's bits.
+template <int DT>
+ESPERT_HD bool subtraction_restores(typename Storage<DT>::T old, typename Storage<DT>::T now, float acc) {
+  return storage_bits<DT>(add_to<DT>(now, fsub(0.0f, acc))) == storage_bits<DT>(old);
+}
+
+// n slots of the list, the first at the returned index (which may be past capacity).
+ESPERT_HD int64_t reserve_records(const PatchList& p, int64_t n) {
+#if defined(__CUDA_ARCH__)
+  return (int64_t)atomicAdd(reinterpret_cast<unsigned long long*>(p.count), (unsigned long long)n);
+#else
+  return __atomic_fetch_add(p.count, n, __ATOMIC_RELAXED);
+#endif
+}
+
+template <int DT>
+ESPERT_HD void write_record(const PatchList& p, int64_t slot, const void* addr, typename Storage<DT>::T old) {
+  if (slot >= p.capacity) return;
+  p.records[2 * slot] = (int64_t)reinterpret_cast<uintptr_t>(addr);
+  p.records[2 * slot + 1] = (int64_t)storage_bits<DT>(old) | ((int64_t)DT << 32);
+}
+
+// Writes one record's bits back to its element.
+ESPERT_HD void write_patch(int64_t address, int64_t v) {
+  if ((v >> 32) == kFloat32)
+    *reinterpret_cast<uint32_t*>((uintptr_t)address) = (uint32_t)v;
+  else
+    *reinterpret_cast<uint16_t*>((uintptr_t)address) = (uint16_t)v;
+}
+
+// Checks a patch list's records [n][2] (dtype codes) before any write: nullptr when valid, else a message.
+const char* check_patch(const int64_t* records, int64_t n);
+// CPU: writes records [0, n) back (host addresses).  Throws std::invalid_argument on a bad record (first).
+void apply_patch_cpu(const int64_t* records, int64_t n);
+
 // Checks every entry's codes and geometry (dtype, family, rank, member range, sizes).  Returns
 // nullptr when the plan is valid, else a message naming the first bad entry and field.  Every
 // backend calls it before touching memory: an unknown code is an error, never a silent no-op.
@@ -112,8 +166,9 @@ const char* check_plan(const PlanEntry* plan, int64_t n_entries, int64_t n_membe
 // CPU: one OpenMP region over the tiles of all entries; AVX-512 when the processor has it
 // (unless ESPERT_CPU_ISA=generic).  seeds/coeffs are host arrays of n_members.  Throws
 // std::invalid_argument on a bad plan (before any write).
+// patch: a recording perturb's list (nullptr: none).
 void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* seeds, const float* coeffs,
-                    int64_t n_members);
+                    int64_t n_members, const PatchList* patch = nullptr);
 // Whether the CPU kernels take their AVX-512 path: the processor has AVX-512 F/VL/BW/DQ and
 // ESPERT_CPU_ISA is not "generic" (read once).  cpu_isa() names the path of the float kernels:
 // "avx512", "avx2" (the generic loops compiled for AVX2) or "generic".
@@ -124,8 +179,12 @@ const char* cpu_isa();
 // CUDA: launches over the entries [0, n_entries), which must share one dtype and one family
 // (espert/ops groups them).  host_plan is the host copy (for the grid size); dev_plan, seeds and
 // coeffs are device pointers; `stream` is a cudaStream_t.  Returns a cudaError_t (0: launched).
+// patch: a recording perturb's list (nullptr: none); its records may be pinned host memory (written
+// through the mapping), its count must be device memory (atomics).
 int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64_t n_entries, const uint64_t* seeds,
-                    const float* coeffs, void* stream);
+                    const float* coeffs, void* stream, const PatchList* patch = nullptr);
+// Writes device-readable records [0, n) back (device addresses).  Returns a cudaError_t.
+int apply_patch_cuda(const int64_t* records, int64_t n, void* stream);
 // Philox groups (4 elements) per CUDA launch unit (apply_kernel.cuh: 128 threads with 8 groups each for the
 // normal families, 256 with 4 for lowrank, a warp for Rademacher).
 constexpr int64_t kCudaUnitGroups = 1024;

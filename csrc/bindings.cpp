@@ -10,8 +10,14 @@ namespace py = pybind11;
 using namespace espert;
 
 namespace espert {
-void register_cast(py::module_& m);  // csrc/cpu/cast_cpu.cpp: exact float32 -> bf16/fp16 for restore_
+// A recording perturb's list from the bindings' integers (count 0: none; capacity < 0 is refused).
+PatchList patch_list(uintptr_t records, int64_t capacity, uintptr_t count) {
+  if (count && (capacity < 0 || (capacity > 0 && records == 0)))
+    throw py::value_error("patch list: capacity >= 0 and records needed");
+  return PatchList{reinterpret_cast<int64_t*>(records), capacity, reinterpret_cast<int64_t*>(count)};
 }
+void register_cast(py::module_& m);  // csrc/cpu/cast_cpu.cpp: exact float32 -> bf16/fp16 for restore_
+}  // namespace espert
 
 PYBIND11_MODULE(_C, m) {
   register_cast(m);
@@ -34,13 +40,28 @@ PYBIND11_MODULE(_C, m) {
       "Raise ValueError if a host launch plan has an unknown code or a bad geometry.");
   m.def(
       "apply_many_cpu",
-      [](uintptr_t plan, int64_t n_entries, uintptr_t seeds, uintptr_t coeffs, int64_t n_members) {
+      [](uintptr_t plan, int64_t n_entries, uintptr_t seeds, uintptr_t coeffs, int64_t n_members, uintptr_t records,
+         int64_t capacity, uintptr_t count) {
+        const PatchList patch = patch_list(records, capacity, count);
         py::gil_scoped_release release;  // apply_many_cpu checks the plan first (std::invalid_argument: ValueError)
         apply_many_cpu(reinterpret_cast<const PlanEntry*>(plan), n_entries, reinterpret_cast<const uint64_t*>(seeds),
-                       reinterpret_cast<const float*>(coeffs), n_members);
+                       reinterpret_cast<const float*>(coeffs), n_members, count ? &patch : nullptr);
       },
+      py::arg("plan"), py::arg("n_entries"), py::arg("seeds"), py::arg("coeffs"), py::arg("n_members"),
+      py::arg("records") = 0, py::arg("capacity") = 0, py::arg("count") = 0,
       "In place, for every entry of the int64 launch plan [n_entries, len(PLAN_FIELDS)]: w += sum_n c_n * eps.  "
-      "One OpenMP region over all entries.  Host pointers.");
+      "One OpenMP region over all entries.  count != 0: also list the elements subtraction would not restore in "
+      "records (int64 [capacity, 2]) and count them in *count (int64).  Host pointers.");
+  m.def(
+      "apply_patch_cpu",
+      [](uintptr_t records, int64_t n) {
+        const auto* r = reinterpret_cast<const int64_t*>(records);
+        if (const char* err = check_patch(r, n)) throw py::value_error(err);
+        py::gil_scoped_release release;
+        apply_patch_cpu(r, n);
+      },
+      "Write the first n records (int64 [n, 2]: address, old bits | dtype << 32) of a patch list back.  Host "
+      "pointers.");
   m.def("cpu_isa", &cpu_isa, "The float kernels' CPU code path: 'avx512', 'avx2' or 'generic'.");
   // This module links its own OpenMP runtime (torch bundles another), so torch.set_num_threads does not
   // reach it: espert/ops forwards torch's thread count before every CPU call.
@@ -92,17 +113,28 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "apply_many_cuda",
       [](uintptr_t host_plan, uintptr_t dev_plan, int64_t n_entries, int64_t n_members, uintptr_t seeds,
-         uintptr_t coeffs, uintptr_t stream) {
+         uintptr_t coeffs, uintptr_t stream, uintptr_t records, int64_t capacity, uintptr_t count) {
         const auto* hp = reinterpret_cast<const PlanEntry*>(host_plan);
         if (const char* err = check_plan(hp, n_entries, n_members)) throw py::value_error(err);
-        const int err = apply_many_cuda(hp, reinterpret_cast<const PlanEntry*>(dev_plan), n_entries,
-                                        reinterpret_cast<const uint64_t*>(seeds),
-                                        reinterpret_cast<const float*>(coeffs), reinterpret_cast<void*>(stream));
+        const PatchList patch = patch_list(records, capacity, count);
+        const int err = apply_many_cuda(
+            hp, reinterpret_cast<const PlanEntry*>(dev_plan), n_entries, reinterpret_cast<const uint64_t*>(seeds),
+            reinterpret_cast<const float*>(coeffs), reinterpret_cast<void*>(stream), count ? &patch : nullptr);
         if (err != 0)
           throw std::runtime_error("espert CUDA kernel launch failed with cudaError " + std::to_string(err));
       },
+      py::arg("host_plan"), py::arg("dev_plan"), py::arg("n_entries"), py::arg("n_members"), py::arg("seeds"),
+      py::arg("coeffs"), py::arg("stream"), py::arg("records") = 0, py::arg("capacity") = 0, py::arg("count") = 0,
       "One launch over plan entries sharing a dtype and a family: host plan (for the grid), device plan, seeds, "
-      "coeffs and a cudaStream_t handle.");
+      "coeffs and a cudaStream_t handle; records/capacity/count: a recording perturb's list (as apply_many_cpu; "
+      "records device-writable, count in device memory).");
+  m.def(
+      "apply_patch_cuda",
+      [](uintptr_t records, int64_t n, uintptr_t stream) {
+        const int err = apply_patch_cuda(reinterpret_cast<const int64_t*>(records), n, reinterpret_cast<void*>(stream));
+        if (err != 0) throw std::runtime_error("espert CUDA patch launch failed with cudaError " + std::to_string(err));
+      },
+      "Write the first n records of a device-readable patch list back (device addresses), on a cudaStream_t.");
 #else
   m.attr("has_cuda") = false;
   m.attr("cuda_archs") = "";

@@ -206,6 +206,14 @@ class CenterStore:
         place; a device (``"cuda"``) streams the master through one ≤ 64 MiB staging buffer there,
         chunk by chunk (upload, update, download).  Both give the same bits (the kernels agree).
     pin: page-lock the host tensors (faster GPU transfers).
+    restore: ``"copy"`` (default: :meth:`restore` copies the center back) or ``"patch"``: a perturb from
+        the restored state records the elements that subtraction would not give back, and the next
+        restore subtracts the perturbation and writes them back (:mod:`espert.ops.patch`), the same bits
+        as the copy.  It copies instead when the live weights are not one perturb away from the center
+        (after an update, a scale, a load, or two perturbs in a row) or the list overflowed.
+        ``patch_stats`` counts both kinds.  Assumes nothing else writes the live weights.
+    patch_capacity: records the list holds, as a fraction of the views' elements (16 B each: the
+        default 1/16 is 1 B per parameter of host memory; a miss rate above it falls back to copies).
     """
 
     def __init__(
@@ -220,6 +228,8 @@ class CenterStore:
         no_decay: Sequence[str] = (),
         mirror: bool | None = None,
         update_on: str | torch.device | None = None,
+        restore: str = "copy",
+        patch_capacity: float = 1 / 16,
     ):
         if master_dtype not in (None, torch.float32):
             raise ValueError(f"master_dtype must be torch.float32 or None, got {master_dtype}")
@@ -265,13 +275,27 @@ class CenterStore:
                 for v in self.views
             ]
             self._rebuild_mirrors()
+        if restore not in ("copy", "patch"):
+            raise ValueError(f"restore must be 'copy' or 'patch', got {restore!r}")
+        self.restore_mode = restore
+        self.patch: ops.PatchList | None = None
+        self.patch_stats = {"patched": 0, "copied": 0, "records": 0}
+        if restore == "patch":
+            patch_capacity = check_factor("patch_capacity", patch_capacity)
+            if not 0 < patch_capacity <= 1:
+                raise ValueError(f"patch_capacity must be in (0, 1], got {patch_capacity}")
+            numel = sum(v.tensor.numel() for v in self.views)
+            device = self.views[0].tensor.device if self.views else torch.device("cpu")
+            self.patch = ops.PatchList(max(1, math.ceil(patch_capacity * numel)), device)
+        self._pending: tuple | None = None  # (seed, sigma, sign, backend) of the recorded perturb
+        self._at_center = True  # the live weights are the rounded center (built from them)
 
     # -- memory -----------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
         """Host memory held by centers, optimizer state and mirrors, in bytes."""
         ts = self.centers + [t for ts in self.state.values() for t in ts] + (self.mirrors or [])
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in ts) + (self.patch.nbytes if self.patch else 0)
 
     def noise_energy(self) -> float:
         """Σ_t n_t·s_t² over the views (s_t: the ``sigma_scales``, default 1)."""
@@ -283,7 +307,22 @@ class CenterStore:
 
     # -- Center protocol --------------------------------------------------------------------
     def restore(self) -> None:
-        """Write the exact center back into every live weight (from the pinned mirror when there is one)."""
+        """Write the exact center back into every live weight (from the pinned mirror when there is one;
+        ``restore="patch"``: by subtraction and the patch list where it can)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            seed, sigma, sign, backend = pending
+            n = self.patch.misses()
+            items = self._items([v.tensor for v in self.views])
+            kw = dict(noise=self.noise, scales=self.sigma_scales, backend=backend)
+            if ops.restore_patched_many_(items, seed, sigma, sign, self.patch, **kw):
+                self.patch_stats["patched"] += 1
+                self.patch_stats["records"] += n
+                self._at_center = True
+                return
+        if self.restore_mode == "patch":
+            self.patch_stats["copied"] += 1
+        self._at_center = True
         src = self.mirrors if self.mirrors is not None else self.centers
         # asynchronous from the pinned mirror: stream-ordered for the GPU work that follows (and
         # capturable in a CUDA graph); the mirror is only rewritten after a synchronize (_rebuild_mirrors)
@@ -293,6 +332,9 @@ class CenterStore:
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
         """Live weights <- center + sign·σ·s_t·ε(seed) for every view t, in place, in one multi-tensor call
         (from the restored state; s_t are the ``sigma_scales``)."""
+        record = self.patch if self._at_center and self.patch is not None else None
+        if record is not None:
+            record.clear()
         ops.perturb_many_(
             self._items([v.tensor for v in self.views]),
             seed,
@@ -301,12 +343,16 @@ class CenterStore:
             noise=self.noise,
             scales=self.sigma_scales,
             backend=backend,
+            record=record,
         )
+        self._at_center = False
+        self._pending = None if record is None else (seed, sigma, sign, backend)
 
     def scale(self, factor: float) -> None:
         """center <- factor · center for the views not matched by ``no_decay`` (float32 elementwise on the
         host, deterministic); weights are not restored.  The optimizer state is not decayed."""
         factor = check_factor("scale factor", factor)
+        self._pending, self._at_center = None, False
         for c, d in zip(self.centers, self.decays):
             if d:
                 c.mul_(factor)
@@ -325,6 +371,7 @@ class CenterStore:
         opt = self.optimizer
         if opt.name == "adam" and lr is None:
             raise ValueError("the adam optimizer needs lr (the iteration's alpha)")
+        self._pending, self._at_center = None, False  # the center moves: the next restore copies
         if decay != 1.0:
             self.scale(decay)
         if opt.name == "sgd" and self.update_on is not None:
@@ -411,6 +458,7 @@ class CenterStore:
         dtypes and devices of every entry are checked before anything is copied."""
         expected = self.state_dict()
         check_state(state, expected)
+        self._pending, self._at_center = None, False
         for name, dst in expected.items():
             if name != OPTIM_STEP:
                 dst.copy_(state[name])

@@ -34,6 +34,7 @@ SigmaMode = Literal["absolute", "rms"]
 PromptSampler = Literal["sha256", "python_random"]
 MemberErrors = Literal["raise", "nan"]
 Members = Literal["serial", "batched"]
+RestoreMode = Literal["copy", "patch"]
 Tracker = Literal["wandb", "tensorboard"]
 
 NORMALIZATIONS: tuple[str, ...] = typing.get_args(Normalization)
@@ -104,6 +105,12 @@ class ESConfig:
     )
     device: str = opt("cpu", "torch device of the live weights: cpu, cuda, cuda:1, ... (may change on resume)")
     dtype: Dtype = opt("float32", "live-weight dtype (the ES master is always float32)")
+    restore: RestoreMode = opt(
+        "copy",
+        "how a member's perturbation is undone (the same bits either way; may change on resume): copy (the "
+        "center copied back) or patch (subtracted, then the elements rounding changed written back: 16 B "
+        "per such element instead of the whole model; torch evaluator, float weights; docs/architecture.md)",
+    )
     chat_template: bool = opt(False, "wrap prompts in the tokenizer's chat template")
     max_new_tokens: int = opt(8, "greedy generation budget per prompt")
     generation_batch_size: int = opt(256, "prompts per generate call")
@@ -268,6 +275,11 @@ class ESConfig:
             "include/exclude select float parameters; with quant, ES moves the quantized Linear codes",
         )
         need(self.quant_group_size == -1 or self.quant_group_size >= 8, "quant_group_size must be -1 or >= 8")
+        need(
+            self.restore == "copy" or (self.evaluator == "torch" and self.quant == "none"),
+            f"restore: patch undoes float perturbations in the torch evaluator (got evaluator {self.evaluator!r}, "
+            f"quant {self.quant!r})",
+        )
         for name in ("sigma", "alpha"):
             v, kind, end = getattr(self, name), getattr(self, f"{name}_schedule"), getattr(self, f"{name}_end")
             need(math.isfinite(v) and v > 0, f"{name} must be a finite number > 0, got {v}")

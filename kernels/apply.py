@@ -32,6 +32,7 @@ from espert.ops.plan import ONE_BITS, plan_table, units_per_row
 FLOAT32, FLOAT16, BFLOAT16 = (_C.DTYPE_CODES[n] for n in ("float32", "float16", "bfloat16"))
 GAUSSIAN, RADEMACHER, LOWRANK = (_C.FAMILY_CODES[n] for n in ("gaussian", "rademacher", "lowrank"))
 GAUSSIAN_ICDF: tl.constexpr = tl.constexpr(_C.FAMILY_CODES["gaussian-icdf"])
+FLOAT32_CODE: tl.constexpr = tl.constexpr(FLOAT32)
 PLAN_FIELDS = tuple(_C.PLAN_FIELDS)
 NF = tl.constexpr(len(PLAN_FIELDS))
 (
@@ -338,21 +339,58 @@ def _store_f32(ptrs, x, mask, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
 
 
 @triton.jit
-def _add_store(row_ptr, col0, cols, offs, acc, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
+def _storage_bits(v, DTYPE: tl.constexpr):
+    """Storage elements (fp32, or 16-bit as int16) as their zero-extended bits, int64."""
+    if DTYPE == 0:
+        return v.to(tl.uint32, bitcast=True).to(tl.int64)
+    else:
+        return v.to(tl.uint16, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _record_misses(ptrs, raw, now, acc, live, rec_ptr, capacity, count_ptr, DTYPE: tl.constexpr, F16_HW: tl.constexpr):
+    """A recording perturb (restore="patch", csrc/apply.h PatchList): list the elements of ``live`` whose
+    subtraction round(now + (0 - acc)) is not ``raw``, one slot reservation per program."""
+    y = _widen(now, DTYPE, F16_HW)
+    back = tl.where(y != y, now, _narrow(y + (0.0 - acc), DTYPE, F16_HW))
+    miss = live & (_storage_bits(back, DTYPE) != _storage_bits(raw, DTYPE))
+    flat = tl.reshape(miss, [acc.numel]).to(tl.int64)
+    n = tl.sum(flat, axis=0)
+    if n > 0:
+        slot = tl.atomic_add(count_ptr, n) + tl.cumsum(flat, axis=0) - 1
+        ok = (flat != 0) & (slot < capacity)
+        addr = tl.reshape(ptrs, [acc.numel]).to(tl.int64, bitcast=True)
+        old = tl.reshape(_storage_bits(raw, DTYPE), [acc.numel]) | (DTYPE << 32)
+        tl.store(rec_ptr + 2 * slot, addr, mask=ok)
+        tl.store(rec_ptr + 2 * slot + 1, old, mask=ok)
+
+
+@triton.jit
+def _add_store(
+    row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr,
+    DTYPE: tl.constexpr, F16_HW: tl.constexpr, RECORD: tl.constexpr,
+):  # fmt: skip
     """w <- round(w + acc) at columns col0 + offs of a row of ``cols`` elements (offs: int32, acc's
-    shape); a NaN keeps its bits.  Units wholly inside the row go unmasked."""
+    shape); a NaN keeps its bits.  Units wholly inside the row go unmasked.  RECORD: list the elements
+    subtraction would not restore (_record_misses)."""
     ptrs = row_ptr + col0 + offs
     if (col0 >= 0) & (col0 + acc.numel <= cols):
         raw = tl.load(ptrs)
         x = _widen(raw, DTYPE, F16_HW)
-        tl.store(ptrs, tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW)))
+        now = tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW))
+        tl.store(ptrs, now)
+        if RECORD:
+            _record_misses(ptrs, raw, now, acc, offs >= 0, rec_ptr, capacity, count_ptr, DTYPE, F16_HW)
     else:  # a row end: bounds as int32 scalars clamped to [0, numel]
         lo = tl.minimum(tl.maximum(-col0, 0), acc.numel).to(tl.int32)
         hi = tl.minimum(tl.maximum(cols - col0, 0), acc.numel).to(tl.int32)
         mask = (offs >= lo) & (offs < hi)
         raw = tl.load(ptrs, mask=mask)
         x = _widen(raw, DTYPE, F16_HW)
-        tl.store(ptrs, tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW)), mask=mask)
+        now = tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW))
+        tl.store(ptrs, now, mask=mask)
+        if RECORD:
+            _record_misses(ptrs, raw, now, acc, mask, rec_ptr, capacity, count_ptr, DTYPE, F16_HW)
 
 
 @triton.jit
@@ -361,9 +399,9 @@ def _seed_coeff(seeds_ptr, coeffs_ptr, m, scale):
     return seed.to(tl.uint32), (seed >> 32).to(tl.uint32), tl.load(coeffs_ptr + m) * scale
 
 
-# n_entries and n_search change from call to call (and are 1 for one-tensor calls): specialized, each
+# n_entries, n_search and capacity change from call to call (and are 1 for one-tensor calls): specialized, each
 # value 1 and each multiple of 16 would compile another variant (tests/test_triton_kernel.py counts them)
-@triton.jit(do_not_specialize=["n_entries", "n_search"])
+@triton.jit(do_not_specialize=["n_entries", "n_search", "capacity"])
 def _apply_kernel(
     plan_ptr,
     n_entries,
@@ -371,10 +409,14 @@ def _apply_kernel(
     seeds_ptr,
     coeffs_ptr,
     icdf_ptr,
+    rec_ptr,
+    capacity,
+    count_ptr,
     DTYPE: tl.constexpr,
     FAMILY: tl.constexpr,
     BLOCK: tl.constexpr,
     F16_HW: tl.constexpr,
+    RECORD: tl.constexpr,
 ):
     # a 1-D grid over the units of every entry: CUDA caps grid dims 1 and 2 at 65535
     u = tl.program_id(0).to(tl.int64)
@@ -427,7 +469,9 @@ def _apply_kernel(
             acc3 = acc3 + c * n3
         # lanes in element order: interleave(interleave(a0, a2), interleave(a1, a3)) = a0 a1 a2 a3 a0 a1 ...
         acc = tl.interleave(tl.interleave(acc0, acc2), tl.interleave(acc1, acc3))
-        _add_store(row_ptr, col0, cols, tl.arange(0, 4 * BLOCK), acc, DTYPE, F16_HW)
+        _add_store(
+            row_ptr, col0, cols, tl.arange(0, 4 * BLOCK), acc, rec_ptr, capacity, count_ptr, DTYPE, F16_HW, RECORD
+        )
     elif FAMILY == 1:  # rademacher: BLOCK // 32 whole Philox calls of 128 elements
         NH: tl.constexpr = BLOCK // 32
         col0 = blk * (4 * BLOCK) - (base & 127).to(tl.int64)
@@ -446,7 +490,7 @@ def _apply_kernel(
             flip = ((word >> bit) & 1) << 31
             acc = acc + (c.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
         offs = tl.arange(0, NH)[:, None] * 128 + tl.arange(0, 128)[None, :]
-        _add_store(row_ptr, col0, cols, offs, acc, DTYPE, F16_HW)
+        _add_store(row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr, DTYPE, F16_HW, RECORD)
     else:  # lowrank: 4·BLOCK columns; ε = Σ_j fl(A'[i, j]·Bᵀ[j, col]) from the staged A' = K_r·A and Bᵀ
         col0 = blk * (4 * BLOCK)
         offs = tl.arange(0, 4 * BLOCK)
@@ -465,17 +509,24 @@ def _apply_kernel(
             for j in range(r):
                 t = t + tl.load(a_row + j) * tl.load(b_row + j * cols + offs, mask=inb, other=0.0)
             acc = acc + c * t
-        _add_store(row_ptr, col0, cols, offs, acc, DTYPE, F16_HW)
+        _add_store(row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr, DTYPE, F16_HW, RECORD)
 
 
 def apply_many(
-    table: np.ndarray, table_dev: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, *, block: int = DEFAULT_BLOCK
+    table: np.ndarray,
+    table_dev: torch.Tensor,
+    seeds: torch.Tensor,
+    coeffs: torch.Tensor,
+    *,
+    block: int = DEFAULT_BLOCK,
+    patch=None,
 ) -> None:
     """One launch over plan entries that share a dtype and a family (espert/ops builds and checks
     them, with units of ``block`` groups).  table: int64 [E, len(PLAN_FIELDS)] host copy (for the
     grid); table_dev: the same on the weights' device; seeds: int64 [N] (uint64 bits); coeffs:
     float32 [N], both on the weights' device.  ``block``: groups per program, a power of two
-    (>= 32 for rademacher), at most 2^18."""
+    (>= 32 for rademacher), at most 2^18.  ``patch``: a recording perturb's
+    :class:`espert.ops.patch.PatchList` (its records and count device-writable)."""
     assert block & (block - 1) == 0 and 4 * block <= 2**20, "block: a power of two, at most 2^18"
     if len(table) == 0:
         return
@@ -496,10 +547,14 @@ def apply_many(
         seeds,
         coeffs,
         icdf_table(seeds.device),
+        seeds if patch is None else patch.records,  # unread when RECORD is off
+        0 if patch is None else patch.capacity,
+        seeds if patch is None else patch.count,
         DTYPE=dtype,
         FAMILY=family,
         BLOCK=block,
         F16_HW=FP16_HW_CVT,
+        RECORD=patch is not None,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
@@ -546,3 +601,21 @@ def apply(
         units_per_row=units_per_row(cols, family, block),
     )
     apply_many(table, torch.from_numpy(table.copy()).to(w.device), seeds, coeffs, block=block)
+
+
+@triton.jit
+def _patch_kernel(rec_ptr, n, BLOCK: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < n
+    addr = tl.load(rec_ptr + 2 * j, mask=ok, other=0)
+    v = tl.load(rec_ptr + 2 * j + 1, mask=ok, other=0)
+    wide = (v >> 32) == FLOAT32_CODE
+    tl.store(addr.to(tl.pointer_type(tl.int32), bitcast=True), v.to(tl.int32), mask=ok & wide)
+    tl.store(addr.to(tl.pointer_type(tl.int16), bitcast=True), v.to(tl.int16), mask=ok & ~wide)
+
+
+def apply_patch(records: torch.Tensor, n: int) -> None:
+    """Write records [0, n) of a patch list (int64 [capacity, 2], device-readable: address, old bits |
+    dtype << 32) back to their elements."""
+    if n > 0:
+        _patch_kernel[(triton.cdiv(n, 256),)](records, n, BLOCK=256)

@@ -44,6 +44,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert report["backends"]["cpu"]["perturb_launches"] == 1  # one multi-tensor call for 26 tensors
     assert set(report["backends"]["cpu"]["families"]) == {"gaussian-icdf", "rademacher"}
     assert report["store"]["member_ms"] > 0 and report["store"]["update_n32_host_s"] > 0
+    patch = report["patch"]  # restore="patch" timed next to the copy, and exact
+    assert patch["exact"] and patch["patched"] >= 1 and patch["records_per_member"] > 0
     graph = report["cuda_graph"]
     assert all(g["replay_matches_eager"] and g["restored_exactly"] for g in graph.values())
     # issue 21 §1.5: one captured step serves every member by rewriting the staged seed

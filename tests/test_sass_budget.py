@@ -82,8 +82,8 @@ from espert.kernels import apply as a
 out = {}
 for dt, fam in json.loads(sys.argv[2]):
     sig = {"plan_ptr": "*i64", "n_entries": "i32", "n_search": "i32", "seeds_ptr": "*i64", "coeffs_ptr": "*fp32",
-           "icdf_ptr": "*fp32"}
-    const = dict(DTYPE=dt, FAMILY=fam, BLOCK=a.DEFAULT_BLOCK, F16_HW=a.FP16_HW_CVT)
+           "icdf_ptr": "*fp32", "rec_ptr": "*i64", "capacity": "i64", "count_ptr": "*i64"}
+    const = dict(DTYPE=dt, FAMILY=fam, BLOCK=a.DEFAULT_BLOCK, F16_HW=a.FP16_HW_CVT, RECORD=False)
     sig.update({c: "constexpr" for c in const})
     k = triton.compile(ASTSource(fn=a._apply_kernel, signature=sig, constexprs=const),
                        target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False, "num_warps": a.NUM_WARPS})
@@ -225,7 +225,7 @@ def measured(tmp_path_factory):
     if NVCC is not None:
         cubin = nvcc(tmp, "csrc/cuda/apply_cuda.cu", "-cubin")
         for name, fn in sass_functions(cubin).items():
-            m = re.search(r"apply_kernelILi(\d)ELi(\d)E", name)
+            m = re.search(r"apply_kernelILi(\d)ELi(\d)ELb0E", name)  # not the recording variants
             if m and int(m.group(2)) in FAMILIES:
                 out[("cuda", DTYPES[int(m.group(1))], FAMILIES[int(m.group(2))])] = measure(fn, "cuda")
     try:

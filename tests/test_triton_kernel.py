@@ -327,13 +327,15 @@ from triton.compiler import ASTSource
 from espert.kernels import apply as k
 
 SIG = {"plan_ptr": "*i64", "n_entries": "i64", "n_search": "i32", "seeds_ptr": "*i64", "coeffs_ptr": "*fp32",
-       "icdf_ptr": "*fp32"}
+       "icdf_ptr": "*fp32", "rec_ptr": "*i64", "capacity": "i64", "count_ptr": "*i64"}
+ICDF = k._C.FAMILY_CODES["gaussian-icdf"]
+# every launch variant, and the recording perturb (restore="patch") of two of them
+cases = [(dt, fam, False) for dt in (k.FLOAT32, k.FLOAT16, k.BFLOAT16) for fam in (k.GAUSSIAN, k.RADEMACHER, k.LOWRANK, ICDF)]
 out = {}
-for dt in (k.FLOAT32, k.FLOAT16, k.BFLOAT16):
-    for fam in (k.GAUSSIAN, k.RADEMACHER, k.LOWRANK, k._C.FAMILY_CODES["gaussian-icdf"]):
-        const = dict(DTYPE=dt, FAMILY=fam, BLOCK=k.DEFAULT_BLOCK, F16_HW=k.FP16_HW_CVT)
+for dt, fam, record in cases + [(k.BFLOAT16, k.GAUSSIAN, True), (k.BFLOAT16, ICDF, True)]:
+        const = dict(DTYPE=dt, FAMILY=fam, BLOCK=k.DEFAULT_BLOCK, F16_HW=k.FP16_HW_CVT, RECORD=record)
         sig = dict(SIG, **{c: "constexpr" for c in const})
-        out[f"{dt}/{fam}"] = triton.compile(ASTSource(fn=k._apply_kernel, signature=sig, constexprs=const),
+        out[f"{dt}/{fam}" + ("/record" if record else "")] = triton.compile(ASTSource(fn=k._apply_kernel, signature=sig, constexprs=const),
                                            target=GPUTarget("cuda", 90, 32),
                                            options={"enable_fp_fusion": False, "num_warps": k.NUM_WARPS}).asm["ptx"]
 print(json.dumps(out))
@@ -343,16 +345,16 @@ print(json.dumps(out))
 def test_apply_kernel_ptx_is_exact_for_every_dtype_and_family():
     """Compiled for sm_90 by Triton's own compiler (a subprocess without TRITON_INTERPRET): no FMA (but
     gaussian-icdf's, which its spec makes), no approximate division or square root, no flush-to-zero, in
-    all twelve launch variants."""
+    all twelve launch variants and two recording ones (restore="patch")."""
     from test_cuda_ptx import assert_exact_ptx, triton_compiled
 
     from espert import _C
 
     ptx = triton_compiled(APPLY_PTX, timeout=900)
-    assert len(ptx) == 12
+    assert len(ptx) == 14
     for name, text in ptx.items():
         assert ".entry" in text, name
-        assert_exact_ptx(name, text, icdf=name.endswith(f"/{_C.FAMILY_CODES['gaussian-icdf']}"))
+        assert_exact_ptx(name, text, icdf=name.split("/")[1] == str(_C.FAMILY_CODES["gaussian-icdf"]))
 
 
 # ---- JIT specializations: what one ES run would compile ------------------------------------------------
@@ -403,6 +405,6 @@ def test_an_es_run_compiles_one_triton_variant_per_dtype_and_family():
     from test_cuda_ptx import triton_compiled
 
     keys = triton_compiled(SPECIALIZATIONS)
-    pairs = {json.dumps(json.loads(k)[6:8]) for k in keys}  # the DTYPE and FAMILY constexprs
+    pairs = {json.dumps(json.loads(k)[9:11]) for k in keys}  # the DTYPE and FAMILY constexprs
     print(f"\n{len(keys)} Triton variants over {sum(keys.values())} launches")
     assert len(keys) == len(pairs) == 8, sorted(keys)

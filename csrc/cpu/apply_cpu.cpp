@@ -117,18 +117,38 @@ inline int64_t tiles_per_row(const PlanEntry& e) {
   return units_per_row(e.family, e.cols, tile_groups);
 }
 
-// Stores acc[k - col0] into columns [cf, ce) of a row.
+constexpr int kMaxTileElems = kRadTileElems;  // the longest row segment a tile stores
+
+// Stores acc[k - col0] into columns [cf, ce) of a row.  patch (a recording perturb): the elements the
+// subtraction would not restore are listed, with one slot reservation per tile.
 template <int DT>
 ESPERT_HD void store_row(void* data, int64_t i, int64_t row_stride, int64_t col0, int64_t cf, int64_t ce,
-                         const float* acc) {
+                         const float* acc, const PatchList* patch) {
   using T = typename Storage<DT>::T;
   T* row = reinterpret_cast<T*>(data) + i * row_stride;
+  if (!patch) {
 #pragma GCC ivdep
-  for (int64_t k = cf; k < ce; ++k) row[k] = add_to<DT>(row[k], acc[k - col0]);
+    for (int64_t k = cf; k < ce; ++k) row[k] = add_to<DT>(row[k], acc[k - col0]);
+    return;
+  }
+  int32_t miss[kMaxTileElems];
+  T olds[kMaxTileElems];
+  int n = 0;
+  for (int64_t k = cf; k < ce; ++k) {
+    const T old = row[k], now = add_to<DT>(old, acc[k - col0]);
+    row[k] = now;
+    miss[n] = (int32_t)k;
+    olds[n] = old;
+    n += subtraction_restores<DT>(old, now, acc[k - col0]) ? 0 : 1;
+  }
+  if (n == 0) return;
+  const int64_t slot = reserve_records(*patch, n);
+  for (int j = 0; j < n; ++j) write_record<DT>(*patch, slot + j, row + miss[j], olds[j]);
 }
 
 template <int DT, int FAM, int kIsa>
-ESPERT_HD void normal_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds, const float* coeffs) {
+ESPERT_HD void normal_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds, const float* coeffs,
+                           const PatchList* patch) {
   const Block b = e.block();
   const uint64_t base = b.row_base(i);
   const int64_t col0 = tile * kTileElems - (int64_t)(base & 3);  // column of the tile's first lane
@@ -144,12 +164,12 @@ ESPERT_HD void normal_tile(const PlanEntry& e, int64_t i, int64_t tile, const ui
     tile_normals<FAM, kIsa>(seeds[m], e.key, g0, n);
     for (int k = 0; k < kTileElems; ++k) acc[k] = fadd(acc[k], fmul(c, n[k]));
   }
-  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc);
+  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc, patch);
 }
 
 template <int DT>
-ESPERT_HD void rademacher_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds,
-                               const float* coeffs) {
+ESPERT_HD void rademacher_tile(const PlanEntry& e, int64_t i, int64_t tile, const uint64_t* seeds, const float* coeffs,
+                               const PatchList* patch) {
   const Block b = e.block();
   const uint64_t base = b.row_base(i);
   const int64_t col0 = tile * kRadTileElems - (int64_t)(base & 127);
@@ -179,11 +199,11 @@ ESPERT_HD void rademacher_tile(const PlanEntry& e, int64_t i, int64_t tile, cons
         for (int k = 0; k < 32; ++k) a[k] = fadd(a[k], u2f(c ^ (((wq >> k) & 1u) << 31)));
       }
   }
-  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc);
+  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, cf, ce, acc, patch);
 }
 
 template <int DT>
-ESPERT_HD void lowrank_tile(const PlanEntry& e, int64_t i, int64_t tile, const float* coeffs) {
+ESPERT_HD void lowrank_tile(const PlanEntry& e, int64_t i, int64_t tile, const float* coeffs, const PatchList* patch) {
   const int64_t col0 = tile * kLowRankCols;
   const int64_t len = std::min<int64_t>(kLowRankCols, e.cols - col0);
   const int64_t r = e.rank;
@@ -205,20 +225,20 @@ ESPERT_HD void lowrank_tile(const PlanEntry& e, int64_t i, int64_t tile, const f
     }
     for (int k = 0; k < kLowRankCols; ++k) acc[k] = fadd(acc[k], fmul(c, t[k]));
   }
-  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, col0, col0 + len, acc);
+  store_row<DT>(reinterpret_cast<void*>(e.data), i, e.row_stride, col0, col0, col0 + len, acc, patch);
 }
 
 template <int DT, int FAM, int kIsa>
 ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin, int64_t t_end, const uint64_t* seeds,
-                               const float* coeffs) {
+                               const float* coeffs, const PatchList* patch) {
   int64_t i = t_begin / tpr, tile = t_begin % tpr;
   for (int64_t t = t_begin; t < t_end; ++t) {
     if constexpr (is_normal_family(FAM))
-      normal_tile<DT, FAM, kIsa>(e, i, tile, seeds, coeffs);
+      normal_tile<DT, FAM, kIsa>(e, i, tile, seeds, coeffs, patch);
     else if constexpr (FAM == kRademacher)
-      rademacher_tile<DT>(e, i, tile, seeds, coeffs);
+      rademacher_tile<DT>(e, i, tile, seeds, coeffs, patch);
     else
-      lowrank_tile<DT>(e, i, tile, coeffs);
+      lowrank_tile<DT>(e, i, tile, coeffs, patch);
     if (++tile == tpr) {
       tile = 0;
       ++i;
@@ -228,8 +248,8 @@ ESPERT_HD void run_entry_tiles(const PlanEntry& e, int64_t tpr, int64_t t_begin,
 
 template <int DT, int FAM>
 ESPERT_AVX512 void run_avx512(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s,
-                              const float* c) {
-  run_entry_tiles<DT, FAM, kAvx512Isa>(e, tpr, b, end, s, c);
+                              const float* c, const PatchList* p) {
+  run_entry_tiles<DT, FAM, kAvx512Isa>(e, tpr, b, end, s, c, p);
 }
 
 // For processors without AVX-512: the normal tiles in AVX2 intrinsics (normals_avx2.h), the other
@@ -237,26 +257,28 @@ ESPERT_AVX512 void run_avx512(const PlanEntry& e, int64_t tpr, int64_t b, int64_
 // multiply-adds only: -ffp-contract=off forbids contracting any other multiply and add.
 template <int DT, int FAM>
 __attribute__((target("avx2,fma"))) void run_avx2(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end,
-                                                  const uint64_t* s, const float* c) {
-  run_entry_tiles<DT, FAM, kAvx2Isa>(e, tpr, b, end, s, c);
+                                                  const uint64_t* s, const float* c, const PatchList* p) {
+  run_entry_tiles<DT, FAM, kAvx2Isa>(e, tpr, b, end, s, c, p);
 }
 
 template <int DT, int FAM>
-void run_generic(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
-  run_entry_tiles<DT, FAM, kGenericIsa>(e, tpr, b, end, s, c);
+void run_generic(const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c,
+                 const PatchList* p) {
+  run_entry_tiles<DT, FAM, kGenericIsa>(e, tpr, b, end, s, c, p);
 }
 
 // Tiles [b, end) of entry e, with its dtype and family as template arguments, on the ISA's path.  The
 // dispatch lambdas stay outside the target("...") functions, so the tile loops keep their ISA.
-void run_tiles(Isa isa, const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c) {
+void run_tiles(Isa isa, const PlanEntry& e, int64_t tpr, int64_t b, int64_t end, const uint64_t* s, const float* c,
+               const PatchList* p) {
   DTYPE_SWITCH(e.dtype, DT, [&] {
     FAMILY_SWITCH(e.family, FAM, [&] {
       if (isa == kAvx512Isa)
-        run_avx512<DT, FAM>(e, tpr, b, end, s, c);
+        run_avx512<DT, FAM>(e, tpr, b, end, s, c, p);
       else if (isa == kAvx2Isa)
-        run_avx2<DT, FAM>(e, tpr, b, end, s, c);
+        run_avx2<DT, FAM>(e, tpr, b, end, s, c, p);
       else
-        run_generic<DT, FAM>(e, tpr, b, end, s, c);
+        run_generic<DT, FAM>(e, tpr, b, end, s, c, p);
     });
   });
 }
@@ -308,10 +330,27 @@ bool use_avx512() {
   return yes;
 }
 
+const char* check_patch(const int64_t* records, int64_t n) {
+  static thread_local std::string msg;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t dtype = records[2 * j + 1] >> 32;
+    if (dtype < 0 || dtype >= kNumDTypes || records[2 * j] == 0) {
+      msg = "espert patch record " + std::to_string(j) + ": unknown dtype code or null address";
+      return msg.c_str();
+    }
+  }
+  return nullptr;
+}
+
+void apply_patch_cpu(const int64_t* records, int64_t n) {
+  if (const char* err = check_patch(records, n)) throw std::invalid_argument(err);
+  for (int64_t j = 0; j < n; ++j) write_patch(records[2 * j], records[2 * j + 1]);
+}
+
 const char* cpu_isa() { return use_avx512() ? "avx512" : use_avx2() ? "avx2" : "generic"; }
 
 void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* seeds, const float* coeffs,
-                    int64_t n_members) {
+                    int64_t n_members, const PatchList* patch) {
   if (const char* err = check_plan(plan, n_entries, n_members)) throw std::invalid_argument(err);
   // tile prefix over all entries: tasks of kTilesPerTask tiles may span entries
   std::vector<int64_t> start(n_entries + 1, 0), tpr(n_entries, 0);
@@ -333,7 +372,7 @@ void apply_many_cpu(const PlanEntry* plan, int64_t n_entries, const uint64_t* se
     while (b < end) {
       while (start[k + 1] <= b) ++k;  // skip empty entries
       const int64_t e_end = std::min(end, start[k + 1]);
-      run_tiles(isa, plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs);
+      run_tiles(isa, plan[k], tpr[k], b - start[k], e_end - start[k], seeds, coeffs, patch);
       b = e_end;
     }
   }

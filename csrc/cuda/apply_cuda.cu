@@ -9,7 +9,7 @@
 namespace espert {
 
 int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64_t n_entries, const uint64_t* seeds,
-                    const float* coeffs, void* stream) {
+                    const float* coeffs, void* stream, const PatchList* patch) {
   using namespace cuda_kernel;
   if (n_entries == 0) return 0;
   int dtype, family;
@@ -20,9 +20,22 @@ int apply_many_cuda(const PlanEntry* host_plan, const PlanEntry* dev_plan, int64
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   DTYPE_SWITCH(dtype, DT, [&] {
     FAMILY_SWITCH(family, FAM, [&] {
-      apply_kernel<DT, FAM><<<blocks, block_threads(FAM), 0, st>>>(dev_plan, n_entries, units, seeds, coeffs);
+      if (patch)
+        apply_kernel<DT, FAM, true>
+            <<<blocks, block_threads(FAM), 0, st>>>(dev_plan, n_entries, units, seeds, coeffs, *patch);
+      else
+        apply_kernel<DT, FAM><<<blocks, block_threads(FAM), 0, st>>>(dev_plan, n_entries, units, seeds, coeffs,
+                                                                     PatchList{nullptr, 0, nullptr});
     });
   });
+  return (int)cudaGetLastError();
+}
+
+int apply_patch_cuda(const int64_t* records, int64_t n, void* stream) {
+  if (n <= 0) return 0;
+  const int64_t blocks = (n + 255) / 256;
+  cuda_kernel::patch_kernel<<<(int)(blocks < 65536 ? blocks : 65536), 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      records, n);
   return (int)cudaGetLastError();
 }
 

@@ -89,6 +89,45 @@ __device__ __forceinline__ void add_vec4<kBFloat16>(uint16_t* p, const float (&a
   __stcs(reinterpret_cast<uint2*>(p), make_uint2(__byte_perm(a0, a1, 0x7632), __byte_perm(a2, a3, 0x7632)));
 }
 
+// A recording perturb (restore="patch", apply.h PatchList): the elements of a group that subtraction would not
+// restore, listed with one slot reservation for the group (a few percent of groups have any).
+template <int DT>
+__device__ __forceinline__ void record_misses(const PatchList& patch, typename Storage<DT>::T* p,
+                                              const typename Storage<DT>::T (&old)[4],
+                                              const typename Storage<DT>::T (&now)[4], const float (&acc)[4],
+                                              const bool (&live)[4]) {
+  bool miss[4];
+  int n = 0;
+#pragma unroll
+  for (int l = 0; l < 4; ++l) {
+    miss[l] = live[l] && !subtraction_restores<DT>(old[l], now[l], acc[l]);
+    n += miss[l] ? 1 : 0;
+  }
+  if (n == 0) return;
+  int64_t slot = reserve_records(patch, n);
+#pragma unroll
+  for (int l = 0; l < 4; ++l)
+    if (miss[l]) write_record<DT>(patch, slot++, p + l, old[l]);
+}
+
+// add_vec4, and with kRecord the elements subtraction would not restore listed (the generic vector path).
+template <int DT, bool kRecord>
+__device__ __forceinline__ void store_vec4(typename Storage<DT>::T* p, const float (&acc)[4], const PatchList& patch) {
+  if constexpr (!kRecord) {
+    add_vec4<DT>(p, acc);
+  } else {
+    using T = typename Storage<DT>::T;
+    using V = typename Vec4<DT>::V;
+    T old[4], now[4];
+    Vec4<DT>::split(__ldcs(reinterpret_cast<const V*>(p)), old);
+#pragma unroll
+    for (int l = 0; l < 4; ++l) now[l] = add_to<DT>(old[l], acc[l]);
+    __stcs(reinterpret_cast<V*>(p), Vec4<DT>::join(now));
+    const bool live[4] = {true, true, true, true};
+    record_misses<DT>(patch, p, old, now, acc, live);
+  }
+}
+
 // Σ over the entry's members of c_eff · ε for the four lanes of one group (normal families, lowrank).
 template <int FAM>
 __device__ __forceinline__ void group_sum(const PlanEntry& e, int64_t i, uint64_t g, int64_t c0,
@@ -143,28 +182,34 @@ __device__ __forceinline__ const PlanEntry* find_unit(const PlanEntry* __restric
 // The row-end path of add_group, element by element in a loop that is not unrolled (a row has at most
 // two such groups; unrolled, its copies would be most of the hot loop's code).  acc[l] by selects: an
 // indexed register array would go through local memory.
-template <int DT>
+template <int DT, bool kRecord>
 __device__ __forceinline__ void add_group_tail(typename Storage<DT>::T* row, int64_t c0, int64_t cols,
-                                               const float (&acc)[4]) {
+                                               const float (&acc)[4], const PatchList& patch) {
 #pragma unroll 1
   for (int l = 0; l < 4; ++l) {
     const float a = l == 0 ? acc[0] : l == 1 ? acc[1] : l == 2 ? acc[2] : acc[3];
-    if (c0 + l >= 0 && c0 + l < cols) row[c0 + l] = add_to<DT>(row[c0 + l], a);
+    if (c0 + l >= 0 && c0 + l < cols) {
+      const typename Storage<DT>::T old = row[c0 + l], now = add_to<DT>(old, a);
+      row[c0 + l] = now;
+      if constexpr (kRecord)
+        if (!subtraction_restores<DT>(old, now, a))
+          write_record<DT>(patch, reserve_records(patch, 1), row + c0 + l, old);
+    }
   }
 }
 
 // w[c0 .. c0+3] += acc, the columns of the row that exist: one vector load and store where the four are
 // inside the row and aligned, else add_group_tail.
-template <int DT>
-__device__ __forceinline__ void add_group(typename Storage<DT>::T* row, int64_t c0, int64_t cols,
-                                          const float (&acc)[4]) {
+template <int DT, bool kRecord>
+__device__ __forceinline__ void add_group(typename Storage<DT>::T* row, int64_t c0, int64_t cols, const float (&acc)[4],
+                                          const PatchList& patch) {
   using T = typename Storage<DT>::T;
   using V = typename Vec4<DT>::V;
   T* p = row + c0;
   if (c0 >= 0 && c0 + 4 <= cols && (reinterpret_cast<uintptr_t>(p) % sizeof(V)) == 0) {
-    add_vec4<DT>(p, acc);
+    store_vec4<DT, kRecord>(p, acc, patch);
   } else {
-    add_group_tail<DT>(row, c0, cols, acc);
+    add_group_tail<DT, kRecord>(row, c0, cols, acc, patch);
   }
 }
 
@@ -215,10 +260,10 @@ constexpr int kRadSteps = 8, kRadChunks = kCudaUnitGroups / (32 * kRadSteps);
 // One chunk: Σ over the members, then the 8 groups of this lane added to the row.  kInterior: the whole
 // chunk lies inside the row at a vector-aligned address (the warp decides it together), so every group
 // takes the vector path with no bounds check; else add_group decides per group.
-template <int DT, bool kInterior>
+template <int DT, bool kInterior, bool kRecord>
 __device__ __forceinline__ void rademacher_chunk(const PlanEntry& e, typename Storage<DT>::T* row, int64_t first,
                                                  uint64_t call, const uint64_t* __restrict__ seeds,
-                                                 const float* __restrict__ coeffs) {
+                                                 const float* __restrict__ coeffs, const PatchList& patch) {
   using T = typename Storage<DT>::T;
   const int lane = (int)(threadIdx.x & 31u);
   float acc[kRadSteps][4];
@@ -238,16 +283,17 @@ __device__ __forceinline__ void rademacher_chunk(const PlanEntry& e, typename St
     const int64_t c0 = first + 4 * (32 * s + lane);
     if constexpr (kInterior) {
       T* p = row + c0;
-      add_vec4<DT>(p, acc[s]);
+      store_vec4<DT, kRecord>(p, acc[s], patch);
     } else if (c0 < e.cols) {
-      add_group<DT>(row, c0, e.cols, acc[s]);
+      add_group<DT, kRecord>(row, c0, e.cols, acc[s], patch);
     }
   }
 }
 
-template <int DT>
+template <int DT, bool kRecord>
 __device__ __forceinline__ void rademacher_unit(const PlanEntry& e, int64_t i, int64_t chunk,
-                                                const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs) {
+                                                const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs,
+                                                const PatchList& patch) {
   using T = typename Storage<DT>::T;
   using V = typename Vec4<DT>::V;
   constexpr int64_t kSpan = 4 * 32 * kRadSteps;  // elements of a chunk
@@ -264,12 +310,12 @@ __device__ __forceinline__ void rademacher_unit(const PlanEntry& e, int64_t i, i
   lo = lo < hi ? lo : hi;
 #pragma unroll 1
   for (int64_t r = lo; r < hi; ++r)  // the hot loop: whole chunks, vector accesses only
-    rademacher_chunk<DT, true>(e, row, first0 + kSpan * r, call0 + kRadSteps * r, seeds, coeffs);
+    rademacher_chunk<DT, true, kRecord>(e, row, first0 + kSpan * r, call0 + kRadSteps * r, seeds, coeffs, patch);
 #pragma unroll 1
   for (int64_t r = 0; r < kRadChunks; ++r) {  // the rest: the row's ends, or every chunk of an unaligned row
     if (r == lo) r = hi;
     if (r >= kRadChunks || first0 + kSpan * r >= e.cols) break;  // the same for the whole warp
-    rademacher_chunk<DT, false>(e, row, first0 + kSpan * r, call0 + kRadSteps * r, seeds, coeffs);
+    rademacher_chunk<DT, false, kRecord>(e, row, first0 + kSpan * r, call0 + kRadSteps * r, seeds, coeffs, patch);
   }
 }
 
@@ -281,10 +327,10 @@ __host__ __device__ constexpr int64_t units_per_block(int family) {
 // A unit of a normal family or lowrank: groups_per_thread groups per thread, strided by unit_threads.  kInterior: the
 // block found the whole unit inside the row and aligned, so every group takes the vector path with no bounds check (the
 // hot loop); else add_group decides per group (row ends, unaligned rows).
-template <int DT, int FAM, bool kInterior>
+template <int DT, int FAM, bool kInterior, bool kRecord>
 __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_t chunk, uint64_t base, int64_t shift,
                                            typename Storage<DT>::T* row, const uint64_t* __restrict__ seeds,
-                                           const float* __restrict__ coeffs) {
+                                           const float* __restrict__ coeffs, const PatchList& patch) {
   using T = typename Storage<DT>::T;
   constexpr int kUnitThreads = unit_threads(FAM), kGroupsPerThread = groups_per_thread(FAM);
   const int64_t t = (int64_t)(threadIdx.x % kUnitThreads);  // this thread within the unit
@@ -302,7 +348,7 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
 #pragma unroll
     for (int s = 0; s < kGroupsPerThread; ++s) {
       T* p = row + 4 * (q0 + s * kUnitThreads) - shift;
-      add_vec4<DT>(p, acc[s]);
+      store_vec4<DT, kRecord>(p, acc[s], patch);
     }
     return;
   }
@@ -315,16 +361,18 @@ __device__ __forceinline__ void block_unit(const PlanEntry& e, int64_t i, int64_
     group_sum<FAM>(e, i, (base >> 2) + (uint64_t)q, c0, seeds, coeffs, acc);
     if constexpr (kInterior) {
       T* p = row + c0;
-      add_vec4<DT>(p, acc);
+      store_vec4<DT, kRecord>(p, acc, patch);
     } else {
-      add_group<DT>(row, c0, e.cols, acc);
+      add_group<DT, kRecord>(row, c0, e.cols, acc, patch);
     }
   }
 }
 
-template <int DT, int FAM>
+// kRecord: a recording perturb (restore="patch"), its list in `patch`; the plain kernels never read it.
+template <int DT, int FAM, bool kRecord = false>
 __global__ void apply_kernel(const PlanEntry* __restrict__ plan, int64_t n_entries, int64_t total_units,
-                             const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs) {
+                             const uint64_t* __restrict__ seeds, const float* __restrict__ coeffs,
+                             const PatchList patch) {
   using T = typename Storage<DT>::T;
   constexpr int64_t kPerBlock = units_per_block(FAM);
   const int64_t within = kPerBlock == 1 ? 0 : (int64_t)(threadIdx.x / unit_threads(FAM));
@@ -332,7 +380,7 @@ __global__ void apply_kernel(const PlanEntry* __restrict__ plan, int64_t n_entri
     int64_t i, chunk;
     const PlanEntry& e = *find_unit(plan, n_entries, u, i, chunk);
     if constexpr (FAM == kRademacher) {
-      rademacher_unit<DT>(e, i, chunk, seeds, coeffs);
+      rademacher_unit<DT, kRecord>(e, i, chunk, seeds, coeffs, patch);
     } else {
       const uint64_t base = e.block().row_base(i);
       // lowrank groups start at column 0; Gaussian groups are aligned to logical index 4g
@@ -343,9 +391,9 @@ __global__ void apply_kernel(const PlanEntry* __restrict__ plan, int64_t n_entri
       const bool interior = first >= 0 && first + 4 * kCudaUnitGroups <= e.cols &&
                             reinterpret_cast<uintptr_t>(row + first) % sizeof(typename Vec4<DT>::V) == 0;
       if (interior)
-        block_unit<DT, FAM, true>(e, i, chunk, base, shift, row, seeds, coeffs);
+        block_unit<DT, FAM, true, kRecord>(e, i, chunk, base, shift, row, seeds, coeffs, patch);
       else
-        block_unit<DT, FAM, false>(e, i, chunk, base, shift, row, seeds, coeffs);
+        block_unit<DT, FAM, false, kRecord>(e, i, chunk, base, shift, row, seeds, coeffs, patch);
     }
   }
 }
@@ -370,6 +418,12 @@ constexpr int64_t kMaxBlocks = (int64_t)1 << 30;
 inline int64_t launch_blocks(int family, int64_t units) {
   const int64_t b = (units + units_per_block(family) - 1) / units_per_block(family);
   return b < kMaxBlocks ? b : kMaxBlocks;
+}
+
+// Writes records [0, n) of a patch list back: one thread per record (grid-stride).
+__global__ void patch_kernel(const int64_t* __restrict__ records, int64_t n) {
+  for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (int64_t)gridDim.x * blockDim.x)
+    write_patch(records[2 * j], records[2 * j + 1]);
 }
 
 }  // namespace cuda_kernel

@@ -116,6 +116,7 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
         optimizer=optimizer_spec(cfg),
         sigma_scales=rms_scales(views) if cfg.sigma_mode == "rms" else None,
         no_decay=cfg.weight_decay_exclude,
+        restore=getattr(cfg, "restore", "copy"),
     )
 
 

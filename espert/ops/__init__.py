@@ -20,7 +20,8 @@ dispatched by layout to the lattice kernels of ``espert.quant`` (docs/quantized.
 
 The package: :mod:`.checks` (argument rules, :class:`Block`), :mod:`.plan` (the typed plan row and
 the launch plan), :mod:`.backends` (the registry and the runners), :mod:`.core` (the ops),
-:mod:`.prepared` (a call planned once, for CUDA graphs) and :mod:`.torch_ops` (the torch operators).
+:mod:`.prepared` (a call planned once, for CUDA graphs), :mod:`.patch` (restore="patch": a perturb's
+patch list) and :mod:`.torch_ops` (the torch operators).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ from .core import (
     perturb_many_,
     register_weight_type,
     restore_,
+    restore_patched_many_,
 )
+from .patch import PatchList
 from .plan import FAMILY_CODES, PLAN_DTYPE, PLAN_FIELDS, plan_table, units_per_row
 from .prepared import Prepared
 from .torch_ops import _es_update_op, _perturb_op, _restore_op  # noqa: F401  (registers torch.ops.espert.*)
@@ -80,6 +83,7 @@ __all__ = [
     "U64",
     "Backend",
     "Block",
+    "PatchList",
     "Prepared",
     "WeightType",
     "as_int64",
@@ -102,6 +106,7 @@ __all__ = [
     "register_quant_runner",
     "register_weight_type",
     "restore_",
+    "restore_patched_many_",
     "sync_cpu_threads",
     "units_per_row",
 ]

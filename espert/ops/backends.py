@@ -55,13 +55,17 @@ class Backend:
     launch: Callable | None = None  # (device, steps, Staged) -> None
     unit_groups: Callable[[], int] | None = None  # GPU: Philox groups per launch unit (None: CPU tiles itself)
     quant: Callable | None = None  # (qw, geometry, master, mode, seeds, coeffs, key, family name) -> None
+    write_patch: Callable | None = None  # (device, PatchList, n) -> None: records [0, n) written back
 
     @property
     def run(self) -> Callable | None:
-        """(device, steps, seeds, coeffs) -> None: stage, then launch (None: no float kernels)."""
+        """(device, steps, seeds, coeffs, patch=None) -> None: stage, then launch (None: no float kernels).
+        patch: a :class:`~espert.ops.patch.PatchList` the weight-writing steps record into."""
         if self.stage is None:
             return None
-        return lambda device, steps, seeds, coeffs: self.launch(device, steps, self.stage(device, steps, seeds, coeffs))
+        return lambda device, steps, seeds, coeffs, patch=None: self.launch(
+            device, steps, self.stage(device, steps, seeds, coeffs), patch
+        )
 
 
 class Staged(NamedTuple):
@@ -133,17 +137,49 @@ def _stage_cpu(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray)
     return upload(device, steps, seeds, coeffs, copy=False)
 
 
-def _launch_cpu(device, steps: list[Step], staged: Staged) -> None:
+def _patch_args(patch, st: Step) -> tuple[int, int, int]:
+    """A step's (records, capacity, count) pointers for the kernels: none for the lowrank staging fill,
+    which writes no weight."""
+    if patch is None or st.ones:
+        return 0, 0, 0
+    return patch.records.data_ptr(), patch.capacity, patch.count.data_ptr()
+
+
+def _launch_cpu(device, steps: list[Step], staged: Staged, patch=None) -> None:
     sync_cpu_threads()
     for st, table in zip(steps, staged.tables):
         if st.zero is not None:
             st.zero.zero_()
         c = staged.ones if st.ones else staged.coeffs
         COUNTERS["launches"] += 1
-        _C.apply_many_cpu(table.data_ptr(), len(st.table), staged.seeds.data_ptr(), c.data_ptr(), len(staged.seeds))
+        _C.apply_many_cpu(
+            table.data_ptr(),
+            len(st.table),
+            staged.seeds.data_ptr(),
+            c.data_ptr(),
+            len(staged.seeds),
+            *_patch_args(patch, st),
+        )
 
 
-def _launch_cuda(device, steps: list[Step], staged: Staged) -> None:
+def _patch_cpu(device, patch, n: int) -> None:
+    _C.apply_patch_cpu(patch.records.data_ptr(), n)
+
+
+def _patch_cuda(device, patch, n: int) -> None:
+    with torch.cuda.device(device):
+        _C.apply_patch_cuda(patch.records.data_ptr(), n, torch.cuda.current_stream(device).cuda_stream)
+
+
+def _patch_triton(device, patch, n: int) -> None:
+    from espert.kernels.apply import apply_patch
+
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        apply_patch(patch.records, n)
+
+
+def _launch_cuda(device, steps: list[Step], staged: Staged, patch=None) -> None:
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         for st, dt in zip(steps, staged.tables):
@@ -159,6 +195,7 @@ def _launch_cuda(device, steps: list[Step], staged: Staged) -> None:
                     staged.seeds.data_ptr(),
                     (staged.ones if st.ones else staged.coeffs).data_ptr(),
                     stream,
+                    *_patch_args(patch, st),
                 )
 
 
@@ -175,7 +212,7 @@ def _stage_triton(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarr
     return _stage_gpu(device, steps, seeds, coeffs)
 
 
-def _launch_triton(device, steps: list[Step], staged: Staged) -> None:
+def _launch_triton(device, steps: list[Step], staged: Staged, patch=None) -> None:
     from espert.kernels.apply import apply_many
 
     for st in steps:  # the codes are checked by C++ here too: one rule for every backend
@@ -187,7 +224,13 @@ def _launch_triton(device, steps: list[Step], staged: Staged) -> None:
                 st.zero.zero_()
             for e0, e1 in st.groups:
                 COUNTERS["launches"] += 1
-                apply_many(st.table[e0:e1], dt[e0:e1], staged.seeds, staged.ones if st.ones else staged.coeffs)
+                apply_many(
+                    st.table[e0:e1],
+                    dt[e0:e1],
+                    staged.seeds,
+                    staged.ones if st.ones else staged.coeffs,
+                    patch=None if st.ones else patch,
+                )
 
 
 def _triton_ok(w: torch.Tensor) -> bool:
@@ -205,11 +248,16 @@ def _triton_block() -> int:
 
 
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _stage_cpu, _launch_cpu),
+    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _stage_cpu, _launch_cpu, write_patch=_patch_cpu),
     "cuda": Backend(
-        "cuda", lambda w: w.is_cuda and bool(_C.has_cuda), _stage_gpu, _launch_cuda, lambda: int(_C.CUDA_UNIT_GROUPS)
+        "cuda",
+        lambda w: w.is_cuda and bool(_C.has_cuda),
+        _stage_gpu,
+        _launch_cuda,
+        lambda: int(_C.CUDA_UNIT_GROUPS),
+        write_patch=_patch_cuda,
     ),
-    "triton": Backend("triton", _triton_ok, _stage_triton, _launch_triton, _triton_block),
+    "triton": Backend("triton", _triton_ok, _stage_triton, _launch_triton, _triton_block, write_patch=_patch_triton),
 }
 
 

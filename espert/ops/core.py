@@ -35,6 +35,7 @@ from .checks import (
     geometry,
     op_args,
 )
+from .patch import PatchList
 from .plan import ONE_BITS, build_steps
 
 
@@ -128,6 +129,7 @@ def es_update_many_(
     noise: str = "gaussian",
     scales: Sequence[float] | None = None,
     backend: str | None = None,
+    record: PatchList | None = None,
 ) -> None:
     """In place, for every ``(w, key, block)`` of ``items``:
     ``w <- round(w + Σ_n c_n · ε(seeds[n], key, logical index))``, one pass per element, with
@@ -137,9 +139,15 @@ def es_update_many_(
     one device; key: int in [0, 2^64); block: :class:`Block` or None.  seeds: N ints in [0, 2^64);
     coeffs: N finite floats.  noise: ``"gaussian"`` (v1), ``"gaussian-icdf"``, ``"rademacher"`` or ``"lowrank:r"``
     (docs/noise.md §5; 1-row parameters take the Gaussian).  Everything is validated before any
-    write; one launch plan serves the whole list (module docstring).
+    write; one launch plan serves the whole list (module docstring).  record: a
+    :class:`~espert.ops.patch.PatchList` on the weights' device, to which the elements this call's
+    negation would not restore are appended (see :func:`restore_patched_many_`).
     """
-    if _compiling():  # coefficients travel as float64, so the operator checks what this call would
+    if _compiling():
+        if record is not None:
+            raise ValueError(
+                "record= (restore='patch') does not run inside torch.compile"
+            )  # coefficients travel as float64, so the operator checks what this call would
         s = torch.tensor([as_int64(v, f"seeds[{i}]") for i, v in enumerate(seeds)], dtype=torch.int64)
         c = torch.tensor([float(v) for v in coeffs], dtype=torch.float64)
         torch.ops.espert.es_update_(*op_args(items), s, c, _op_scales(scales), noise, backend)
@@ -147,11 +155,13 @@ def es_update_many_(
     fam = NoiseFamily.parse(noise)
     seed_arr, coeff32 = check_members(seeds, coeffs)
     checked, scale_bits, be, device = _check_items(items, fam, len(seed_arr), scales, backend)
+    if record is not None:
+        _check_record(record, device, be)
     if not checked or len(seed_arr) == 0:
         return
     steps = build_steps(checked, fam, len(seed_arr), scale_bits, device, be.unit_groups and be.unit_groups())
     if steps:
-        be.run(device, steps, seed_arr, coeff32)
+        be.run(device, steps, seed_arr, coeff32, record)
     # in-place edits must be visible to autograd, as torch's own in-place ops are
     torch.autograd.graph.increment_version([w for w, _, _, _ in checked])
 
@@ -165,17 +175,58 @@ def perturb_many_(
     noise: str = "gaussian",
     scales: Sequence[float] | None = None,
     backend: str | None = None,
+    record: PatchList | None = None,
 ) -> None:
     """In place, for every ``(w, key, block)``: ``w <- round(w + c·ε(seed, key, index))`` with
     ``c = fl32(fl32(sign·σ)·scale)``.  σ: finite, > 0 and normal in float32; sign: the int +1 or -1.
-    See :func:`es_update_many_` for the tensors and ``noise``."""
+    See :func:`es_update_many_` for the tensors, ``noise`` and ``record``."""
     sigma = check_sigma(sigma)
     sign = check_sign(sign)
-    if _compiling():
+    if _compiling() and record is None:
         seed = as_int64(seed, "seeds[0]")
         torch.ops.espert.perturb_(*op_args(items), seed, sigma, sign, _op_scales(scales), noise, backend)
         return
-    es_update_many_(items, [seed], [sign * sigma], noise=noise, scales=scales, backend=backend)
+    es_update_many_(items, [seed], [sign * sigma], noise=noise, scales=scales, backend=backend, record=record)
+
+
+def _check_record(record, device, be) -> None:
+    if not isinstance(record, PatchList):
+        raise TypeError(f"record must be an espert.ops.patch.PatchList, got {type(record).__name__}")
+    if record.device != device:
+        raise ValueError(f"the patch list is on {record.device}; the weights are on {device}")
+    if be.write_patch is None:
+        raise ValueError(f"backend {be.name!r} cannot record a patch list")
+
+
+@torch.no_grad()
+def restore_patched_many_(
+    items,
+    seed: int,
+    sigma: float,
+    sign: int,
+    record: PatchList,
+    *,
+    noise: str = "gaussian",
+    scales: Sequence[float] | None = None,
+    backend: str | None = None,
+) -> bool:
+    """Undo ``perturb_many_(items, seed, sigma, sign, record=record, ...)`` exactly, in place: the same
+    call with ``-sign``, then the recorded elements written back (:mod:`espert.ops.patch`).  The
+    arguments must be the recorded call's, and ``record`` cleared before it.  Returns False, writing
+    nothing, when the list overflowed its capacity (then restore from the center instead)."""
+    sigma = check_sigma(sigma)
+    sign = check_sign(sign)
+    fam = NoiseFamily.parse(noise)
+    checked, _, be, device = _check_items(items, fam, 1, scales, backend)
+    _check_record(record, device, be)
+    n = record.misses()
+    if n > record.capacity:
+        return False
+    es_update_many_(items, [seed], [-sign * sigma], noise=noise, scales=scales, backend=backend)
+    if n:
+        be.write_patch(device, record, n)
+    torch.autograd.graph.increment_version([w for w, _, _, _ in checked])
+    return True
 
 
 def es_update_(

@@ -46,7 +46,15 @@ from espert.runs.log import checkpoint_hashes, iteration_records, log_line, read
 from espert.tensorfile import FileChunks
 
 #: ESConfig fields that may change when a run is resumed (they do not change any weight or reward).
-RESUMABLE_CHANGES = ("iterations", "eval_every", "checkpoint_every", "device", "trackers", "tracker_project")
+RESUMABLE_CHANGES = (
+    "iterations",
+    "eval_every",
+    "checkpoint_every",
+    "device",
+    "restore",
+    "trackers",
+    "tracker_project",
+)
 
 
 def check_device(device: str) -> None:

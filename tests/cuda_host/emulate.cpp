@@ -11,11 +11,13 @@
 // per region its byte size, its address modulo 256 on the caller's side (kept, so the kernel sees the
 // alignment the caller's tensors have) and its bytes (padded to 8); n_members, seeds [n], coefficients
 // as float32 (padded to 8); max_blocks (0: the real grid); then kind 0: n_entries and the plan rows
-// [n, 18]; kind 1: one QuantEntry row (26 words; its seeds, coeffs and n are replaced by the above).
-// Pointer fields (plan: data, stage_a, stage_b; quant: codes, scales, master, stage_a, stage_b) are
-// (region + 1) << 44 | byte offset (0: null).  Each region is its own allocation, ending where the
-// region ends, so ASan sees any byte past it.  The caller checks the plan (_C.check_plan) first.
-// OUT: every region's bytes after the launch, in order.  Stdout: "blocks B".
+// [n, 18]; kind 2: the same, then a patch capacity (a recording perturb); kind 1: one QuantEntry row (26 words; its
+// seeds, coeffs and n are replaced by the above). Pointer fields (plan: data, stage_a, stage_b; quant: codes, scales,
+// master, stage_a, stage_b) are (region + 1) << 44 | byte offset (0: null).  Each region is its own allocation, ending
+// where the region ends, so ASan sees any byte past it.  The caller checks the plan (_C.check_plan) first. OUT: kind 2
+// first the miss count and the records (addresses as pointer fields); then every region's bytes after the launch, in
+// order.  Stdout: "blocks B".
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -108,7 +110,9 @@ int main(int argc, char** argv) {
   bytes(coeffs.data(), 4 * n_members);
   const int64_t max_blocks = word();
   int64_t blocks_run = 0;
-  if (kind == 0) {
+  int64_t count = 0;             // kind 2: the misses the recording perturb counted
+  std::vector<int64_t> records;  // kind 2: its list
+  if (kind == 0 || kind == 2) {
     const int64_t n = word();
     std::vector<PlanEntry> plan(n);
     bytes(plan.data(), n * (int64_t)sizeof(PlanEntry));
@@ -117,19 +121,27 @@ int main(int argc, char** argv) {
       rebase(e.stage_a);
       rebase(e.stage_b);
     }
-    int dtype, family;
+    int dtype = 0, family = 0;
     int64_t units;
     if (n > 0 && !cuda_kernel::launch_units(plan.data(), n, dtype, family, units))
       fail("the entries differ in dtype or family, or a units_per_row is not the kernel's", 4);
+    const int64_t capacity = kind == 2 ? word() : 0;
+    records.assign(2 * capacity + 2, 0);
+    const PatchList patch{records.data(), capacity, &count};
     if (n > 0 && units > 0) {
       blocks_run = forced(cuda_kernel::launch_blocks(family, units), max_blocks);
       DTYPE_SWITCH(dtype, DT, [&] {
         FAMILY_SWITCH(family, FAM, [&] {
-          grid(blocks_run, cuda_kernel::block_threads(FAM),
-               [&] { cuda_kernel::apply_kernel<DT, FAM>(plan.data(), n, units, seeds.data(), coeffs.data()); });
+          grid(blocks_run, cuda_kernel::block_threads(FAM), [&] {
+            if (kind == 2)
+              cuda_kernel::apply_kernel<DT, FAM, true>(plan.data(), n, units, seeds.data(), coeffs.data(), patch);
+            else
+              cuda_kernel::apply_kernel<DT, FAM>(plan.data(), n, units, seeds.data(), coeffs.data(), patch);
+          });
         });
       });
     }
+    records.resize(2 * std::min(count, capacity));
   } else if (kind == 1) {
     using namespace quant;  // QUANT_SWITCH names the codes unqualified
     QuantEntry q;
@@ -157,6 +169,17 @@ int main(int argc, char** argv) {
   std::fclose(in);
   FILE* out = std::fopen(argv[2], "wb");
   if (!out) fail("cannot open the output", 2);
+  if (kind == 2) {  // the count, then the records with their addresses as pointer fields (region + 1) << 44 | offset
+    for (size_t j = 0; j < records.size(); j += 2) {
+      const char* a = reinterpret_cast<const char*>(records[j]);
+      size_t r = 0;
+      while (r < region.size() && !(a >= region[r] && a < region[r] + size[r])) ++r;
+      if (r == region.size()) fail("a record's address is in no region", 5);
+      records[j] = (int64_t)(r + 1) << 44 | (int64_t)(a - region[r]);
+    }
+    std::fwrite(&count, 8, 1, out);
+    std::fwrite(records.data(), 8, records.size(), out);
+  }
   for (size_t r = 0; r < region.size(); ++r) {
     std::fwrite(region[r], 1, (size_t)size[r], out);
     std::free(block[r]);

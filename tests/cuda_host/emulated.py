@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from espert import _C
 from espert.ops import backends as B
@@ -69,11 +70,14 @@ class Emulator:
     def unit_groups(self) -> int:
         return int(subprocess.run([str(self.binary), "--unit-groups"], capture_output=True, text=True).stdout)
 
-    def run(self, kind: int, extents: list[tuple[int, int]], pointers, tail, seeds, coeffs) -> None:
+    def run(
+        self, kind: int, extents: list[tuple[int, int]], pointers, tail, seeds, coeffs, capacity: int = 0
+    ) -> tuple[int, np.ndarray]:
         """One launch: `extents` (address, bytes), each widened by `pad` bytes on both sides, are merged
         into regions; every pointer field in `pointers` (numpy int64 views to rewrite) becomes a region
         reference; tail() (read after that) ends the input; the emulator runs.  The extents are written
-        back; a byte changed in the padding (memory the plan does not cover) is an error."""
+        back; a byte changed in the padding (memory the plan does not cover) is an error.  Kind 2 (a
+        recording launch) returns the miss count and the records with the caller's addresses."""
         extents = [(a, n) for a, n in extents if n > 0]
         regions = []
         for a, n in sorted((a - self.pad, n + 2 * self.pad) for a, n in extents):
@@ -101,7 +105,15 @@ class Emulator:
             if res.returncode != 0:
                 raise RuntimeError(f"emulated CUDA kernel failed ({res.returncode}): {res.stderr[-3000:]}")
             data = dst.read_bytes()
-        got, at = [], 0
+        count, records, at = 0, np.zeros((0, 2), np.int64), 0
+        if kind == 2:
+            count = int(np.frombuffer(data[:8], np.int64)[0])
+            records = np.frombuffer(data[8:], np.int64, count=2 * min(count, capacity))
+            records = records.reshape(-1, 2).copy()
+            at = 8 + records.nbytes
+            r = (records[:, 0] >> 44) - 1
+            records[:, 0] = np.array([a for a, _ in regions], np.int64)[r] + (records[:, 0] & ((1 << 44) - 1))
+        got = []
         for a, n in regions:
             got.append(data[at : at + n])
             at += n
@@ -118,9 +130,10 @@ class Emulator:
                     f"emulated CUDA kernel wrote outside its plan's memory, at {a + int(np.argmax(diff & ~cov)):#x}"
                 )
         self.last_blocks = int(res.stdout.split()[1])
+        return count, records
 
     # ---- the ops backend -----------------------------------------------------------------------
-    def launch(self, device, steps, staged) -> None:
+    def launch(self, device, steps, staged, patch=None) -> None:
         seeds = staged.seeds.numpy()
         for st in steps:
             if st.zero is not None:
@@ -144,7 +157,18 @@ class Emulator:
                         extents += [(int(r[_F["stage_a"]]), 4 * m * nr * int(r[_F["rank"]])),
                                     (int(r[_F["stage_b"]]), 4 * m * int(r[_F["rank"]]) * nc)]  # fmt: skip
                 ptrs = [rows[:, _F["data"]], rows[:, _F["stage_a"]], rows[:, _F["stage_b"]]]
-                self.run(0, extents, ptrs, lambda: struct.pack("<q", len(rows)) + rows.tobytes(), seeds, coeffs)
+                rec = patch is not None and not st.ones
+                cap = patch.capacity if rec else 0
+
+                def tail(rows=rows, rec=rec, cap=cap):
+                    return struct.pack("<q", len(rows)) + rows.tobytes() + (struct.pack("<q", cap) if rec else b"")
+
+                count, records = self.run(2 if rec else 0, extents, ptrs, tail, seeds, coeffs, cap)
+                if rec:  # the launch's list appended to the call's, as the device's counter would
+                    at = int(patch.count[0])
+                    keep = records[: max(0, patch.capacity - at)]
+                    patch.records[at : at + len(keep)] = torch.from_numpy(keep)
+                    patch.count += count
 
     def quant(self, qw, g, master, mode, seeds, coeffs, key, qn) -> None:
         from espert.quant.ops import _kernel_args
@@ -169,6 +193,7 @@ def register(monkeypatch=None, kind: str = "plain", max_blocks: int = 0, pad: in
         em.launch,
         lambda: groups,
         em.quant,
+        B._patch_cpu,  # the records hold this process's addresses: the CPU writes them back
     )
     if monkeypatch is None:
         B.BACKENDS["cuda_emulated"] = be
