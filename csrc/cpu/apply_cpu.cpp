@@ -131,19 +131,25 @@ ESPERT_HD void store_row(void* data, int64_t i, int64_t row_stride, int64_t col0
     for (int64_t k = cf; k < ce; ++k) row[k] = add_to<DT>(row[k], acc[k - col0]);
     return;
   }
-  int32_t miss[kMaxTileElems];
+  // three loops that vectorize (the old values, the add, the check), then the few misses compacted
+  const int64_t len = ce - cf;
+  const float* a = acc + (cf - col0);
+  T* seg = row + cf;
   T olds[kMaxTileElems];
+  uint8_t bad[kMaxTileElems];
+  std::memcpy(olds, seg, (size_t)len * sizeof(T));
+#pragma GCC ivdep
+  for (int64_t k = 0; k < len; ++k) seg[k] = add_to<DT>(olds[k], a[k]);
   int n = 0;
-  for (int64_t k = cf; k < ce; ++k) {
-    const T old = row[k], now = add_to<DT>(old, acc[k - col0]);
-    row[k] = now;
-    miss[n] = (int32_t)k;
-    olds[n] = old;
-    n += subtraction_restores<DT>(old, now, acc[k - col0]) ? 0 : 1;
+#pragma GCC ivdep
+  for (int64_t k = 0; k < len; ++k) {
+    bad[k] = subtraction_restores<DT>(olds[k], seg[k], a[k]) ? 0 : 1;
+    n += bad[k];
   }
   if (n == 0) return;
-  const int64_t slot = reserve_records(*patch, n);
-  for (int j = 0; j < n; ++j) write_record<DT>(*patch, slot + j, row + miss[j], olds[j]);
+  int64_t slot = reserve_records(*patch, n);
+  for (int64_t k = 0; k < len; ++k)
+    if (bad[k]) write_record<DT>(*patch, slot++, seg + k, olds[k]);
 }
 
 template <int DT, int FAM, int kIsa>
