@@ -151,6 +151,26 @@ def test_resume_on_another_device_string(ref_run, tmp_path):
     assert runs.read_run_config(d)["config"]["device"] == "cpu:0"
 
 
+@pytest.mark.parametrize("dtype,sigma", [("bfloat16", 1e-3), ("float32", 0.05)])
+def test_restore_patch_runs_give_the_copy_runs_center(tmp_path, monkeypatch, dtype, sigma):
+    """restore: patch (subtraction + the patch list), also switched on at resume, gives the copy run's
+    bits.  bf16 at σ = 1e-3: the members are restored by patches; float32 at σ = 0.05 on the tiny model:
+    more than 1/16 of the elements miss, the lists overflow and every member falls back to a copy."""
+    from espert import ops
+
+    patched, real = [], ops.restore_patched_many_
+    monkeypatch.setattr(ops, "restore_patched_many_", lambda *a, **k: patched.append(real(*a, **k)) or patched[-1])
+    kw = {**SMALL, "dtype": dtype, "sigma": sigma, "eval_size": 0}
+    copy, patch = str(tmp_path / "copy"), str(tmp_path / "patch")
+    train(ESConfig(**kw), copy, progress=False, echo=None)
+    assert patched == []
+    train(ESConfig(**{**kw, "iterations": 1, "restore": "patch"}), patch, progress=False, echo=None)
+    train(ESConfig(**{**kw, "restore": "patch"}), patch, resume=True, progress=False, echo=None)
+    assert same_center(copy, patch)
+    assert len(patched) == 3 * SMALL["population"]
+    assert all(patched) if dtype == "bfloat16" else not any(patched)
+
+
 def test_resume_refuses_when_logged_prompts_differ(ref_run, tmp_path):
     """Resume reads the logged prompt indices and refuses a run whose sampler no longer gives them."""
     import shutil
