@@ -481,34 +481,40 @@ def summary(r: dict) -> str:
             f"{be}: perturb {b.get('perturb_ms', float('nan')):.2f} ms{host} "
             f"{100 * b.get('perturb_vs_copy', float('nan')):.0f}% of copy{upd}{fams}"
         )
-    s = r.get("store", {})
-    if "error" in s or not s:
-        out.append(f"store: ERROR {s.get('error', 'missing')}")
-    else:
-        out.append(
-            f"store: restore {s.get('restore_ms', float('nan')):.1f} ms, member {s.get('member_ms', float('nan')):.1f} ms, "
-            f"update N=32 {s.get('update_n32_host_s', float('nan')):.2f} s"
+
+    def line(name: str, fmt) -> str:  # a section's line, or its error
+        d = r.get(name, {})
+        return f"{name}: ERROR {d.get('error', 'missing')}" if "error" in d or not d else f"{name}: {fmt(d)}"
+
+    nan = float("nan")
+    out.append(
+        line(
+            "store",
+            lambda s: (
+                f"restore {s.get('restore_ms', nan):.1f} ms, member {s.get('member_ms', nan):.1f} ms, "
+                f"update N=32 {s.get('update_n32_host_s', nan):.2f} s"
+            ),
         )
-    p = r.get("patch", {})
-    if "error" in p or not p:
-        out.append(f"patch: ERROR {p.get('error', 'missing')}")
-    else:
-        out.append(
-            f"patch: member {p['member_ms']:.1f} ms (copy {p['member_copy_ms'] or float('nan'):.1f} ms), "
-            f"{p['records_per_member']:.0f} records/member, {p['pcie_bytes_per_param']:.3f} B/param, "
-            f"patched {p['patched']} copied {p['copied']}, exact={p['exact']}"
+    )
+    out.append(
+        line(
+            "patch",
+            lambda p: (
+                f"member {p['member_ms']:.1f} ms (copy {p['member_copy_ms'] or nan:.1f} ms), "
+                f"{p['records_per_member']:.0f} records/member, {p['pcie_bytes_per_param']:.3f} B/param, "
+                f"patched {p['patched']} copied {p['copied']}, exact={p['exact']}"
+            ),
         )
-    g = r.get("cuda_graph", {})
-    if "error" in g or not g:
-        out.append(f"cuda_graph: ERROR {g.get('error', 'missing')}")
-    else:
-        out.append(
-            "cuda_graph: "
-            + "; ".join(
+    )
+    out.append(
+        line(
+            "cuda_graph",
+            lambda g: "; ".join(
                 f"{k.split(',')[0]}: captured={v.get('ok')} eager_bits={v.get('replay_matches_eager')}"
                 for k, v in g.items()
-            )
+            ),
         )
+    )
     for name, tst in r.get("tests", {}).items():
         if "error" in tst:
             out.append(f"{name}: {tst['error']}")
