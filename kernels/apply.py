@@ -13,8 +13,9 @@ dtype and family codes and the plan's column order come from ``espert._C``.
 Layout: a program owns one unit: row i of an entry and BLOCK Philox groups (4·BLOCK elements;
 rademacher: BLOCK/32 whole Philox calls of 128 elements; lowrank: 4·BLOCK columns from column 0).
 The members are looped over inside the program with the sum kept in registers, so every weight
-element is read once and written once whatever n is.  Units wholly inside their row (all of them
-but the row ends) load and store without masks.  A NaN element keeps its bits.
+element is read once and written once whatever n is.  Units wholly inside a 16-byte-aligned row
+(all of them but the row ends, in the usual tensor) load and store without masks, 16 bytes at a time.
+A NaN element keeps its bits.
 """
 
 from __future__ import annotations
@@ -371,17 +372,20 @@ def _add_store(
     DTYPE: tl.constexpr, F16_HW: tl.constexpr, RECORD: tl.constexpr,
 ):  # fmt: skip
     """w <- round(w + acc) at columns col0 + offs of a row of ``cols`` elements (offs: int32, acc's
-    shape); a NaN keeps its bits.  Units wholly inside the row go unmasked.  RECORD: list the elements
-    subtraction would not restore (_record_misses)."""
-    ptrs = row_ptr + col0 + offs
-    if (col0 >= 0) & (col0 + acc.numel <= cols):
+    shape); a NaN keeps its bits.  Units wholly inside a 16-byte-aligned row go unmasked, with 16-byte
+    accesses (the alignment checked here, then told to the compiler); the rest masked.  RECORD: list the
+    elements subtraction would not restore (_record_misses)."""
+    start = row_ptr + col0
+    if (col0 >= 0) & (col0 + acc.numel <= cols) & (start.to(tl.int64, bitcast=True) % 16 == 0):
+        ptrs = tl.multiple_of(start, 16) + offs  # aligned: vector accesses
         raw = tl.load(ptrs)
         x = _widen(raw, DTYPE, F16_HW)
         now = tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW))
         tl.store(ptrs, now)
         if RECORD:
             _record_misses(ptrs, raw, now, acc, offs >= 0, rec_ptr, capacity, count_ptr, DTYPE, F16_HW)
-    else:  # a row end: bounds as int32 scalars clamped to [0, numel]
+    else:  # a row end or an unaligned row: bounds as int32 scalars clamped to [0, numel]
+        ptrs = start + offs
         lo = tl.minimum(tl.maximum(-col0, 0), acc.numel).to(tl.int32)
         hi = tl.minimum(tl.maximum(cols - col0, 0), acc.numel).to(tl.int32)
         mask = (offs >= lo) & (offs < hi)
