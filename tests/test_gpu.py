@@ -190,6 +190,29 @@ def test_gpu_multi_tensor_matches_cpu(backend, family):
         assert torch.equal(_bits(g), _bits(c))
 
 
+@backends
+@pytest.mark.parametrize("family", ["gaussian", "gaussian-icdf", "rademacher", "lowrank:2"])
+def test_gpu_patch_restore_matches_cpu(backend, family):
+    """restore="patch": the recording perturb lists as many elements as the CPU's (the records hold device
+    addresses) into pinned host memory on a GPU, and subtraction + the list gives back every bit."""
+    shapes = [(64, 96), (96,), (33, 7), (5, 1000)]
+    dtypes = [torch.bfloat16, torch.float32, torch.float16]
+    ws = [_weights(*(s if len(s) == 2 else (1, s[0])), dtypes[i % 3], seed=i).reshape(s) for i, s in enumerate(shapes)]
+    keys = [noise.param_key(f"p{i}") for i in range(len(ws))]
+    counts = []
+    for be, dev in (("cpu", "cpu"), (backend, DEV)):
+        live = [w.clone().to(dev) for w in ws]
+        items = list(zip(live, keys, [None] * len(ws)))
+        patch = ops.PatchList(sum(w.numel() for w in ws), dev)
+        assert patch.records.device.type == "cpu" and patch.records.is_pinned() == (dev == "cuda")
+        ops.perturb_many_(items, 9, 1e-2, 1, noise=family, backend=be, record=patch)
+        counts.append(patch.misses())
+        assert ops.restore_patched_many_(items, 9, 1e-2, 1, patch, noise=family, backend=be)
+        for w, x in zip(ws, live):
+            assert torch.equal(_bits(x), _bits(w))
+    assert counts[1] == counts[0] > 0
+
+
 # ---- quantized kernels ------------------------------------------------------------------------------
 
 Q_CASES = [
