@@ -11,14 +11,19 @@ operations.  The float constants are taken from ``espert.noise`` so they cannot 
 dtype and family codes and the plan's column order come from ``espert._C``.
 
 Layout: a program owns one unit: row i of an entry and BLOCK Philox groups (4·BLOCK elements;
-rademacher: BLOCK/32 whole Philox calls of 128 elements; lowrank: 4·BLOCK columns from column 0).
-The members are looped over inside the program with the sum kept in registers, so every weight
-element is read once and written once whatever n is.  Units wholly inside a 16-byte-aligned row
-(all of them but the row ends, in the usual tensor) load and store without masks, 16 bytes at a time.
+rademacher: BLOCK/32 whole Philox calls of 128 elements; lowrank: 4·BLOCK columns from column 0), found
+once (plan search, row, key) and run in chunks of CHUNK groups.  Per chunk the members are looped over with
+the sums kept in registers, so every weight element is read once and written once whatever n is.  A
+normal family's thread holds whole groups (its four lanes), a Rademacher thread one Philox word's 32
+elements (it computes that word's call only).  Units wholly inside the row from a 16-byte-aligned address
+(all of them but the row ends, in the usual tensor) run code of their own without masks and with vector
+accesses, bf16 as 32-bit words of two elements (rounded in the high half, as the CUDA kernel does).
 A NaN element keeps its bits.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -34,6 +39,8 @@ FLOAT32, FLOAT16, BFLOAT16 = (_C.DTYPE_CODES[n] for n in ("float32", "float16", 
 GAUSSIAN, RADEMACHER, LOWRANK = (_C.FAMILY_CODES[n] for n in ("gaussian", "rademacher", "lowrank"))
 GAUSSIAN_ICDF: tl.constexpr = tl.constexpr(_C.FAMILY_CODES["gaussian-icdf"])
 FLOAT32_CODE: tl.constexpr = tl.constexpr(FLOAT32)
+BFLOAT16_CODE: tl.constexpr = tl.constexpr(BFLOAT16)
+LOWRANK_CODE: tl.constexpr = tl.constexpr(LOWRANK)
 PLAN_FIELDS = tuple(_C.PLAN_FIELDS)
 NF = tl.constexpr(len(PLAN_FIELDS))
 (
@@ -91,11 +98,18 @@ FP16_HW_CVT = True
 # The bits of a NaN the add creates (inf - inf), on every backend (csrc/noise.h kCanonicalNaN).
 CANONICAL_NAN: tl.constexpr = tl.constexpr(0x7FC00000)
 
-# Launch shape on GPU (untuned: no GPU yet).  256 groups on 2 warps = 4 groups (16 elements) per
-# thread: ~93-124 registers on sm_90, no spills, and little tail waste on rows like 11008 columns.
-# Tests under the interpreter pass their own block.
-DEFAULT_BLOCK = 256
+# Launch shape on GPU (untuned: no GPU yet).  A program owns a unit of DEFAULT_BLOCK groups (4096 elements,
+# as the CUDA kernel's), found once by its plan search and run in chunks on 2 warps: CHUNK_GROUPS = 256 groups
+# for the normal families and lowrank (4 groups, 16 elements per thread: 96-104 registers on sm_90, no
+# spills; 8 groups per thread cost more registers and saved nothing), RADEMACHER_CHUNK = 512 (a thread holds
+# one Philox word's 32 elements).  Tests under the interpreter pass their own block.
+DEFAULT_BLOCK, CHUNK_GROUPS, RADEMACHER_CHUNK = GPU_SHAPE = (1024, 256, 512)
 NUM_WARPS = 2
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # the interpreter (tests) runs the same code in units of 1024 elements, 4 chunks each (Rademacher 2), so
+    # that test-sized tensors have interior units of several chunks besides row ends; the GPU shape is
+    # compiled by the PTX and SASS tests and interpreted by tests/test_triton_kernel.py too
+    DEFAULT_BLOCK, CHUNK_GROUPS, RADEMACHER_CHUNK = 256, 64, 128
 
 
 def _c(x) -> tl.constexpr:
@@ -115,10 +129,12 @@ SQRT2_BITS = tl.constexpr(_ref.SQRT2_BITS)
 def philox4x32_10(c0, c1, c2, c3, k0, k1):
     """Philox4x32-10 on uint32 tensors (broadcastable); returns four uint32 tensors."""
     for _ in tl.static_range(10):
-        hi0 = tl.umulhi(c0, 0xD2511F53)
-        hi1 = tl.umulhi(c2, 0xCD9E8D57)
-        lo0 = c0 * 0xD2511F53  # uint32: wraps, the low half of the product
-        lo1 = c2 * 0xCD9E8D57
+        p0 = c0.to(tl.uint64) * 0xD2511F53  # one 32x32->64 multiply (IMAD.WIDE.U32) gives both halves
+        p1 = c2.to(tl.uint64) * 0xCD9E8D57
+        hi0 = (p0 >> 32).to(tl.uint32)
+        hi1 = (p1 >> 32).to(tl.uint32)
+        lo0 = p0.to(tl.uint32)
+        lo1 = p1.to(tl.uint32)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
@@ -188,13 +204,18 @@ def normals4(seed_lo, seed_hi, key_lo, key_hi, g_lo, g_hi):
 
 @triton.jit
 def _icdf_normal(x, icdf_ptr):
-    """gaussian-icdf's normal of Philox word(s) x (uint32): noise.h icdf_normal; icdf_ptr: the float32
-    [192, 4] table (icdf_table)."""
+    """gaussian-icdf's normal of Philox word(s) x (uint32): noise.h icdf_normal; icdf_ptr: the table as
+    int64 [192, 2] (icdf_table)."""
     d = ((x << 1) & 0x00FFFFFE) | 1  # 2 (x & 0x7FFFFF) + 1: odd, 1 .. 2^24 - 1
     b = d.to(tl.int32).to(tl.float32).to(tl.uint32, bitcast=True)  # exact
-    row = icdf_ptr + 4 * ((b >> 20) - 1016).to(tl.int32)
+    row = icdf_ptr + tl.multiple_of(2 * ((b >> 20) - 1016).to(tl.int32), 2)
     y = ((b & 0x000FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-    p = tl.fma(tl.fma(tl.fma(tl.load(row), y, tl.load(row + 1)), y, tl.load(row + 2)), y, tl.load(row + 3))
+    c01, c23 = tl.split(tl.load(row[:, None] + tl.arange(0, 2)[None, :]))  # the row's 16 bytes in one load
+    c0 = c01.to(tl.uint32).to(tl.float32, bitcast=True)
+    c1 = (c01 >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    c2 = c23.to(tl.uint32).to(tl.float32, bitcast=True)
+    c3 = (c23 >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    p = tl.fma(tl.fma(tl.fma(c0, y, c1), y, c2), y, c3)
     return (p.to(tl.uint32, bitcast=True) ^ (x & 0x80000000)).to(tl.float32, bitcast=True)
 
 
@@ -217,11 +238,12 @@ _ICDF_TABLES: dict = {}
 
 
 def icdf_table(device) -> torch.Tensor:
-    """gaussian-icdf's coefficient table (espert/icdf_table.py) on ``device``: float32 [192, 4], made once
-    per device (so a kernel launch never copies it: call it before a CUDA graph capture)."""
+    """gaussian-icdf's coefficient table (espert/icdf_table.py) on ``device``: the float32 [192, 4] rows as
+    int64 [192, 2] (two coefficients per 8-byte load, _icdf_normal), made once per device (so a kernel
+    launch never copies it: call it before a CUDA graph capture)."""
     key = str(torch.device(device))
     if key not in _ICDF_TABLES:
-        _ICDF_TABLES[key] = torch.from_numpy(_ref.ICDF_TABLE_F32.copy()).to(device)
+        _ICDF_TABLES[key] = torch.from_numpy(_ref.ICDF_TABLE_F32.copy()).view(torch.int64).to(device)
     return _ICDF_TABLES[key]
 
 
@@ -255,10 +277,22 @@ def member_sum(
 @triton.jit
 def _f32_to_bf16_bits(x):
     """Round-to-nearest-even float32 -> bfloat16 bits (low 16 bits of a uint32); any NaN: 0x7FC0."""
+    return _bf16_round_high(x) >> 16
+
+
+@triton.jit
+def _bf16_round_high(x):
+    """float32 x rounded to nearest even at bit 16, as uint32 bits: the bf16 result in the high half; any
+    NaN: CANONICAL_NAN (csrc/noise.h bf16_round_high)."""
     b = x.to(tl.uint32, bitcast=True)
-    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    nan = (b & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan, CANONICAL_NAN >> 16, rounded)
+    return tl.where(x != x, CANONICAL_NAN, b + 0x7FFF + ((b >> 16) & 1))
+
+
+@triton.jit
+def _bf16_add_high(xh, d):
+    """bf16 elements kept in the high half of uint32 words: round(x + d) there; a NaN x keeps its bits."""
+    x = xh.to(tl.float32, bitcast=True)
+    return tl.where(x != x, xh, _bf16_round_high(x + d))
 
 
 @triton.jit
@@ -369,38 +403,129 @@ def _record_misses(ptrs, raw, now, acc, live, rec_ptr, capacity, count_ptr, DTYP
 @triton.jit
 def _add_store(
     row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr,
-    DTYPE: tl.constexpr, F16_HW: tl.constexpr, RECORD: tl.constexpr,
+    DTYPE: tl.constexpr, F16_HW: tl.constexpr, RECORD: tl.constexpr, INTERIOR: tl.constexpr,
 ):  # fmt: skip
     """w <- round(w + acc) at columns col0 + offs of a row of ``cols`` elements (offs: int32, acc's
-    shape); a NaN keeps its bits.  Units wholly inside a 16-byte-aligned row go unmasked, with 16-byte
-    accesses (the alignment checked here, then told to the compiler); the rest masked.  RECORD: list the
-    elements subtraction would not restore (_record_misses)."""
-    start = row_ptr + col0
-    if (col0 >= 0) & (col0 + acc.numel <= cols) & (start.to(tl.int64, bitcast=True) % 16 == 0):
-        ptrs = tl.multiple_of(start, 16) + offs  # aligned: vector accesses
+    shape); a NaN keeps its bits.  INTERIOR: the elements lie inside the row from a 16-byte-aligned
+    ``row_ptr + col0`` (the caller checked): no masks, vector accesses.  Otherwise masked by bounds.
+    RECORD: list the elements subtraction would not restore (_record_misses)."""
+    if INTERIOR:
+        ptrs = tl.multiple_of(row_ptr + col0, 16) + offs
         raw = tl.load(ptrs)
-        x = _widen(raw, DTYPE, F16_HW)
-        now = tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW))
-        tl.store(ptrs, now)
-        if RECORD:
-            _record_misses(ptrs, raw, now, acc, offs >= 0, rec_ptr, capacity, count_ptr, DTYPE, F16_HW)
+        live = offs >= 0
     else:  # a row end or an unaligned row: bounds as int32 scalars clamped to [0, numel]
-        ptrs = start + offs
+        ptrs = row_ptr + col0 + offs
         lo = tl.minimum(tl.maximum(-col0, 0), acc.numel).to(tl.int32)
         hi = tl.minimum(tl.maximum(cols - col0, 0), acc.numel).to(tl.int32)
-        mask = (offs >= lo) & (offs < hi)
-        raw = tl.load(ptrs, mask=mask)
-        x = _widen(raw, DTYPE, F16_HW)
-        now = tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW))
-        tl.store(ptrs, now, mask=mask)
-        if RECORD:
-            _record_misses(ptrs, raw, now, acc, mask, rec_ptr, capacity, count_ptr, DTYPE, F16_HW)
+        live = (offs >= lo) & (offs < hi)
+        raw = tl.load(ptrs, mask=live)
+    x = _widen(raw, DTYPE, F16_HW)
+    now = tl.where(x != x, raw, _narrow(x + acc, DTYPE, F16_HW))
+    tl.store(ptrs, now, mask=None if INTERIOR else live)
+    if RECORD:
+        _record_misses(ptrs, raw, now, acc, live, rec_ptr, capacity, count_ptr, DTYPE, F16_HW)
+
+
+@triton.jit
+def _add_store_bf16_pairs(row_ptr, col0, offs, acc_lo, acc_hi):
+    """An interior bf16 span as 32-bit words of two elements (csrc/cuda add_vec4<kBFloat16>): words
+    ``row_ptr + col0`` + offs (``row_ptr + col0`` 16-byte aligned, inside the row) take acc_lo on their
+    first (low-half) element and acc_hi on the second, rounded in the high half and packed."""
+    ptrs = tl.multiple_of((row_ptr + col0).to(tl.pointer_type(tl.uint32), bitcast=True), 16) + offs
+    w = tl.load(ptrs)
+    lo = _bf16_add_high(w << 16, acc_lo)
+    hi = _bf16_add_high(w & 0xFFFF0000, acc_hi)
+    tl.store(ptrs, (hi & 0xFFFF0000) | (lo >> 16))
 
 
 @triton.jit
 def _seed_coeff(seeds_ptr, coeffs_ptr, m, scale):
     seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
     return seed.to(tl.uint32), (seed >> 32).to(tl.uint32), tl.load(coeffs_ptr + m) * scale
+
+
+@triton.jit
+def _unit(
+    e, i, first, cols, base, g0, row_ptr, key_lo, key_hi, scale, mb, me,
+    seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
+    DTYPE: tl.constexpr, FAMILY: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    F16_HW: tl.constexpr, RECORD: tl.constexpr, INTERIOR: tl.constexpr,
+):  # fmt: skip
+    """One launch unit, BLOCK groups from the row's group g0 (its first column ``first``), in chunks of
+    CHUNK groups: each chunk's sums over the members, kept in registers, then added to its elements."""
+    for k in range(BLOCK // CHUNK):
+        col0 = first + k * (4 * CHUNK)
+        if col0 < cols:  # a chunk beyond the row's end (never an interior one) has nothing to do
+            if FAMILY == 0 or FAMILY == GAUSSIAN_ICDF:  # normals: group g holds columns col0 + 4g .. 4g + 3
+                gl = tl.arange(0, CHUNK)
+                g = g0 + (k * CHUNK + gl).to(tl.uint64)
+                g_lo = g.to(tl.uint32)
+                g_hi = (g >> 32).to(tl.uint32)
+                acc0 = tl.zeros([CHUNK], tl.float32)
+                acc1 = tl.zeros([CHUNK], tl.float32)
+                acc2 = tl.zeros([CHUNK], tl.float32)
+                acc3 = tl.zeros([CHUNK], tl.float32)
+                for m in range(mb, me):
+                    s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
+                    n0, n1, n2, n3 = family_normals4(s_lo, s_hi, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY)
+                    acc0 = acc0 + c * n0
+                    acc1 = acc1 + c * n1
+                    acc2 = acc2 + c * n2
+                    acc3 = acc3 + c * n3
+                # a group's four lanes stay in its thread (join adds a minor axis): [group, lane], in element
+                # order, or as bf16 words [group, word] of lanes (0, 1) and (2, 3)
+                acc_lo = tl.join(acc0, acc2)
+                acc_hi = tl.join(acc1, acc3)
+                pair_offs = 2 * gl[:, None] + tl.arange(0, 2)[None, :]
+                acc = tl.reshape(tl.join(acc_lo, acc_hi), [CHUNK, 4])
+                offs = 4 * gl[:, None] + tl.arange(0, 4)[None, :]
+            elif FAMILY == 1:  # rademacher: CHUNK // 32 whole Philox calls of 128 elements
+                # [pair, word]: the chunk's words on the minor axis, so that a thread holds a word's 32 elements
+                # (bits 2p in acc_lo, 2p + 1 in acc_hi) and computes the Philox call of that word only
+                NW: tl.constexpr = CHUNK // 8
+                wd = tl.arange(0, NW)[None, :]
+                pr = tl.arange(0, 16)[:, None]
+                h = (g0 >> 5) + (k * (CHUNK // 32) + (wd >> 2)).to(tl.uint64) | (1 << 62)
+                h_lo = h.to(tl.uint32)
+                h_hi = (h >> 32).to(tl.uint32)
+                q = wd & 3
+                up = (31 - 2 * pr).to(tl.uint32)  # bit 2p to bit 31
+                acc_lo = tl.zeros([16, NW], tl.float32)
+                acc_hi = tl.zeros([16, NW], tl.float32)
+                for m in range(mb, me):
+                    s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
+                    x0, x1, x2, x3 = philox4x32_10(h_lo, h_hi, key_lo, key_hi, s_lo, s_hi)
+                    word = tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
+                    # c·(±1): c with its sign bit flipped by the element's bit, exact
+                    cb = c.to(tl.uint32, bitcast=True)
+                    acc_lo = acc_lo + (cb ^ ((word << up) & 0x80000000)).to(tl.float32, bitcast=True)
+                    acc_hi = acc_hi + (cb ^ ((word << (up - 1)) & 0x80000000)).to(tl.float32, bitcast=True)
+                pair_offs = wd * 16 + pr
+                acc = tl.join(acc_lo, acc_hi)
+                offs = (wd * 32 + 2 * pr)[:, :, None] + tl.arange(0, 2)[None, None, :]
+            else:  # lowrank: ε = Σ_j fl(A'[i, j]·Bᵀ[j, col]) from the staged A' = K_r·A and Bᵀ
+                offs = tl.arange(0, 4 * CHUNK)
+                inb = offs < tl.minimum(cols - col0, 4 * CHUNK).to(tl.int32)
+                r = tl.load(e + F_RANK)
+                rows = tl.load(e + F_ROWS)
+                sa = tl.load(e + F_STAGE_A).to(tl.pointer_type(tl.float32), bitcast=True)
+                sb = tl.load(e + F_STAGE_B).to(tl.pointer_type(tl.float32), bitcast=True)
+                acc = tl.zeros([4 * CHUNK], tl.float32)
+                for m in range(mb, me):
+                    c = tl.load(coeffs_ptr + m) * scale
+                    mm = m - mb
+                    a_row = sa + (mm * rows + i) * r
+                    b_row = sb + mm * r * cols + col0
+                    t = tl.zeros([4 * CHUNK], tl.float32)
+                    for j in range(r):
+                        t = t + tl.load(a_row + j) * tl.load(b_row + j * cols + offs, mask=inb, other=0.0)
+                    acc = acc + c * t
+            if INTERIOR and DTYPE == BFLOAT16_CODE and not RECORD and FAMILY != LOWRANK_CODE:
+                _add_store_bf16_pairs(row_ptr, col0, pair_offs, acc_lo, acc_hi)
+            else:
+                _add_store(
+                    row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr, DTYPE, F16_HW, RECORD, INTERIOR
+                )
 
 
 # n_entries, n_search and capacity change from call to call (and are 1 for one-tensor calls): specialized, each
@@ -419,6 +544,7 @@ def _apply_kernel(
     DTYPE: tl.constexpr,
     FAMILY: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     F16_HW: tl.constexpr,
     RECORD: tl.constexpr,
 ):
@@ -440,7 +566,10 @@ def _apply_kernel(
     cols = tl.load(e + F_COLS)
     upr = tl.load(e + F_UNITS_PER_ROW)
     local = u - tl.load(e + F_UNIT_START)
-    i = local // upr  # once per program
+    if tl.load(e + F_ROWS) == 1:  # most entries: one row (contiguous tensors are collapsed to one), no divide
+        i = local * 0
+    else:
+        i = local // upr
     blk = local - i * upr
     # logical index of the row's first element, uint64 (offsets may be beyond 2^63)
     ro = tl.load(e + F_ROW_OFFSET).to(tl.uint64, bitcast=True)
@@ -454,66 +583,59 @@ def _apply_kernel(
     mb = tl.load(e + F_MEMBER_BEGIN)
     me = tl.load(e + F_MEMBER_END)
     row_ptr = w_ptr + i * tl.load(e + F_ROW_STRIDE)
+    # the unit's first column and the row's group it starts at: Philox groups (4 elements) aligned to the
+    # logical index, Rademacher's calls of 128 elements too; lowrank groups start at column 0
+    if FAMILY == 0 or FAMILY == GAUSSIAN_ICDF:
+        shift = (base & 3).to(tl.int64)
+        g0 = (base >> 2) + blk.to(tl.uint64) * BLOCK
+    elif FAMILY == 1:
+        shift = (base & 127).to(tl.int64)
+        g0 = ((base >> 7) << 5) + blk.to(tl.uint64) * BLOCK
+    else:
+        shift = blk * 0
+        g0 = blk.to(tl.uint64) * BLOCK
+    first = blk * (4 * BLOCK) - shift
+    # the whole unit inside the row at a 16-byte-aligned address (all units but the row ends, in the usual
+    # tensor): code without masks and with vector accesses
+    if (first >= 0) & (first + 4 * BLOCK <= cols) & ((row_ptr + first).to(tl.int64, bitcast=True) % 16 == 0):
+        _unit(
+            e, i, first, cols, base, g0, row_ptr, key_lo, key_hi, scale, mb, me,
+            seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
+            DTYPE, FAMILY, BLOCK, CHUNK, F16_HW, RECORD, True,
+        )  # fmt: skip
+    else:
+        _unit(
+            e, i, first, cols, base, g0, row_ptr, key_lo, key_hi, scale, mb, me,
+            seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
+            DTYPE, FAMILY, BLOCK, CHUNK, F16_HW, RECORD, False,
+        )  # fmt: skip
 
-    if FAMILY == 0 or FAMILY == GAUSSIAN_ICDF:  # normals: BLOCK groups, the row's first lane base % 4 columns early
-        col0 = blk * (4 * BLOCK) - (base & 3).to(tl.int64)
-        g = (base >> 2) + blk.to(tl.uint64) * BLOCK + tl.arange(0, BLOCK).to(tl.uint64)
-        g_lo = g.to(tl.uint32)
-        g_hi = (g >> 32).to(tl.uint32)
-        acc0 = tl.zeros([BLOCK], tl.float32)
-        acc1 = tl.zeros([BLOCK], tl.float32)
-        acc2 = tl.zeros([BLOCK], tl.float32)
-        acc3 = tl.zeros([BLOCK], tl.float32)
-        for m in range(mb, me):
-            s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
-            n0, n1, n2, n3 = family_normals4(s_lo, s_hi, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY)
-            acc0 = acc0 + c * n0
-            acc1 = acc1 + c * n1
-            acc2 = acc2 + c * n2
-            acc3 = acc3 + c * n3
-        # lanes in element order: interleave(interleave(a0, a2), interleave(a1, a3)) = a0 a1 a2 a3 a0 a1 ...
-        acc = tl.interleave(tl.interleave(acc0, acc2), tl.interleave(acc1, acc3))
-        _add_store(
-            row_ptr, col0, cols, tl.arange(0, 4 * BLOCK), acc, rec_ptr, capacity, count_ptr, DTYPE, F16_HW, RECORD
-        )
-    elif FAMILY == 1:  # rademacher: BLOCK // 32 whole Philox calls of 128 elements
-        NH: tl.constexpr = BLOCK // 32
-        col0 = blk * (4 * BLOCK) - (base & 127).to(tl.int64)
-        h = ((base >> 7) + blk.to(tl.uint64) * NH + tl.arange(0, NH).to(tl.uint64)) | (1 << 62)
-        h_lo = h.to(tl.uint32)[:, None]
-        h_hi = (h >> 32).to(tl.uint32)[:, None]
-        b = tl.arange(0, 128)[None, :]
-        q = b >> 5
-        bit = (b & 31).to(tl.uint32)
-        acc = tl.zeros([NH, 128], tl.float32)
-        for m in range(mb, me):
-            s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
-            x0, x1, x2, x3 = philox4x32_10(h_lo, h_hi, key_lo, key_hi, s_lo, s_hi)
-            word = tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
-            # c·(±1): c with its sign bit flipped by the element's bit, exact
-            flip = ((word >> bit) & 1) << 31
-            acc = acc + (c.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
-        offs = tl.arange(0, NH)[:, None] * 128 + tl.arange(0, 128)[None, :]
-        _add_store(row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr, DTYPE, F16_HW, RECORD)
-    else:  # lowrank: 4·BLOCK columns; ε = Σ_j fl(A'[i, j]·Bᵀ[j, col]) from the staged A' = K_r·A and Bᵀ
-        col0 = blk * (4 * BLOCK)
-        offs = tl.arange(0, 4 * BLOCK)
-        inb = offs < tl.minimum(cols - col0, 4 * BLOCK).to(tl.int32)
-        r = tl.load(e + F_RANK)
-        rows = tl.load(e + F_ROWS)
-        sa = tl.load(e + F_STAGE_A).to(tl.pointer_type(tl.float32), bitcast=True)
-        sb = tl.load(e + F_STAGE_B).to(tl.pointer_type(tl.float32), bitcast=True)
-        acc = tl.zeros([4 * BLOCK], tl.float32)
-        for m in range(mb, me):
-            c = tl.load(coeffs_ptr + m) * scale
-            mm = m - mb
-            a_row = sa + (mm * rows + i) * r
-            b_row = sb + mm * r * cols + col0
-            t = tl.zeros([4 * BLOCK], tl.float32)
-            for j in range(r):
-                t = t + tl.load(a_row + j) * tl.load(b_row + j * cols + offs, mask=inb, other=0.0)
-            acc = acc + c * t
-        _add_store(row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr, DTYPE, F16_HW, RECORD)
+
+#: _apply_kernel's runtime arguments as Triton types (what a launch passes: the tests compile it with these)
+SIGNATURE = {
+    "plan_ptr": "*i64",
+    "n_entries": "i32",
+    "n_search": "i32",
+    "seeds_ptr": "*i64",
+    "coeffs_ptr": "*fp32",
+    "icdf_ptr": "*i64",
+    "rec_ptr": "*i64",
+    "capacity": "i64",
+    "count_ptr": "*i64",
+}
+
+
+def constexprs(
+    dtype: int, family: int, block: int | None = None, record: bool = False, chunk: int | None = None
+) -> dict:
+    """_apply_kernel's compile-time arguments for units of ``block`` groups (default DEFAULT_BLOCK) in chunks
+    of ``chunk`` (default: the family's, at most ``block``) of ``dtype`` and ``family`` (codes), a recording
+    perturb or not."""
+    block = block or DEFAULT_BLOCK
+    chunk = chunk or min(block, RADEMACHER_CHUNK if family == RADEMACHER else CHUNK_GROUPS)
+    assert chunk & (chunk - 1) == 0 and block % chunk == 0, "chunk: a power of two dividing block"
+    assert family != RADEMACHER or chunk >= 32, "rademacher needs chunks of whole Philox calls (>= 32 groups)"
+    return dict(DTYPE=dtype, FAMILY=family, BLOCK=block, CHUNK=chunk, F16_HW=FP16_HW_CVT, RECORD=record)
 
 
 def apply_many(
@@ -522,21 +644,23 @@ def apply_many(
     seeds: torch.Tensor,
     coeffs: torch.Tensor,
     *,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
+    chunk: int | None = None,
     patch=None,
 ) -> None:
     """One launch over plan entries that share a dtype and a family (espert/ops builds and checks
     them, with units of ``block`` groups).  table: int64 [E, len(PLAN_FIELDS)] host copy (for the
     grid); table_dev: the same on the weights' device; seeds: int64 [N] (uint64 bits); coeffs:
-    float32 [N], both on the weights' device.  ``block``: groups per program, a power of two
-    (>= 32 for rademacher), at most 2^18.  ``patch``: a recording perturb's
+    float32 [N], both on the weights' device.  ``block``: groups per program (default DEFAULT_BLOCK), a
+    power of two (>= 32 for rademacher), at most 2^18; ``chunk``: groups a program computes at a time
+    (default: the family's, :func:`constexprs`).  ``patch``: a recording perturb's
     :class:`espert.ops.patch.PatchList` (its records and count device-writable)."""
+    block = block or DEFAULT_BLOCK
     assert block & (block - 1) == 0 and 4 * block <= 2**20, "block: a power of two, at most 2^18"
     if len(table) == 0:
         return
     F = {n: i for i, n in enumerate(PLAN_FIELDS)}
     dtype, family = int(table[0, F["dtype"]]), int(table[0, F["family"]])
-    assert family != RADEMACHER or block >= 32, "rademacher needs block >= 32 (whole Philox calls)"
     live = table[:, F["member_end"]] > table[:, F["member_begin"]]
     units = int(
         (table[:, F["unit_start"]] + np.where(live, table[:, F["rows"]] * table[:, F["units_per_row"]], 0)).max()
@@ -554,11 +678,7 @@ def apply_many(
         seeds if patch is None else patch.records,  # unread when RECORD is off
         0 if patch is None else patch.capacity,
         seeds if patch is None else patch.count,
-        DTYPE=dtype,
-        FAMILY=family,
-        BLOCK=block,
-        F16_HW=FP16_HW_CVT,
-        RECORD=patch is not None,
+        **constexprs(dtype, family, block, record=patch is not None, chunk=chunk),
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
@@ -577,8 +697,9 @@ def apply(
     coeffs: torch.Tensor,
     key: int,
     *,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
     family: int = GAUSSIAN,
+    chunk: int | None = None,
 ) -> None:
     """One tensor, any family but lowrank (``family``): in place on the block ``w`` ([rows, cols], row
     stride ``row_stride`` elements, unit column stride), ``w[i, j] <- round(float32(w[i, j]) +
@@ -602,9 +723,9 @@ def apply(
         scale_bits=ONE_BITS,
         family=family,
         member_end=n,
-        units_per_row=units_per_row(cols, family, block),
+        units_per_row=units_per_row(cols, family, block or DEFAULT_BLOCK),
     )
-    apply_many(table, torch.from_numpy(table.copy()).to(w.device), seeds, coeffs, block=block)
+    apply_many(table, torch.from_numpy(table.copy()).to(w.device), seeds, coeffs, block=block, chunk=chunk)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ from triton.compiler import ASTSource
 from espert.kernels import quant as q
 
 SIG = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "master_ptr": "*fp32", "seeds_ptr": "*i64", "coeffs_ptr": "*fp32",
-       "stage_ptr": "*fp32", "icdf_ptr": "*fp32", "b_off": "i64", "rank": "i64", "n_members": "i32", "units": "i64", "N": "i64", "K": "i64", "ld": "i64", "row_offset": "u64",
+       "stage_ptr": "*fp32", "icdf_ptr": "*i64", "b_off": "i64", "rank": "i64", "n_members": "i32", "units": "i64", "N": "i64", "K": "i64", "ld": "i64", "row_offset": "u64",
        "col_offset": "u64", "logical_cols": "u64", "group": "i64", "scale_ld": "i64", "qmin": "fp32",
        "qmax": "fp32", "key": "u64"}
 out = {}

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from espert.kernels.apply import apply
 
-from espert import noise
+from espert import _C, noise
 
 pytestmark = [  # inf / NaN / overflow cases are deliberate
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -50,13 +50,19 @@ def _seeds(seeds) -> torch.Tensor:
     return torch.tensor(np.array(seeds, dtype=np.uint64).view(np.int64))
 
 
-def check(w: torch.Tensor, seeds, coeffs, key=KEY, row_offset=0, col_offset=0, logical_cols=None, block=BLOCK):
+def check(
+    w: torch.Tensor, seeds, coeffs, key=KEY, row_offset=0, col_offset=0, logical_cols=None, block=BLOCK,
+    family="gaussian", chunk=None,
+):  # fmt: skip
     """Run the kernel in place on ``w`` (1-D, or a 2-D possibly strided view) and compare with the spec."""
     rows, cols = (1, w.shape[0]) if w.dim() == 1 else tuple(w.shape)
     row_stride = cols if w.dim() == 1 else w.stride(0)
     lc = cols if logical_cols is None else logical_cols
     coeffs = np.asarray(coeffs, dtype=np.float32)
-    want = _bits(noise.update_reference(_to_numpy(w), NAMES[w.dtype], seeds, coeffs, key, row_offset, col_offset, lc))
+    want = noise.update_reference(
+        _to_numpy(w), NAMES[w.dtype], seeds, coeffs, key, row_offset, col_offset, lc, noise=family
+    )
+    want = _bits(want)
     apply(
         w,
         CODES[w.dtype],
@@ -70,6 +76,8 @@ def check(w: torch.Tensor, seeds, coeffs, key=KEY, row_offset=0, col_offset=0, l
         torch.tensor(coeffs),
         key,
         block=block,
+        family=_C.FAMILY_CODES[family],
+        chunk=chunk,
     )
     got = _bits(w)
     bad = got != want
@@ -164,6 +172,28 @@ def test_strided_view(dtype):
     outside = torch.ones_like(big, dtype=torch.bool)
     outside[:, 3:40] = False
     assert torch.equal(_bits_t(big)[outside], _bits_t(before)[outside]), "wrote outside the view"
+
+
+@pytest.mark.parametrize("shape", ["interpreter", "gpu"])
+@pytest.mark.parametrize("start", ["aligned", "mid-group"])
+@pytest.mark.parametrize("family", ["gaussian", "gaussian-icdf", "rademacher"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_units_of_several_chunks(dtype, family, start, shape):
+    """Units of several chunks, in the interpreter's shape (1024 elements) and the GPU's (4096): interior
+    units (no masks, vector accesses; bf16 as 32-bit words of two elements) where the rows' groups start at
+    16-byte-aligned addresses, row ends, and rows whose groups start mid-group (every unit masked); special
+    values among them; two members."""
+    block, chunk = (None, None) if shape == "interpreter" else kmod.GPU_SHAPE[:2]
+    if shape == "gpu" and family == "rademacher":
+        chunk = kmod.GPU_SHAPE[2]
+    width = 3 * 4 * (block or kmod.DEFAULT_BLOCK) + 37  # three whole units and a partial one per row
+    big = _weights((3, width + 3), dtype, seed=21)  # row stride: a multiple of 16 bytes
+    big[0, 1000:1008] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40, 3e38, -1e-3])
+    before = big.clone()
+    offsets = dict(row_offset=0, col_offset=0, logical_cols=width) if start == "aligned" else \
+        dict(row_offset=2, col_offset=5, logical_cols=width + 9)  # fmt: skip
+    check(big[:, :width], [31, 32], [0.5, -0.25], block=block, family=family, chunk=chunk, **offsets)
+    assert torch.equal(_bits_t(big)[:, width:], _bits_t(before)[:, width:]), "wrote outside the view"
 
 
 def _bits_t(t: torch.Tensor) -> torch.Tensor:
@@ -326,15 +356,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from espert.kernels import apply as k
 
-SIG = {"plan_ptr": "*i64", "n_entries": "i64", "n_search": "i32", "seeds_ptr": "*i64", "coeffs_ptr": "*fp32",
-       "icdf_ptr": "*fp32", "rec_ptr": "*i64", "capacity": "i64", "count_ptr": "*i64"}
 ICDF = k._C.FAMILY_CODES["gaussian-icdf"]
 # every launch variant, and the recording perturb (restore="patch") of two of them
 cases = [(dt, fam, False) for dt in (k.FLOAT32, k.FLOAT16, k.BFLOAT16) for fam in (k.GAUSSIAN, k.RADEMACHER, k.LOWRANK, ICDF)]
 out = {}
 for dt, fam, record in cases + [(k.BFLOAT16, k.GAUSSIAN, True), (k.BFLOAT16, ICDF, True)]:
-        const = dict(DTYPE=dt, FAMILY=fam, BLOCK=k.DEFAULT_BLOCK, F16_HW=k.FP16_HW_CVT, RECORD=record)
-        sig = dict(SIG, **{c: "constexpr" for c in const})
+        const = k.constexprs(dt, fam, record=record)
+        sig = dict(k.SIGNATURE, **{c: "constexpr" for c in const})
         out[f"{dt}/{fam}" + ("/record" if record else "")] = triton.compile(ASTSource(fn=k._apply_kernel, signature=sig, constexprs=const),
                                            target=GPUTarget("cuda", 90, 32),
                                            options={"enable_fp_fusion": False, "num_warps": k.NUM_WARPS}).asm["ptx"]
