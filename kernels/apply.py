@@ -248,22 +248,27 @@ def icdf_table(device) -> torch.Tensor:
 
 
 @triton.jit
+def _seed_coeff(seeds_ptr, coeffs_ptr, m, scale):
+    """Member m's seed (two uint32 halves) and its coefficient times scale."""
+    seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
+    return seed.to(tl.uint32), (seed >> 32).to(tl.uint32), tl.load(coeffs_ptr + m) * scale
+
+
+@triton.jit
 def member_sum(
-    seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY: tl.constexpr, BLOCK: tl.constexpr
-):
-    """Σ_m coeffs[m]·ε(seeds[m]) for the four lanes of BLOCK groups in normal family FAMILY: the spec's
-    sum, from +0.0 in member order, kept in registers.  seeds: int64 bit patterns of uint64; coeffs:
-    float32."""
+    seeds_ptr, coeffs_ptr, mb, me, scale, key_lo, key_hi, g_lo, g_hi, icdf_ptr,
+    FAMILY: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Σ_m scale·coeffs[m]·ε(seeds[m]) over members [mb, me) for the four lanes of BLOCK groups in normal
+    family FAMILY: the spec's sum, from +0.0 in member order, kept in registers.  seeds: int64 bit
+    patterns of uint64; coeffs: float32."""
     acc0 = tl.zeros([BLOCK], tl.float32)
     acc1 = tl.zeros([BLOCK], tl.float32)
     acc2 = tl.zeros([BLOCK], tl.float32)
     acc3 = tl.zeros([BLOCK], tl.float32)
-    for m in range(n):
-        seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
-        c = tl.load(coeffs_ptr + m)
-        n0, n1, n2, n3 = family_normals4(
-            seed.to(tl.uint32), (seed >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY
-        )
+    for m in range(mb, me):
+        s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
+        n0, n1, n2, n3 = family_normals4(s_lo, s_hi, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY)
         acc0 = acc0 + c * n0
         acc1 = acc1 + c * n1
         acc2 = acc2 + c * n2
@@ -439,12 +444,6 @@ def _add_store_bf16_pairs(row_ptr, col0, offs, acc_lo, acc_hi):
 
 
 @triton.jit
-def _seed_coeff(seeds_ptr, coeffs_ptr, m, scale):
-    seed = tl.load(seeds_ptr + m).to(tl.uint64, bitcast=True)
-    return seed.to(tl.uint32), (seed >> 32).to(tl.uint32), tl.load(coeffs_ptr + m) * scale
-
-
-@triton.jit
 def _unit(
     e, i, first, cols, base, g0, row_ptr, key_lo, key_hi, scale, mb, me,
     seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
@@ -461,17 +460,9 @@ def _unit(
                 g = g0 + (k * CHUNK + gl).to(tl.uint64)
                 g_lo = g.to(tl.uint32)
                 g_hi = (g >> 32).to(tl.uint32)
-                acc0 = tl.zeros([CHUNK], tl.float32)
-                acc1 = tl.zeros([CHUNK], tl.float32)
-                acc2 = tl.zeros([CHUNK], tl.float32)
-                acc3 = tl.zeros([CHUNK], tl.float32)
-                for m in range(mb, me):
-                    s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
-                    n0, n1, n2, n3 = family_normals4(s_lo, s_hi, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY)
-                    acc0 = acc0 + c * n0
-                    acc1 = acc1 + c * n1
-                    acc2 = acc2 + c * n2
-                    acc3 = acc3 + c * n3
+                acc0, acc1, acc2, acc3 = member_sum(
+                    seeds_ptr, coeffs_ptr, mb, me, scale, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY, CHUNK
+                )
                 # a group's four lanes stay in its thread (join adds a minor axis): [group, lane], in element
                 # order, or as bf16 words [group, word] of lanes (0, 1) and (2, 3)
                 acc_lo = tl.join(acc0, acc2)

@@ -348,7 +348,7 @@ def _quant_kernel(
             a0, a1, a2, a3 = _lowrank_sum(stage_ptr, b_off, coeffs_ptr, n_members, rank, N, K, n, k0, mask, BLOCK)
         else:
             a0, a1, a2, a3 = member_sum(
-                seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY, BLOCK
+                seeds_ptr, coeffs_ptr, 0, n_members, 1.0, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY, BLOCK
             )
         if MODE == PERTURB:
             u0, u1, u2, u3 = _sr_uniforms4(s0.to(tl.uint32), (s0 >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
