@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Tables a test hands over with ``record_property("table", text)`` (the SASS instruction budget),
+    printed after the run: passing tests' output is captured, also on xdist workers."""
+    for rep in terminalreporter.stats.get("passed", []):
+        for name, text in getattr(rep, "user_properties", []):
+            if name == "table":
+                terminalreporter.write_sep("-", rep.nodeid)
+                terminalreporter.write_line(text)
+
+
 #: torch's own set_num_threads.  An in-process vLLM CPU engine replaces ``torch.set_num_threads`` with a
 #: no-op for the whole process (vllm/v1/worker/cpu_worker.py, "after the thread binding"), so every
 #: later test would run with whatever thread count was current then (1 after a cpu_threads=1 run).

@@ -272,10 +272,10 @@ def table(m: dict) -> str:
     return "\n".join(lines) + f"\n(memory-bandwidth goal on an H200: {GOAL} per element)"
 
 
-def test_sass_instruction_budget(measured):
+def test_sass_instruction_budget(measured, record_property):
     if not measured:
         pytest.skip("neither nvcc nor Triton available")
-    print("\n" + table(measured))
+    record_property("table", table(measured))  # printed at the end of the run (tests/conftest.py)
     for key, v in measured.items():
         be = key[0]
         assert v["local"] == 0, f"{key}: local memory (spills) in the SASS"
