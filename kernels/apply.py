@@ -445,7 +445,7 @@ def _add_store_bf16_pairs(row_ptr, col0, offs, acc_lo, acc_hi):
 
 @triton.jit
 def _unit(
-    e, i, first, cols, base, g0, row_ptr, key_lo, key_hi, scale, mb, me,
+    e, i, first, cols, g0, row_ptr, key_lo, key_hi, scale, mb, me,
     seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
     DTYPE: tl.constexpr, FAMILY: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
     F16_HW: tl.constexpr, RECORD: tl.constexpr, INTERIOR: tl.constexpr,
@@ -590,13 +590,13 @@ def _apply_kernel(
     # tensor): code without masks and with vector accesses
     if (first >= 0) & (first + 4 * BLOCK <= cols) & ((row_ptr + first).to(tl.int64, bitcast=True) % 16 == 0):
         _unit(
-            e, i, first, cols, base, g0, row_ptr, key_lo, key_hi, scale, mb, me,
+            e, i, first, cols, g0, row_ptr, key_lo, key_hi, scale, mb, me,
             seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
             DTYPE, FAMILY, BLOCK, CHUNK, F16_HW, RECORD, True,
         )  # fmt: skip
     else:
         _unit(
-            e, i, first, cols, base, g0, row_ptr, key_lo, key_hi, scale, mb, me,
+            e, i, first, cols, g0, row_ptr, key_lo, key_hi, scale, mb, me,
             seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
             DTYPE, FAMILY, BLOCK, CHUNK, F16_HW, RECORD, False,
         )  # fmt: skip
