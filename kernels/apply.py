@@ -100,9 +100,9 @@ CANONICAL_NAN: tl.constexpr = tl.constexpr(0x7FC00000)
 
 # Launch shape on GPU (untuned: no GPU yet).  A program owns a unit of DEFAULT_BLOCK groups (4096 elements,
 # as the CUDA kernel's), found once by its plan search and run in chunks on 2 warps: CHUNK_GROUPS = 256 groups
-# for the normal families and lowrank (4 groups, 16 elements per thread: 96-104 registers on sm_90, no
-# spills; 8 groups per thread cost more registers and saved nothing), RADEMACHER_CHUNK = 512 (a thread holds
-# one Philox word's 32 elements).  Tests under the interpreter pass their own block.
+# for the normal families and lowrank (4 groups, 16 elements per thread: 94-127 registers on sm_90 in bf16, no
+# spills; 8 groups per thread took 128-210 and saved about one instruction per element), RADEMACHER_CHUNK =
+# 512 (a thread holds one Philox word's 32 elements; 128 registers).
 DEFAULT_BLOCK, CHUNK_GROUPS, RADEMACHER_CHUNK = GPU_SHAPE = (1024, 256, 512)
 NUM_WARPS = 2
 if os.environ.get("TRITON_INTERPRET") == "1":
