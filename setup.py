@@ -1,4 +1,4 @@
-"""Build espert: the Python package, the Triton kernels in kernels/ (installed as espert.kernels),
+"""Build espert: the Python package (the Triton kernels in espert/kernels/ among it),
 and the compiled module espert._C from csrc/ through CMakeLists.txt (pybind11 + ninja)."""
 
 import os
@@ -83,8 +83,7 @@ setup(
     version="0.1.0",
     description="Evolution-strategies perturbation engine for LLMs: fused counter-based noise kernels",
     python_requires=">=3.10",
-    packages=find_packages(include=["espert", "espert.*"]) + ["espert.kernels"],
-    package_dir={"espert.kernels": "kernels"},
+    packages=find_packages(include=["espert", "espert.*"]),
     ext_modules=[CMakeExtension("espert._C")],
     cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy},
     # what `espert train` (the main job, its report included) needs; espert/extras.py names the rest

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
 
         from espert.center import CenterStore
         from espert.params import torch_param_views
-        from espert.vllm.params import assemble
+        from espert.vllm.wire import assemble
 
         ref = CenterStore(torch_param_views(AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)))
         for _, seeds, coeffs, alpha, n in updates:

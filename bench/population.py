@@ -74,7 +74,7 @@ def _esatscale_edit(worker, seed: int, sigma: float, sign: int) -> None:
         g = torch.Generator(device=v.tensor.device).manual_seed(int(seed))
         noise = torch.randn(v.tensor.shape, generator=g, dtype=v.tensor.dtype, device=v.tensor.device)
         v.tensor.add_(noise, alpha=sign * sigma)
-    c._stale()  # vLLM-CPU: the packed GEMM weights repack at the next forward (espert.vllm.cpu_patch)
+    c._stale()  # vLLM-CPU: the packed GEMM weights repack at the next forward (espert.vllm.patches.cpu_prepack)
 
 
 def run(

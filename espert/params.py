@@ -91,7 +91,7 @@ def total_numel(views: Iterable[ParamView]) -> int:
 
 
 def lora_carried(model: torch.nn.Module, views: Sequence[ParamView]) -> list[ParamView]:
-    """The views a vLLM LoRA adapter carries, for ``vllm_members: batched`` (:mod:`espert.vllm.lora`): the
+    """The views a vLLM LoRA adapter carries, for ``vllm_members: batched`` (:mod:`espert.vllm.engine.lora`): the
     weights of ``nn.Linear`` layers with more than one output row, except the output embeddings (lm_head).
     Embeddings, norms and biases are left out.  The torch side of the rule (replay, exports): tests check it
     selects what vLLM's LoRA layers hold."""

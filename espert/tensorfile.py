@@ -12,7 +12,7 @@ with
 - iteration (may be repeated; each pass streams anew): ``(name, flat element offset, 1-D tensor)``
   pieces, in any order, each of the layout's dtype.
 
-:class:`StateChunks` makes one from a dict of tensors; ``espert.vllm.stream.CenterStream`` streams
+:class:`StateChunks` makes one from a dict of tensors; ``espert.vllm.driver.stream.CenterStream`` streams
 one out of vLLM's workers.
 """
 

@@ -177,6 +177,7 @@ def _triton_device() -> str | None:
 try:
     import triton
     import triton.language as tl
+
     from espert.kernels.quant import _floor
 
     @triton.jit

@@ -34,9 +34,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.tiny",
             "espert.tensorfile",
             "espert.runs.files",  # atomic writes: stdlib only (vLLM's drop-in writes its files with them)
+            "espert.vllm.patches",  # patches of vLLM internals: vLLM and torch only
         ),
     ),
-    ("ops", ("espert._C", "espert._build", "espert.ops", "espert.kernels", "espert.quant.ops", "espert.environment")),
+    # the kernels read the plan that ops builds; ops calls them, never the other way
+    ("kernels", ("espert._C", "espert._build", "espert.kernels")),
+    ("ops", ("espert.ops", "espert.quant.ops", "espert.environment")),
     (
         "params/center",
         (
@@ -47,16 +50,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.quant.model",
             "espert.quant.diagnostics",
             "espert.diagnostics",
-            "espert.vllm.params",
+            "espert.vllm.wire",  # the driver <-> worker format
         ),
     ),
-    ("evaluators", ("espert.evaluators", "espert.vllm")),
+    # the worker side of vLLM (and the class paths users write, which forward to it)
+    ("vllm engine", ("espert.vllm.engine", "espert.vllm.worker", "espert.vllm.compat")),
+    ("evaluators", ("espert.evaluators", "espert.vllm", "espert.vllm.driver")),
     ("es", ("espert.es",)),
     ("runs", ("espert.runs",)),
     ("train", ("espert.trainer", "espert.tracking")),
     (
         "cli/eval",
-        ("espert.cli", "espert.__main__", "espert.eval", "espert.compare", "espert.sweep", "espert.vllm.bench"),
+        ("espert.cli", "espert.__main__", "espert.eval", "espert.compare", "espert.sweep"),
     ),
 ]
 
@@ -75,18 +80,17 @@ def layer_of(mod: str) -> int:
 
 
 def modules() -> dict[str, str]:
-    """Module name -> source path, for espert/ and kernels/ (installed as espert.kernels)."""
+    """Module name -> source path, for everything under espert/."""
     out = {}
-    for top, pkg in (("espert", "espert"), ("kernels", "espert.kernels")):
-        base = os.path.join(ROOT, top)
-        for dirpath, _, files in os.walk(base):
-            for f in files:
-                if not f.endswith(".py"):
-                    continue
-                rel = os.path.relpath(os.path.join(dirpath, f), base)[:-3].split(os.sep)
-                if rel[-1] == "__init__":
-                    rel = rel[:-1]
-                out[".".join([pkg, *rel])] = os.path.join(dirpath, f)
+    base = os.path.join(ROOT, "espert")
+    for dirpath, _, files in os.walk(base):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), base)[:-3].split(os.sep)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            out[".".join(["espert", *rel])] = os.path.join(dirpath, f)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The Triton kernel (kernels/apply.py) against the numpy spec, bit for bit, under the Triton interpreter.
+"""The Triton kernel (espert/kernels/apply.py) against the numpy spec, bit for bit, under the Triton interpreter.
 
 Each interpreted program instance costs milliseconds, so tensors are small and blocks large.
 NaN weights keep their exact bits (the kernel selects the input's bits for a NaN element).
@@ -9,15 +9,15 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
-import espert.kernels.apply as kmod
 import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
-from espert.kernels.apply import apply
 
+import espert.kernels.apply as kmod
 from espert import _C, noise
+from espert.ops.plan import ONE_BITS, plan_fields, plan_table, units_per_row
 
 pytestmark = [  # inf / NaN / overflow cases are deliberate
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -28,6 +28,52 @@ BLOCK = 256  # groups per program in these tests (1024 elements)
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 KEY = noise.param_key("model.layers.0.mlp.up_proj.weight")
+
+
+def apply(
+    w: torch.Tensor,
+    dtype_code: int,
+    rows: int,
+    cols: int,
+    row_stride: int,
+    row_offset: int,
+    col_offset: int,
+    logical_cols: int,
+    seeds: torch.Tensor,
+    coeffs: torch.Tensor,
+    key: int,
+    *,
+    block: int | None = None,
+    family: int = kmod.GAUSSIAN,
+    chunk: int | None = None,
+) -> None:
+    """One tensor, any family but lowrank (``family``): in place on the block ``w`` ([rows, cols], row
+    stride ``row_stride`` elements, unit column stride), ``w[i, j] <- round(float32(w[i, j]) +
+    Σ_m coeffs[m]·ε(seeds[m], key, (row_offset+i)*logical_cols + col_offset + j))``.  A one-entry
+    plan through :func:`espert.kernels.apply.apply_many`, unchecked (the ops layer validates).
+    seeds: int64 [n] (uint64 bit patterns); coeffs: float32 [n]; both on w's device."""
+    n = seeds.numel()
+    if rows == 0 or cols == 0 or n == 0:
+        return
+    table = plan_table(
+        1,
+        data=w.data_ptr(),
+        dtype=dtype_code,
+        rows=rows,
+        cols=cols,
+        row_stride=row_stride,
+        row_offset=row_offset,
+        col_offset=col_offset,
+        logical_cols=logical_cols,
+        key=key,
+        scale_bits=ONE_BITS,
+        family=family,
+        member_end=n,
+        units_per_row=units_per_row(cols, family, block or kmod.DEFAULT_BLOCK),
+    )
+    kmod.apply_many(
+        plan_fields(table), torch.from_numpy(table.copy()).to(w.device), seeds, coeffs, block=block, chunk=chunk
+    )
 
 
 def _to_numpy(w: torch.Tensor) -> np.ndarray:

@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from espert.vllm import VLLMEvaluator, make_llm
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     d = str(tmp_path_factory.mktemp("vllm_tiny_bf16"))
     build_tiny_model(d, seed=0)

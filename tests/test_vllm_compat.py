@@ -68,13 +68,13 @@ def engines(tiny_dir):
 
 
 def exact(engine):
-    from espert.vllm.worker import EXACT_FIELDS
+    from espert.vllm.engine.worker import EXACT_FIELDS
 
     return [{k: r[k] for k in EXACT_FIELDS} for r in ray.get(engine.collective_rpc.remote("es_checksum"))]
 
 
 def center(engine):
-    from espert.vllm.params import assemble
+    from espert.vllm.wire import assemble
 
     return assemble(ray.get(engine.collective_rpc.remote("es_center_state")))
 
@@ -221,7 +221,7 @@ def test_stacked_perturbs_are_one_seed_updates(engines, tiny_dir):
 def test_noise_is_per_parameter(engines):
     e = engines[0]
     ray.get(e.collective_rpc.remote("perturb_self_weights", args=(5, SIGMA, False)))
-    from espert.vllm.params import assemble
+    from espert.vllm.wire import assemble
 
     live = assemble(ray.get(e.collective_rpc.remote("es_live_state")))
     c = center(e)

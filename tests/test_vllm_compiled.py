@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent("""
     res["update_changed"] = after[0] != base[0]
     res["update_tokens"] = after[1]
     if sys.argv[3] == "break":
-        from espert.vllm import cpu_patch
+        from espert.vllm.patches import cpu_prepack  # noqa: F401
         def freeze(w):  # one MLP layer keeps computing from its last pack, as the traced graph did
             for name, m in w.model_runner.model.named_modules():
                 if name.endswith("mlp.gate_up_proj"):

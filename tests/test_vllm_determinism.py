@@ -61,7 +61,7 @@ def test_repeated_greedy_runs_are_bit_identical(model_dir, mode):
     from vllm import SamplingParams
 
     from espert.vllm import make_llm
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     if mode == "tp2" and (os.cpu_count() or 1) < 2:
         pytest.skip("vLLM-CPU TP=2 needs one core per rank")

@@ -5,7 +5,7 @@
 - parameter data pointers never change (CUDA graphs stay valid);
 - perturbing each parameter group (embeddings, attention, mlp, norms, lm_head) changes the
   logprobs, and restoring gives token- and logprob-identical outputs (so the CPU prepack trap is
-  gone: without espert.vllm.cpu_patch, edits of Linear weights and lm_head are ignored);
+  gone: without espert.vllm.patches.cpu_prepack, edits of Linear weights and lm_head are ignored);
 - checksums are cheap and exact.
 """
 
@@ -39,7 +39,7 @@ def ev(tiny_dir):
     task = load_task("copy", "train", n=8)
     e = VLLMEvaluator(make_llm(tiny_dir, max_model_len=64, multiprocess=False), task.score, max_new_tokens=6)
     yield e
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     shutdown_llm(e.llm)
 
@@ -77,9 +77,9 @@ def details(ev, prompts=PROMPTS, n=6):
 
 def test_layers_stay_prepacked_with_their_plain_weight(ev):
     """vLLM's packed kernels stay on (no F.linear), and every layer keeps its plain (N, K) weight for espert."""
-    from espert.vllm import cpu_patch
+    from espert.vllm.patches import cpu_prepack
 
-    assert cpu_patch.installed()
+    assert cpu_prepack.installed()
 
     def probe(worker):
         m = worker.model_runner.model
@@ -123,7 +123,7 @@ def test_repack_is_lazy_and_once_per_change(ev):
 
 
 def test_prepack_trap_is_detected():
-    from espert.vllm.cpu_patch import check_model
+    from espert.vllm.patches.cpu_prepack import check_model
 
     m = torch.nn.Module()
     m.lin = torch.nn.Module()
@@ -211,7 +211,7 @@ def test_checksum_is_exact_and_cheap(ev):
 
 
 def test_errors_name_the_parameter(ev):
-    from espert.vllm.params import LayoutError, vllm_param_views
+    from espert.vllm.engine.params import LayoutError, vllm_param_views
 
     m = torch.nn.Module()
     m.q = torch.nn.Module()

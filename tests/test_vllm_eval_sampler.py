@@ -35,7 +35,7 @@ def test_vllm_sampler_greedy_matches_transformers(tmp_path, monkeypatch):
 def test_vllm_sampler_seeded_chunked_prefill(tmp_path, monkeypatch, set_torch_threads):
     """More prompt tokens than one step's budget: vLLM prefills in chunks and rewinds the seeded generator
     of each partial prefill, which torch's CPU generator cannot do ("CPU Generator does not use offset",
-    EngineDeadError).  espert.vllm.seeded undoes the draw exactly: the samples are deterministic and a
+    EngineDeadError).  espert.vllm.patches.seeded undoes the draw exactly: the samples are deterministic and a
     prompt's samples are those it gets when sampled alone (no chunking)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     set_torch_threads(1)

@@ -25,7 +25,7 @@ MEMBERS = [(s, g) for s in (101, 202, 303, 2**63 + 7) for g in (1, -1)]
 @pytest.fixture(scope="module")
 def ev(tiny_dir):
     from espert.vllm import VLLMEvaluator, make_llm
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     task = load_task("copy", "train", n=64)
     e = VLLMEvaluator(
@@ -102,7 +102,7 @@ def test_edits_at_another_thread_count_repack_correctly(ev, set_torch_threads):
 
 def test_backend_registered():
     from espert.evaluators import get_builder
-    from espert.vllm.pool import build_from_config
+    from espert.vllm.driver.pool import build_from_config
 
     assert get_builder("vllm") is build_from_config
 
@@ -117,8 +117,7 @@ def test_loop_fields_give_the_torch_evaluators_centers(ev, tiny_dir, tmp_path):
     from espert.runs import write_safetensors
     from espert.tensorfile import write_chunks
     from espert.vllm import VLLMEvaluator
-    from espert.vllm.pool import center_kwargs
-    from espert.vllm.stream import checkpoint_rms_scales
+    from espert.vllm.driver.pool import center_kwargs, checkpoint_rms_scales
 
     cfg = ESConfig(
         population=4,

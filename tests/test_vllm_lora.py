@@ -113,7 +113,7 @@ def test_batched_needs_lowrank_noise_and_vllm():
         ESConfig(evaluator="vllm", vllm_members="batched", noise="gaussian")
     with pytest.raises(ValueError, match="evaluator: vllm"):
         ESConfig(evaluator="torch", vllm_members="batched", noise=NOISE)
-    from espert.vllm.lora import batched_rank, lora_rank_for
+    from espert.vllm.engine.lora import batched_rank, lora_rank_for
 
     with pytest.raises(ValueError, match="lowrank"):
         batched_rank("rademacher")
@@ -200,8 +200,8 @@ def test_tp2_slices_hold_each_ranks_piece(tiny_dir, monkeypatch):
 @pytest.mark.parametrize("order", ["slots in order", "runs", "uneven runs", "scattered"])
 def test_cpu_lora_ops_equal_vllms_own(order):
     """espert's CPU LoRA ops against vLLM's gather-per-token CPU ops, on random slots."""
-    import espert.vllm.worker  # noqa: F401  (installs espert's ops, keeping vLLM's in VLLM_OPS)
-    from espert.vllm import lora
+    import espert.vllm.engine.worker  # noqa: F401  (installs espert's ops, keeping vLLM's in VLLM_OPS)
+    from espert.vllm.patches import lora_cpu as lora
 
     g = torch.Generator().manual_seed(0)
     k, r, d_in, d_out = 5, 8, 48, 40

@@ -1,7 +1,7 @@
 """Logical noise for vLLM layouts, without vLLM: shards built by hand as vLLM's loaders build them.
 
 The same perturbation applied (a) to the full logical (checkpoint) tensors and (b) to each rank's
-fused, sharded local tensors through the ParamViews of espert.vllm.params must agree bit for bit,
+fused, sharded local tensors through the ParamViews of espert.vllm.engine.params must agree bit for bit,
 for TP = 1, 2, 4, with k/v heads replicated when tp > kv heads (identical noise on every replica).
 """
 
@@ -11,18 +11,8 @@ import torch
 from espert.center import CenterStore
 from espert.ops import Block, perturb_
 from espert.params import ParamView
-from espert.vllm.params import (
-    LayoutError,
-    Piece,
-    assemble,
-    block_to_tuple,
-    linear_pieces,
-    pack_tensor,
-    piece_views,
-    split_logical,
-    unpack_tensor,
-    vocab_pieces,
-)
+from espert.vllm.engine.params import LayoutError, Piece, linear_pieces, piece_views, vocab_pieces
+from espert.vllm.wire import assemble, block_to_tuple, pack_tensor, split_logical, unpack_tensor
 
 H, HD, NH, NKV, I, V = 64, 16, 4, 2, 96, 37  # hidden, head dim, heads, kv heads, intermediate, vocab
 P = "model.layers.0"
@@ -48,7 +38,7 @@ def logical_model(gen):
 
 
 def vllm_shards(full, rank, tp):
-    """Each rank's live tensors, built like vLLM's weight loaders (independently of espert.vllm.params)."""
+    """Each rank's live tensors, built like vLLM's weight loaders (independently of espert.vllm.engine.params)."""
     g = lambda n: full[n]  # noqa: E731
     a, m = f"{P}.self_attn.", f"{P}.mlp."
     nh = NH // tp

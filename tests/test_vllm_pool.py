@@ -43,7 +43,7 @@ class CrashOnce:
 @pytest.fixture(scope="module")
 def single(tiny_dir):
     from espert.vllm import VLLMEvaluator, make_llm
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     e = VLLMEvaluator(
         make_llm(tiny_dir, max_model_len=64, multiprocess=False), TASK.score, max_new_tokens=6, extract=TASK.extract
@@ -84,7 +84,7 @@ def one_thread(set_torch_threads):
 
 
 def exact(cs):
-    from espert.vllm.worker import EXACT_FIELDS
+    from espert.vllm.engine.worker import EXACT_FIELDS
 
     return [{k: r[k] for k in EXACT_FIELDS} for r in cs]
 
@@ -119,7 +119,7 @@ def test_two_engines_equal_one_engine(pool, single, tmp_path):
 
 
 def test_divergence_stops_loudly(pool):
-    from espert.vllm.pool import ReplicaDivergence
+    from espert.vllm.driver.pool import ReplicaDivergence
 
     ray.get(pool.actors[1].rpc.remote("es_update", [99], [0.1], 1.0))  # one replica drifts
     with pytest.raises(ReplicaDivergence, match="engine 1"):

@@ -25,7 +25,7 @@ LONG = "abcdefabcdefabcdefabcdefabcdefab>"
 @pytest.fixture(scope="module")
 def ev(tmp_path_factory):
     from espert.vllm import VLLMEvaluator, make_llm
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     d = str(tmp_path_factory.mktemp("vllm_tiny_pc"))
     build_tiny_model(d, seed=0)

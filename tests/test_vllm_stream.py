@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 def ev(tiny_dir):
     from espert.tasks import load_task
     from espert.vllm import VLLMEvaluator, make_llm
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     e = VLLMEvaluator(
         make_llm(tiny_dir, max_model_len=64, multiprocess=False),
@@ -52,8 +52,8 @@ def test_center_streams_to_safetensors_in_bounded_chunks(ev, tmp_path):
     from safetensors.torch import load_file
 
     from espert.runs import write_safetensors
-    from espert.vllm.params import assemble
-    from espert.vllm.stream import write_center
+    from espert.vllm.driver.stream import write_center
+    from espert.vllm.wire import assemble
 
     ev.update([5, 6], [1e-3, -2e-3])  # a center that differs from the live bf16-free weights' history
     whole = assemble(ev.rpc("es_center_state"))  # the one-message route
@@ -129,8 +129,8 @@ def test_no_weight_edit_with_requests_in_flight(ev):
 
 
 def test_setup_checks_names_and_shapes_against_the_checkpoint(ev):
-    from espert.vllm.evaluator import parse_rename
-    from espert.vllm.params import LayoutError
+    from espert.vllm.driver.evaluator import parse_rename
+    from espert.vllm.engine.params import LayoutError
 
     try:
         with pytest.raises(LayoutError, match="not in the checkpoint.*output.weight"):

@@ -15,8 +15,8 @@ import torch
 
 from espert.ops import Block
 from espert.runs import write_safetensors
-from espert.vllm.params import block_to_tuple
-from espert.vllm.stream import chunk_plan, pull_center, write_center
+from espert.vllm.driver.stream import pull_center, write_center
+from espert.vllm.wire import block_to_tuple, chunk_plan
 
 
 def logical_state():
@@ -137,7 +137,7 @@ def test_checkpoint_and_export_stream_to_the_bytes_of_the_dicts(tmp_path, chunk_
     smaller than a row) write the files the full dicts give; the export casts chunk by chunk and
     leaves the optimizer slots out."""
     from espert import runs
-    from espert.vllm.stream import CenterStream
+    from espert.vllm.driver.stream import CenterStream
 
     state = logical_state()
     state["norm.weight"] = state["norm.weight"] * 100  # code units: rounding and clamping to int8 matter
@@ -176,7 +176,7 @@ def test_checkpoint_and_export_stream_to_the_bytes_of_the_dicts(tmp_path, chunk_
 
 def test_export_refuses_unknown_names_and_shapes_before_writing(tmp_path):
     from espert import runs
-    from espert.vllm.stream import CenterStream
+    from espert.vllm.driver.stream import CenterStream
 
     state = logical_state()
     base = base_model(tmp_path, state)
@@ -195,7 +195,7 @@ def test_a_stream_that_misses_elements_writes_no_checkpoint(tmp_path):
     """A source whose chunks leave part of a tensor unwritten (here: rank 1 never answers) is an error
     naming the tensor, and the old checkpoint stays: zeros are never saved as weights."""
     from espert import runs
-    from espert.vllm.stream import CenterStream
+    from espert.vllm.driver.stream import CenterStream
 
     state = logical_state()
     path = str(tmp_path / "center.safetensors")

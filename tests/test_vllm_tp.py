@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM-CPU TP=2
 @pytest.fixture(scope="module")
 def ev(tiny_dir):
     from espert.vllm import VLLMEvaluator, make_llm
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
@@ -89,8 +89,7 @@ def test_tp2_loop_fields_give_the_torch_centers(ev, tiny_dir):
     from espert.evaluators.torch_model import rms_scales
     from espert.params import torch_param_views
     from espert.vllm import VLLMEvaluator
-    from espert.vllm.pool import center_kwargs
-    from espert.vllm.stream import checkpoint_rms_scales
+    from espert.vllm.driver.pool import center_kwargs, checkpoint_rms_scales
 
     cfg = ESConfig(
         noise="lowrank:3",

@@ -1,4 +1,4 @@
-"""espert as a vLLM weight-transfer engine (espert/vllm/transfer.py), through vLLM's native RL API.
+"""espert as a vLLM weight-transfer engine (espert/vllm/engine/transfer.py), through vLLM's native RL API.
 
 - an engine with ``WeightTransferConfig(backend="espert")`` starts (vLLM refuses an unregistered backend);
 - ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``
@@ -105,14 +105,14 @@ def check_sequence_matches_extension(ev) -> None:
 
 def payload_bytes(ev) -> list[list[int]]:
     """Per rank: the pickled size of every command the engine received (``ESWeightTransferEngine.payload_bytes``)."""
-    from espert.vllm.transfer import received_bytes
+    from espert.vllm.engine.transfer import received_bytes
 
     return ev.llm.collective_rpc(received_bytes)
 
 
 @pytest.fixture(scope="module")
 def ev1(tiny_dir):
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     e = make(tiny_dir, multiprocess=False)
     yield e
@@ -121,7 +121,7 @@ def ev1(tiny_dir):
 
 def test_backend_registered_and_engine_bound(ev1):
     # collective_rpc calls a function with the worker's wrapper; .worker is the worker itself
-    """Today (before espert/vllm/transfer.py) vLLM refuses backend "espert" at load_model."""
+    """Today (before espert/vllm/engine/transfer.py) vLLM refuses backend "espert" at load_model."""
     kinds = ev1.llm.collective_rpc(
         lambda w: (type(w.weight_transfer_engine).__name__, w.weight_transfer_engine.worker is w.worker)
     )
@@ -203,10 +203,10 @@ def test_bad_init_info_is_refused(ev1):
 
 def test_engine_needs_the_worker_extension(ev1):
     """Built anywhere but in a worker's load_model (here: by hand), the engine has no center to drive."""
-    from espert.vllm.transfer import ESWeightTransferEngine
+    from espert.vllm.engine.transfer import ESWeightTransferEngine
 
     cfg = ev1.llm.llm_engine.vllm_config
-    with pytest.raises(ValueError, match="needs worker_extension_cls='espert.vllm.worker.ESWorkerExtension'"):
+    with pytest.raises(ValueError, match="needs worker_extension_cls='espert.vllm.engine.worker.ESWorkerExtension'"):
         ESWeightTransferEngine(WeightTransferConfig(backend="espert"), cfg, torch.device("cpu"), torch.nn.Linear(2, 2))
 
 
@@ -227,7 +227,7 @@ def test_bench_client_runs_an_es_iteration(ev1):
 
 @pytest.fixture(scope="module")
 def ev2(tiny_dir):
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("vLLM-CPU TP=2 needs one core per rank")

@@ -3,7 +3,7 @@
 A plain ``LLM`` (no espert worker extension) prepacks the Linear weights at load:
 ``qkv_proj.weight`` becomes empty, and editing ``lm_head.weight`` in place does not change the
 logprobs.  With espert's extension the layers stay prepacked, keep their plain weight, and repack
-after every edit (espert/vllm/cpu_patch.py; tests/test_vllm_engine.py shows every edit reaching the
+after every edit (espert/vllm/patches/cpu_prepack.py; tests/test_vllm_engine.py shows every edit reaching the
 packed kernels).  If this test fails because the logprobs *do* change, vLLM stopped prepacking and
 the repack hook may be unnecessary.
 """

@@ -34,7 +34,7 @@ PROMPTS = ["abcd>", "fed>", "cafe>", "bead>"]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from espert.vllm.w8a8 import build_tiny_w8a8_model
+    from espert.vllm.engine.w8a8 import build_tiny_w8a8_model
 
     d = str(tmp_path_factory.mktemp("vllm_w8a8"))
     return d, build_tiny_w8a8_model(d, seed=0)
@@ -43,7 +43,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ev(model):
     from espert.vllm import VLLMEvaluator, make_llm
-    from espert.vllm.evaluator import shutdown_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
 
     task = load_task("copy", "train", n=8)
     e = VLLMEvaluator(make_llm(model[0], max_model_len=64, multiprocess=False), task.score, max_new_tokens=6)
@@ -65,7 +65,7 @@ def live_codes(ev) -> dict[str, torch.Tensor]:
     """The int8 codes espert holds for the live W8A8 layers (what the handlers were rebuilt from), by logical name."""
 
     def probe(worker):
-        q = worker._es_center.quant
+        q = worker._es_center.inner.quant
         return {v.name: v.qw.qweight.clone() for v in q.views}
 
     return ev.llm.collective_rpc(probe)[0]
@@ -77,7 +77,7 @@ def handler_errors(worker):
     the checkpoint codes.  The reference is oneDNN itself, not an exact int32 GEMM: on an AVX2-only CPU
     (no AVX-512 VNNI) vLLM's handler differs from the exact int32 result by up to 24% right after load,
     before any espert edit (measured; oneDNN's non-VNNI int8 path is the likely cause)."""
-    from espert.vllm.w8a8 import repack
+    from espert.vllm.engine.w8a8 import repack
 
     torch.manual_seed(0)
     out = []
@@ -243,8 +243,9 @@ def test_w8a8_refuses_the_float_loop_fields(ev):
 
 
 def test_unsupported_variants_raise():
-    from espert.vllm.params import LayoutError
-    from espert.vllm.w8a8 import W8A8Center, _unsupported
+    from espert.vllm.engine.params import LayoutError
+    from espert.vllm.engine.w8a8 import W8A8Center
+    from espert.vllm.patches.w8a8 import _unsupported
 
     cfg = lambda sym, ch: SimpleNamespace(config=SimpleNamespace(input_symmetric=sym, is_channelwise=ch))  # noqa: E731
     assert "asymmetric" in _unsupported(cfg(False, True))

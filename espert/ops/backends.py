@@ -4,7 +4,7 @@ launch plans in ``run``; quantized lattices in ``quant``, attached by :mod:`espe
 
     cpu     C++ kernels in espert._C (AVX-512, AVX2 or generic, chosen at run time)
     cuda    CUDA kernels in espert._C (when the module was built with nvcc)
-    triton  Triton kernels in kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
+    triton  Triton kernels in espert/kernels/ (GPU; CPU tensors only under TRITON_INTERPRET=1)
 
 ``COUNTERS`` / :func:`counting` count kernel launches and host-to-device copies.
 """
@@ -225,7 +225,7 @@ def _launch_triton(device, steps: list[Step], staged: Staged, patch=None) -> Non
             for e0, e1 in st.groups:
                 COUNTERS["launches"] += 1
                 apply_many(
-                    st.table[e0:e1],
+                    plan_fields(st.table[e0:e1]),
                     dt[e0:e1],
                     staged.seeds,
                     staged.ones if st.ones else staged.coeffs,

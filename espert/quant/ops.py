@@ -11,7 +11,7 @@ Backends (``backend=None``: ``cpu`` for CPU tensors, ``cuda`` (else ``triton``) 
     reference  numpy: unpack -> float -> edit -> repack (slow, obviously correct)
     cpu        C++ / OpenMP, espert._C.quant_cpu (csrc/cpu/quant_cpu.cpp)
     cuda       espert._C.quant_cuda (csrc/cuda/quant_cuda.cu), when built with nvcc
-    triton     kernels/quant.py (GPU; CPU tensors only under TRITON_INTERPRET=1)
+    triton     espert/kernels/quant.py (GPU; CPU tensors only under TRITON_INTERPRET=1)
 
 Every argument is validated before any backend touches memory: an error leaves codes and
 master untouched.

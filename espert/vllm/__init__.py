@@ -1,15 +1,18 @@
-"""espert inside vLLM: worker extension, logical param map, CPU patch, evaluator, engine pool.
+"""espert inside vLLM, by process side.
 
     from espert.vllm import VLLMEvaluator, make_llm, EnginePool
+
+- ``driver/``: the training process's side (the evaluator, the engine pool, center streaming);
+- ``engine/``: what runs inside each vLLM worker (the ``es_*`` RPCs, the logical parameter map);
+- ``wire.py``: the format the two exchange;
+- ``patches/``: every patch of vLLM internals, installed by one version-gated ``install()``.
 
 Importing this package does not import vLLM; the submodules do.  See docs/vllm.md.
 """
 
 from __future__ import annotations
 
-WORKER_EXTENSION = "espert.vllm.worker.ESWorkerExtension"
-
-__all__ = ["WORKER_EXTENSION", "VLLMEvaluator", "make_llm", "EnginePool", "quiet_logging"]
+__all__ = ["VLLMEvaluator", "make_llm", "EnginePool", "quiet_logging"]
 
 
 def quiet_logging(verbose: bool = False) -> None:
@@ -29,11 +32,11 @@ def quiet_logging(verbose: bool = False) -> None:
 
 def __getattr__(name):  # lazy: keep `import espert.vllm` free of the vllm import
     if name in ("VLLMEvaluator", "make_llm"):
-        from espert.vllm import evaluator
+        from espert.vllm.driver import evaluator
 
         return getattr(evaluator, name)
     if name == "EnginePool":
-        from espert.vllm.pool import EnginePool
+        from espert.vllm.driver.pool import EnginePool
 
         return EnginePool
     raise AttributeError(name)

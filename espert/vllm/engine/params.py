@@ -32,6 +32,7 @@ the TP>1 layouts are unit-tested with shards built by hand (tests/test_vllm_para
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -39,6 +40,7 @@ import torch
 
 from espert.ops import DTYPE_CODES, Block
 from espert.params import ParamView, matches
+from espert.tensorfile import read_header
 
 
 class LayoutError(ValueError):
@@ -288,7 +290,7 @@ def vllm_param_views(
         module = modules.get(prefix, model)
         # LoRA-enabled engines wrap each layer (``qkv_proj.base_layer.weight``); the checkpoint name has no wrapper
         pname, prefix = pname.replace(".base_layer.", "."), prefix.removesuffix(".base_layer")
-        if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.w8a8
+        if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.engine.w8a8
             continue
         if p.dtype not in DTYPE_CODES:
             raise LayoutError(
@@ -311,7 +313,7 @@ def vllm_param_views(
         if p.numel() == 0:
             raise LayoutError(
                 f"{pname}: the live weight is empty, so it was repacked at load (vLLM-CPU prepacks "
-                f"Linear weights unless espert.vllm.cpu_patch.install() ran before the model loaded)"
+                f"Linear weights unless espert.vllm.patches.install() ran before the model loaded)"
             )
         if leaf not in ("weight", "bias") and (kind is not None or isinstance(module, VocabParallelEmbedding)):
             raise LayoutError(f"{pname}: unexpected parameter {leaf!r} on {type(module).__name__}")
@@ -362,106 +364,34 @@ def vllm_param_views(
     return views
 
 
-# ---- reassembling logical tensors from pieces --------------------------------------------------
+# ---- the checkpoint the logical names must match ----------------------------------------------
 
 
-def logical_shape(tensor_shape: Sequence[int], block: Block | None) -> tuple[int, ...]:
-    """Shape of the logical parameter a view of ``tensor_shape`` at ``block`` belongs to."""
-    if block is None or block.logical_rows is None:
-        return tuple(tensor_shape)
-    if len(tensor_shape) == 1:
-        return (block.logical_cols,)
-    return (block.logical_rows, block.logical_cols)
+def checkpoint_files(model: str) -> list[str] | None:
+    """The ``*.safetensors`` files of a local model directory or a Hub id already in the local cache (None:
+    none found)."""
+    d = model if os.path.isdir(model) else None
+    if d is None:
+        try:
+            from huggingface_hub import snapshot_download
+
+            d = snapshot_download(model, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached / not a Hub id: nothing to check against
+            return None
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    return [os.path.join(d, f) for f in files] or None
 
 
-def block_slices(shape: Sequence[int], block: Block | None) -> tuple[slice, ...]:
-    """Index of a block of local ``shape`` inside its logical tensor."""
-    if block is None:
-        return tuple(slice(None) for _ in shape)
-    if len(shape) == 1:
-        return (slice(block.col_offset, block.col_offset + shape[0]),)
-    return (slice(block.row_offset, block.row_offset + shape[0]), slice(block.col_offset, block.col_offset + shape[1]))
+def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
+    """``{tensor name: shape}`` from the headers of a checkpoint's ``*.safetensors`` files (no tensor is read).
 
-
-#: dtype name -> dtype of center pieces: the floats, and int64 for the optimizer's step (``optim.step``).
-PIECE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
-_INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bit patterns of a contiguous piece (an integer view of the same element size; no copy)."""
-    return t.view(_INT_OF_SIZE[t.element_size()])
-
-
-def pack_tensor(t: torch.Tensor) -> list:
-    """A host tensor as ``[dtype name, shape, raw bytes]``: survives vLLM's msgpack RPC without
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (which would otherwise turn nested tensors into lists)."""
-    t = t.detach().to("cpu").contiguous()
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in PIECE_DTYPES:
-        raise TypeError(f"cannot pack dtype {t.dtype}")
-    return [name, list(t.shape), bits(t).numpy().tobytes()]
-
-
-def unpack_tensor(x) -> torch.Tensor:
-    """Inverse of :func:`pack_tensor` (also accepts a plain tensor, as in-process RPC returns)."""
-    if isinstance(x, torch.Tensor):
-        return x
-    name, shape, raw = x
-    dt = PIECE_DTYPES[name]
-    buf = bytearray(raw)
-    if not buf:
-        return torch.empty(tuple(shape), dtype=dt)
-    return torch.frombuffer(buf, dtype=dt).reshape(tuple(shape))
-
-
-def block_to_tuple(block: Block | None) -> tuple | None:
-    return None if block is None else (block.row_offset, block.col_offset, block.logical_rows, block.logical_cols)
-
-
-def tuple_to_block(t) -> Block | None:
-    return None if t is None else Block(*t)
-
-
-def assemble(shards: Sequence[Sequence[tuple[str, torch.Tensor, tuple | None]]]) -> dict[str, torch.Tensor]:
-    """Logical tensors from every rank's ``(name, tensor, block tuple)`` pieces.
-
-    Pieces that overlap (k/v replicated over ranks) must agree bit for bit, else ValueError; a
-    logical element that no piece covers is an error too.
+    model: a local directory, or a Hub id already in the local cache.  None when no safetensors
+    checkpoint is found (then names cannot be checked).
     """
-    out: dict[str, torch.Tensor] = {}
-    covered: dict[str, torch.Tensor] = {}
-    for rank_pieces in shards:
-        for name, t, bt in rank_pieces:
-            t = unpack_tensor(t)
-            block = tuple_to_block(bt)
-            shape = logical_shape(t.shape, block)
-            if name not in out:
-                out[name] = torch.zeros(shape, dtype=t.dtype)
-                covered[name] = torch.zeros(shape, dtype=torch.bool)
-            if tuple(out[name].shape) != shape:
-                raise ValueError(f"{name}: pieces disagree on the logical shape ({tuple(out[name].shape)} vs {shape})")
-            idx = block_slices(t.shape, block)
-            dst, seen = out[name][idx], covered[name][idx]
-            if seen.any() and not torch.equal(bits(dst[seen]), bits(t[seen])):
-                raise ValueError(f"{name}: replicated pieces differ between ranks")
-            dst.copy_(t)
-            seen.fill_(True)
-    for name, c in covered.items():
-        if not bool(c.all()):
-            raise ValueError(f"{name}: {int((~c).sum())} logical elements are not covered by any piece")
-    return out
-
-
-def split_logical(views: Sequence[ParamView], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The local blocks of logical tensors ``state`` (name -> full logical tensor) for ``views``, by view name."""
-    out = {}
-    for v in views:
-        if v.name not in state:
-            raise KeyError(f"state has no tensor for {v.name}")
-        full = state[v.name]
-        want = logical_shape(v.tensor.shape, v.block)
-        if tuple(full.shape) != want:
-            raise ValueError(f"{v.name}: state has shape {tuple(full.shape)}, the logical parameter is {want}")
-        out[v.name] = full[block_slices(v.tensor.shape, v.block)]
-    return out
+    files = checkpoint_files(model)
+    if files is None:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        shapes.update({k: tuple(v["shape"]) for k, v in read_header(f)[1].items()})
+    return shapes

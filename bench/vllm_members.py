@@ -1,8 +1,8 @@
 """espert's per-member cost inside vLLM against plain, unpatched vLLM generation, on two model sizes.
 
-    python -m espert.vllm.bench                          # ~4 M and ~46 M parameters, one run
-    python -m espert.vllm.bench --sizes 4m --members 8   # quicker
-    python -m espert.vllm.bench --engines 2              # also: bytes an EnginePool iteration moves
+    python bench/vllm_members.py                          # ~4 M and ~46 M parameters, one run
+    python bench/vllm_members.py --sizes 4m --members 8   # quicker
+    python bench/vllm_members.py --engines 2              # also: bytes an EnginePool iteration moves
 
 For every size, two fresh processes load the same model with the same environment:
 
@@ -148,8 +148,7 @@ def _child_espert(args) -> dict:
 def _run_child(kind: str, model: str, args) -> dict:
     cmd = [
         sys.executable,
-        "-m",
-        "espert.vllm.bench",
+        os.path.abspath(__file__),
         "--child",
         kind,
         "--model",

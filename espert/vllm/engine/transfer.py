@@ -4,7 +4,7 @@ vLLM (0.32 verified here) moves trainer weights into the engine through ``LLM.in
 / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, served in every worker by an
 engine from ``WeightTransferEngineFactory``.  The built-in engines move tensors; this one moves commands
 of a few dozen bytes and applies them with espert's fused ops, in place, on the same
-:class:`~espert.center.CenterStore` as the worker extension (:mod:`espert.vllm.worker`), which builds it.
+:class:`~espert.center.CenterStore` as the worker extension (:mod:`espert.vllm.engine.worker`), which builds it.
 
 Engine (the worker extension is still needed: it installs the CPU patches before the model loads and
 registers this backend, ``"espert"``, in every worker process)::
@@ -82,7 +82,7 @@ OPS: dict[str, dict[str, Any]] = {
 
 def _setup_fields() -> list[tuple]:
     """(name, type, field with its default) of every keyword argument of ``es_setup``."""
-    from espert.vllm.worker import ESWorkerExtension
+    from espert.vllm.engine.worker import ESWorkerExtension
 
     params = list(inspect.signature(ESWorkerExtension.es_setup).parameters.values())[1:]  # after self
     return [(p.name, Any, dataclasses.field(default=p.default)) for p in params]
@@ -163,7 +163,7 @@ def _constructing_worker(model: torch.nn.Module):
     The factory hands an engine only the model, but the center lives on the worker (its extension's
     ``_es_center``, made by ``es_setup``, which needs the model runner).  The worker is the ``self`` of a
     caller frame whose model runner holds exactly ``model``; None when there is none."""
-    from espert.vllm.worker import ESWorkerExtension
+    from espert.vllm.engine.worker import ESWorkerExtension
 
     f = sys._getframe(1)
     while f is not None:
@@ -195,7 +195,7 @@ class ESWeightTransferEngine(WeightTransferEngine[ESInitInfo, ESUpdateInfo]):
         if self.worker is None:
             raise ValueError(
                 f"weight transfer backend {BACKEND!r} needs worker_extension_cls="
-                "'espert.vllm.worker.ESWorkerExtension' (the center lives in the worker extension)"
+                "'espert.vllm.engine.worker.ESWorkerExtension' (the center lives in the worker extension)"
             )
         self.payload_bytes: list[int] = []
 

