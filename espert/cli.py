@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_eval_parser(sub)
         add_analyze_parser(sub)
-        from espert.compare import add_compare_parser
-        from espert.sweep import add_sweep_parser
+        from espert.experiments.compare import add_compare_parser
+        from espert.experiments.sweep import add_sweep_parser
 
         add_compare_parser(sub)
         add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0])

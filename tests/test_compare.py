@@ -1,4 +1,4 @@
-"""ES vs GRPO end to end (espert.compare), the fast variant: same base, task, reward and rollout budget."""
+"""ES vs GRPO end to end (espert.experiments.compare), the fast variant: same base, task, reward and rollout budget."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("trl", reason="the ES-vs-GRPO comparison needs TRL (pip install 'espert[compare]')")
 
 from espert.cli import main  # noqa: E402
-from espert.compare import CompareConfig  # noqa: E402
+from espert.experiments.compare import CompareConfig  # noqa: E402
 
 
 def test_compare_fast_variant_end_to_end(tmp_path):
@@ -74,7 +74,7 @@ def test_compare_fast_variant_end_to_end(tmp_path):
 
 
 def test_schedules_parse_into_phases_that_share_the_budget(capsys):
-    from espert.compare import parse_schedule, phase_budget, schedule_label
+    from espert.experiments.compare.config import parse_schedule, phase_budget, schedule_label
 
     assert parse_schedule("es,grpo") == [("es", 0.5), ("grpo", 0.5)]
     assert parse_schedule("grpo:0.25, es") == [("grpo", 0.25), ("es", 0.75)]
@@ -96,7 +96,8 @@ def test_schedules_parse_into_phases_that_share_the_budget(capsys):
 
 
 def test_entropy_curves_put_every_method_on_the_same_budget_axis():
-    from espert.compare import entropy_curves, probe_steps
+    from espert.experiments.compare.arms import probe_steps
+    from espert.experiments.compare.report import entropy_curves
 
     assert probe_steps(6, 5) == [0, 1, 2, 4, 5, 6] and probe_steps(1, 5) == [0, 1] and probe_steps(4, 0) == []
     probes = {

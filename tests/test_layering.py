@@ -61,7 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("espert.trainer", "espert.tracking")),
     (
         "cli/eval",
-        ("espert.cli", "espert.__main__", "espert.eval", "espert.compare", "espert.sweep"),
+        ("espert.cli", "espert.__main__", "espert.eval", "espert.experiments"),
     ),
 ]
 

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from espert.cli import main
+from espert.experiments.sweep import format_table, parse_grid, point_name, points, smooth
 from espert.runs import LOG, read_log
-from espert.sweep import format_table, parse_grid, point_name, points, smooth
 
 SMALL = [
     "--set",

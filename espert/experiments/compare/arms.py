@@ -1,0 +1,258 @@
+"""The two training methods ``espert compare`` runs on one budget: ES (espert's loop) and GRPO (TRL).
+
+Both count their budget the same way (:func:`token_counter`): one rollout is one completion of one prompt;
+generated tokens are the completion's token ids up to and including the end token.  A :class:`Probe`
+measures the token entropy of each method's policy at equally spaced points of its training.  TRL and
+``datasets`` are imported only when GRPO runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Optional, Sequence
+
+from espert.experiments.compare.config import CompareConfig, load_tasks
+from espert.tasks.base import chat_prompt
+
+
+def token_counter(tokenizer, max_new_tokens: int):
+    """count(completion texts) -> generated tokens, the same rule for both methods: the completion's
+    token ids plus the end token when generation stopped before ``max_new_tokens``."""
+
+    def count(texts: Sequence[str]) -> int:
+        total = 0
+        for t in texts:
+            k = len(tokenizer(t, add_special_tokens=False).input_ids)
+            total += min(k + 1, max_new_tokens)
+        return total
+
+    return count
+
+
+def probe_steps(total: int, points: int) -> list[int]:
+    """The steps ``0 = s_0 < ... < s_points = total`` at which training is probed (equal fractions)."""
+    return sorted({round(i * total / points) for i in range(points + 1)}) if points > 0 else []
+
+
+class Probe:
+    """Token entropy of a policy on the probe set (the held-out prompts): the mean entropy in bits of
+    its next-token distribution along its greedy completions, as ES runs log it at every held-out
+    evaluation (:meth:`espert.evaluators.TorchEvaluator.evaluate_center`).
+
+    One torch copy of the base is loaded once; ``probe(state)`` copies a policy's weights into it
+    (``{name: tensor}``, checkpoint names; ES's ``export_state()`` or GRPO's ``state_dict()``), so the
+    probed model never touches the policy being trained.
+    """
+
+    def __init__(self, base_dir: str, prompts: Sequence[str], cc: CompareConfig):
+        from espert.evaluators import TorchEvaluator, load_model
+
+        self.model, tok = load_model(base_dir)
+        self.prompts = list(prompts)
+        self.ev = TorchEvaluator(
+            self.model,
+            tok,
+            lambda c, a: [0.0] * len(c),
+            max_new_tokens=cc.max_new_tokens,
+            batch_size=256,
+            chat_template=cc.chat_template,
+        )
+
+    def __call__(self, state) -> float:
+        import torch
+
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        live = self.model.state_dict()
+        loaded = {p.data_ptr() for n, p in live.items() if n not in missing}
+        untied = [n for n in missing if live[n].data_ptr() not in loaded]  # tied weights come with their twin
+        if unexpected or untied:
+            raise ValueError(
+                f"probe: weights do not match the base (unexpected {unexpected[:3]}, missing {untied[:3]})"
+            )
+        self.ev.evaluate_center(self.prompts, [""] * len(self.prompts))
+        return float(self.ev.last_token_entropy)
+
+    def of_dir(self, model_dir: str) -> float:
+        """The entropy of the saved model in ``model_dir`` (same architecture as the base)."""
+        from espert.evaluators import load_model
+
+        return self(load_model(model_dir)[0].state_dict())
+
+    def close(self) -> None:
+        self.ev.close()
+
+
+def run_es(
+    base_dir: str, out_dir: str, cc: CompareConfig, echo=print, iterations: Optional[int] = None, probe=None
+) -> dict:
+    """ES on ``cc.task`` from ``base_dir`` for ``iterations`` (default ``cc.iterations``) on
+    ``cc.evaluator``; exports the final center to ``out_dir`` in the base's format; returns the budget
+    (with ``probe_entropy``: ``[(iteration, bits)]`` when a :class:`Probe` is given)."""
+    if iterations is not None:
+        cc = dataclasses.replace(cc, iterations=iterations)
+    from transformers import AutoTokenizer
+
+    from espert.es import es_step, prompt_indices
+    from espert.evaluators import build_evaluator
+    from espert.runs.export import export_model
+
+    train, _ = load_tasks(cc)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    budget, score = _counted(train.score, token_counter(tok, cc.max_new_tokens))
+    cfg = es_config(cc, base_dir)
+    ev = build_evaluator(cfg, base_dir, score)
+    t0 = time.time()
+    curve, entropy = [], []
+    due = set(probe_steps(cc.iterations, cc.probe_points)) if probe else set()
+    try:
+        if 0 in due:
+            entropy.append((0, probe(ev.export_state())))
+        for t in range(1, cc.iterations + 1):
+            idx = prompt_indices(cfg, t, len(train))
+            prompts = [train.prompts[i] for i in idx]
+            budget["prompt_tokens"] += cc.population * sum(
+                len(tok(chat_prompt(tok, p) if cc.chat_template else p).input_ids) for p in prompts
+            )
+            rec = es_step(ev, cfg, t, prompts, [train.answers[i] for i in idx])
+            curve.append(rec["reward"]["mean"])
+            if t in due:
+                entropy.append((t, probe(ev.export_state())))
+            if echo and (t % max(1, cc.iterations // 5) == 0 or t == cc.iterations):
+                echo(f"[compare] ES iteration {t}/{cc.iterations}: mean member reward {rec['reward']['mean']:.3f}")
+        stream = ev.center_stream()  # vLLM: chunk by chunk from the workers; torch: the dict
+        export_model(ev.export_state() if stream is None else stream, base_dir, out_dir)
+    finally:
+        ev.close()
+    budget.update(seconds=round(time.time() - t0, 1), train_reward=curve, probe_entropy=entropy)
+    return budget
+
+
+def _counted(score, count):
+    """(budget, score'): ``score`` that also adds its rollouts and generated tokens to ``budget``."""
+    budget = {"rollouts": 0, "prompt_tokens": 0, "generated_tokens": 0}
+
+    def counted(completions, answers):
+        budget["rollouts"] += len(completions)
+        budget["generated_tokens"] += count(completions)
+        return score(completions, answers)
+
+    return budget, counted
+
+
+def es_config(cc: CompareConfig, base_dir: str):
+    """The :class:`~espert.config.ESConfig` of the ES arm (no held-out evaluation: compare evaluates after)."""
+    from espert.config import ESConfig
+
+    return ESConfig(
+        model=base_dir,
+        task=cc.task,
+        iterations=cc.iterations,
+        population=cc.population,
+        prompts_per_iteration=cc.prompts_per_iteration,
+        sigma=cc.sigma,
+        alpha=cc.alpha,
+        seed=cc.seed,
+        max_new_tokens=cc.max_new_tokens,
+        chat_template=cc.chat_template,
+        evaluator=cc.evaluator,
+        eval_size=0,
+    )
+
+
+def run_grpo(
+    base_dir: str, out_dir: str, cc: CompareConfig, echo=print, steps: Optional[int] = None, probe=None
+) -> dict:
+    """GRPO (``trl.GRPOTrainer``) on ``cc.task`` from ``base_dir`` for ``steps`` optimizer steps (default:
+    ES's rollout budget, :meth:`CompareConfig.grpo_steps`); saves to ``out_dir``.  With ``cc.chat_template``
+    the prompts are TRL's conversational ones, so TRL applies the same template as ES and eval."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    train, _ = load_tasks(cc)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    count = token_counter(tok, cc.max_new_tokens)
+    budget = {"rollouts": 0, "prompt_tokens": 0, "generated_tokens": 0}
+    curve = []
+
+    def task_reward(prompts, completions, answer, **kw):
+        # conversational completions are [{"role": "assistant", "content": text}]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        budget["rollouts"] += len(texts)
+        budget["generated_tokens"] += count(texts)
+        budget["prompt_tokens"] += sum(
+            len(tok(p if isinstance(p, str) else chat_prompt(tok, p[-1]["content"])).input_ids) for p in prompts
+        )
+        r = train.score(texts, answer)
+        curve.append(sum(r) / len(r))
+        return r
+
+    steps = cc.grpo_steps() if steps is None else steps
+    entropy = []
+    prompts = [[{"role": "user", "content": p}] if cc.chat_template else p for p in train.prompts]
+    trainer = GRPOTrainer(
+        model=base_dir,
+        reward_funcs=[task_reward],
+        args=grpo_args(cc, os.path.join(out_dir, "_trl"), steps),
+        train_dataset=Dataset.from_dict({"prompt": prompts, "answer": train.answers}),
+        processing_class=tok,
+        callbacks=[_probe_callback(probe, set(probe_steps(steps, cc.probe_points)) if probe else set(), entropy)],
+    )
+    t0 = time.time()
+    trainer.train()
+    trainer.model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    if echo:
+        echo(f"[compare] GRPO: {steps} steps, last mean reward {curve[-1]:.3f}")
+    # TRL's own token entropy of the policy on its sampled completions (nats), at each logging step:
+    # GRPO's entropy during training, in bits
+    own = [(h["step"], h["entropy"] / math.log(2)) for h in trainer.state.log_history if "entropy" in h]
+    budget.update(
+        seconds=round(time.time() - t0, 1), steps=steps, train_reward=curve, train_entropy=own, probe_entropy=entropy
+    )
+    return budget
+
+
+def grpo_args(cc: CompareConfig, output_dir: str, steps: int):
+    """TRL's ``GRPOConfig`` of the GRPO arm: CPU, no KL term (beta 0), nothing saved or reported by TRL."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        max_steps=steps,
+        learning_rate=cc.learning_rate,
+        per_device_train_batch_size=cc.num_generations * cc.prompts_per_step,
+        num_generations=cc.num_generations,
+        max_completion_length=cc.max_new_tokens,
+        temperature=cc.temperature,
+        beta=0.0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=max(1, steps // 5),
+        seed=cc.seed,
+        disable_tqdm=True,
+        bf16=False,
+        dataloader_num_workers=0,
+    )
+
+
+def _probe_callback(probe, due: set, entropy: list):
+    """A TRL callback appending ``(step, bits)`` of the policy's probe-set token entropy at the due steps
+    (step 0: before the first update)."""
+    from transformers import TrainerCallback
+
+    class ProbeCallback(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            if 0 in due:
+                entropy.append((0, probe(model.state_dict())))
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step in due:
+                entropy.append((state.global_step, probe(model.state_dict())))
+
+    return ProbeCallback()
