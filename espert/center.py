@@ -35,6 +35,8 @@ import torch
 
 from espert import ops
 from espert.noise import NoiseFamily
+from espert.ops import plan
+from espert.ops.checks import geometry
 from espert.params import ParamView, matches
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -42,7 +44,6 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 OPTIM_PREFIX = "optim."
 OPTIM_STEP = "optim.step"
 # Optimizer scratch (the update direction of a chunk) is bounded like restore staging.
-_CHUNK_ELEMS = ops.STAGING_BYTES // 4
 
 
 @runtime_checkable
@@ -172,10 +173,15 @@ class Optimizer:
         raise TypeError(f"optimizer must be a name, a dict or an Optimizer, got {type(spec).__name__}")
 
 
+def _chunk_elems() -> int:
+    """float32 elements of one bounded temporary (``espert.ops.plan.STAGING_BYTES``, read when used)."""
+    return plan.STAGING_BYTES // 4
+
+
 def _chunks(t: torch.Tensor, block: ops.Block | None, limit: int):
     """Yield (flat slice of ``t`` as [k, cols], Block of that slice in the logical parameter), each of at
     most ``limit`` elements when rows allow (a single row longer than ``limit`` is split by columns)."""
-    g = ops._geometry(t, None)  # the [rows, cols] the ops see (contiguous host tensor; 1-D: one row)
+    g = geometry(t, None)  # the [rows, cols] the ops see (contiguous host tensor; 1-D: one row)
     rows, cols = g.rows, g.cols
     flat = t.view(rows, cols)
     b = block or ops.Block()
@@ -387,10 +393,10 @@ class CenterStore:
     def _staged_update(self, seeds: list[int], coeffs: list[float]) -> None:
         """The sgd update on ``update_on``: each ≤ 64 MiB chunk of the master goes up, gets the fused update
         with its Block, and comes back.  The device holds only the staging buffer."""
-        staging = torch.empty(_CHUNK_ELEMS, dtype=torch.float32, device=self.update_on)
+        staging = torch.empty(_chunk_elems(), dtype=torch.float32, device=self.update_on)
         for i, v in enumerate(self.views):
             scale = None if self.sigma_scales is None else [self.sigma_scales[i]]
-            for c, blk in _chunks(self.centers[i], v.block, _CHUNK_ELEMS):
+            for c, blk in _chunks(self.centers[i], v.block, _chunk_elems()):
                 s = staging[: c.numel()].view(c.shape)
                 s.copy_(c, non_blocking=True)
                 ops.es_update_many_([(s, v.key, blk)], seeds, coeffs, noise=self.noise, scales=scale)
@@ -405,7 +411,8 @@ class CenterStore:
             center = self.centers[i]
             slots = {s: self.state[s][i] for s in opt.slots}
             for (c, blk), *states in zip(
-                _chunks(center, v.block, _CHUNK_ELEMS), *[_chunks(slots[s], v.block, _CHUNK_ELEMS) for s in opt.slots]
+                _chunks(center, v.block, _chunk_elems()),
+                *[_chunks(slots[s], v.block, _chunk_elems()) for s in opt.slots],
             ):
                 d = torch.zeros_like(c)
                 ops.es_update_many_([(d, v.key, blk)], seeds, coeffs, noise=self.noise, scales=scale)

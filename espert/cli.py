@@ -25,7 +25,7 @@ import time
 import typing
 from typing import Sequence
 
-from espert.config import RENAMED, ESConfig, deprecated, field_choices, field_help, field_type
+from espert.config import RENAMED, ESConfig, Renamed, field_choices, field_help, field_type, renamed_keys
 from espert.extras import MissingExtra
 
 TRAIN_EPILOG = """examples:
@@ -56,7 +56,7 @@ def load_config_file(path: str) -> dict:
         doc = legacy.v1_defaults(doc)  # a version-1 run's config section copied into a file
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping of config fields")
-    return doc
+    return renamed_keys({k.replace("-", "_"): v for k, v in doc.items()})  # before flags override them
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -84,13 +84,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         else:
             g.add_argument(flag, metavar="STR", **kw)
     for old, new in RENAMED.items():  # deprecated spellings still parse (and say so)
-        g.add_argument(
-            "--" + old.replace("_", "-"),
-            dest=f"_renamed_{old}",
-            default=argparse.SUPPRESS,
-            metavar="STR",
-            help=argparse.SUPPRESS,
-        )
+        g.add_argument("--" + old.replace("_", "-"), dest=new, action=Renamed, new="--" + new.replace("_", "-"))
 
 
 class Version(argparse.Action):
@@ -214,11 +208,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
     """``(config, overrides)``: file values under flag values; on --resume the run's config is the base."""
     overrides = load_config_file(args.config) if args.config else {}
     names = {f.name for f in dataclasses.fields(ESConfig)}
-    for old, new in RENAMED.items():
-        if hasattr(args, f"_renamed_{old}"):
-            deprecated(f"--{old.replace('_', '-')} is deprecated; use --{new.replace('_', '-')}")
-            setattr(args, new, getattr(args, f"_renamed_{old}"))
-            overrides.pop(old, None)
     overrides.update({k: v for k, v in vars(args).items() if k in names})
     if args.resume:
         from espert.runs import read_run_config

@@ -14,6 +14,7 @@ and replay unchanged.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import numbers
@@ -314,13 +315,7 @@ class ESConfig:
         """
         if not isinstance(d, dict):
             raise ValueError(f"a config must be a mapping of field names to values, got {type(d).__name__}")
-        d = {k.replace("-", "_"): v for k, v in d.items()}
-        for old, new in RENAMED.items():
-            if old in d:
-                if new in d:
-                    raise ValueError(f"config has both {old!r} and its new name {new!r}; keep only {new!r}")
-                deprecated(f"config key {old!r} is deprecated; it is now called {new!r}")
-                d[new] = d.pop(old)
+        d = renamed_keys({k.replace("-", "_"): v for k, v in d.items()})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -336,13 +331,42 @@ def did_you_mean(name: str, known) -> str:
     return f"{name!r} (did you mean {close[0]!r}?)" if close else f"{name!r} (see espert train --help)"
 
 
-#: Old key -> new key (old configs and run directories still load).
+#: Old name -> new name of config keys and of their flags (``--backend`` -> ``--evaluator``): the one list of
+#: renamed config fields.  :func:`renamed_keys` reads old keys, :class:`Renamed` old flags.
 RENAMED = {"backend": "evaluator"}
 
 
 def deprecated(msg: str) -> None:
     """One line on stderr (deprecations must be seen by CLI users, who never see DeprecationWarning)."""
     print(f"[espert] deprecated: {msg}", file=sys.stderr)
+
+
+def renamed_keys(d: dict) -> dict:
+    """``d`` with every old key of :data:`RENAMED` under its new name, each saying so once; both names is an error."""
+    for old, new in RENAMED.items():
+        if old in d:
+            if new in d:
+                raise ValueError(f"config has both {old!r} and its new name {new!r}; keep only {new!r}")
+            deprecated(f"config key {old!r} is deprecated; it is now called {new!r}")
+            d = {(new if k == old else k): v for k, v in d.items()}
+    return d
+
+
+class Renamed(argparse.Action):
+    """The one deprecation mechanism of every subcommand's flags: an option's name of an earlier version,
+    parsed into the new option's ``dest`` (through ``convert``, a mapping of old values to new ones), with
+    one deprecation line.  Hidden from ``--help``; sets nothing unless given."""
+
+    def __init__(self, option_strings, dest, new: str, convert: dict | None = None, **kw):
+        if convert:
+            kw["choices"] = list(convert)
+        kw.setdefault("default", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+        self.new, self.convert = new, convert
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        deprecated(f"{option_string} is deprecated; use {self.new}")
+        setattr(namespace, self.dest, self.convert[values] if self.convert else values)
 
 
 def _coerce(name: str, v, hint):
@@ -451,6 +475,8 @@ __all__ = [
     "NORMALIZATIONS",
     "SCHEDULES",
     "RENAMED",
+    "Renamed",
+    "renamed_keys",
     "config_table",
     "write_config_table",
     "field_help",

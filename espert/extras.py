@@ -75,9 +75,9 @@ def require(module: str, purpose: str, alternative: str = "") -> None:
 def config_needs(cfg: Any) -> list[tuple[str, str, str]]:
     """``(module, purpose, alternative)`` for every optional package an ESConfig's run needs."""
     needs = []
-    if getattr(cfg, "evaluator", None) == "vllm":
+    if cfg.evaluator == "vllm":
         needs.append(("vllm", "--evaluator vllm", ""))
-    for tracker in getattr(cfg, "trackers", []) or []:
+    for tracker in cfg.trackers:
         needs.append((tracker, f"--trackers {tracker}", ""))
     return needs  # a task's own needs are checked when it loads (espert.tasks.load_task)
 

@@ -8,6 +8,7 @@ import torch
 
 from espert import ops
 from espert.center import Center, CenterStore, Optimizer
+from espert.ops import plan
 from espert.params import ParamView
 from espert.quant import QuantCenterStore, QuantParamView, quantize_weight
 
@@ -202,10 +203,9 @@ def test_optimizer_state_checkpoints_resume_bit_identically(name):
 
 def test_optimizer_chunks_compose_to_one_pass(monkeypatch):
     """The optimizer forms its step in bounded chunks (Blocks of the view); the bits do not depend on them."""
-    import espert.center as center_mod
 
     big = CenterStore(_views(torch.float32), optimizer="momentum")
-    monkeypatch.setattr(center_mod, "_CHUNK_ELEMS", 5)
+    monkeypatch.setattr(plan, "STAGING_BYTES", 4 * 5)
     small = CenterStore(_views(torch.float32), optimizer="momentum")
     for store in (big, small):
         store.update(SEEDS, COEFFS)
@@ -257,9 +257,8 @@ def test_quant_scale_decays_nothing_when_an_argument_is_bad():
 def test_staged_update_pipeline_gives_the_same_bits(monkeypatch):
     """update_on streams the master through a bounded staging buffer (the GPU update path); on the CPU
     the same pipeline runs and must equal the in-place host update bit for bit."""
-    import espert.center as center_mod
 
-    monkeypatch.setattr(center_mod, "_CHUNK_ELEMS", 7)  # many chunks, rows split
+    monkeypatch.setattr(plan, "STAGING_BYTES", 4 * 7)  # many chunks, rows split
     host, staged = CenterStore(_views()), CenterStore(_views(), update_on="cpu")
     for store in (host, staged):
         store.update(SEEDS, COEFFS, decay=0.99)

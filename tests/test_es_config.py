@@ -31,7 +31,7 @@ def test_docs_table_is_the_generated_one():
 def test_cli_help_and_choices_come_from_the_fields():
     p = build_parser()
     train = next(a for a in p._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
-    by_dest = {a.dest: a for a in train._actions}
+    by_dest = {a.dest: a for a in train._actions if not isinstance(a, C.Renamed)}  # old names share the dest
     helps, choices = C.field_help(), C.field_choices()
     for f in dataclasses.fields(ESConfig):
         a = by_dest[f.name]

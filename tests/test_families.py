@@ -10,6 +10,8 @@ from conftest import bits, ref_bits, to_ref, weights
 
 from espert import noise, ops
 from espert.noise import NoiseFamily
+from espert.ops import plan
+from espert.ops.checks import geometry
 
 BACKENDS = ["cpu", "triton"]
 FAMILIES = ["gaussian", "gaussian-icdf", "rademacher", "lowrank:1", "lowrank:3", "lowrank:4"]
@@ -18,7 +20,7 @@ KEY = noise.param_key("model.layers.1.mlp.down_proj.weight")
 
 def _expect(w, seeds, coeffs, fam, block=None, key=KEY, scale=1.0):
     ref_in, name = to_ref(w)
-    g = ops._geometry(w, block)
+    g = geometry(w, block)
     return ref_bits(
         noise.update_reference(
             ref_in.reshape(g.rows, g.cols),
@@ -39,7 +41,7 @@ def _expect(w, seeds, coeffs, fam, block=None, key=KEY, scale=1.0):
 def _check(w, seeds, coeffs, fam, block=None, backend="cpu"):
     want = _expect(w, seeds, coeffs, fam, block)
     ops.es_update_(w, seeds, coeffs, KEY, block=block, backend=backend, noise=fam)
-    g = ops._geometry(w, block)
+    g = geometry(w, block)
     np.testing.assert_array_equal(bits(w).reshape(g.rows, g.cols), want)
 
 
@@ -112,7 +114,7 @@ def test_many_equals_one_at_a_time_with_scales(backend, fam, rng):
     want = []
     for w, k, s in zip(ws, keys, scales):
         ref_in, name = to_ref(w)
-        g = ops._geometry(w, None)
+        g = geometry(w, None)
         want.append(
             ref_bits(
                 noise.update_reference(
@@ -141,7 +143,7 @@ def test_lowrank_staging_is_split_to_fit(fam, rng, monkeypatch):
     w = weights((40, 90), torch.float32, rng)
     small = [weights((3, 17), torch.bfloat16, rng) for _ in range(3)]
     n = 3
-    monkeypatch.setattr(ops, "STAGING_BYTES", 4 * n * int(fam[-1]) * 40)  # less than one block's staging
+    monkeypatch.setattr(plan, "STAGING_BYTES", 4 * n * int(fam[-1]) * 40)  # less than one block's staging
     want = [_expect(w, [1, 2, 3], [1e-2, 2e-2, -1e-2], fam)] + [
         _expect(s, [1, 2, 3], [1e-2, 2e-2, -1e-2], fam, key=KEY + 1 + i) for i, s in enumerate(small)
     ]

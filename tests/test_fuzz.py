@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from espert import noise, ops
 from espert.center import CenterStore
+from espert.ops.checks import geometry
 from espert.params import ParamView
 from espert.quant import QuantCenterStore, QuantParamView, quantize_weight
 
@@ -77,7 +78,7 @@ def _block(spec):
 
 
 def _expected(w, seeds, coeffs, key, block):
-    g = ops._geometry(w, block)
+    g = geometry(w, block)
     ref_in, name = to_ref(w)
     with np.errstate(over="raise"):  # a coefficient that overflows float32 cannot be evaluated
         c32 = [float(np.float32(c)) for c in coeffs]

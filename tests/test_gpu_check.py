@@ -84,14 +84,15 @@ def test_gpu_test_geometry_is_valid_at_both_sizes(cuda):
     from test_gpu import blocks, sizes
 
     from espert import ops
+    from espert.ops.checks import geometry
 
     sz = sizes(cuda)
     for start in sz["long_starts"]:
-        ops._geometry(
+        geometry(
             torch.empty(sz["long_n"], device="meta"), ops.Block(col_offset=start, logical_cols=start + sz["long_n"])
         )
     for cols, block in blocks(sz).values():
-        ops._geometry(torch.empty(sz["rows"], cols, device="meta"), block)
+        geometry(torch.empty(sz["rows"], cols, device="meta"), block)
 
 
 def _gpu_step_limits(text: str) -> tuple[int | None, list[tuple[str, int]]]:

@@ -10,6 +10,7 @@ import torch
 from conftest import bits, ref_bits, to_ref, weights
 
 from espert import noise, ops
+from espert.ops.checks import geometry
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BACKENDS = ["cpu", "triton"]
@@ -18,7 +19,7 @@ KEY = noise.param_key("model.layers.3.mlp.up_proj.weight")
 
 def _check_update(w, seeds, coeffs, block=None, backend="cpu"):
     ref_in, name = to_ref(w)
-    g = ops._geometry(w, block)
+    g = geometry(w, block)
     ref = noise.update_reference(
         ref_in.reshape(g.rows, g.cols), name, seeds, coeffs, KEY, g.row_offset, g.col_offset, g.logical_cols
     )

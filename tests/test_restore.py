@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from espert import ops
+from espert.ops import plan
 
 
 def _i16(xs):
@@ -60,7 +61,7 @@ def test_restore_refuses_meta_and_strided_centers():
 
 
 def test_restore_in_bounded_chunks_matches_a_cast(monkeypatch):
-    monkeypatch.setattr(ops, "STAGING_BYTES", 256)  # many chunks
+    monkeypatch.setattr(plan, "STAGING_BYTES", 256)  # many chunks
     center = torch.randn(37, 29) * 0.02
     w = torch.empty(37, 29, dtype=torch.bfloat16)
     ops.restore_(w, center)

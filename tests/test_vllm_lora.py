@@ -191,8 +191,8 @@ def test_tp2_slices_hold_each_ranks_piece(tiny_dir, monkeypatch):
     kinds = {n.split(".")[-2] for n in tp.info[0]["params"]}
     assert kinds == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
-    assert [next(b for n, _, b in r if n == q)[0] for r in layout] == [0, 32]  # q: row shards
-    assert [next(b for n, _, b in r if n == o)[1] for r in layout] == [0, 32]  # o_proj: column shards
+    assert [next(b for n, _, b, _ in r if n == q)[0] for r in layout] == [0, 32]  # q: row shards
+    assert [next(b for n, _, b, _ in r if n == o)[1] for r in layout] == [0, 32]  # o_proj: column shards
     assert len(set(serial)) > 2
     assert sum(a == b for a, b in zip(batched, serial)) >= len(MEMBERS) - 1, (batched, serial)
 

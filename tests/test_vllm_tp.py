@@ -50,10 +50,10 @@ def test_tp2_multiprocess_matches_transformers(ev, tiny_dir):
     assert [r["tp_size"] for r in ev.info] == [2, 2]
     layout = ev.rpc("es_layout")
     q = "model.layers.0.self_attn.q_proj.weight"
-    blocks = [next(b for n, _, b in rank if n == q) for rank in layout]
+    blocks = [next(b for n, _, b, _ in rank if n == q) for rank in layout]
     assert [b[0] for b in blocks] == [0, 32]  # q rows split over the ranks
     o = "model.layers.0.self_attn.o_proj.weight"
-    assert [next(b for n, _, b in rank if n == o)[1] for rank in layout] == [0, 32]  # o_proj: column shards
+    assert [next(b for n, _, b, _ in rank if n == o)[1] for rank in layout] == [0, 32]  # o_proj: column shards
 
     model, tok = load_model(tiny_dir)
     ref = dict(model.named_parameters())

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from espert.config import deprecated
+from espert.config import Renamed
 from espert.extras import require
 
 EVAL_EPILOG = """examples:
@@ -25,21 +25,6 @@ EVAL_EPILOG = """examples:
       --base base -n 16 --limit 200 --out eval_out
   espert eval --samples eval_out/samples_base.jsonl eval_out/samples_es.jsonl --base base --out rescored
 """
-
-
-class Renamed(argparse.Action):
-    """An option's name of an earlier version: parses into the new option's ``dest`` (through
-    ``convert``, a mapping of old values to new ones) and prints one deprecation line."""
-
-    def __init__(self, option_strings, dest, new: str, convert: Optional[dict] = None, **kw):
-        if convert:
-            kw["choices"] = list(convert)
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
-        self.new, self.convert = new, convert
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        deprecated(f"{option_string} is deprecated; use {self.new}")
-        setattr(namespace, self.dest, self.convert[values] if self.convert else values)
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:

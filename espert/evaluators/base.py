@@ -171,9 +171,8 @@ def score_members(
                 rewards, extracted = rewards
             t["generate"] += time.perf_counter() - t1
         except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
-            if member_errors == "raise":
+            if not tolerated(member_errors, f"member (seed={seed}, sign={sign:+d})", e):
                 raise
-            log.warning("member (seed=%d, sign=%+d) failed, dropped: %r", seed, sign, e)
             rewards, extracted = [math.nan], [None] * len(prompts)
         finally:
             t2 = time.perf_counter()
@@ -184,6 +183,15 @@ def score_members(
             answers_out.append(list(extracted))
         out.append(math.fsum(rewards) / len(rewards) if rewards else math.nan)
     return out
+
+
+def tolerated(member_errors: str, what: str, e: BaseException) -> bool:
+    """The ``member_errors`` rule, in one place: False under ``"raise"`` (the caller re-raises ``e``); under
+    ``"nan"`` log that ``what`` failed and was dropped (its members score nan), and return True."""
+    if member_errors == "raise":
+        return False
+    log.warning("%s failed, dropped: %r", what, e)
+    return True
 
 
 def score_and_extract(

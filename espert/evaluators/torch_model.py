@@ -106,7 +106,7 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
         quantized = quantize_model(model, cfg.quant, group_size=cfg.quant_group_size)
         return model_quant_center(quantized, pin=pin, noise=cfg.noise)
     views = torch_param_views(model, include=cfg.include, exclude=cfg.exclude)
-    if getattr(cfg, "vllm_members", "serial") == "batched":  # vLLM's LoRA members move only these
+    if cfg.vllm_members == "batched":  # vLLM's LoRA members move only these
         views = lora_carried(model, views)
     return CenterStore(
         views,
@@ -116,7 +116,7 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
         optimizer=optimizer_spec(cfg),
         sigma_scales=rms_scales(views) if cfg.sigma_mode == "rms" else None,
         no_decay=cfg.weight_decay_exclude,
-        restore=getattr(cfg, "restore", "copy"),
+        restore=cfg.restore,
     )
 
 

@@ -21,15 +21,13 @@ dispatched by layout to the lattice kernels of ``espert.quant`` (docs/quantized.
 The package: :mod:`.checks` (argument rules, :class:`Block`), :mod:`.plan` (the typed plan row and
 the launch plan), :mod:`.backends` (the registry and the runners), :mod:`.core` (the ops),
 :mod:`.prepared` (a call planned once, for CUDA graphs), :mod:`.patch` (restore="patch": a perturb's
-patch list) and :mod:`.torch_ops` (the torch operators).
+patch list) and :mod:`.torch_ops` (the torch operators).  Bounded temporaries: ``plan.STAGING_BYTES``
+(tests and tuning set it there; every op reads it when it runs).
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
-from . import plan
+from . import plan  # noqa: F401  (espert.ops.plan: the plan row, and STAGING_BYTES)
 from .backends import (
     BACKENDS,
     COUNTERS,
@@ -41,7 +39,6 @@ from .backends import (
     register_quant_runner,
     sync_cpu_threads,
 )
-from .backends import select as _backend
 from .checks import (
     DTYPE_CODES,
     U64,
@@ -54,8 +51,6 @@ from .checks import (
     check_u64,
     op_args,
 )
-from .checks import check_u64 as _check_u64
-from .checks import geometry as _geometry
 from .core import (
     WeightType,
     cast_exact_,
@@ -79,7 +74,6 @@ __all__ = [
     "FAMILY_CODES",
     "PLAN_DTYPE",
     "PLAN_FIELDS",
-    "STAGING_BYTES",
     "U64",
     "Backend",
     "Block",
@@ -110,21 +104,3 @@ __all__ = [
     "sync_cpu_threads",
     "units_per_row",
 ]
-# Older names other modules and tests use: ops._geometry, ops._backend, ops._check_u64.
-_COMPAT = (_backend, _check_u64, _geometry)
-
-
-class _Ops(types.ModuleType):
-    """``ops.STAGING_BYTES`` reads and sets the one value the plan and the ops use (in plan.py), so
-    ``ops.STAGING_BYTES = n`` (tests, tuning) still bounds every temporary."""
-
-    @property
-    def STAGING_BYTES(self) -> int:
-        return plan.STAGING_BYTES
-
-    @STAGING_BYTES.setter
-    def STAGING_BYTES(self, value: int) -> None:
-        plan.STAGING_BYTES = value
-
-
-sys.modules[__name__].__class__ = _Ops

@@ -28,7 +28,8 @@ import torch
 
 from espert import _C, noise, ops
 from espert.noise import NoiseFamily
-from espert.ops import STAGING_BYTES, sync_cpu_threads
+from espert.ops import plan, sync_cpu_threads
+from espert.ops.backends import select as select_backend
 from espert.ops.backends import upload
 from espert.ops.checks import U64, Block, check_members, check_sigma, check_sign, check_u64
 
@@ -345,10 +346,10 @@ def _noise(fam: NoiseFamily, g: QGeometry, key: int, seeds: np.ndarray, device, 
     r = fam.rank
     if g.logical_rows * r >= U64 or r * g.logical_cols >= U64:
         raise ValueError(f"{fam} needs logical_rows·r and r·logical_cols below 2^64")
-    if 4 * len(seeds) * r * (g.N + g.K) > STAGING_BYTES:
+    if 4 * len(seeds) * r * (g.N + g.K) > plan.STAGING_BYTES:
         raise ValueError(
             f"{fam} with {len(seeds)} members on a quantized [{g.N}, {g.K}] block needs more than "
-            f"{STAGING_BYTES >> 20} MiB of staging; use fewer members per call"
+            f"{plan.STAGING_BYTES >> 20} MiB of staging; use fewer members per call"
         )
     if backend == "reference":
         return QNoise("lowrank", r)
@@ -359,7 +360,7 @@ def _noise(fam: NoiseFamily, g: QGeometry, key: int, seeds: np.ndarray, device, 
 
 
 def _run(qw: QuantWeight, g: QGeometry, master, mode: str, seeds, coeffs, key: int, fam, backend: str | None):
-    be = ops._backend(qw.qweight, backend, "quant")
+    be = select_backend(qw.qweight, backend, "quant")
     qn = _noise(fam, g, key, seeds, qw.qweight.device, be.name)
     be.quant(qw, g, master, mode, seeds, coeffs, key, qn)
 
@@ -446,7 +447,7 @@ def restore_q(qw: QuantWeight, codes: torch.Tensor) -> QuantWeight:
     rows_dst = q if q.dim() > 1 else q.unsqueeze(0)
     rows_src = codes.reshape(rows_dst.shape)
     row_bytes = max(1, rows_src.shape[1] * rows_src.element_size())
-    step = max(1, STAGING_BYTES // row_bytes)
+    step = max(1, plan.STAGING_BYTES // row_bytes)
     for i in range(0, rows_dst.shape[0], step):
         rows_dst[i : i + step].copy_(rows_src[i : i + step])
     return qw

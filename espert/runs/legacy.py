@@ -10,25 +10,31 @@ where each difference is handled:
       old behaviour of the fields whose default changed since (``prompt_sampler: python_random``, which
       ``espert.es.prompt_indices`` still implements);
    b. fields added later (:data:`RUN_ADDED_DEFAULTS`) get the behaviour of the runs written before them;
-   c. the key ``backend`` (now ``evaluator``) is renamed by ``ESConfig.from_dict`` (``config.RENAMED``,
-      with a deprecation message), because hand-written config files use it too.
+   c. a renamed key (``backend``, now ``evaluator``: ``config.RENAMED``) is read under its new name,
+      silently (a hand-written config file with it gets a deprecation line from ``ESConfig.from_dict``).
 
 2. ``base_fingerprint`` without ``files`` (version 1: config.json and the weight files' names and
    sizes): ``check_base`` hands it to :func:`check_base_v1`.
 3. log lines without a ``crc32`` (written before checksums): read as they are (``log._parse_line``).
 4. a log without ``checkpoint`` records: the center checkpoint is loaded unverified, with a note
-   (``Run.load_checkpoint``).
+   (:func:`note_unverified_checkpoint`, from ``Run.load_checkpoint``).
 5. a log without a ``task`` record, ``iter`` records without ``prompt_indices``: resume skips those
    checks (``espert.trainer``).
-6. what a killed setup of older espert versions left (:func:`abandoned_setup`): ``Run.open`` replaces it.
+6. what a killed setup of older espert versions left (:func:`abandoned_setup`): ``Run.open`` accepts the
+   directory and ``Run.commit`` replaces it (:func:`clear_abandoned_setup`).
+7. a config of a version-1 run (rule 1a) samples prompts with ``prompt_sampler: python_random``, which
+   ``espert.es.prompt_indices`` keeps as a sampler (the ES layer sits below the run files, so the rule
+   selects it here and the derivation stays there).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from typing import Callable
 
+from espert.config import RENAMED
 from espert.runs.files import BASE, CONFIG, LOG, WEIGHT_SUFFIXES, RunError
 
 #: Every field of a version-1 run config (before ``evaluator`` and the fields below existed).
@@ -55,8 +61,12 @@ def v1_defaults(d: dict) -> dict:
 
 
 def upgrade_config(d: dict) -> dict:
-    """Rules 1a and 1b: a run directory's stored config mapping as today's ``ESConfig.from_dict`` reads it."""
-    return {**RUN_ADDED_DEFAULTS, **v1_defaults(d)}
+    """Rules 1a-1c: a run directory's stored config mapping as today's ``ESConfig.from_dict`` reads it."""
+    d = {**RUN_ADDED_DEFAULTS, **v1_defaults(d)}  # v1 is recognized by its old key names
+    for old, new in RENAMED.items():
+        if old in d and new not in d:
+            d = {(new if k == old else k): v for k, v in d.items()}
+    return d
 
 
 def upgrade(doc: dict) -> dict:
@@ -92,6 +102,17 @@ def check_base_v1(path: str, want: dict, echo: Callable[[str], None] | None = No
             f"[espert] note: this run directory records only config.json and weight file sizes of its base "
             f"model (older espert), so the weight contents at {path} cannot be verified"
         )
+
+
+def note_unverified_checkpoint(path: str, echo) -> None:
+    """Rule 4: a center checkpoint with no checksum in the log (written by an older espert) loads unverified."""
+    echo(f"[espert] note: {path} has no checksum in {LOG} (older espert); loaded unverified")
+
+
+def clear_abandoned_setup(final: str) -> None:
+    """Rule 6: what a killed setup of an older espert left at a new run's place is replaced whole."""
+    if os.path.isdir(final) and os.listdir(final):
+        shutil.rmtree(final)
 
 
 def abandoned_setup(run_dir: str) -> bool:

@@ -41,7 +41,7 @@ from espert.runs.files import (
 )
 from espert.runs.fingerprint import base_fingerprint, check_base
 from espert.runs.gguf import gguf_path, is_gguf
-from espert.runs.legacy import abandoned_setup, upgrade
+from espert.runs.legacy import abandoned_setup, clear_abandoned_setup, note_unverified_checkpoint, upgrade
 from espert.runs.log import checkpoint_hashes, iteration_records, log_line, read_log
 from espert.tensorfile import FileChunks
 
@@ -155,6 +155,55 @@ def _remove_stale_setups(parent: str, name: str) -> None:
                 pass
 
 
+def resume_changes(stored: ESConfig, cfg: ESConfig, run_dir: str) -> dict[str, tuple]:
+    """``{field: (stored, given)}`` of what a resume changes; ValueError listing every change that is not
+    resumable (:data:`RESUMABLE_CHANGES`; ``iterations`` only with constant schedules)."""
+    diff = {k: (getattr(stored, k), getattr(cfg, k)) for k in stored.to_dict() if getattr(stored, k) != getattr(cfg, k)}
+    bad = {k: v for k, v in diff.items() if k not in RESUMABLE_CHANGES}
+    if "iterations" in diff and (cfg.sigma_schedule != "constant" or cfg.alpha_schedule != "constant"):
+        bad["iterations"] = diff["iterations"]
+    if bad:
+        lines = "; ".join(f"{k}: run has {a!r}, given {b!r}" for k, (a, b) in sorted(bad.items()))
+        raise ValueError(
+            f"config mismatch on resume of {run_dir}: {lines}. Resume with the run's own "
+            f"config (only {', '.join(RESUMABLE_CHANGES)} may change; iterations only with "
+            f"constant schedules), or start a new run directory."
+        )
+    return diff
+
+
+def _refuse_occupied(run_dir: str) -> None:
+    """FileExistsError unless ``run_dir`` is free for a new run: missing, empty, or what a killed setup of an
+    older espert left (:func:`espert.runs.legacy.abandoned_setup`)."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise FileExistsError(f"{run_dir} exists and is not a directory")
+    if not os.path.isdir(run_dir) or abandoned_setup(run_dir):
+        return
+    if _holds_run(run_dir):
+        raise FileExistsError(
+            f"{run_dir} already holds an espert run; pass --resume to continue it, or choose another --run-dir"
+        )
+    if os.listdir(run_dir):
+        raise FileExistsError(f"{run_dir} is not empty and holds no espert run; choose another --run-dir")
+
+
+def _new_doc(cfg: ESConfig, ref: str) -> dict:
+    """A new run's config.yaml document (its base fingerprint is filled in once the base is in place)."""
+    from espert import __version__
+    from espert.environment import describe
+
+    return {
+        "format": FORMAT,
+        "espert_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "base_model": ref,
+        "base_fingerprint": None,
+        "task": cfg.task,
+        "config": cfg.to_dict(),
+        "environment": describe(),  # what `espert env` prints: commit, kernels, package versions
+    }
+
+
 class Run:
     """A run directory opened for training (new or resumed)."""
 
@@ -225,72 +274,45 @@ class Run:
         only with constant schedules); anything else raises ValueError listing the differences.
         """
         if resume:
-            doc = read_run_config(run_dir)
-            stored = ESConfig.from_dict(doc["config"])
-            cfg = cfg or stored
-            diff = {
-                k: (getattr(stored, k), getattr(cfg, k))
-                for k in stored.to_dict()
-                if getattr(stored, k) != getattr(cfg, k)
-            }
-            bad = {k: v for k, v in diff.items() if k not in RESUMABLE_CHANGES}
-            if "iterations" in diff and (cfg.sigma_schedule != "constant" or cfg.alpha_schedule != "constant"):
-                bad["iterations"] = diff["iterations"]
-            if bad:
-                lines = "; ".join(f"{k}: run has {a!r}, given {b!r}" for k, (a, b) in sorted(bad.items()))
-                raise ValueError(
-                    f"config mismatch on resume of {run_dir}: {lines}. Resume with the run's own "
-                    f"config (only {', '.join(RESUMABLE_CHANGES)} may change; iterations only with "
-                    f"constant schedules), or start a new run directory."
-                )
-            if is_gguf(doc["base_model"]):  # the file's sha256 before its (cached) conversion is looked up
-                check_base(doc["base_model"], doc.get("base_fingerprint"), echo)
-            check_inputs(cfg, doc["base_model"])
-            run = cls(run_dir, cfg, doc, echo)
-            try:
-                run._ensure_base()
-                if diff:
-                    run.doc["config"] = cfg.to_dict()
-                    run._write_config()
-                    run.echo(f"[espert] resume: changed {', '.join(f'{k}={b!r}' for k, (_, b) in diff.items())}")
-            except BaseException:
-                run.close()  # the writer lock too
-                raise
-            return run
+            return cls._reopen(run_dir, cfg, echo)
         if cfg is None:
             raise ValueError("a new run needs a config (cfg=None is only for resuming)")
-        if os.path.isdir(run_dir) and _holds_run(run_dir) and not abandoned_setup(run_dir):
-            raise FileExistsError(
-                f"{run_dir} already holds an espert run; pass --resume to continue it, or choose another --run-dir"
-            )
-        if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-            raise FileExistsError(f"{run_dir} exists and is not a directory")
-        if os.path.isdir(run_dir) and os.listdir(run_dir) and not abandoned_setup(run_dir):
-            raise FileExistsError(f"{run_dir} is not empty and holds no espert run; choose another --run-dir")
+        _refuse_occupied(run_dir)
+        return cls._create(run_dir, cfg, echo)
+
+    @classmethod
+    def _reopen(cls, run_dir: str, cfg: ESConfig | None, echo) -> "Run":
+        doc = read_run_config(run_dir)
+        stored = ESConfig.from_dict(doc["config"])
+        cfg = cfg or stored
+        diff = resume_changes(stored, cfg, run_dir)
+        if is_gguf(doc["base_model"]):  # the file's sha256 before its (cached) conversion is looked up
+            check_base(doc["base_model"], doc.get("base_fingerprint"), echo)
+        check_inputs(cfg, doc["base_model"])
+        run = cls(run_dir, cfg, doc, echo)
+        try:
+            run._ensure_base()
+            if diff:
+                run.doc["config"] = cfg.to_dict()
+                run._write_config()
+                run.echo(f"[espert] resume: changed {', '.join(f'{k}={b!r}' for k, (_, b) in diff.items())}")
+        except BaseException:
+            run.close()  # the writer lock too
+            raise
+        return run
+
+    @classmethod
+    def _create(cls, run_dir: str, cfg: ESConfig, echo) -> "Run":
+        """A new run, built in a temporary sibling directory under the writer lock (see :meth:`open`)."""
         ref = model_ref(cfg)
         check_inputs(cfg, ref)
-        from espert import __version__
-        from espert.environment import describe
-
-        doc = {
-            "format": FORMAT,
-            "espert_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "base_model": ref,
-            "base_fingerprint": None,
-            "task": cfg.task,
-            "config": cfg.to_dict(),
-            "environment": describe(),  # what `espert env` prints: commit, kernels, package versions
-        }
+        doc = _new_doc(cfg, ref)
         parent, name = os.path.split(os.path.abspath(run_dir))
         os.makedirs(parent, exist_ok=True)
         lock = lock_run(run_dir)  # held from setup to close: a second start of the same run is refused
         tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
         try:
-            if os.path.isdir(run_dir) and _holds_run(run_dir) and not abandoned_setup(run_dir):
-                raise FileExistsError(  # written between the check above and the lock
-                    f"{run_dir} already holds an espert run; pass --resume to continue it, or choose another --run-dir"
-                )
+            _refuse_occupied(run_dir)  # written between the check in open and the lock
             _remove_stale_setups(parent, name)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
@@ -317,8 +339,7 @@ class Run:
         os.fsync(self._log.fileno())
         fsync_dir(self.path)
         kill_point("setup-done")
-        if os.path.isdir(self._final) and os.listdir(self._final):  # legacy.abandoned_setup: replaced whole
-            shutil.rmtree(self._final)
+        clear_abandoned_setup(self._final)
         os.replace(self.path, self._final)  # also onto an empty directory: a single atomic rename
         fsync_dir(os.path.dirname(os.path.abspath(self._final)))
         self.path, self._final, self._base_path = self._final, None, None
@@ -375,8 +396,8 @@ class Run:
         path = self.file(CENTER)
         known = checkpoint_hashes(self.records)
         state, it = load_center(path, known, lazy)
-        if not known:  # legacy rule 4: written by an older espert, no checksum to compare with
-            self.echo(f"[espert] note: {path} has no checksum in {LOG} (older espert); loaded unverified")
+        if not known:
+            note_unverified_checkpoint(path, self.echo)
         self._verified = (stat_key(os.stat(path)), it)
         return state, it
 

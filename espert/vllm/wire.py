@@ -74,6 +74,14 @@ def tuple_to_block(t) -> Block | None:
     return None if t is None else Block(*t)
 
 
+def layout_rows(views) -> list[tuple[str, list, tuple | None, str]]:
+    """``(logical name, local shape, block tuple, dtype name)`` of each ParamView (what the layout RPCs return)."""
+    return [
+        (v.name, list(v.tensor.shape), block_to_tuple(v.block), str(v.tensor.dtype).removeprefix("torch."))
+        for v in views
+    ]
+
+
 def assemble(shards: Sequence[Sequence[tuple[str, torch.Tensor, tuple | None]]]) -> dict[str, torch.Tensor]:
     """Logical tensors from every rank's ``(name, tensor, block tuple)`` pieces.
 

@@ -38,6 +38,7 @@ from espert.evaluators.base import (
     check_prompts,
     score_and_extract,
     score_members,
+    tolerated,
 )
 from espert.tasks.base import chat_prompt
 from espert.vllm import patches
@@ -354,9 +355,8 @@ class VLLMEvaluator(Evaluator):
                     for c in per_member
                 ]
             except Exception as e:  # noqa: BLE001 - rule chosen by member_errors
-                if self.member_errors == "raise":
+                if not tolerated(self.member_errors, f"members {[s for s, _ in chunk]}", e):
                     raise
-                log.warning("members %s failed, dropped: %r", [s for s, _ in chunk], e)
                 scored = [([math.nan], [None] * len(prompts)) for _ in chunk]
             self.timings["members"] += len(chunk)
             for rewards, extracted in scored:

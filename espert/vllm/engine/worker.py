@@ -323,12 +323,9 @@ class ESWorkerExtension:
 
     def es_center_layout(self) -> list[tuple[str, list, tuple | None, str]]:
         """``(logical name, local shape, block tuple, dtype name)`` of this rank's center pieces."""
-        from espert.vllm.wire import block_to_tuple
+        from espert.vllm.wire import layout_rows
 
-        return [
-            (p.name, list(p.tensor.shape), block_to_tuple(p.block), str(p.tensor.dtype).removeprefix("torch."))
-            for p in self._es_pieces()
-        ]
+        return layout_rows(self._es_pieces())
 
     def es_center_chunk(self, k: int, chunk_bytes: int) -> tuple[int, int, int, bytes] | None:
         """The k-th chunk of this rank's center, ``(piece index, flat start, stop, raw bytes)`` of at most
@@ -405,8 +402,8 @@ class ESWorkerExtension:
         """data_ptr() of every parameter of the vLLM model (must never change: CUDA graphs hold them)."""
         return {n: p.data_ptr() for n, p in self._es_model().named_parameters(remove_duplicate=False)}
 
-    def es_layout(self) -> list[tuple[str, tuple, tuple | None]]:
-        """``(logical name, local shape, block tuple)`` of every view, for inspection and docs."""
-        from espert.vllm.wire import block_to_tuple
+    def es_layout(self) -> list[tuple[str, list, tuple | None, str]]:
+        """``(logical name, local shape, block tuple, dtype name)`` of every live view, for inspection and docs."""
+        from espert.vllm.wire import layout_rows
 
-        return [(v.name, list(v.tensor.shape), block_to_tuple(v.block)) for v in self._es_require().views]
+        return layout_rows(self._es_require().views)
