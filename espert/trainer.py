@@ -18,6 +18,7 @@ Resume rules enforced here (beyond the config check of :meth:`espert.runs.Run.op
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable
@@ -152,7 +153,7 @@ def train(
     stop: Callable[[], bool] | None = None,
 ) -> dict:
     """Train (or resume) a run in ``run_dir``; returns a summary dict
-    ``{"run_dir", "iterations", "heldout": [(t, mean)], "train_reward": [(t, mean)], "export"}``.
+    ``{"run_dir", "iterations", "heldout": [(t, mean)], "train_reward": [(t, mean)], "export", "stopped"}``.
 
     cfg: the run's config; with ``resume`` it may be None (use the stored one) or must match the
     stored one except for ``runs.RESUMABLE_CHANGES``.  echo: where status lines go (None: nowhere).
@@ -169,8 +170,51 @@ def train(
     import torch
 
     from espert import runs
-    from espert.tracking import Trackers
 
+    cfg, tasks = _inputs(cfg, run_dir, resume, task, reward, prompts, eval_prompts)
+    run = runs.Run.open(run_dir, tasks.cfg_of(cfg), resume=resume, echo=echo)
+    threads = torch.get_num_threads()
+    if run.cfg.cpu_threads:
+        torch.set_num_threads(run.cfg.cpu_threads)
+    loop = TrainingLoop(run, tasks, hook, echo)
+    try:
+        start, T = loop.setup(resume), run.cfg.iterations  # task record, evaluator, center, trackers
+        bar = _progress(progress, T, start)
+        stopped = None
+        for t in range(start + 1, T + 1):
+            if stop is not None and stop():  # between iterations: the log and checkpoints are complete here
+                stopped = t - 1
+                break
+            rec = loop.step(t)  # perturb -> evaluate every member -> log ahead -> update
+            loop.after_step(t, rec, bar)  # trackers, warnings, held-out evaluation and checkpoint when due
+        if bar is not None:
+            bar.close()
+        if stopped is None:
+            loop.finish()
+        return {**run.summary(), "stopped": stopped}
+    finally:
+        loop.close()
+        run.close()
+        torch.set_num_threads(threads)
+
+
+@dataclasses.dataclass
+class Tasks:
+    """A run's resolved task: its spec (what config.yaml records), where it came from, the training and
+    held-out problems, and their fingerprint."""
+
+    spec: str
+    source: str
+    train: Any
+    heldout: Any
+    fingerprint: str
+
+    def cfg_of(self, cfg: ESConfig) -> ESConfig:
+        return cfg if self.spec == cfg.task else dataclasses.replace(cfg, task=self.spec)
+
+
+def _inputs(cfg, run_dir: str, resume: bool, task, reward, prompts, eval_prompts) -> tuple[ESConfig, Tasks]:
+    """The config (the stored one when resuming without one) and the task, checked before anything is written."""
     if resume and cfg is None:
         cfg = _stored_config(run_dir)
     if resume and task is None and reward is None:
@@ -179,130 +223,160 @@ def train(
         raise ValueError("a new run needs a config (cfg=None is only for resuming)")
     check_config(cfg)  # a missing optional package: one line now, not a traceback mid-run
     spec, source, train_task, eval_task = resolve_tasks(cfg, task, reward, prompts, eval_prompts)
-    if spec != cfg.task:
-        cfg = dataclasses.replace(cfg, task=spec)
-    fingerprint = task_fingerprint(train_task, eval_task)
-    run = runs.Run.open(run_dir, cfg, resume=resume, echo=echo)
-    cfg = run.cfg
-    say = echo or (lambda s: None)
-    threads = torch.get_num_threads()
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
-    evaluator = trackers = None
-    try:
+    return cfg, Tasks(spec, source, train_task, eval_task, task_fingerprint(train_task, eval_task))
+
+
+class TrainingLoop:
+    """One run's loop state between :func:`train`'s steps: the run, its tasks, the evaluator, the
+    diagnostics meter and the trackers (:meth:`setup` builds them; :meth:`close` releases what it built)."""
+
+    def __init__(self, run, tasks: Tasks, hook, echo):
+        self.run, self.tasks, self.hook = run, tasks, hook
+        self.cfg, self.say = run.cfg, echo or (lambda s: None)
+        self.evaluator = self.trackers = None
+        self.flat, self.warned_flat = 0, False  # consecutive iterations with zero reward spread; warned once
+
+    def setup(self, resume: bool) -> int:
+        """Check a resume against the log, record the task, build the evaluator, commit the run directory,
+        restore the center; returns the iteration to continue from."""
+        from espert.tasks.rewards import answer_equivalence
+        from espert.tracking import Trackers
+
+        run, tasks = self.run, self.tasks
         if resume:
-            _check_task_record(run, spec, fingerprint)
-            _check_prompt_log(cfg, run, len(train_task))
-        if _task_record(run.records) is None and not run.iterations():
-            run.append(
+            _check_task_record(run, tasks.spec, tasks.fingerprint)
+            _check_prompt_log(self.cfg, run, len(tasks.train))
+        self._record_task()
+        self.evaluator = _build_evaluator(run, tasks.train, resume)
+        run.commit()  # everything loaded: only now does the run directory appear
+        self._say_unmoved()
+        self.energy = self.evaluator.noise_energy()
+        self.meter = IterationMeter(self.evaluator, run.iterations(), answer_equivalence(tasks.train.name))
+        start = run.restore(self.evaluator)
+        if start > self.cfg.iterations:
+            raise ValueError(
+                f"{run.path} already logged {start} iterations, more than iterations={self.cfg.iterations}"
+            )
+        self.trackers = Trackers(self.cfg.trackers, run.path, self.cfg.tracker_project, self.cfg.to_dict(), self.say)
+        self._finish_iteration(start)  # its evaluation and checkpoint, if a kill cut them off (or the base's)
+        return start
+
+    def step(self, t: int) -> dict:
+        """Iteration t: es_step over the iteration's prompts; the record is logged before the update."""
+        idx = prompt_indices(self.cfg, t, len(self.tasks.train))
+        self.meter.start()
+        train = self.tasks.train
+        rec = es_step(
+            self.evaluator,
+            self.cfg,
+            t,
+            [train.prompts[i] for i in idx],
+            [train.answers[i] for i in idx],
+            functools.partial(self._write_ahead, idx),
+            noise_energy=self.energy,
+        )
+        if self.hook:
+            self.hook(t, "updated")
+        return rec
+
+    def _write_ahead(self, idx: list[int], rec: dict) -> None:
+        """The iteration's record, appended to the log before its update is applied (resume replays it)."""
+        rec["prompt_indices"] = idx
+        rec["time"] = time.time()
+        rec["diagnostics"] = self.meter(rec)  # Corr(X+,X-), kappa, reward spread, answer JS, cumulative FLOPs
+        self.run.append(rec)
+        if self.hook:
+            self.hook(rec["iteration"], "logged")
+
+    def after_step(self, t: int, rec: dict, bar) -> None:
+        """Metrics to the trackers, the skipped and zero-spread warnings, held-out evaluation and checkpoint
+        when due, and the progress bar."""
+        self.trackers.log(iteration_metrics(rec), t)
+        if rec["skipped"]:
+            self.say(f"[espert] iteration {t}: every member failed; update skipped")
+        self._watch_spread(t, rec)
+        self._finish_iteration(t)
+        if bar is not None:
+            last_eval = self.run.last_eval()
+            bar.set_postfix(bar_postfix(rec, None if last_eval is None else last_eval["mean"]), refresh=False)
+            bar.update(1)
+
+    def _watch_spread(self, t: int, rec: dict) -> None:
+        """Warn once when two iterations in a row had zero reward spread (no step was taken)."""
+        self.flat = self.flat + 1 if rec.get("zero_spread") else 0
+        if self.flat == 2 and not self.warned_flat:
+            self.warned_flat = True
+            self.say(
+                f"[espert] iterations {t - 1}-{t}: zero reward spread (every member got the same reward), so "
+                f"no step was taken; usually sigma={rec['sigma']:g} (sigma_mode {self.cfg.sigma_mode}) is too small "
+                f"to change any completion: raise --sigma, or use --sigma-mode rms"
+            )
+
+    def _finish_iteration(self, t: int) -> None:
+        ev = finish_iteration(self.run, self.evaluator, self.tasks.heldout, t, self.hook)
+        if ev is not None:
+            self.trackers.log(heldout_metrics(ev), t)
+
+    def finish(self) -> None:
+        """The final checkpoint, when the last iteration has none yet (e.g. iterations: 0)."""
+        T = self.cfg.iterations
+        if self.run.checkpoint_iteration() != T:
+            self.run.checkpoint(self.evaluator, T)
+            if self.hook:
+                self.hook(T, "checkpointed")
+
+    def _record_task(self) -> None:
+        """The task record, once, before the first iteration (resume checks against it)."""
+        tasks = self.tasks
+        if _task_record(self.run.records) is None and not self.run.iterations():
+            self.run.append(
                 {
                     "kind": "task",
-                    "spec": spec,
-                    "source": source,
-                    "fingerprint": fingerprint,
-                    "n_train": len(train_task),
-                    "n_eval": None if eval_task is None else len(eval_task),
+                    "spec": tasks.spec,
+                    "source": tasks.source,
+                    "fingerprint": tasks.fingerprint,
+                    "n_train": len(tasks.train),
+                    "n_eval": None if tasks.heldout is None else len(tasks.heldout),
                 }
             )
-        if eval_task is None and cfg.eval_size:
-            say(
-                f"[espert] task {spec!r} has no held-out problems (give eval_data or eval_prompts); "
+        if tasks.heldout is None and self.cfg.eval_size:
+            self.say(
+                f"[espert] task {tasks.spec!r} has no held-out problems (give eval_data or eval_prompts); "
                 f"held-out evaluation is off"
             )
-        from espert.evaluators import build_evaluator
-        from espert.tasks.rewards import answer_equivalence
 
-        try:
-            evaluator = build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
-        except Exception as e:  # noqa: BLE001 - transformers, tokenizers, safetensors: each its own type
-            if isinstance(e, OSError) and e.errno is not None:
-                raise  # an environment failure (a full disk, ...): reported as such by the CLI
-            what = cfg.model if cfg.model != "tiny" else run.base_path
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ValueError(
-                f"the model at {what} could not be loaded by evaluator {cfg.evaluator!r} "
-                f"({type(e).__name__}: {first})"
-                + ("" if resume else "; nothing was written, so the same command works once it is fixed")
-            ) from e
-        run.commit()  # everything loaded: only now does the run directory appear
-        unmoved = getattr(evaluator, "unmoved", None)
+    def _say_unmoved(self) -> None:
+        unmoved = getattr(self.evaluator, "unmoved", None)
         if unmoved:  # vllm_members: batched (config.yaml records the mode; docs/vllm.md says what stays)
-            say(
+            self.say(
                 f"[espert] vllm_members batched: {len(unmoved)} tensors stay at the base (no LoRA slot carries "
                 f"them: embeddings, lm_head, norms, biases), e.g. {', '.join(unmoved[:3])}"
             )
-        energy = evaluator.noise_energy()
-        meter = IterationMeter(evaluator, run.iterations(), answer_equivalence(train_task.name))
-        start = run.restore(evaluator)
-        T = cfg.iterations
-        if start > T:
-            raise ValueError(f"{run_dir} already logged {start} iterations, more than iterations={T}")
-        trackers = Trackers(cfg.trackers, run.path, cfg.tracker_project, cfg.to_dict(), say)
-        # iteration `start`'s evaluation and checkpoint, if a kill cut them off (or the base model's, at 0)
-        ev = finish_iteration(run, evaluator, eval_task, start, hook)
-        if ev is not None:
-            trackers.log(heldout_metrics(ev), start)
-        bar = _progress(progress, T, start)
-        stopped = None
-        flat, warned_flat = 0, False  # consecutive iterations with zero reward spread; warned once
-        for t in range(start + 1, T + 1):
-            if stop is not None and stop():  # between iterations: the log and checkpoints are complete here
-                stopped = t - 1
-                break
-            idx = prompt_indices(cfg, t, len(train_task))
 
-            def write_ahead(rec: dict) -> None:
-                rec["prompt_indices"] = idx
-                rec["time"] = time.time()
-                rec["diagnostics"] = meter(rec)  # Corr(X+,X-), kappa, reward spread, answer JS, cumulative FLOPs
-                run.append(rec)
-                if hook:
-                    hook(rec["iteration"], "logged")
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
 
-            meter.start()
-            rec = es_step(
-                evaluator,
-                cfg,
-                t,
-                [train_task.prompts[i] for i in idx],
-                [train_task.answers[i] for i in idx],
-                write_ahead,
-                noise_energy=energy,
-            )
-            if hook:
-                hook(t, "updated")
-            trackers.log(iteration_metrics(rec), t)
-            if rec["skipped"]:
-                say(f"[espert] iteration {t}: every member failed; update skipped")
-            flat = flat + 1 if rec.get("zero_spread") else 0
-            if flat == 2 and not warned_flat:
-                warned_flat = True
-                say(
-                    f"[espert] iterations {t - 1}-{t}: zero reward spread (every member got the same reward), so "
-                    f"no step was taken; usually sigma={rec['sigma']:g} (sigma_mode {cfg.sigma_mode}) is too small "
-                    f"to change any completion: raise --sigma, or use --sigma-mode rms"
-                )
-            ev = finish_iteration(run, evaluator, eval_task, t, hook)  # held-out evaluation and checkpoint when due
-            if ev is not None:
-                trackers.log(heldout_metrics(ev), t)
-            if bar is not None:
-                last_eval = run.last_eval()
-                bar.set_postfix(bar_postfix(rec, None if last_eval is None else last_eval["mean"]), refresh=False)
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-        if stopped is None and run.checkpoint_iteration() != T:  # e.g. iterations: 0 (finish_iteration: t >= 1)
-            run.checkpoint(evaluator, T)
-            if hook:
-                hook(T, "checkpointed")
-        return {**run.summary(), "stopped": stopped}
-    finally:
-        if trackers is not None:
-            trackers.close()
-        if evaluator is not None:
-            evaluator.close()
-        run.close()
-        torch.set_num_threads(threads)
+
+def _build_evaluator(run, train_task, resume: bool):
+    """The config's evaluator over the run's base model; a model it cannot load is one ValueError."""
+    from espert.evaluators import build_evaluator
+
+    cfg = run.cfg
+    try:
+        return build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
+    except Exception as e:  # noqa: BLE001 - transformers, tokenizers, safetensors: each its own type
+        if isinstance(e, OSError) and e.errno is not None:
+            raise  # an environment failure (a full disk, ...): reported as such by the CLI
+        what = cfg.model if cfg.model != "tiny" else run.base_path
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(
+            f"the model at {what} could not be loaded by evaluator {cfg.evaluator!r} "
+            f"({type(e).__name__}: {first})"
+            + ("" if resume else "; nothing was written, so the same command works once it is fixed")
+        ) from e
 
 
 def bar_postfix(rec: dict, heldout: float | None) -> dict[str, str]:

@@ -10,8 +10,8 @@ where each difference is handled:
       old behaviour of the fields whose default changed since (``prompt_sampler: python_random``, which
       ``espert.es.prompt_indices`` still implements);
    b. fields added later (:data:`RUN_ADDED_DEFAULTS`) get the behaviour of the runs written before them;
-   c. a renamed key (``backend``, now ``evaluator``: ``config.RENAMED``) is read under its new name,
-      silently (a hand-written config file with it gets a deprecation line from ``ESConfig.from_dict``).
+   c. a renamed key (``backend``, now ``evaluator``) is renamed by ``ESConfig.from_dict`` with a deprecation
+      line (``config.renamed_keys``, the one rule for renamed keys, because hand-written config files use it too).
 
 2. ``base_fingerprint`` without ``files`` (version 1: config.json and the weight files' names and
    sizes): ``check_base`` hands it to :func:`check_base_v1`.
@@ -34,7 +34,6 @@ import os
 import shutil
 from typing import Callable
 
-from espert.config import RENAMED
 from espert.runs.files import BASE, CONFIG, LOG, WEIGHT_SUFFIXES, RunError
 
 #: Every field of a version-1 run config (before ``evaluator`` and the fields below existed).
@@ -61,12 +60,8 @@ def v1_defaults(d: dict) -> dict:
 
 
 def upgrade_config(d: dict) -> dict:
-    """Rules 1a-1c: a run directory's stored config mapping as today's ``ESConfig.from_dict`` reads it."""
-    d = {**RUN_ADDED_DEFAULTS, **v1_defaults(d)}  # v1 is recognized by its old key names
-    for old, new in RENAMED.items():
-        if old in d and new not in d:
-            d = {(new if k == old else k): v for k, v in d.items()}
-    return d
+    """Rules 1a and 1b: a run directory's stored config mapping as today's ``ESConfig.from_dict`` reads it."""
+    return {**RUN_ADDED_DEFAULTS, **v1_defaults(d)}
 
 
 def upgrade(doc: dict) -> dict:
