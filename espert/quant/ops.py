@@ -98,101 +98,13 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
         raise _err(qw, "out_features and in_features must be positive")
     if K % 4:
         raise _err(qw, f"in_features must be a multiple of 4 (noise groups are 4 consecutive k), got {K}")
-    q = qw.qweight
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"qweight must be a torch.Tensor, got {type(q).__name__}")
-    elem = qw.elem
-    if elem == "int4":
-        if q.dtype != torch.int32:
-            raise _err(qw, f"qweight must be int32 (8 packed 4-bit codes per word), got {q.dtype}")
-        need = {
-            "gptq": (K % 8 == 0, "in_features % 8 == 0"),
-            "awq": (N % 8 == 0, "out_features % 8 == 0"),
-            "cpu_w4a16": (N % 16 == 0, "out_features % 16 == 0"),
-            "marlin": (K % 16 == 0 and N % 64 == 0, "in_features % 16 == 0 and out_features % 64 == 0"),
-        }[qw.fmt]
-        if not need[0]:
-            raise _err(qw, f"the {qw.fmt} layout needs {need[1]}")
-        shape = storage_shape(qw.fmt, N, K)
-        if tuple(q.shape) != shape:
-            raise _err(qw, f"{qw.fmt} qweight must have shape {list(shape)}, got {list(q.shape)}")
-        if not q.is_contiguous():
-            raise _err(qw, f"qweight must be contiguous, got strides {q.stride()}")
-        layout, ld, data = qw.fmt, shape[1], q
-        g = qw.group
-        if qw.group_size not in (-1, None) and (g <= 0 or K % g or g % 8):
-            raise _err(
-                qw,
-                f"unsupported group_size {qw.group_size}: use -1 or a positive multiple of 8 that "
-                f"divides in_features ({K})",
-            )
-        if qw.fmt == "marlin" and qw.group_size not in (-1, None) and g % 16:
-            raise _err(qw, f"marlin needs group_size -1 or a multiple of 16, got {qw.group_size}")
-        groups = K // g
-        if tuple(qw.scales.shape) != (groups, N):
-            raise _err(qw, f"scales must have shape [{groups}, {N}] ([K/group_size, N]), got {list(qw.scales.shape)}")
-        if qw.fmt == "marlin":
-            kind = "marlin_grouped" if marlin_grouped(qw.group_size, K) else "marlin_channel"
-        else:
-            kind = "grouped"
-        scale_ld = N
-    else:
-        want = torch.int8 if elem == "int8" else torch.float8_e4m3fn
-        if q.dtype != want:
-            raise _err(qw, f"qweight must be {want}, got {q.dtype}")
-        if q.dim() != 2:
-            raise _err(qw, f"qweight must be 2-D, got shape {list(q.shape)}")
-        t = nk_view(qw)
-        if tuple(t.shape) != (N, K):
-            exp = [K, N] if qw.transposed else [N, K]
-            raise _err(qw, f"qweight must have shape {exp} (transposed={qw.transposed}), got {list(q.shape)}")
-        if t.stride(1) == 1 and (N == 1 or t.stride(0) >= K):
-            layout, ld = "nk", (t.stride(0) if N > 1 else K)
-        elif t.stride(0) == 1 and (K == 1 or t.stride(1) >= N):
-            layout, ld = "kn", (t.stride(1) if K > 1 else N)
-        else:
-            raise _err(
-                qw,
-                f"qweight must be row-major [N, K] or [K, N] with unit inner stride "
-                f"(non-contiguous view with strides {q.stride()})",
-            )
-        data = q.view(torch.uint8) if elem == "fp8" else q
-        s = qw.scales
-        if s.numel() == 1:
-            kind = "tensor"
-        elif s.numel() == N and s.dim() in (1, 2) and s.shape[-1] in (1, N):
-            kind = "channel"
-        else:
-            raise _err(
-                qw,
-                f"scales must have one element (per tensor) or shape [N] / [N, 1] (per channel, N={N}), "
-                f"got {list(s.shape)}",
-            )
-        g, scale_ld = K, 0
-    s = qw.scales
-    if not isinstance(s, torch.Tensor) or s.dtype not in SCALE_DTYPES:
-        raise _err(
-            qw, f"scales must be a float32 / float16 / bfloat16 tensor, got {getattr(s, 'dtype', type(s).__name__)}"
-        )
-    if not s.is_contiguous():
-        raise _err(qw, f"scales must be contiguous, got strides {s.stride()}")
-    if s.device != q.device:
-        raise _err(qw, f"scales are on {s.device} but qweight is on {q.device}")
-    sf = s.float()
-    if not bool(torch.isfinite(sf).all()) or not bool((sf > 0).all()):
-        raise _err(qw, "scales must be finite and > 0 (a step of one code must be a finite value step)")
-    z = qw.zeros
-    if z is not None:  # only dequantize reads them, but a transposed [N, K/g] tensor would be silently wrong
-        if elem != "int4":
-            raise _err(qw, "zero points are only defined for int4 formats (int8 / fp8 are symmetric)")
-        if not isinstance(z, torch.Tensor) or z.dtype.is_floating_point or z.dtype == torch.bool:
-            raise _err(qw, f"zeros must be an integer tensor, got {getattr(z, 'dtype', type(z).__name__)}")
-        if tuple(z.shape) != (K // g, N):
-            raise _err(qw, f"zeros must have shape [{K // g}, {N}] ([K/group_size, N], unpacked), got {list(z.shape)}")
-    lo, hi = STORAGE_LIMITS[elem]
-    qmin, qmax = qw.code_range
-    if not (lo <= qmin <= qmax <= hi) or (elem != "fp8" and (qmin != int(qmin) or qmax != int(qmax))):
-        raise _err(qw, f"code range [{qmin}, {qmax}] must be {'integers ' if elem != 'fp8' else ''}within [{lo}, {hi}]")
+    if not isinstance(qw.qweight, torch.Tensor):
+        raise TypeError(f"qweight must be a torch.Tensor, got {type(qw.qweight).__name__}")
+    storage = _int4_storage if qw.elem == "int4" else _byte_storage
+    layout, ld, data, kind, g, scale_ld = storage(qw, N, K)
+    _check_scales(qw)
+    _check_zeros(qw, N, K // g)
+    qmin, qmax = _code_range(qw)
     b = block or Block()
     lr = N if b.logical_rows is None else b.logical_rows
     lc = K if b.logical_cols is None else b.logical_cols
@@ -203,7 +115,114 @@ def qgeometry(qw: QuantWeight, block: Block | None = None) -> QGeometry:
         raise _err(qw, f"logical shape [{lr}, {lc}] has more than 2^64 elements")
     if lc % 4 or co % 4:
         raise _err(qw, f"blocks need logical_cols and col_offset divisible by 4, got {lc} and {co}")
-    return QGeometry(elem, layout, N, K, ld, ro, co, lc, kind, g, scale_ld, float(qmin), float(qmax), data, lr)
+    return QGeometry(qw.elem, layout, N, K, ld, ro, co, lc, kind, g, scale_ld, qmin, qmax, data, lr)
+
+
+def _int4_storage(qw: QuantWeight, N: int, K: int) -> tuple:
+    """``(layout, ld, data, scale kind, group, scale_ld)`` of a packed int4 weight (gptq, awq, cpu_w4a16, marlin)."""
+    q = qw.qweight
+    if q.dtype != torch.int32:
+        raise _err(qw, f"qweight must be int32 (8 packed 4-bit codes per word), got {q.dtype}")
+    need = {
+        "gptq": (K % 8 == 0, "in_features % 8 == 0"),
+        "awq": (N % 8 == 0, "out_features % 8 == 0"),
+        "cpu_w4a16": (N % 16 == 0, "out_features % 16 == 0"),
+        "marlin": (K % 16 == 0 and N % 64 == 0, "in_features % 16 == 0 and out_features % 64 == 0"),
+    }[qw.fmt]
+    if not need[0]:
+        raise _err(qw, f"the {qw.fmt} layout needs {need[1]}")
+    shape = storage_shape(qw.fmt, N, K)
+    if tuple(q.shape) != shape:
+        raise _err(qw, f"{qw.fmt} qweight must have shape {list(shape)}, got {list(q.shape)}")
+    if not q.is_contiguous():
+        raise _err(qw, f"qweight must be contiguous, got strides {q.stride()}")
+    g = qw.group
+    if qw.group_size not in (-1, None) and (g <= 0 or K % g or g % 8):
+        raise _err(
+            qw,
+            f"unsupported group_size {qw.group_size}: use -1 or a positive multiple of 8 that divides in_features ({K})",
+        )
+    if qw.fmt == "marlin" and qw.group_size not in (-1, None) and g % 16:
+        raise _err(qw, f"marlin needs group_size -1 or a multiple of 16, got {qw.group_size}")
+    if tuple(qw.scales.shape) != (K // g, N):
+        raise _err(qw, f"scales must have shape [{K // g}, {N}] ([K/group_size, N]), got {list(qw.scales.shape)}")
+    if qw.fmt == "marlin":
+        kind = "marlin_grouped" if marlin_grouped(qw.group_size, K) else "marlin_channel"
+    else:
+        kind = "grouped"
+    return qw.fmt, shape[1], q, kind, g, N
+
+
+def _byte_storage(qw: QuantWeight, N: int, K: int) -> tuple:
+    """``(layout, ld, data, scale kind, group, scale_ld)`` of an int8 or FP8 weight, [N, K] or [K, N] row-major."""
+    q = qw.qweight
+    want = torch.int8 if qw.elem == "int8" else torch.float8_e4m3fn
+    if q.dtype != want:
+        raise _err(qw, f"qweight must be {want}, got {q.dtype}")
+    if q.dim() != 2:
+        raise _err(qw, f"qweight must be 2-D, got shape {list(q.shape)}")
+    t = nk_view(qw)
+    if tuple(t.shape) != (N, K):
+        exp = [K, N] if qw.transposed else [N, K]
+        raise _err(qw, f"qweight must have shape {exp} (transposed={qw.transposed}), got {list(q.shape)}")
+    if t.stride(1) == 1 and (N == 1 or t.stride(0) >= K):
+        layout, ld = "nk", (t.stride(0) if N > 1 else K)
+    elif t.stride(0) == 1 and (K == 1 or t.stride(1) >= N):
+        layout, ld = "kn", (t.stride(1) if K > 1 else N)
+    else:
+        raise _err(
+            qw,
+            f"qweight must be row-major [N, K] or [K, N] with unit inner stride "
+            f"(non-contiguous view with strides {q.stride()})",
+        )
+    s = qw.scales
+    if s.numel() == 1:
+        kind = "tensor"
+    elif s.numel() == N and s.dim() in (1, 2) and s.shape[-1] in (1, N):
+        kind = "channel"
+    else:
+        raise _err(
+            qw,
+            f"scales must have one element (per tensor) or shape [N] / [N, 1] (per channel, N={N}), got {list(s.shape)}",
+        )
+    return layout, ld, q.view(torch.uint8) if qw.elem == "fp8" else q, kind, K, 0
+
+
+def _check_scales(qw: QuantWeight) -> None:
+    s = qw.scales
+    if not isinstance(s, torch.Tensor) or s.dtype not in SCALE_DTYPES:
+        raise _err(
+            qw, f"scales must be a float32 / float16 / bfloat16 tensor, got {getattr(s, 'dtype', type(s).__name__)}"
+        )
+    if not s.is_contiguous():
+        raise _err(qw, f"scales must be contiguous, got strides {s.stride()}")
+    if s.device != qw.qweight.device:
+        raise _err(qw, f"scales are on {s.device} but qweight is on {qw.qweight.device}")
+    sf = s.float()
+    if not bool(torch.isfinite(sf).all()) or not bool((sf > 0).all()):
+        raise _err(qw, "scales must be finite and > 0 (a step of one code must be a finite value step)")
+
+
+def _check_zeros(qw: QuantWeight, N: int, groups: int) -> None:
+    """Only dequantize reads zero points, but a transposed [N, K/g] tensor would be silently wrong."""
+    z = qw.zeros
+    if z is None:
+        return
+    if qw.elem != "int4":
+        raise _err(qw, "zero points are only defined for int4 formats (int8 / fp8 are symmetric)")
+    if not isinstance(z, torch.Tensor) or z.dtype.is_floating_point or z.dtype == torch.bool:
+        raise _err(qw, f"zeros must be an integer tensor, got {getattr(z, 'dtype', type(z).__name__)}")
+    if tuple(z.shape) != (groups, N):
+        raise _err(qw, f"zeros must have shape [{groups}, {N}] ([K/group_size, N], unpacked), got {list(z.shape)}")
+
+
+def _code_range(qw: QuantWeight) -> tuple[float, float]:
+    lo, hi = STORAGE_LIMITS[qw.elem]
+    qmin, qmax = qw.code_range
+    if not (lo <= qmin <= qmax <= hi) or (qw.elem != "fp8" and (qmin != int(qmin) or qmax != int(qmax))):
+        ints = "integers " if qw.elem != "fp8" else ""
+        raise _err(qw, f"code range [{qmin}, {qmax}] must be {ints}within [{lo}, {hi}]")
+    return float(qmin), float(qmax)
 
 
 def _check_master(qw: QuantWeight, master: torch.Tensor | None) -> None:
