@@ -32,6 +32,7 @@ the TP>1 layouts are unit-tested with shards built by hand (tests/test_vllm_para
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -65,125 +66,112 @@ class Piece:
 # ---- pure layout rules (no vLLM needed) --------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LinearLayout:
+    """A vLLM linear layer's tensor-parallel geometry: the layer attributes of the same names
+    (vllm 0.32 ``layers/linear.py``); what a layer lacks keeps the default."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    output_sizes: Sequence[int] | None = None  # merged: the fused outputs' logical sizes
+    num_heads: int | None = None  # qkv: this rank's heads, and the model's
+    num_kv_heads: int | None = None
+    total_num_heads: int | None = None
+    total_num_kv_heads: int | None = None
+    head_size: int | None = None
+    v_head_size: int | None = None
+    num_kv_head_replicas: int = 1
+
+    @classmethod
+    def of(cls, module) -> "LinearLayout":
+        return cls(**{f.name: getattr(module, f.name, f.default) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class _Local:
+    """The live tensor a linear layer's pieces cut: its name and shape (a 1-D bias is one row)."""
+
+    name: str
+    rows: int
+    cols: int
+    is_bias: bool
+
+    def piece(
+        self, name: str, start: int, stop: int, logical_rows: int, row_offset: int, col_offset=0, logical_cols=None
+    ):
+        if self.is_bias:  # a 1-D tensor is one row: the logical offset is a column offset
+            return Piece(name, start, stop, Block(0, row_offset, 1, logical_rows))
+        return Piece(name, start, stop, Block(row_offset, col_offset, logical_rows, logical_cols or self.cols))
+
+
 def linear_pieces(
-    kind: str,
-    vllm_name: str,
-    local_shape: Sequence[int],
-    *,
-    logical_names: Sequence[str] | None = None,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    output_sizes: Sequence[int] | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    total_num_heads: int | None = None,
-    total_num_kv_heads: int | None = None,
-    head_size: int | None = None,
-    v_head_size: int | None = None,
-    num_kv_head_replicas: int = 1,
+    kind: str, vllm_name: str, local_shape: Sequence[int], logical_names: Sequence[str] | None = None, **layer
 ) -> list[Piece]:
     """Pieces of one parameter (weight ``[N, K]`` or bias ``[N]``) of a vLLM linear layer.
 
     kind: ``"replicated" | "column" | "merged" | "qkv" | "row"``.  vllm_name: the live
     parameter's name (``...qkv_proj.weight``).  logical_names: checkpoint names of the fused
     outputs, in order (``[q, k, v]`` or ``[gate, up]``), for ``merged``/``qkv``; else ``[vllm_name]``.
-    The other arguments are the layer attributes of the same names.
+    layer: the layer attributes of :class:`LinearLayout` (``tp_rank=``, ``tp_size=``, ``output_sizes=`` ...).
     """
     is_bias = len(local_shape) == 1
-    rows = int(local_shape[0])
-    cols = 1 if is_bias else int(local_shape[1])
-
-    def piece(
-        name: str,
-        start: int,
-        stop: int,
-        logical_rows: int,
-        row_offset: int,
-        col_offset: int = 0,
-        logical_cols: int | None = None,
-    ) -> Piece:
-        if is_bias:  # a 1-D tensor is one row: the logical offset is a column offset
-            return Piece(name, start, stop, Block(0, row_offset, 1, logical_rows))
-        return Piece(name, start, stop, Block(row_offset, col_offset, logical_rows, logical_cols or cols))
-
-    if kind == "replicated":
-        return [piece(vllm_name, 0, rows, rows, 0)]
+    t = _Local(vllm_name, int(local_shape[0]), 1 if is_bias else int(local_shape[1]), is_bias)
+    lay = LinearLayout(**layer)
+    if kind == "replicated" or (kind == "row" and is_bias):  # a row-parallel bias lives whole on every rank
+        return [t.piece(vllm_name, 0, t.rows, t.rows, 0)]
     if kind == "row":
-        if is_bias:  # the full bias lives on every rank
-            return [piece(vllm_name, 0, rows, rows, 0)]
-        return [piece(vllm_name, 0, rows, rows, 0, col_offset=tp_rank * cols, logical_cols=cols * tp_size)]
+        return [t.piece(vllm_name, 0, t.rows, t.rows, 0, lay.tp_rank * t.cols, t.cols * lay.tp_size)]
     if kind == "column":
-        return [piece(vllm_name, 0, rows, rows * tp_size, tp_rank * rows)]
+        return [t.piece(vllm_name, 0, t.rows, t.rows * lay.tp_size, lay.tp_rank * t.rows)]
     if kind == "merged":
-        if output_sizes is None or logical_names is None or len(logical_names) != len(output_sizes):
-            raise LayoutError(
-                f"{vllm_name}: merged layer needs output_sizes and one logical name per output "
-                f"(got {output_sizes}, {logical_names})"
-            )
-        out, start = [], 0
-        for name, size in zip(logical_names, output_sizes):
-            if size % tp_size:
-                raise LayoutError(f"{vllm_name}: output size {size} is not divisible by tp_size {tp_size}")
-            part = size // tp_size
-            out.append(piece(name, start, start + part, size, tp_rank * part))
-            start += part
-        if start != rows:
-            raise LayoutError(
-                f"{vllm_name}: fused outputs {list(output_sizes)}/tp={tp_size} cover {start} rows, "
-                f"the live tensor has {rows}"
-            )
-        return out
+        return _merged_pieces(t, lay, logical_names)
     if kind == "qkv":
-        need = dict(
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            total_num_heads=total_num_heads,
-            total_num_kv_heads=total_num_kv_heads,
-        )
-        missing = [k for k, v in need.items() if v is None]
-        if missing or logical_names is None or len(logical_names) != 3:
-            raise LayoutError(
-                f"{vllm_name}: QKV layer needs {missing or ''} and three logical names (got {logical_names})"
-            )
-        vhs = v_head_size or head_size
-        q = num_heads * head_size
-        k = num_kv_heads * head_size
-        v = num_kv_heads * vhs
-        kv_shard = tp_rank // num_kv_head_replicas
-        out = [
-            piece(logical_names[0], 0, q, total_num_heads * head_size, tp_rank * q),
-            piece(logical_names[1], q, q + k, total_num_kv_heads * head_size, kv_shard * k),
-            piece(logical_names[2], q + k, q + k + v, total_num_kv_heads * vhs, kv_shard * v),
-        ]
-        if q + k + v != rows:
-            raise LayoutError(f"{vllm_name}: q/k/v sizes {q}+{k}+{v} do not match the live tensor's {rows} rows")
-        return out
+        return _qkv_pieces(t, lay, logical_names)
     raise LayoutError(f"{vllm_name}: unknown linear kind {kind!r}")
+
+
+def _merged_pieces(t: _Local, lay: LinearLayout, logical_names) -> list[Piece]:
+    sizes = lay.output_sizes
+    if sizes is None or logical_names is None or len(logical_names) != len(sizes):
+        raise LayoutError(
+            f"{t.name}: merged layer needs output_sizes and one logical name per output (got {sizes}, {logical_names})"
+        )
+    out, start = [], 0
+    for name, size in zip(logical_names, sizes):
+        if size % lay.tp_size:
+            raise LayoutError(f"{t.name}: output size {size} is not divisible by tp_size {lay.tp_size}")
+        part = size // lay.tp_size
+        out.append(t.piece(name, start, start + part, size, lay.tp_rank * part))
+        start += part
+    if start != t.rows:
+        raise LayoutError(
+            f"{t.name}: fused outputs {list(sizes)}/tp={lay.tp_size} cover {start} rows, the live tensor has {t.rows}"
+        )
+    return out
+
+
+def _qkv_pieces(t: _Local, lay: LinearLayout, logical_names) -> list[Piece]:
+    need = ("num_heads", "num_kv_heads", "head_size", "total_num_heads", "total_num_kv_heads")
+    missing = [k for k in need if getattr(lay, k) is None]
+    if missing or logical_names is None or len(logical_names) != 3:
+        raise LayoutError(f"{t.name}: QKV layer needs {missing or ''} and three logical names (got {logical_names})")
+    hs = lay.head_size
+    vhs = lay.v_head_size or hs
+    q, k, v = lay.num_heads * hs, lay.num_kv_heads * hs, lay.num_kv_heads * vhs
+    kv_shard = lay.tp_rank // lay.num_kv_head_replicas
+    out = [
+        t.piece(logical_names[0], 0, q, lay.total_num_heads * hs, lay.tp_rank * q),
+        t.piece(logical_names[1], q, q + k, lay.total_num_kv_heads * hs, kv_shard * k),
+        t.piece(logical_names[2], q + k, q + k + v, lay.total_num_kv_heads * vhs, kv_shard * v),
+    ]
+    if q + k + v != t.rows:
+        raise LayoutError(f"{t.name}: q/k/v sizes {q}+{k}+{v} do not match the live tensor's {t.rows} rows")
+    return out
 
 
 def layer_pieces(module, kind: str, vllm_name: str, local_shape: Sequence[int], logical_names) -> list:
     """:func:`linear_pieces` with the tensor-parallel geometry read from the vLLM layer's attributes."""
-
-    def g(a, d=None):
-        return getattr(module, a, d)
-
-    return linear_pieces(
-        kind,
-        vllm_name,
-        local_shape,
-        logical_names=logical_names,
-        tp_rank=g("tp_rank", 0),
-        tp_size=g("tp_size", 1),
-        output_sizes=g("output_sizes"),
-        num_heads=g("num_heads"),
-        num_kv_heads=g("num_kv_heads"),
-        total_num_heads=g("total_num_heads"),
-        total_num_kv_heads=g("total_num_kv_heads"),
-        head_size=g("head_size"),
-        v_head_size=g("v_head_size"),
-        num_kv_head_replicas=g("num_kv_head_replicas", 1),
-    )
+    return linear_pieces(kind, vllm_name, local_shape, logical_names, **vars(LinearLayout.of(module)))
 
 
 def vocab_pieces(
@@ -276,8 +264,6 @@ def vllm_param_views(
     Raises :class:`LayoutError` naming the parameter for any layout it cannot map, and
     ValueError when the filters select nothing.
     """
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     modules = dict(model.named_modules())
     views: list[ParamView] = []
@@ -292,76 +278,81 @@ def vllm_param_views(
         pname, prefix = pname.replace(".base_layer.", "."), prefix.removesuffix(".base_layer")
         if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.engine.w8a8
             continue
-        if p.dtype not in DTYPE_CODES:
-            raise LayoutError(
-                f"{pname}: dtype {p.dtype} (quantized or packed storage) cannot be perturbed through "
-                f"vLLM by espert; exclude it"
-            )
-        kind = _linear_kind(module)
-        if kind is None:
-            from vllm.model_executor.layers.linear import LinearBase
-
-            if isinstance(module, LinearBase):
-                raise LayoutError(
-                    f"{pname}: linear layer type {type(module).__name__} has a layout espert does not "
-                    f"map (known: Replicated/Column/MergedColumn/QKV/RowParallelLinear)"
-                )
-            if type(module).__name__ in ("FusedMoE", "SharedFusedMoE") or "experts" in prefix.split("."):
-                raise LayoutError(f"{pname}: MoE expert weights are not mapped to checkpoint names")
-        if kind is not None or isinstance(module, VocabParallelEmbedding):
-            _check_quant(pname, module)
-        if p.numel() == 0:
-            raise LayoutError(
-                f"{pname}: the live weight is empty, so it was repacked at load (vLLM-CPU prepacks "
-                f"Linear weights unless espert.vllm.patches.install() ran before the model loaded)"
-            )
-        if leaf not in ("weight", "bias") and (kind is not None or isinstance(module, VocabParallelEmbedding)):
-            raise LayoutError(f"{pname}: unexpected parameter {leaf!r} on {type(module).__name__}")
-
-        if kind is not None:
-            names = _logical_names(prefix, leaf, packed) if kind in ("merged", "qkv") else None
-            if kind in ("merged", "qkv") and names is None:
-                raise LayoutError(
-                    f"{pname}: fused layer {prefix} is not in the model's packed_modules_mapping, so "
-                    f"its checkpoint names are unknown"
-                )
-            pieces = layer_pieces(module, kind, pname, tuple(p.shape), names)
-            if kind == "merged" and len(pieces) != len(names):
-                raise LayoutError(f"{pname}: {len(pieces)} fused outputs but {len(names)} checkpoint names")
-        elif isinstance(module, VocabParallelEmbedding):
-            if leaf != "weight" or p.dim() != 2:
-                raise LayoutError(f"{pname}: unexpected vocab-parallel parameter of shape {tuple(p.shape)}")
-            si = module.shard_indices
-            pieces = vocab_pieces(
-                pname,
-                tuple(p.shape),
-                org_vocab_start=si.org_vocab_start_index,
-                org_vocab_end=si.org_vocab_end_index,
-                org_vocab_size=module.org_vocab_size,
-                num_added=si.num_added_elements,
-            )
-        else:
-            tp = getattr(module, "tp_size", 1)
-            if tp != 1:
-                raise LayoutError(
-                    f"{pname}: {type(module).__name__} is sharded (tp_size={tp}) in a way espert does not map"
-                )
-            n = p.shape[0] if p.dim() >= 1 else 1
-            if p.dim() == 1:
-                pieces = [Piece(pname, 0, n, Block(0, 0, 1, n))]
-            else:
-                pieces = [Piece(pname, 0, n, None)]
-        for pc in pieces:
+        for pc in _param_pieces(pname, p, module, prefix, leaf, packed):
             lname = rename(pc.name) if rename else pc.name
-            if include and not matches(lname, include):
-                continue
-            if exclude and matches(lname, exclude):
+            if (include and not matches(lname, include)) or (exclude and matches(lname, exclude)):
                 continue
             t = p.data[pc.start : pc.stop]
             views.append(ParamView(lname, t, pc.block if pc.block != Block(0, 0, None, None) else None))
     if not views:
         raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
     return views
+
+
+def _param_pieces(pname: str, p: torch.Tensor, module, prefix: str, leaf: str, packed: dict) -> list[Piece]:
+    """The pieces of one live parameter ``pname`` of ``module`` (after the checks of :func:`_check_param`)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    kind = _check_param(pname, p, module, prefix, leaf)
+    if kind is not None:
+        names = _logical_names(prefix, leaf, packed) if kind in ("merged", "qkv") else None
+        if kind in ("merged", "qkv") and names is None:
+            raise LayoutError(
+                f"{pname}: fused layer {prefix} is not in the model's packed_modules_mapping, so "
+                f"its checkpoint names are unknown"
+            )
+        pieces = layer_pieces(module, kind, pname, tuple(p.shape), names)
+        if kind == "merged" and len(pieces) != len(names):
+            raise LayoutError(f"{pname}: {len(pieces)} fused outputs but {len(names)} checkpoint names")
+        return pieces
+    if isinstance(module, VocabParallelEmbedding):
+        if leaf != "weight" or p.dim() != 2:
+            raise LayoutError(f"{pname}: unexpected vocab-parallel parameter of shape {tuple(p.shape)}")
+        si = module.shard_indices
+        return vocab_pieces(
+            pname,
+            tuple(p.shape),
+            org_vocab_start=si.org_vocab_start_index,
+            org_vocab_end=si.org_vocab_end_index,
+            org_vocab_size=module.org_vocab_size,
+            num_added=si.num_added_elements,
+        )
+    tp = getattr(module, "tp_size", 1)
+    if tp != 1:
+        raise LayoutError(f"{pname}: {type(module).__name__} is sharded (tp_size={tp}) in a way espert does not map")
+    n = p.shape[0] if p.dim() >= 1 else 1
+    return [Piece(pname, 0, n, Block(0, 0, 1, n) if p.dim() == 1 else None)]
+
+
+def _check_param(pname: str, p: torch.Tensor, module, prefix: str, leaf: str) -> str | None:
+    """Refuse (LayoutError naming it) a parameter espert cannot map; returns its linear kind (None: not a linear)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if p.dtype not in DTYPE_CODES:
+        raise LayoutError(
+            f"{pname}: dtype {p.dtype} (quantized or packed storage) cannot be perturbed through vLLM by espert; "
+            f"exclude it"
+        )
+    kind = _linear_kind(module)
+    if kind is None and isinstance(module, LinearBase):
+        raise LayoutError(
+            f"{pname}: linear layer type {type(module).__name__} has a layout espert does not "
+            f"map (known: Replicated/Column/MergedColumn/QKV/RowParallelLinear)"
+        )
+    if kind is None and (type(module).__name__ in ("FusedMoE", "SharedFusedMoE") or "experts" in prefix.split(".")):
+        raise LayoutError(f"{pname}: MoE expert weights are not mapped to checkpoint names")
+    mapped = kind is not None or isinstance(module, VocabParallelEmbedding)
+    if mapped:
+        _check_quant(pname, module)
+    if p.numel() == 0:
+        raise LayoutError(
+            f"{pname}: the live weight is empty, so it was repacked at load (vLLM-CPU prepacks "
+            f"Linear weights unless espert.vllm.patches.install() ran before the model loaded)"
+        )
+    if leaf not in ("weight", "bias") and mapped:
+        raise LayoutError(f"{pname}: unexpected parameter {leaf!r} on {type(module).__name__}")
+    return kind
 
 
 # ---- the checkpoint the logical names must match ----------------------------------------------
