@@ -117,7 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=Version, help="print espert's version and commit, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add_command in (_env_parser, _train_parser, _replay_parser, _repair_parser, _tiny_parser):
+        add_command(sub)
+    try:
+        from espert.eval.cli import add_analyze_parser, add_eval_parser
+    except ImportError:  # the evaluation package is optional at this layer
+        pass
+    else:
+        add_eval_parser(sub)
+        add_analyze_parser(sub)
+        from espert.experiments.compare import add_compare_parser
+        from espert.experiments.sweep import add_sweep_parser
 
+        add_compare_parser(sub)
+        add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0])
+    return parser
+
+
+def _env_parser(sub) -> None:
     en = sub.add_parser(
         "env",
         help="what this installation is and can do (paste it into bug reports)",
@@ -128,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     en.add_argument("--json", action="store_true", help="print the facts as JSON")
     en.set_defaults(func=cmd_env)
 
+
+def _train_parser(sub) -> None:
     tr = sub.add_parser(
         "train",
         help="train with ES (defaults: the tiny-model main job on CPU)",
@@ -155,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(tr)
     tr.set_defaults(func=cmd_train)
 
+
+def _replay_parser(sub) -> None:
     rp = sub.add_parser(
         "replay",
         help="rebuild a run's weights from its base model and log alone",
@@ -167,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--upto", type=int, metavar="T", help="stop after iteration T (default: the last logged)")
     rp.set_defaults(func=cmd_replay)
 
+
+def _repair_parser(sub) -> None:
     rr = sub.add_parser(
         "repair",
         help="cut a run's log back to one history (after two writers, or damage)",
@@ -178,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--truncate-after", type=int, required=True, metavar="N", help="the last iteration to keep")
     rr.set_defaults(func=cmd_repair)
 
+
+def _tiny_parser(sub) -> None:
     tn = sub.add_parser(
         "tiny",
         help="build the tiny random model + char tokenizer into a directory",
@@ -188,20 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("out_dir", metavar="OUT_DIR")
     tn.add_argument("--seed", type=int, default=0, help="initialization seed (default 0)")
     tn.set_defaults(func=cmd_tiny)
-
-    try:
-        from espert.eval.cli import add_analyze_parser, add_eval_parser
-    except ImportError:  # the evaluation package is optional at this layer
-        pass
-    else:
-        add_eval_parser(sub)
-        add_analyze_parser(sub)
-        from espert.experiments.compare import add_compare_parser
-        from espert.experiments.sweep import add_sweep_parser
-
-        add_compare_parser(sub)
-        add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0])
-    return parser
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:

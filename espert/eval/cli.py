@@ -37,6 +37,13 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         epilog=EVAL_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    for add_group in (_source_args, _task_args, _sampling_args, _report_args):
+        add_group(p)
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def _source_args(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("what to evaluate")
     src.add_argument(
         "--models",
@@ -51,6 +58,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         "--no-rescore", action="store_true", help="with --samples: use the stored rewards instead of recomputing them"
     )
     src.add_argument("--base", metavar="LABEL", help="reference model for progressions/regressions (default: first)")
+
+
+def _task_args(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("task")
     data.add_argument(
         "--task",
@@ -64,6 +74,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     data.add_argument("--data", metavar="JSONL", help="local JSONL file with the problems (instead of the Hub)")
     data.add_argument("--split", default="test", help="dataset split (default: test)")
     data.add_argument("--limit", type=int, help="evaluate only the first LIMIT problems")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
     samp = p.add_argument_group("sampling")
     samp.add_argument("-n", "--n", type=int, default=8, help="samples per problem (default 8)")
     samp.add_argument("--temperature", type=float, default=0.6, help="default 0.6; 0 = greedy")
@@ -102,6 +115,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         convert={"transformers": "torch", "vllm": "vllm"},
     )
     samp.add_argument("--verbose", action="store_true", help="vLLM's own INFO logging (default: its warnings only)")
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
     rep = p.add_argument_group("report")
     rep.add_argument("--out", default="eval_out", metavar="DIR", help="output directory (default eval_out)")
     rep.add_argument(
@@ -120,8 +136,6 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         help="maj@k: exact average over all k-subsets of the n samples, or the first k samples only (default subsets)",
     )
     rep.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.set_defaults(func=run_eval)
-    return p
 
 
 def run_eval(args: argparse.Namespace) -> int:
