@@ -217,10 +217,12 @@ class ESConfig:
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
 
-        def need(ok: bool, msg: str):
-            if not ok:
-                raise ValueError(f"ESConfig: {msg}")
+        self._check_sizes()
+        self._check_combinations()
+        self._check_numbers()
+        return self
 
+    def _check_sizes(self) -> None:
         need(self.population >= 2, f"population must be >= 2, got {self.population}")
         need(
             self.gguf_file is None or self.model != "tiny",
@@ -262,6 +264,8 @@ class ESConfig:
         )
         need(self.cpu_threads >= 0, f"cpu_threads must be >= 0, got {self.cpu_threads}")
         need(self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every and checkpoint_every must be >= 0")
+
+    def _check_combinations(self) -> None:
         need(
             bool(self.task) and (":" not in self.task or TASK_PATH_RE.match(self.task) is not None),
             f"task must be a task name or an import path 'package.module:name', got {self.task!r}",
@@ -281,6 +285,8 @@ class ESConfig:
             f"restore: patch undoes float perturbations in the torch evaluator (got evaluator {self.evaluator!r}, "
             f"quant {self.quant!r})",
         )
+
+    def _check_numbers(self) -> None:
         for name in ("sigma", "alpha"):
             v, kind, end = getattr(self, name), getattr(self, f"{name}_schedule"), getattr(self, f"{name}_end")
             need(math.isfinite(v) and v > 0, f"{name} must be a finite number > 0, got {v}")
@@ -301,7 +307,6 @@ class ESConfig:
         need(math.isfinite(self.reward_std_floor) and self.reward_std_floor >= 0, "reward_std_floor must be >= 0")
         bad = sorted(set(self.trackers) - set(typing.get_args(Tracker)))
         need(not bad, f"unknown tracker(s) {bad}; use {typing.get_args(Tracker)}")
-        return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -321,6 +326,12 @@ class ESConfig:
         if unknown:
             raise ValueError(f"unknown config key(s): {', '.join(did_you_mean(k, known) for k in unknown)}")
         return cls(**{**(base.to_dict() if base else {}), **d})
+
+
+def need(ok: bool, msg: str) -> None:
+    """ValueError("ESConfig: msg") unless ``ok``: one rule of :meth:`ESConfig.validate`."""
+    if not ok:
+        raise ValueError(f"ESConfig: {msg}")
 
 
 def did_you_mean(name: str, known) -> str:
