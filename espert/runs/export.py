@@ -109,26 +109,7 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
     source = as_chunks(state)
     names = {n: shape for n, (shape, _) in source.layout.items() if not n.startswith(OPTIM_PREFIX)}
     base = resolve_model_dir(base_ref)
-    files = sorted(os.listdir(base))
-    shards = [f for f in files if f.endswith(".safetensors")]
-    if not shards:
-        raise ValueError(f"{base} has no *.safetensors weights; export needs a safetensors checkpoint")
-    heads = {shard: read_header(os.path.join(base, shard)) for shard in shards}
-    where: dict[str, str] = {}  # center name -> its shard
-    for shard, (_, entries, _) in heads.items():
-        for k, e in entries.items():
-            if k in names:
-                if tuple(names[k]) != tuple(e["shape"]):
-                    raise ValueError(f"center {k} has shape {tuple(names[k])}, base has {tuple(e['shape'])}")
-                where[k] = shard
-            if e["dtype"] not in ST_TORCH:
-                raise ValueError(f"{os.path.join(base, shard)}: cannot store {k} of dtype {e['dtype']} in safetensors")
-    missing = sorted(set(names) - set(where))
-    if missing:
-        raise ValueError(
-            f"the base checkpoint {base} has no tensors named {missing[:3]}"
-            f"{' ...' if len(missing) > 3 else ''}; cannot export in its format"
-        )
+    heads, where = _base_shards(base, names)
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -136,24 +117,7 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        for f in files:
-            src = os.path.join(base, f)
-            if os.path.isfile(src) and not f.endswith(WEIGHT_SUFFIXES):
-                shutil.copyfile(src, os.path.join(tmp, f))
-        piece = max(1, int(source.chunk_bytes))
-        with contextlib.ExitStack() as stack:  # every shard open at once: the center's chunks come in its order
-            writers: dict[str, TensorFileWriter] = {}
-            for shard, (meta, _, _) in heads.items():
-                others = FileChunks(os.path.join(base, shard), piece, skip=where)  # the base's other tensors
-                w = TensorFileWriter(os.path.join(tmp, shard), others.layout, meta or {"format": "pt"}, piece)
-                writers[shard] = stack.enter_context(w)
-                for k, offset, flat in others:
-                    w.write(k, offset, flat)
-            for k, offset, flat in source:
-                if k in where:
-                    w = writers[where[k]]
-                    w.write(k, offset, _cast(flat, w.layout[k][1]))
-                del flat  # a streamed chunk is freed before the next one arrives
+        _write_export(tmp, base, heads, where, source)
         with (
             naming(os.path.join(tmp, "espert_export.json")),
             open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh,
@@ -181,6 +145,54 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, str]]:
+    """``(headers by shard, {center name: its shard})`` of the base's safetensors files; ValueError (before
+    anything is written) when a center name is missing there, has another shape, or a dtype cannot be stored."""
+    shards = sorted(f for f in os.listdir(base) if f.endswith(".safetensors"))
+    if not shards:
+        raise ValueError(f"{base} has no *.safetensors weights; export needs a safetensors checkpoint")
+    heads = {shard: read_header(os.path.join(base, shard)) for shard in shards}
+    where: dict[str, str] = {}
+    for shard, (_, entries, _) in heads.items():
+        for k, e in entries.items():
+            if k in names:
+                if tuple(names[k]) != tuple(e["shape"]):
+                    raise ValueError(f"center {k} has shape {tuple(names[k])}, base has {tuple(e['shape'])}")
+                where[k] = shard
+            if e["dtype"] not in ST_TORCH:
+                raise ValueError(f"{os.path.join(base, shard)}: cannot store {k} of dtype {e['dtype']} in safetensors")
+    missing = sorted(set(names) - set(where))
+    if missing:
+        raise ValueError(
+            f"the base checkpoint {base} has no tensors named {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''}; cannot export in its format"
+        )
+    return heads, where
+
+
+def _write_export(tmp: str, base: str, heads: dict, where: dict[str, str], source) -> None:
+    """The base's non-weight files, then each shard with the center's tensors (cast to the base's dtypes)
+    in place of the base's; the other tensors are copied."""
+    for f in sorted(os.listdir(base)):
+        src = os.path.join(base, f)
+        if os.path.isfile(src) and not f.endswith(WEIGHT_SUFFIXES):
+            shutil.copyfile(src, os.path.join(tmp, f))
+    piece = max(1, int(source.chunk_bytes))
+    with contextlib.ExitStack() as stack:  # every shard open at once: the center's chunks come in its order
+        writers: dict[str, TensorFileWriter] = {}
+        for shard, (meta, _, _) in heads.items():
+            others = FileChunks(os.path.join(base, shard), piece, skip=where)  # the base's other tensors
+            w = TensorFileWriter(os.path.join(tmp, shard), others.layout, meta or {"format": "pt"}, piece)
+            writers[shard] = stack.enter_context(w)
+            for k, offset, flat in others:
+                w.write(k, offset, flat)
+        for k, offset, flat in source:
+            if k in where:
+                w = writers[where[k]]
+                w.write(k, offset, _cast(flat, w.layout[k][1]))
+            del flat  # a streamed chunk is freed before the next one arrives
 
 
 def export_iteration(export_dir: str) -> int | None:
