@@ -41,6 +41,7 @@ from espert.evaluators.base import (
     tolerated,
 )
 from espert.tasks.base import chat_prompt
+from espert.tensorfile import CHUNK_BYTES
 from espert.vllm import patches
 
 log = logging.getLogger("espert.vllm")
@@ -121,6 +122,32 @@ def make_llm(
     return LLM(**kw)
 
 
+def _setup_kwargs(given: dict) -> dict:
+    """``es_setup``'s keyword arguments with its defaults (read from its signature, so the two cannot
+    drift), ``rename`` parsed and ``no_decay`` a list; an unknown key is a TypeError naming it."""
+    import inspect
+
+    from espert.vllm.engine.worker import ESWorkerExtension
+
+    params = list(inspect.signature(ESWorkerExtension.es_setup).parameters.values())[1:]
+    unknown = sorted(set(given) - {p.name for p in params})
+    if unknown:
+        raise TypeError(f"VLLMEvaluator got unexpected keyword arguments {unknown}")
+    setup = {p.name: given.get(p.name, p.default) for p in params}
+    if setup["members"] not in ("serial", "batched"):
+        raise ValueError(f"members must be 'serial' or 'batched', got {setup['members']!r}")
+    return dict(setup, rename=parse_rename(setup["rename"]), no_decay=list(setup["no_decay"]))
+
+
+def _lora_engine_kwargs(noise: str, max_loras: int) -> dict:
+    """``LLM`` arguments of an engine that serves a lowrank population as LoRA adapters (members: batched)."""
+    from espert.vllm.engine.lora import batched_rank, lora_rank_for
+
+    if max_loras < 1:
+        raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": lora_rank_for(batched_rank(noise))}
+
+
 class VLLMEvaluator(Evaluator):
     """Rewards of a vLLM engine's model under greedy decoding, perturbed inside the workers.
 
@@ -128,8 +155,10 @@ class VLLMEvaluator(Evaluator):
     (use :func:`make_llm`), or a model path/Hub id (then the engine is created with
     :func:`make_llm` and ``llm_kwargs``, and closed by :meth:`close`).
     score: batched reward ``fn(completions, answers) -> list[float]`` (a Task's ``score``).
-    include / exclude: parameter patterns on **logical** (checkpoint) names.
-    max_new_tokens: generation budget.  seed: the SamplingParams seed (greedy ignores it).
+    setup: the keyword arguments of the workers' ``es_setup``
+    (:meth:`espert.vllm.engine.worker.ESWorkerExtension.es_setup`, one definition for both), with its defaults:
+    include / exclude (parameter patterns on **logical** names), master, rename, noise, optimizer,
+    sigma_scales, no_decay, members; described below.  max_new_tokens: generation budget.  seed: the SamplingParams seed (greedy ignores it).
     chat_template: wrap prompts as a user message.  member_errors: ``"raise"`` or ``"nan"``,
     as in :class:`espert.evaluators.ModelEvaluator`.  reset_prefix_cache: call
     ``llm.reset_prefix_cache()`` after every weight change (on by default; required when the
@@ -167,63 +196,34 @@ class VLLMEvaluator(Evaluator):
         llm,
         score: Callable[[Sequence[str], Sequence[str]], list[float]],
         *,
-        include: Sequence[str] | None = None,
-        exclude: Sequence[str] | None = None,
         max_new_tokens: int = 16,
         seed: int = 0,
         chat_template: bool = False,
         member_errors: str = "raise",
         reset_prefix_cache: bool = True,
-        master: str = "float32",
-        rename: dict[str, str] | Sequence[str] | None = None,
-        noise: str = "gaussian",
-        optimizer: dict | str | None = None,
-        sigma_scales: dict[str, float] | None = None,
-        no_decay: Sequence[str] = (),
         llm_kwargs: dict | None = None,
         extract: Callable | None = None,
-        members: str = "serial",
         max_loras: int = 8,
+        **setup,
     ):
-        if members not in ("serial", "batched"):
-            raise ValueError(f"members must be 'serial' or 'batched', got {members!r}")
-        if members == "batched":
-            from espert.vllm.engine.lora import batched_rank, lora_rank_for
-
-            rank = batched_rank(noise)
-            if max_loras < 1:
-                raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-            llm_kwargs = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": lora_rank_for(rank)} | dict(
-                llm_kwargs or {}
-            )
+        setup = _setup_kwargs(setup)
         if member_errors not in ("raise", "nan"):
             raise ValueError(f"member_errors must be 'raise' or 'nan', got {member_errors!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if setup["members"] == "batched":
+            llm_kwargs = _lora_engine_kwargs(setup["noise"], max_loras) | dict(llm_kwargs or {})
         self._owns = isinstance(llm, str)
         seed = int(seed) % (1 << 31)  # ESConfig seeds are uint64; vLLM seeds numpy (< 2^32). Greedy ignores it.
         self.llm = make_llm(llm, **{"seed": seed, **(llm_kwargs or {})}) if self._owns else llm
         self.score, self.extract = score, extract
         #: {logical name: σ multiplier} of sigma_mode rms (None: absolute); the trainer's step-norm metric reads it
-        self.sigma_scales = sigma_scales
+        self.sigma_scales = setup["sigma_scales"]
         self.member_errors = member_errors
         self.reset_cache = reset_prefix_cache
         self.chat_template = chat_template
         try:
-            self.info = self.llm.collective_rpc(
-                "es_setup",
-                kwargs=dict(
-                    include=include,
-                    exclude=exclude,
-                    master=master,
-                    rename=parse_rename(rename),
-                    noise=noise,
-                    optimizer=optimizer,
-                    sigma_scales=sigma_scales,
-                    no_decay=list(no_decay),
-                    members=members,
-                ),
-            )
+            self.info = self.llm.collective_rpc("es_setup", kwargs=setup)
         except AttributeError as e:
             raise RuntimeError(
                 f"the engine has no espert worker extension; create it with "
@@ -236,17 +236,15 @@ class VLLMEvaluator(Evaluator):
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision)
         self.sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, seed=seed, detokenize=False)
         self.timings = {"perturb": 0.0, "generate": 0.0, "restore": 0.0, "update": 0.0, "members": 0}
-        self.members = members
+        self.members = setup["members"]
         #: LoRA slots per engine call (members: batched), the same on every rank
-        self.lora_slots = self.rpc("es_lora_slots")[0] if members == "batched" else 0
+        self.lora_slots = self.rpc("es_lora_slots")[0] if self.members == "batched" else 0
         #: logical names the center does not move (members: batched: what no LoRA slot carries)
         self.unmoved = sorted({n for r in self.info for n in r.get("unmoved", [])})
         self._cache_key: tuple | None = None
         self._prompts: list = []
         self._pulled: dict[str, torch.Tensor] | None = None
         #: Largest piece of the center one RPC carries (center_state, center_stream).
-        from espert.vllm.driver.stream import CHUNK_BYTES
-
         self.chunk_bytes = CHUNK_BYTES
 
     # -- plumbing ----------------------------------------------------------------------------------

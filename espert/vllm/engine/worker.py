@@ -105,6 +105,11 @@ def _check_w8a8_loop(optimizer, sigma_scales, no_decay, members: str) -> None:
         )
 
 
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
+
+
 def _scales_for(views, sigma_scales: dict[str, float] | None) -> list[float] | None:
     """The σ multipliers of ``views`` in order, from ``{logical name: scale}`` (which must name them all)."""
     if sigma_scales is None:
@@ -184,10 +189,8 @@ class ESWorkerExtension:
 
         model = self._es_model()
         cpu_prepack.check_model(model)
-        if members not in ("serial", "batched"):
-            raise ValueError(f"members must be 'serial' or 'batched', got {members!r}")
-        if master not in ("float32", "weights"):
-            raise ValueError(f"master must be 'float32' or 'weights', got {master!r}")
+        _check_choice("members", members, ("serial", "batched"))
+        _check_choice("master", master, ("float32", "weights"))
         select = dict(include=include, exclude=exclude, rename=(lambda n: rename.get(n, n)) if rename else None)
         slots = None
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, espert/vllm/engine/w8a8.py
