@@ -205,12 +205,9 @@ class ESWorkerExtension:
             if members == "batched":  # the center holds what the LoRA slots carry (espert/vllm/engine/lora.py)
                 slots = self._es_lora_slots(model, views, noise)
                 views = slots.views
-            scales = _scales_for(views, sigma_scales)
-            pin = views[0].tensor.device.type == "cuda"
-            master_dtype = torch.float32 if master == "float32" else None
-            center = CenterStore(
-                views, master_dtype, pin, noise=noise, optimizer=optimizer, sigma_scales=scales, no_decay=list(no_decay)
-            )
+            master_dtype, pin = torch.float32 if master == "float32" else None, views[0].tensor.is_cuda
+            loop = dict(noise=noise, optimizer=optimizer, no_decay=list(no_decay))
+            center = CenterStore(views, master_dtype, pin, sigma_scales=_scales_for(views, sigma_scales), **loop)
         info = self._es_install(RepackingCenter(center, model), model, str(center.views[0].tensor.device))
         if slots is not None:
             slots.pin(self.model_runner.lora_manager)  # after the self-test's forward passes
