@@ -224,56 +224,66 @@ def compute_drift(
         acc_t = _new_acc()
         rows = _rows_per_chunk(ckpt.shape(name))
         for b, c in zip(base.chunks(name, rows), ckpt.chunks(name, rows)):
-            b64 = b.to(torch.float64)
-            d = c.to(torch.float64) - b64
-            absd = d.abs()
-            changed = absd > 0
-            nch = int(changed.sum())
-            vals = absd[changed]
-            stats = {
-                "base_sq": float((b64 * b64).sum()),
-                "delta_sq": float((d * d).sum()),
-                "numel": d.numel(),
-                "n_changed": nch,
-                "max_abs": float(vals.max()) if nch else 0.0,
-            }
+            stats, vals = _chunk_drift(b, c)
             for acc in (overall, acc_g, acc_t):
                 for k in ("base_sq", "delta_sq", "numel", "n_changed"):
                     acc[k] += stats[k]
                 acc["max_abs"] = max(acc["max_abs"], stats["max_abs"])
-            if nch:
+            if stats["n_changed"]:
                 for i, t in enumerate(taus):
                     le_tau[i] += int((vals <= t).sum())
                 hist += torch.bincount(
                     torch.bucketize(torch.log10(vals), edges, right=True), minlength=len(HIST_EDGES) + 1
                 )
-            del b64, d, absd, changed, vals
+            del vals
         if per_tensor:
             row = _finish(acc_t)
             row.update(name=name, group=g, shape=list(ckpt.shape(name)), dtype=ckpt.dtype_str(name))
             rows_out.append(row)
-    n_changed = overall["n_changed"]
     result = {
         "base": base_path,
         "checkpoint": ckpt_path,
         "warnings": _dtype_warnings(base, ckpt, names),
         "overall": _finish(overall),
         "groups": {g: _finish(groups[g]) for g in GROUPS if g in groups},
-        "update_magnitudes": {
-            "taus": taus,
-            "n_le_tau": {repr(t): le_tau[i] for i, t in enumerate(taus)},
-            "share_le_tau": {repr(t): (le_tau[i] / n_changed if n_changed else 0.0) for i, t in enumerate(taus)},
-            "histogram": {
-                "log10_edges": HIST_EDGES,
-                "counts": hist.tolist(),
-                "note": "bin 0: |delta| < 1e-10; bin i: edges[i-1] <= log10|delta| < edges[i]; "
-                "last: >= 10; only changed weights",
-            },
-        },
+        "update_magnitudes": _update_magnitudes(taus, le_tau, overall["n_changed"], hist.tolist()),
     }
     if per_tensor:
         result["per_tensor"] = rows_out
     return result
+
+
+def _chunk_drift(b, c) -> tuple[dict, object]:
+    """(sums of one base/checkpoint chunk pair, |delta| of its changed elements), in float64."""
+    import torch
+
+    b64 = b.to(torch.float64)
+    d = c.to(torch.float64) - b64
+    absd = d.abs()
+    vals = absd[absd > 0]
+    stats = {
+        "base_sq": float((b64 * b64).sum()),
+        "delta_sq": float((d * d).sum()),
+        "numel": d.numel(),
+        "n_changed": vals.numel(),
+        "max_abs": float(vals.max()) if vals.numel() else 0.0,
+    }
+    return stats, vals
+
+
+def _update_magnitudes(taus: list[float], le_tau: list[int], n_changed: int, counts: list[int]) -> dict:
+    """The ``update_magnitudes`` section: changed weights with ``|delta| <= tau`` and the log10 histogram."""
+    return {
+        "taus": taus,
+        "n_le_tau": {repr(t): le_tau[i] for i, t in enumerate(taus)},
+        "share_le_tau": {repr(t): (le_tau[i] / n_changed if n_changed else 0.0) for i, t in enumerate(taus)},
+        "histogram": {
+            "log10_edges": HIST_EDGES,
+            "counts": counts,
+            "note": "bin 0: |delta| < 1e-10; bin i: edges[i-1] <= log10|delta| < edges[i]; "
+            "last: >= 10; only changed weights",
+        },
+    }
 
 
 _WIDTH = {"F64": 64, "F32": 32, "BF16": 16, "F16": 16, "F8_E4M3": 8, "F8_E5M2": 8}
@@ -398,11 +408,16 @@ def format_drift_summary(label: str, res: dict) -> str:
 
 def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
     """Write ``drift_groups.png`` (per-group relative drift) and ``update_hist.png`` (log10|delta|)."""
-    from espert.eval.plots import pyplot, save_figure
+    from espert.eval.plots import pyplot
 
     plt = pyplot()
     os.makedirs(out_dir, exist_ok=True)
-    paths = []
+    return [_plot_groups(plt, results, out_dir), _plot_update_hist(plt, results, out_dir)]
+
+
+def _plot_groups(plt, results: dict[str, dict], out_dir: str) -> str:
+    from espert.eval.plots import save_figure
+
     labels = list(results)
     groups = [g for g in GROUPS if any(g in r["groups"] for r in results.values())]
     width = min(11.0, max(6.0, 0.45 * len(groups) * (1 + len(labels)) + 1.5))
@@ -444,12 +459,16 @@ def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
     ax.set_title("Per-group relative drift")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(save_figure(fig, os.path.join(out_dir, "drift_groups.png")))
+    return save_figure(fig, os.path.join(out_dir, "drift_groups.png"))
+
+
+def _plot_update_hist(plt, results: dict[str, dict], out_dir: str) -> str:
+    from espert.eval.plots import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     edges = HIST_EDGES
     centers = [edges[0] - 0.25] + [(edges[i - 1] + edges[i]) / 2 for i in range(1, len(edges))] + [edges[-1] + 0.25]
-    for lab in labels:
+    for lab in results:
         counts = results[lab]["update_magnitudes"]["histogram"]["counts"]
         tot = sum(counts) or 1
         ax.step(centers, [c / tot for c in counts], where="mid", label=lab)
@@ -458,8 +477,7 @@ def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
     ax.set_title("Update magnitude distribution")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(save_figure(fig, os.path.join(out_dir, "update_hist.png")))
-    return paths
+    return save_figure(fig, os.path.join(out_dir, "update_hist.png"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
