@@ -251,13 +251,7 @@ class CenterStore:
         self.optimizer = Optimizer.of(optimizer)
         if self.optimizer.name != "sgd" and master_dtype is None:
             raise ValueError(f"optimizer {self.optimizer.name!r} needs the float32 master (master_dtype=torch.float32)")
-        if sigma_scales is None:
-            self.sigma_scales = None
-        else:
-            sigma_scales = [check_factor(f"sigma_scales[{i}]", s) for i, s in enumerate(sigma_scales)]
-            if len(sigma_scales) != len(self.views):
-                raise ValueError(f"got {len(sigma_scales)} sigma_scales for {len(self.views)} views")
-            self.sigma_scales = sigma_scales
+        self.sigma_scales = self._checked_scales(sigma_scales)
         self.update_on = None if update_on is None else torch.device(update_on)
         if self.update_on is not None and master_dtype is None:
             raise ValueError("update_on needs the float32 master (master_dtype=torch.float32)")
@@ -281,20 +275,32 @@ class CenterStore:
                 for v in self.views
             ]
             self._rebuild_mirrors()
-        if restore not in ("copy", "patch"):
-            raise ValueError(f"restore must be 'copy' or 'patch', got {restore!r}")
         self.restore_mode = restore
-        self.patch: ops.PatchList | None = None
+        self.patch = self._patch_list(restore, patch_capacity)
         self.patch_stats = {"patched": 0, "copied": 0, "records": 0}
-        if restore == "patch":
-            patch_capacity = check_factor("patch_capacity", patch_capacity)
-            if not 0 < patch_capacity <= 1:
-                raise ValueError(f"patch_capacity must be in (0, 1], got {patch_capacity}")
-            numel = sum(v.tensor.numel() for v in self.views)
-            device = self.views[0].tensor.device if self.views else torch.device("cpu")
-            self.patch = ops.PatchList(max(1, math.ceil(patch_capacity * numel)), device)
         self._pending: tuple | None = None  # (seed, sigma, sign, backend) of the recorded perturb
         self._at_center = True  # the live weights are the rounded center (built from them)
+
+    def _checked_scales(self, sigma_scales: Sequence[float] | None) -> list[float] | None:
+        if sigma_scales is None:
+            return None
+        scales = [check_factor(f"sigma_scales[{i}]", s) for i, s in enumerate(sigma_scales)]
+        if len(scales) != len(self.views):
+            raise ValueError(f"got {len(scales)} sigma_scales for {len(self.views)} views")
+        return scales
+
+    def _patch_list(self, restore: str, capacity: float) -> "ops.PatchList | None":
+        """restore="patch": the list a recording perturb fills, ``capacity`` × the views' elements."""
+        if restore not in ("copy", "patch"):
+            raise ValueError(f"restore must be 'copy' or 'patch', got {restore!r}")
+        if restore == "copy":
+            return None
+        capacity = check_factor("patch_capacity", capacity)
+        if not 0 < capacity <= 1:
+            raise ValueError(f"patch_capacity must be in (0, 1], got {capacity}")
+        numel = sum(v.tensor.numel() for v in self.views)
+        device = self.views[0].tensor.device if self.views else torch.device("cpu")
+        return ops.PatchList(max(1, math.ceil(capacity * numel)), device)
 
     # -- memory -----------------------------------------------------------------------------
     @property

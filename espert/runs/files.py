@@ -67,11 +67,30 @@ def lock_run(run_dir: str) -> tuple[int, str]:
     even when flock grants it.  :func:`unlock_run` removes the file; a killed holder leaves it, and the
     next writer reuses it.
     """
-    import fcntl
     import socket
     import time
 
     path, host = lock_path(run_dir), socket.gethostname()
+    fd = _flock(run_dir, path)
+    old = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    rec = _holder(old)
+    if rec and rec["host"] != host and time.time() - rec["heartbeat"] < HEARTBEAT_STALE:
+        os.close(fd)
+        raise RunBusy(
+            f"{run_dir} is being written by {old.split(' heartbeat')[0]} (heartbeat "
+            f"{time.time() - rec['heartbeat']:.0f} s ago), although the filesystem granted this process the "
+            f"lock: flock is unreliable on some network filesystems (NFS). If that writer is gone, wait "
+            f"{HEARTBEAT_STALE:.0f} s, or remove {path}"
+        )
+    _start_heartbeat(fd, host)
+    return fd, path
+
+
+def _flock(run_dir: str, path: str) -> int:
+    """An fd holding the exclusive flock of the lock file at ``path``; RunBusy naming the holder otherwise."""
+    import fcntl
+    import time
+
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -92,18 +111,14 @@ def lock_run(run_dir: str) -> tuple[int, str]:
         except FileNotFoundError:
             same = False
         if same:
-            break
+            return fd
         os.close(fd)
-    old = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-    rec = _holder(old)
-    if rec and rec["host"] != host and time.time() - rec["heartbeat"] < HEARTBEAT_STALE:
-        os.close(fd)
-        raise RunBusy(
-            f"{run_dir} is being written by {old.split(' heartbeat')[0]} (heartbeat "
-            f"{time.time() - rec['heartbeat']:.0f} s ago), although the filesystem granted this process the "
-            f"lock: flock is unreliable on some network filesystems (NFS). If that writer is gone, wait "
-            f"{HEARTBEAT_STALE:.0f} s, or remove {path}"
-        )
+
+
+def _start_heartbeat(fd: int, host: str) -> None:
+    """Write this holder's record into the lock file and renew its heartbeat every HEARTBEAT_SECONDS."""
+    import time
+
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     stop, guard = threading.Event(), threading.Lock()
 
@@ -125,7 +140,6 @@ def lock_run(run_dir: str) -> tuple[int, str]:
     beat()
     _HEARTBEATS[fd] = (stop, guard)
     threading.Thread(target=heartbeat, name="espert-lock-heartbeat", daemon=True).start()
-    return fd, path
 
 
 _HEARTBEATS: dict = {}  # lock fd -> (Event that stops its heartbeat thread, the Lock its beats hold)
