@@ -177,6 +177,28 @@ def pretrain(
     return losses
 
 
+def _llama_config(spec: TinySpec, tok):
+    """The transformers LlamaConfig of the tiny model: ``spec``'s shapes over ``tok``'s vocabulary, untied."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
 def build_tiny_model(
     save_dir: str,
     seed: int = 0,
@@ -194,27 +216,12 @@ def build_tiny_model(
     writes ``espert_tiny.json`` recording the seed, spec and pretraining (steps, corpus, lr, final loss).
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM
 
     spec = spec or TinySpec()
     os.makedirs(save_dir, exist_ok=True)
     tok = build_tokenizer(spec.alphabet)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_attention_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.init_std,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
+    config = _llama_config(spec, tok)
     # Weights come from torch's CPU generator, seeded here, in module construction order.
     state = torch.random.get_rng_state()
     try:

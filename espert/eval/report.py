@@ -45,56 +45,52 @@ def model_metrics(
     ns = [len(r["completions"]) for r in records]
     if min(ns) < 1:
         raise ValueError("every problem needs at least one sample")
-    n_min = min(ns)
-    ks = k_values(n_min)
-    per_c, per_n, per_h, per_bin, per_maj = [], [], [], [], []
-    all_rewards = []
-    abstain = 0
-    pass_sums = {k: 0.0 for k in ks}
-    maj_sums = {k: 0.0 for k in ks}
     if maj_method not in MAJ_METHODS:
         raise ValueError(f"unknown maj@k method {maj_method!r}; use one of {', '.join(MAJ_METHODS)}")
+    ks = k_values(min(ns))
+    per = _per_problem(records, threshold, maj_method, equivalent, ks)
+    pass_sums, maj_sums = per.pop("pass"), per.pop("maj")
+    P = len(records)
+    hist = [0] * len(ACC_BIN_LABELS)
+    for c, n in zip(per["n_correct"], per["n"]):
+        hist[accuracy_bin(c, n)] += 1
+    rewards = [x for r in records for x in r["rewards"]]
+    return {
+        "n_problems": P,
+        "n_samples_per_problem": ns[0] if min(ns) == max(ns) else {"min": min(ns), "max": max(ns)},
+        "n_samples": sum(ns),
+        "mean_reward": sum(rewards) / len(rewards),
+        "accuracy": sum(per["n_correct"]) / sum(ns),  # = pass@1 only at equal n per problem
+        "maj_method": maj_method,
+        "pass_at_k": {str(k): pass_sums[i] / P for i, k in enumerate(ks)},
+        "maj_at_k": {str(k): maj_sums[i] / P for i, k in enumerate(ks)},
+        "accuracy_histogram": {"bins": list(ACC_BIN_LABELS), "counts": hist},
+        "unsolved": hist[0],
+        "all_correct": hist[-1],
+        "abstain_rate": sum(a is None for r in records for a in r["extracted"]) / sum(ns),
+        "answer_entropy_mean": mean_or_none(per["entropy"]),
+        "n_all_abstain": sum(1 for h in per["entropy"] if h is None),
+        "per_problem": {"index": [r["index"] for r in records], **per},
+    }
+
+
+def _per_problem(records: list[dict], threshold: float, maj_method: str, equivalent: Equivalence, ks) -> dict:
+    """Per problem: samples n, correct c, maj@n, answer entropy; and the sums over problems of pass@k and
+    maj@k for each k in ``ks`` (``"pass"``, ``"maj"``: one list each, in the order of ``ks``)."""
+    out = {"n": [], "n_correct": [], "maj_at_n": [], "entropy": []}
+    pass_sums, maj_sums = [0.0] * len(ks), [0.0] * len(ks)
     for r in records:
         ok = _correct_flags(r["rewards"], threshold)
         n, c = len(ok), sum(ok)
         votes = answer_classes(r["extracted"], equivalent)
-        per_c.append(c)
-        per_n.append(n)
-        per_bin.append(accuracy_bin(c, n))
-        per_h.append(answer_entropy(votes))
-        per_maj.append(maj_at_k(votes, ok, n, maj_method))
-        all_rewards.extend(r["rewards"])
-        abstain += sum(1 for a in r["extracted"] if a is None)
-        for k in ks:
-            pass_sums[k] += pass_at_k(n, c, k)
-            maj_sums[k] += maj_at_k(votes, ok, k, maj_method)
-    P = len(records)
-    hist = [0] * len(ACC_BIN_LABELS)
-    for b in per_bin:
-        hist[b] += 1
-    return {
-        "n_problems": P,
-        "n_samples_per_problem": n_min if min(ns) == max(ns) else {"min": min(ns), "max": max(ns)},
-        "n_samples": sum(ns),
-        "mean_reward": sum(all_rewards) / len(all_rewards),
-        "accuracy": sum(per_c) / sum(ns),  # = pass@1 only at equal n per problem
-        "maj_method": maj_method,
-        "pass_at_k": {str(k): pass_sums[k] / P for k in ks},
-        "maj_at_k": {str(k): maj_sums[k] / P for k in ks},
-        "accuracy_histogram": {"bins": list(ACC_BIN_LABELS), "counts": hist},
-        "unsolved": hist[0],
-        "all_correct": hist[-1],
-        "abstain_rate": abstain / sum(ns),
-        "answer_entropy_mean": mean_or_none(per_h),
-        "n_all_abstain": sum(1 for h in per_h if h is None),
-        "per_problem": {
-            "index": [r["index"] for r in records],
-            "n": per_n,
-            "n_correct": per_c,
-            "maj_at_n": per_maj,
-            "entropy": per_h,
-        },
-    }
+        out["n"].append(n)
+        out["n_correct"].append(c)
+        out["maj_at_n"].append(maj_at_k(votes, ok, n, maj_method))
+        out["entropy"].append(answer_entropy(votes))
+        for i, k in enumerate(ks):
+            pass_sums[i] += pass_at_k(n, c, k)
+            maj_sums[i] += maj_at_k(votes, ok, k, maj_method)
+    return {**out, "pass": pass_sums, "maj": maj_sums}
 
 
 def _check_aligned(base: str, base_recs: list[dict], label: str, recs: list[dict]) -> None:
