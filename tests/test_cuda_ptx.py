@@ -43,18 +43,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from espert.kernels import quant as q
 
-SIG = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "master_ptr": "*fp32", "seeds_ptr": "*i64", "coeffs_ptr": "*fp32",
-       "stage_ptr": "*fp32", "icdf_ptr": "*i64", "b_off": "i64", "rank": "i64", "n_members": "i32", "units": "i64", "N": "i64", "K": "i64", "ld": "i64", "row_offset": "u64",
-       "col_offset": "u64", "logical_cols": "u64", "group": "i64", "scale_ld": "i64", "qmin": "fp32",
-       "qmax": "fp32", "key": "u64"}
 out = {}
 for case in json.loads(sys.argv[1]):
     elem, layout, kind, mode, family = case
-    sig = dict(SIG, codes_ptr="*i32" if elem == "int4" else "*u8")
-    const = dict(ELEM=q._ELEM[elem], LAYOUT=q._LAYOUT[layout], KIND=q._KIND[kind], MODE=q._MODE[mode],
-                 FAMILY=q._C.FAMILY_CODES[family], G=q.UNITS_G[q._LAYOUT[layout]], BLOCK=256)
-    sig.update({c: "constexpr" for c in const})
-    out["/".join(case)] = triton.compile(ASTSource(fn=q._quant_kernel, signature=sig, constexprs=const),
+    shape = q.QuantShape(q._ELEM[elem], q._LAYOUT[layout], q._KIND[kind], q._C.DTYPE_CODES["float32"],
+                         q._MODE[mode], q._C.FAMILY_CODES[family], q.UNITS_G[q._LAYOUT[layout]], 256)
+    sig = dict(q.SIGNATURE, S="constexpr")
+    out["/".join(case)] = triton.compile(ASTSource(fn=q._quant_kernel, signature=sig, constexprs={"S": shape}),
                                          target=GPUTarget("cuda", 90, 32),
                                          options={"enable_fp_fusion": False}).asm["ptx"]
 print(json.dumps(out))

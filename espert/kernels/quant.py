@@ -12,7 +12,9 @@ once (no two programs, nor two lanes, ever write the same word).  Launch with
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -87,9 +89,9 @@ def _rademacher_sum(seeds_ptr, coeffs_ptr, n, key_lo, key_hi, g, BLOCK: tl.const
 
 
 @triton.jit
-def _lowrank_sum(stage_ptr, b_off, coeffs_ptr, n, rank, N, K, nl, k0, mask, BLOCK: tl.constexpr):
+def _lowrank_sum(sa, sb, coeffs_ptr, n, rank, N, K, nl, k0, mask, BLOCK: tl.constexpr):
     """Σ_m coeffs[m]·ε_m of lanes k0 .. k0+3 of block rows nl ([BLOCK] each) with lowrank ε from the
-    staged factors (quant.h lowrank4): A' [n, N, r] at stage_ptr, Bᵀ [n, r, K] at stage_ptr + b_off;
+    staged factors (quant.h lowrank4): A' [n, N, r] at sa, Bᵀ [n, r, K] at sb;
     ε = Σ_j fl(A'[m, nl, j]·Bᵀ[m, j, k]) from +0 in j order."""
     acc0 = tl.zeros([BLOCK], tl.float32)
     acc1 = tl.zeros([BLOCK], tl.float32)
@@ -97,8 +99,8 @@ def _lowrank_sum(stage_ptr, b_off, coeffs_ptr, n, rank, N, K, nl, k0, mask, BLOC
     acc3 = tl.zeros([BLOCK], tl.float32)
     for m in range(n):
         c = tl.load(coeffs_ptr + m)
-        a_row = stage_ptr + (m * N + nl) * rank
-        b_col = stage_ptr + b_off + m * rank * K + k0
+        a_row = sa + (m * N + nl) * rank
+        b_col = sb + m * rank * K + k0
         t0 = tl.zeros([BLOCK], tl.float32)
         t1 = tl.zeros([BLOCK], tl.float32)
         t2 = tl.zeros([BLOCK], tl.float32)
@@ -277,233 +279,240 @@ def _scale(scales_ptr, n, k, group, scale_ld, mask, KIND: tl.constexpr):
     return tl.load(scales_ptr + i, mask=mask, other=1.0).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["row_offset", "col_offset", "logical_cols", "key", "qmin", "qmax"])
-def _quant_kernel(
-    codes_ptr,
-    scales_ptr,
-    master_ptr,
-    seeds_ptr,
-    coeffs_ptr,
-    stage_ptr,
-    icdf_ptr,
-    b_off,
-    rank,
-    n_members,
-    units,
-    N,
-    K,
-    ld,
-    row_offset,
-    col_offset,
-    logical_cols,
-    group,
-    scale_ld,
-    qmin,
-    qmax,
-    key,
-    ELEM: tl.constexpr,
-    LAYOUT: tl.constexpr,
-    KIND: tl.constexpr,
-    MODE: tl.constexpr,
-    FAMILY: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    u = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+class QuantShape(NamedTuple):
+    """What a launch of :func:`_quant_kernel` specializes on (codes of csrc/quant.h, taken from the row): the
+    storage element, layout, scale kind and scale dtype, the mode and the noise family, and the unit's shape
+    (G Philox groups per unit, BLOCK units per program)."""
+
+    ELEM: int
+    LAYOUT: int
+    KIND: int
+    SCALE_DTYPE: int
+    MODE: int
+    FAMILY: int
+    G: int
+    BLOCK: int
+
+
+# The row's columns (csrc/quant.h QuantEntry, ``_C.QUANT_FIELDS``): the one struct CPU, CUDA and Triton read.
+_QF = {name: tl.constexpr(i) for i, name in enumerate(_C.QUANT_FIELDS)}
+Q_CODES, Q_N, Q_K, Q_LD = _QF["codes"], _QF["N"], _QF["K"], _QF["ld"]
+Q_ROW_OFFSET, Q_COL_OFFSET, Q_LOGICAL_COLS = _QF["row_offset"], _QF["col_offset"], _QF["logical_cols"]
+Q_SCALES, Q_GROUP, Q_SCALE_LD, Q_MASTER = _QF["scales"], _QF["group"], _QF["scale_ld"], _QF["master"]
+Q_RANK, Q_STAGE_A, Q_STAGE_B = _QF["rank"], _QF["stage_a"], _QF["stage_b"]
+Q_QMIN, Q_QMAX, Q_N_MEMBERS, Q_KEY = _QF["qmin_bits"], _QF["qmax_bits"], _QF["n"], _QF["key"]
+SCALE_F32: tl.constexpr = tl.constexpr(_C.DTYPE_CODES["float32"])
+SCALE_F16: tl.constexpr = tl.constexpr(_C.DTYPE_CODES["float16"])
+
+
+@triton.jit
+def _ptr(row_ptr, F: tl.constexpr, T: tl.constexpr):
+    """The address in column F of the row, as a pointer to T."""
+    return tl.load(row_ptr + F).to(tl.pointer_type(T), bitcast=True)
+
+
+@triton.jit
+def _u64(row_ptr, F: tl.constexpr):
+    return tl.load(row_ptr + F).to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def _bits_f32(row_ptr, F: tl.constexpr):
+    """A float32 stored as its bits in column F (qmin, qmax)."""
+    return tl.load(row_ptr + F).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scales_ptr(row_ptr, SCALE_DTYPE: tl.constexpr):
+    if SCALE_DTYPE == SCALE_F32:
+        return _ptr(row_ptr, Q_SCALES, tl.float32)
+    elif SCALE_DTYPE == SCALE_F16:
+        return _ptr(row_ptr, Q_SCALES, tl.float16)
+    else:
+        return _ptr(row_ptr, Q_SCALES, tl.bfloat16)
+
+
+@triton.jit
+def _lane(l: tl.constexpr, x0, x1, x2, x3):
+    """Lane l's value of four (l: a compile-time lane index)."""
+    if l == 0:
+        return x0
+    elif l == 1:
+        return x1
+    elif l == 2:
+        return x2
+    else:
+        return x3
+
+
+@triton.jit
+def _word(l: tl.constexpr, LAYOUT: tl.constexpr, w0, w1, w2, w3):
+    """The unit's int4 word that holds lane l: GPTQ its one word; AWQ / CPU W4A16 word l; Marlin word l // 2."""
+    if LAYOUT == GPTQ:
+        return w0
+    elif LAYOUT == MARLIN:
+        return _lane(l // 2, w0, w1, w2, w3)
+    else:
+        return _lane(l, w0, w1, w2, w3)
+
+
+@triton.jit
+def _put_word(l: tl.constexpr, LAYOUT: tl.constexpr, word, w0, w1, w2, w3):
+    """(w0, w1, w2, w3) with lane l's word (:func:`_word`) replaced by ``word``."""
+    if LAYOUT == GPTQ:
+        return word, w1, w2, w3
+    elif LAYOUT == MARLIN:
+        if l < 2:
+            return word, w1, w2, w3
+        return w0, word, w2, w3
+    elif l == 0:
+        return word, w1, w2, w3
+    elif l == 1:
+        return w0, word, w2, w3
+    elif l == 2:
+        return w0, w1, word, w3
+    else:
+        return w0, w1, w2, word
+
+
+@triton.jit
+def _int4_words(codes_ptr, u, N, K, ld, mask, LAYOUT: tl.constexpr):
+    """Addresses and values of the 1, 2 or 4 int4 words a unit owns: the words of (group 0, lane l) tell where
+    they are.  Words a layout does not use repeat word 0 (never stored)."""
+    n00, k00 = _origin(u, 0, N, K, LAYOUT)
+    wa0, _s = _word_of(n00, k00, ld, LAYOUT)
+    wa1, _s = _word_of(n00, k00 + 1, ld, LAYOUT)
+    wa2, _s = _word_of(n00, k00 + 2, ld, LAYOUT)
+    wa3, _s = _word_of(n00, k00 + 3, ld, LAYOUT)
+    if LAYOUT == MARLIN:  # Marlin: lanes 0, 1 in one word, lanes 2, 3 in the next
+        wa1 = wa2
+    w0 = tl.load(codes_ptr + wa0, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    w1, w2, w3 = w0, w0, w0
+    if LAYOUT == AWQ or LAYOUT == CPU_W4A16 or LAYOUT == MARLIN:
+        w1 = tl.load(codes_ptr + wa1, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    if LAYOUT == AWQ or LAYOUT == CPU_W4A16:
+        w2 = tl.load(codes_ptr + wa2, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w3 = tl.load(codes_ptr + wa3, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    return wa0, wa1, wa2, wa3, w0, w1, w2, w3
+
+
+@triton.jit
+def _store_int4_words(codes_ptr, wa0, wa1, wa2, wa3, w0, w1, w2, w3, mask, LAYOUT: tl.constexpr):
+    tl.store(codes_ptr + wa0, w0.to(tl.int32, bitcast=True), mask=mask)
+    if LAYOUT == AWQ or LAYOUT == CPU_W4A16 or LAYOUT == MARLIN:
+        tl.store(codes_ptr + wa1, w1.to(tl.int32, bitcast=True), mask=mask)
+    if LAYOUT == AWQ or LAYOUT == CPU_W4A16:
+        tl.store(codes_ptr + wa2, w2.to(tl.int32, bitcast=True), mask=mask)
+        tl.store(codes_ptr + wa3, w3.to(tl.int32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _group_sums(members, lowrank, icdf_ptr, key_lo, key_hi, g, n, k0, N, K, mask, S: tl.constexpr):
+    """Σ_m coeffs[m]·ε_m of the group's four lanes (k0 .. k0+3 of rows n), for the launch's noise family.
+    members: (seeds_ptr, coeffs_ptr, n); lowrank: (A' pointer, Bᵀ pointer, rank), read by lowrank only."""
+    seeds_ptr, coeffs_ptr, n_members = members
+    if S.FAMILY == RADEMACHER:
+        return _rademacher_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g, S.BLOCK)
+    elif S.FAMILY == LOWRANK:
+        sa, sb, rank = lowrank
+        return _lowrank_sum(sa, sb, coeffs_ptr, n_members, rank, N, K, n, k0, mask, S.BLOCK)
+    else:
+        g_lo, g_hi = g.to(tl.uint32), (g >> 32).to(tl.uint32)
+        return member_sum(
+            seeds_ptr, coeffs_ptr, 0, n_members, 1.0, key_lo, key_hi, g_lo, g_hi, icdf_ptr, S.FAMILY, S.BLOCK
+        )
+
+
+# One kernel body over 1-4 words held in registers: the unit's G groups and 4 lanes are unrolled at compile time
+# and edit the same packed words, which are loaded once and stored once (splitting it would round-trip them).
+@triton.jit
+def _quant_kernel(row_ptr, seeds_ptr, coeffs_ptr, icdf_ptr, units, S: tl.constexpr):
+    """The codes of one quantized weight, edited in place: ``row_ptr`` is its QuantEntry (csrc/quant.h, int64
+    [len(QUANT_FIELDS)] on the device; its ``seeds``/``coeffs`` columns are unused: the members are
+    ``seeds_ptr`` (int64 [n]) and ``coeffs_ptr`` (float32 [n])); ``units``: the weight's units."""
+    u = tl.program_id(0).to(tl.int64) * S.BLOCK + tl.arange(0, S.BLOCK).to(tl.int64)
     mask = u < units
     u = tl.where(mask, u, 0)
-    k64 = key.to(tl.uint64)
-    key_lo = k64.to(tl.uint32)
-    key_hi = (k64 >> 32).to(tl.uint32)
-    s0 = tl.load(seeds_ptr).to(tl.uint64, bitcast=True)  # member 0: the SR stream's seed (perturb)
-    # int4 units own 1, 4 or 2 words: the word of (group 0, lane l) tells where they are
-    if ELEM == INT4:
-        n00, k00 = _origin(u, 0, N, K, LAYOUT)
-        wa0, _s = _word_of(n00, k00, ld, LAYOUT)
-        wa1, _s = _word_of(n00, k00 + 1, ld, LAYOUT)
-        wa2, _s = _word_of(n00, k00 + 2, ld, LAYOUT)
-        if LAYOUT == MARLIN:  # Marlin: lanes 0, 1 in one word, lanes 2, 3 in the next
-            wa1 = wa2
-        wa3, _s = _word_of(n00, k00 + 3, ld, LAYOUT)
-        w0 = tl.load(codes_ptr + wa0, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        if LAYOUT == AWQ or LAYOUT == CPU_W4A16 or LAYOUT == MARLIN:
-            w1 = tl.load(codes_ptr + wa1, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        if LAYOUT == AWQ or LAYOUT == CPU_W4A16:
-            w2 = tl.load(codes_ptr + wa2, mask=mask, other=0).to(tl.uint32, bitcast=True)
-            w3 = tl.load(codes_ptr + wa3, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    for j in tl.static_range(G):
-        n, k0 = _origin(u, j, N, K, LAYOUT)
-        base = (
-            (row_offset.to(tl.uint64) + n.to(tl.uint64)) * logical_cols.to(tl.uint64)
-            + col_offset.to(tl.uint64)
-            + k0.to(tl.uint64)
-        )
-        g = base >> 2
-        g_lo = g.to(tl.uint32)
-        g_hi = (g >> 32).to(tl.uint32)
-        if FAMILY == RADEMACHER:
-            a0, a1, a2, a3 = _rademacher_sum(seeds_ptr, coeffs_ptr, n_members, key_lo, key_hi, g, BLOCK)
-        elif FAMILY == LOWRANK:
-            a0, a1, a2, a3 = _lowrank_sum(stage_ptr, b_off, coeffs_ptr, n_members, rank, N, K, n, k0, mask, BLOCK)
-        else:
-            a0, a1, a2, a3 = member_sum(
-                seeds_ptr, coeffs_ptr, 0, n_members, 1.0, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY, BLOCK
+    N, K, ld = tl.load(row_ptr + Q_N), tl.load(row_ptr + Q_K), tl.load(row_ptr + Q_LD)
+    lc, co = _u64(row_ptr, Q_LOGICAL_COLS), _u64(row_ptr, Q_COL_OFFSET)
+    ro = _u64(row_ptr, Q_ROW_OFFSET)
+    group, scale_ld = tl.load(row_ptr + Q_GROUP), tl.load(row_ptr + Q_SCALE_LD)
+    qmin, qmax = _bits_f32(row_ptr, Q_QMIN), _bits_f32(row_ptr, Q_QMAX)
+    k64 = _u64(row_ptr, Q_KEY)
+    key_lo, key_hi = k64.to(tl.uint32), (k64 >> 32).to(tl.uint32)
+    scales_ptr = _scales_ptr(row_ptr, S.SCALE_DTYPE)
+    master_ptr = _ptr(row_ptr, Q_MASTER, tl.float32)  # never read unless mode master
+    if S.ELEM == INT4:
+        codes_ptr = _ptr(row_ptr, Q_CODES, tl.int32)
+        wa0, wa1, wa2, wa3, w0, w1, w2, w3 = _int4_words(codes_ptr, u, N, K, ld, mask, S.LAYOUT)
+    else:
+        codes_ptr = _ptr(row_ptr, Q_CODES, tl.uint8)
+    members = (seeds_ptr, coeffs_ptr, tl.load(row_ptr + Q_N_MEMBERS).to(tl.int32))
+    lowrank = (_ptr(row_ptr, Q_STAGE_A, tl.float32), _ptr(row_ptr, Q_STAGE_B, tl.float32), tl.load(row_ptr + Q_RANK))
+    if S.MODE == PERTURB:
+        s0 = tl.load(seeds_ptr).to(tl.uint64, bitcast=True)  # member 0: the SR stream's seed
+    for j in tl.static_range(S.G):
+        n, k0 = _origin(u, j, N, K, S.LAYOUT)
+        g = ((ro + n.to(tl.uint64)) * lc + co + k0.to(tl.uint64)) >> 2
+        a0, a1, a2, a3 = _group_sums(members, lowrank, icdf_ptr, key_lo, key_hi, g, n, k0, N, K, mask, S)
+        if S.MODE == PERTURB:
+            u0, u1, u2, u3 = _sr_uniforms4(
+                s0.to(tl.uint32), (s0 >> 32).to(tl.uint32), key_lo, key_hi, g.to(tl.uint32), (g >> 32).to(tl.uint32)
             )
-        if MODE == PERTURB:
-            u0, u1, u2, u3 = _sr_uniforms4(s0.to(tl.uint32), (s0 >> 32).to(tl.uint32), key_lo, key_hi, g_lo, g_hi)
         else:
             u0 = a0 * 0.0
-            u1 = u0
-            u2 = u0
-            u3 = u0
+            u1, u2, u3 = u0, u0, u0
         for l in tl.static_range(4):
-            if l == 0:
-                acc = a0
-                uu = u0
-            elif l == 1:
-                acc = a1
-                uu = u1
-            elif l == 2:
-                acc = a2
-                uu = u2
-            else:
-                acc = a3
-                uu = u3
-            k = k0 + l
-            s = _scale(scales_ptr, n, k, group, scale_ld, mask, KIND)
+            acc, uu, k = _lane(l, a0, a1, a2, a3), _lane(l, u0, u1, u2, u3), k0 + l
+            s = _scale(scales_ptr, n, k, group, scale_ld, mask, S.KIND)
             mptr = master_ptr + n * K + k
-            widx, shift = _word_of(n, k, ld, LAYOUT)
-            if ELEM == INT4:
-                # which of the unit's words holds (j, l): GPTQ one; AWQ / CPU W4A16 word l; Marlin l // 2
-                if LAYOUT == GPTQ:
-                    word = w0
-                elif LAYOUT == MARLIN:
-                    if l < 2:
-                        word = w0
-                    else:
-                        word = w1
-                else:
-                    if l == 0:
-                        word = w0
-                    elif l == 1:
-                        word = w1
-                    elif l == 2:
-                        word = w2
-                    else:
-                        word = w3
+            widx, shift = _word_of(n, k, ld, S.LAYOUT)
+            if S.ELEM == INT4:
                 sh = shift.to(tl.uint32)
-                code = (word >> sh) & 0xF
-                nc = _edit(code, acc, s, uu, mptr, mask, qmin, qmax, ELEM, MODE)
-                word = (word & ~(tl.full([BLOCK], 0xF, tl.uint32) << sh)) | (nc << sh)
-                if LAYOUT == GPTQ:
-                    w0 = word
-                elif LAYOUT == MARLIN:
-                    if l < 2:
-                        w0 = word
-                    else:
-                        w1 = word
-                else:
-                    if l == 0:
-                        w0 = word
-                    elif l == 1:
-                        w1 = word
-                    elif l == 2:
-                        w2 = word
-                    else:
-                        w3 = word
+                word = _word(l, S.LAYOUT, w0, w1, w2, w3)
+                nc = _edit((word >> sh) & 0xF, acc, s, uu, mptr, mask, qmin, qmax, S.ELEM, S.MODE)
+                word = (word & ~(tl.full([S.BLOCK], 0xF, tl.uint32) << sh)) | (nc << sh)
+                w0, w1, w2, w3 = _put_word(l, S.LAYOUT, word, w0, w1, w2, w3)
             else:
                 code = tl.load(codes_ptr + widx, mask=mask, other=0).to(tl.uint32)
-                nc = _edit(code, acc, s, uu, mptr, mask, qmin, qmax, ELEM, MODE)
+                nc = _edit(code, acc, s, uu, mptr, mask, qmin, qmax, S.ELEM, S.MODE)
                 tl.store(codes_ptr + widx, nc.to(tl.uint8), mask=mask)
-    if ELEM == INT4:
-        tl.store(codes_ptr + wa0, w0.to(tl.int32, bitcast=True), mask=mask)
-        if LAYOUT == AWQ or LAYOUT == CPU_W4A16 or LAYOUT == MARLIN:
-            tl.store(codes_ptr + wa1, w1.to(tl.int32, bitcast=True), mask=mask)
-        if LAYOUT == AWQ or LAYOUT == CPU_W4A16:
-            tl.store(codes_ptr + wa2, w2.to(tl.int32, bitcast=True), mask=mask)
-            tl.store(codes_ptr + wa3, w3.to(tl.int32, bitcast=True), mask=mask)
+    if S.ELEM == INT4:
+        _store_int4_words(codes_ptr, wa0, wa1, wa2, wa3, w0, w1, w2, w3, mask, S.LAYOUT)
 
 
-def _units(layout: str, n: int, k: int) -> int:
-    return {
-        "nk": n * (k // 4),
-        "kn": n * (k // 4),
-        "gptq": n * (k // 8),
-        "awq": (n // 8) * (k // 4),
-        "cpu_w4a16": (n // 8) * (k // 4),
-        "marlin": (n // 64) * (k // 16) * 64,
-    }[layout]
+#: _quant_kernel's runtime arguments as Triton types (what a launch passes: the tests compile it with these)
+SIGNATURE = {"row_ptr": "*i64", "seeds_ptr": "*i64", "coeffs_ptr": "*fp32", "icdf_ptr": "*i64", "units": "i64"}
+
+#: units of a layout (code) for an [N, K] weight: G groups of 4 elements that own whole storage words
+UNITS = {
+    _LAYOUT["nk"]: lambda n, k: n * (k // 4),
+    _LAYOUT["kn"]: lambda n, k: n * (k // 4),
+    _LAYOUT["gptq"]: lambda n, k: n * (k // 8),
+    _LAYOUT["awq"]: lambda n, k: (n // 8) * (k // 4),
+    _LAYOUT["cpu_w4a16"]: lambda n, k: (n // 8) * (k // 4),
+    _LAYOUT["marlin"]: lambda n, k: (n // 64) * (k // 16) * 64,
+}
 
 
 def quant_apply(
-    geom,
-    scales: torch.Tensor,
-    master: torch.Tensor | None,
-    mode: int,
-    seeds: torch.Tensor,
-    coeffs: torch.Tensor,
-    key: int,
-    *,
-    family: int = 0,
-    rank: int = 0,
-    stage: torch.Tensor | None = None,
-    block: int = DEFAULT_BLOCK,
+    row: np.ndarray, row_dev: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, block: int = DEFAULT_BLOCK
 ) -> None:
-    """Run the quantized kernel on a validated geometry (``espert.quant.ops.QGeometry``).
+    """Run the quantized kernel on one validated weight (``espert.quant.ops`` checks and builds its row).
 
-    geom.data: the storage (int8 / uint8 bytes or int32 words); scales: float32/16/bf16; master:
-    float32 [N, K] or None; mode: a code of espert._C.QUANT_MODE_CODES; seeds int64 [n]
-    (uint64 bit patterns), coeffs float32 [n], on the storage's device (at least one seed for perturb).
-    family: a code of espert._C.FAMILY_CODES; lowrank needs ``rank`` and ``stage`` (float32: A' [n, N, r]
-    then Bᵀ [n, r, K], from ``espert.ops.lowrank_stage``).
-    """
-    lowrank = family == _C.FAMILY_CODES["lowrank"]
-    assert family in _C.FAMILY_CODES.values() and (not lowrank or stage is not None), f"family code {family}"
-    layout = _LAYOUT[geom.layout]
-    units = _units(geom.layout, geom.N, geom.K)
+    row: its QuantEntry (csrc/quant.h), int64 [len(QUANT_FIELDS)] on the host (for the launch's
+    specialization and grid); row_dev: the same row on the weight's device.  seeds int64 [n] (uint64 bit
+    patterns) and coeffs float32 [n] on that device, n the row's ``n`` (at least one element: perturb reads
+    seeds[0]).  Lowrank reads A' [n, N, r] at ``stage_a`` and Bᵀ [n, r, K] at ``stage_b`` (float32)."""
+    f = {name: int(row[i]) for i, name in enumerate(_C.QUANT_FIELDS)}
+    units = UNITS[f["layout"]](f["N"], f["K"])
     if units == 0:
         return
-    if seeds.numel() == 0:  # the SR seed load needs an element; no member means acc = 0
-        seeds = torch.zeros(1, dtype=torch.int64, device=seeds.device)
-        coeffs_n = 0
-    else:
-        coeffs_n = seeds.numel()
-    data = geom.data.view(torch.uint8) if geom.elem == "int8" else geom.data
-    m = master if master is not None else data  # never read unless mode 1
-    st = stage if lowrank else m  # never read unless lowrank
-    grid = (triton.cdiv(units, block),)
+    shape = QuantShape(
+        f["elem"], f["layout"], f["scale_kind"], f["scale_dtype"], f["mode"], f["family"], UNITS_G[f["layout"]], block
+    )
     # Triton launches on the current CUDA device: make it the storage's
-    with torch.cuda.device(data.device) if data.is_cuda else contextlib.nullcontext():
-        _quant_kernel[grid](
-            data,
-            scales,
-            m,
-            seeds,
-            coeffs,
-            st,
-            icdf_table(data.device),
-            coeffs_n * rank * geom.N,  # Bᵀ's offset in the stage (elements)
-            rank,
-            coeffs_n,
-            units,
-            geom.N,
-            geom.K,
-            geom.ld,
-            geom.row_offset,
-            geom.col_offset,
-            geom.logical_cols,
-            geom.group,
-            geom.scale_ld,
-            geom.qmin,
-            geom.qmax,
-            key,
-            ELEM=_ELEM[geom.elem],
-            LAYOUT=layout,
-            KIND=_KIND[geom.scale_kind],
-            MODE=mode,
-            FAMILY=family,
-            G=UNITS_G[layout],
-            BLOCK=block,
-            enable_fp_fusion=False,
+    with torch.cuda.device(row_dev.device) if row_dev.is_cuda else contextlib.nullcontext():
+        _quant_kernel[(triton.cdiv(units, block),)](
+            row_dev, seeds, coeffs, icdf_table(row_dev.device), units, S=shape, enable_fp_fusion=False
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -102,22 +102,26 @@ def write_members(region: np.ndarray, seeds: np.ndarray, coeffs: np.ndarray) -> 
     region[_slots(n) :].view(np.float32)[:n] = coeffs
 
 
-def upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray, *, copy: bool = True) -> Staged:
-    """Seeds, coefficients, ones and every step's table in ONE host-to-device copy (``copy=False``
-    on a CPU device: the host buffer itself, nothing counted).
+def upload(
+    device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray, *, copy: bool = True, rows: Sequence = ()
+) -> Staged:
+    """Seeds, coefficients, ones, every step's table and the int64 ``rows`` (a quantized kernel's QuantEntry)
+    in ONE host-to-device copy (``copy=False`` on a CPU device: the host buffer itself, nothing counted);
+    ``Staged.tables`` holds the steps' tables, then the rows.
 
     Every region starts 16-byte aligned, whatever the number of members or plan rows: Triton
     specializes a kernel on its pointers' 16-byte alignment, so an odd count would compile a second
     variant of every kernel."""
     n = len(seeds)
     half = (n + 1) // 2  # two float32 per int64 slot
-    sizes = [_slots(n), _slots(half), _slots(half)] + [_slots(st.table.size) for st in steps]
+    tables = [st.table for st in steps] + list(rows)
+    sizes = [_slots(n), _slots(half), _slots(half)] + [_slots(t.size) for t in tables]
     host_np = np.zeros(sum(sizes), np.int64)
     starts = np.cumsum([0] + sizes[:-1])
     write_members(host_np[: starts[2]], seeds, coeffs)
     host_np[starts[2] : starts[2] + half].view(np.float32)[:n] = 1.0
-    for st, at in zip(steps, starts[3:]):
-        host_np[at : at + st.table.size] = st.table.reshape(-1)
+    for t, at in zip(tables, starts[3:]):
+        host_np[at : at + t.size] = t.reshape(-1)
     host = torch.from_numpy(host_np)
     if copy or device.type != "cpu":
         if device.type == "cuda":
@@ -129,8 +133,8 @@ def upload(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray, *, 
     s = dev[:n]
     c = dev[starts[1] : starts[1] + half].view(torch.float32)[:n]
     o = dev[starts[2] : starts[2] + half].view(torch.float32)[:n]
-    tables = [dev[at : at + st.table.size].view(st.table.shape) for st, at in zip(steps, starts[3:])]
-    return Staged(s, c, o, tables, dev[: starts[2]])
+    staged = [dev[at : at + t.size].view(t.shape) for t, at in zip(tables, starts[3:])]
+    return Staged(s, c, o, staged, dev[: starts[2]])
 
 
 def _stage_cpu(device, steps: list[Step], seeds: np.ndarray, coeffs: np.ndarray) -> Staged:

@@ -313,20 +313,13 @@ def _run_cuda(qw, g, master, mode, seeds, coeffs, key, qn):
 def _run_triton(qw, g, master, mode, seeds, coeffs, key, qn):
     from espert.kernels.quant import quant_apply
 
-    dev = qw.qweight.device
-    st = upload(dev, [], seeds, coeffs)
-    quant_apply(
-        g,
-        qw.scales,
-        master,
-        MODES[mode],
-        st.seeds,
-        st.coeffs,
-        key,
-        family=ops.FAMILY_CODES[qn.family],
-        rank=qn.rank,
-        stage=qn.stage,
-    )
+    # the kernel takes the members as arguments (its row's seeds/coeffs columns stay 0), and a perturb reads
+    # seeds[0]: an update without members still stages one (the row's n stays 0)
+    row = _kernel_args(qw, g, master, mode, qn, 0, 0, len(seeds), key)
+    if len(seeds) == 0:
+        seeds, coeffs = np.zeros(1, seeds.dtype), np.zeros(1, coeffs.dtype)
+    st = upload(qw.qweight.device, [], seeds, coeffs, rows=[row])
+    quant_apply(row, st.tables[0], st.seeds, st.coeffs)
 
 
 def _run_reference(qw, g, master, mode, seeds, coeffs, key, qn):
