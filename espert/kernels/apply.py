@@ -24,6 +24,7 @@ A NaN element keeps its bits.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -442,112 +443,147 @@ def _add_store_bf16_pairs(row_ptr, col0, offs, acc_lo, acc_hi):
     tl.store(ptrs, (hi & 0xFFFF0000) | (lo >> 16))
 
 
+class UnitShape(NamedTuple):
+    """What a launch of :func:`_apply_kernel` specializes on: the storage dtype and noise family (codes), the
+    unit (BLOCK Philox groups) and its chunks (CHUNK groups), fp16 conversions in hardware (F16_HW), a
+    recording perturb (RECORD, restore="patch")."""
+
+    DTYPE: int
+    FAMILY: int
+    BLOCK: int
+    CHUNK: int
+    F16_HW: bool
+    RECORD: bool
+
+
 @triton.jit
-def _unit(
-    e, i, first, cols, g0, row_ptr, key_lo, key_hi, scale, mb, me,
-    seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
-    DTYPE: tl.constexpr, FAMILY: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-    F16_HW: tl.constexpr, RECORD: tl.constexpr, INTERIOR: tl.constexpr,
-):  # fmt: skip
+def _normal_chunk(k, g0, noise, bufs, S: tl.constexpr):
+    """Chunk k's member sums for a normal family: group g holds columns col0 + 4g .. 4g + 3.  Returns (acc
+    [CHUNK, 4] in element order, its offsets, bf16 word offsets [CHUNK, 2], lanes (0, 2) and lanes (1, 3))."""
+    key_lo, key_hi, scale, mb, me = noise
+    seeds_ptr, coeffs_ptr, icdf_ptr = bufs
+    gl = tl.arange(0, S.CHUNK)
+    g = g0 + (k * S.CHUNK + gl).to(tl.uint64)
+    g_lo = g.to(tl.uint32)
+    g_hi = (g >> 32).to(tl.uint32)
+    acc0, acc1, acc2, acc3 = member_sum(
+        seeds_ptr, coeffs_ptr, mb, me, scale, key_lo, key_hi, g_lo, g_hi, icdf_ptr, S.FAMILY, S.CHUNK
+    )
+    # a group's four lanes stay in its thread (join adds a minor axis): [group, lane], in element
+    # order, or as bf16 words [group, word] of lanes (0, 1) and (2, 3)
+    acc_lo = tl.join(acc0, acc2)
+    acc_hi = tl.join(acc1, acc3)
+    pair_offs = 2 * gl[:, None] + tl.arange(0, 2)[None, :]
+    acc = tl.reshape(tl.join(acc_lo, acc_hi), [S.CHUNK, 4])
+    offs = 4 * gl[:, None] + tl.arange(0, 4)[None, :]
+    return acc, offs, pair_offs, acc_lo, acc_hi
+
+
+@triton.jit
+def _rademacher_chunk(k, g0, noise, bufs, S: tl.constexpr):
+    """Chunk k's member sums for Rademacher noise, CHUNK // 32 whole Philox calls of 128 elements, returned as
+    :func:`_normal_chunk` returns them.  [pair, word]: the chunk's words on the minor axis, so that a thread
+    holds a word's 32 elements (bits 2p in acc_lo, 2p + 1 in acc_hi) and computes that word's call only."""
+    key_lo, key_hi, scale, mb, me = noise
+    seeds_ptr, coeffs_ptr, _icdf = bufs
+    NW: tl.constexpr = S.CHUNK // 8
+    wd = tl.arange(0, NW)[None, :]
+    pr = tl.arange(0, 16)[:, None]
+    h = (g0 >> 5) + (k * (S.CHUNK // 32) + (wd >> 2)).to(tl.uint64) | (1 << 62)
+    h_lo = h.to(tl.uint32)
+    h_hi = (h >> 32).to(tl.uint32)
+    q = wd & 3
+    up = (31 - 2 * pr).to(tl.uint32)  # bit 2p to bit 31
+    acc_lo = tl.zeros([16, NW], tl.float32)
+    acc_hi = tl.zeros([16, NW], tl.float32)
+    for m in range(mb, me):
+        s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
+        x0, x1, x2, x3 = philox4x32_10(h_lo, h_hi, key_lo, key_hi, s_lo, s_hi)
+        word = tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
+        # c·(±1): c with its sign bit flipped by the element's bit, exact
+        cb = c.to(tl.uint32, bitcast=True)
+        acc_lo = acc_lo + (cb ^ ((word << up) & 0x80000000)).to(tl.float32, bitcast=True)
+        acc_hi = acc_hi + (cb ^ ((word << (up - 1)) & 0x80000000)).to(tl.float32, bitcast=True)
+    pair_offs = wd * 16 + pr
+    acc = tl.join(acc_lo, acc_hi)
+    offs = (wd * 32 + 2 * pr)[:, :, None] + tl.arange(0, 2)[None, None, :]
+    return acc, offs, pair_offs, acc_lo, acc_hi
+
+
+@triton.jit
+def _lowrank_chunk(e, i, col0, cols, noise, coeffs_ptr, S: tl.constexpr):
+    """Row i's chunk from column col0 of a lowrank entry: ε = Σ_j fl(A'[i, j]·Bᵀ[j, col]) from the staged
+    A' = K_r·A and Bᵀ.  Returns (acc [4·CHUNK], its offsets)."""
+    _key_lo, _key_hi, scale, mb, me = noise
+    offs = tl.arange(0, 4 * S.CHUNK)
+    inb = offs < tl.minimum(cols - col0, 4 * S.CHUNK).to(tl.int32)
+    r = tl.load(e + F_RANK)
+    rows = tl.load(e + F_ROWS)
+    sa = tl.load(e + F_STAGE_A).to(tl.pointer_type(tl.float32), bitcast=True)
+    sb = tl.load(e + F_STAGE_B).to(tl.pointer_type(tl.float32), bitcast=True)
+    acc = tl.zeros([4 * S.CHUNK], tl.float32)
+    for m in range(mb, me):
+        c = tl.load(coeffs_ptr + m) * scale
+        mm = m - mb
+        a_row = sa + (mm * rows + i) * r
+        b_row = sb + mm * r * cols + col0
+        t = tl.zeros([4 * S.CHUNK], tl.float32)
+        for j in range(r):
+            t = t + tl.load(a_row + j) * tl.load(b_row + j * cols + offs, mask=inb, other=0.0)
+        acc = acc + c * t
+    return acc, offs
+
+
+@triton.jit
+def _unit(e, i, first, cols, g0, row_ptr, noise, bufs, rec, S: tl.constexpr, INTERIOR: tl.constexpr):
     """One launch unit, BLOCK groups from the row's group g0 (its first column ``first``), in chunks of
-    CHUNK groups: each chunk's sums over the members, kept in registers, then added to its elements."""
-    for k in range(BLOCK // CHUNK):
-        col0 = first + k * (4 * CHUNK)
+    CHUNK groups: each chunk's sums over the members, kept in registers, then added to its elements.
+    noise: (key_lo, key_hi, scale, first member, end member); bufs: (seeds, coeffs, icdf table);
+    rec: (records, capacity, count) of a recording perturb."""
+    rec_ptr, capacity, count_ptr = rec
+    for k in range(S.BLOCK // S.CHUNK):
+        col0 = first + k * (4 * S.CHUNK)
         if col0 < cols:  # a chunk beyond the row's end (never an interior one) has nothing to do
-            if FAMILY == 0 or FAMILY == GAUSSIAN_ICDF:  # normals: group g holds columns col0 + 4g .. 4g + 3
-                gl = tl.arange(0, CHUNK)
-                g = g0 + (k * CHUNK + gl).to(tl.uint64)
-                g_lo = g.to(tl.uint32)
-                g_hi = (g >> 32).to(tl.uint32)
-                acc0, acc1, acc2, acc3 = member_sum(
-                    seeds_ptr, coeffs_ptr, mb, me, scale, key_lo, key_hi, g_lo, g_hi, icdf_ptr, FAMILY, CHUNK
-                )
-                # a group's four lanes stay in its thread (join adds a minor axis): [group, lane], in element
-                # order, or as bf16 words [group, word] of lanes (0, 1) and (2, 3)
-                acc_lo = tl.join(acc0, acc2)
-                acc_hi = tl.join(acc1, acc3)
-                pair_offs = 2 * gl[:, None] + tl.arange(0, 2)[None, :]
-                acc = tl.reshape(tl.join(acc_lo, acc_hi), [CHUNK, 4])
-                offs = 4 * gl[:, None] + tl.arange(0, 4)[None, :]
-            elif FAMILY == 1:  # rademacher: CHUNK // 32 whole Philox calls of 128 elements
-                # [pair, word]: the chunk's words on the minor axis, so that a thread holds a word's 32 elements
-                # (bits 2p in acc_lo, 2p + 1 in acc_hi) and computes the Philox call of that word only
-                NW: tl.constexpr = CHUNK // 8
-                wd = tl.arange(0, NW)[None, :]
-                pr = tl.arange(0, 16)[:, None]
-                h = (g0 >> 5) + (k * (CHUNK // 32) + (wd >> 2)).to(tl.uint64) | (1 << 62)
-                h_lo = h.to(tl.uint32)
-                h_hi = (h >> 32).to(tl.uint32)
-                q = wd & 3
-                up = (31 - 2 * pr).to(tl.uint32)  # bit 2p to bit 31
-                acc_lo = tl.zeros([16, NW], tl.float32)
-                acc_hi = tl.zeros([16, NW], tl.float32)
-                for m in range(mb, me):
-                    s_lo, s_hi, c = _seed_coeff(seeds_ptr, coeffs_ptr, m, scale)
-                    x0, x1, x2, x3 = philox4x32_10(h_lo, h_hi, key_lo, key_hi, s_lo, s_hi)
-                    word = tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
-                    # c·(±1): c with its sign bit flipped by the element's bit, exact
-                    cb = c.to(tl.uint32, bitcast=True)
-                    acc_lo = acc_lo + (cb ^ ((word << up) & 0x80000000)).to(tl.float32, bitcast=True)
-                    acc_hi = acc_hi + (cb ^ ((word << (up - 1)) & 0x80000000)).to(tl.float32, bitcast=True)
-                pair_offs = wd * 16 + pr
-                acc = tl.join(acc_lo, acc_hi)
-                offs = (wd * 32 + 2 * pr)[:, :, None] + tl.arange(0, 2)[None, None, :]
-            else:  # lowrank: ε = Σ_j fl(A'[i, j]·Bᵀ[j, col]) from the staged A' = K_r·A and Bᵀ
-                offs = tl.arange(0, 4 * CHUNK)
-                inb = offs < tl.minimum(cols - col0, 4 * CHUNK).to(tl.int32)
-                r = tl.load(e + F_RANK)
-                rows = tl.load(e + F_ROWS)
-                sa = tl.load(e + F_STAGE_A).to(tl.pointer_type(tl.float32), bitcast=True)
-                sb = tl.load(e + F_STAGE_B).to(tl.pointer_type(tl.float32), bitcast=True)
-                acc = tl.zeros([4 * CHUNK], tl.float32)
-                for m in range(mb, me):
-                    c = tl.load(coeffs_ptr + m) * scale
-                    mm = m - mb
-                    a_row = sa + (mm * rows + i) * r
-                    b_row = sb + mm * r * cols + col0
-                    t = tl.zeros([4 * CHUNK], tl.float32)
-                    for j in range(r):
-                        t = t + tl.load(a_row + j) * tl.load(b_row + j * cols + offs, mask=inb, other=0.0)
-                    acc = acc + c * t
-            if INTERIOR and DTYPE == BFLOAT16_CODE and not RECORD and FAMILY != LOWRANK_CODE:
+            if S.FAMILY == LOWRANK_CODE:
+                acc, offs = _lowrank_chunk(e, i, col0, cols, noise, bufs[1], S)
+            elif S.FAMILY == 1:
+                acc, offs, pair_offs, acc_lo, acc_hi = _rademacher_chunk(k, g0, noise, bufs, S)
+            else:
+                acc, offs, pair_offs, acc_lo, acc_hi = _normal_chunk(k, g0, noise, bufs, S)
+            if INTERIOR and S.DTYPE == BFLOAT16_CODE and not S.RECORD and S.FAMILY != LOWRANK_CODE:
                 _add_store_bf16_pairs(row_ptr, col0, pair_offs, acc_lo, acc_hi)
             else:
                 _add_store(
-                    row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr, DTYPE, F16_HW, RECORD, INTERIOR
+                    row_ptr, col0, cols, offs, acc, rec_ptr, capacity, count_ptr, S.DTYPE, S.F16_HW, S.RECORD, INTERIOR
                 )
+
+
+@triton.jit
+def _entry(plan_ptr, n_entries, n_search, u):
+    """The plan row of unit u: the last entry whose unit_start <= u (a binary search of n_search steps)."""
+    lo = u * 0
+    hi = lo + n_entries - 1
+    for _ in range(n_search):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(plan_ptr + mid * NF + F_UNIT_START) <= u
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return plan_ptr + lo * NF
 
 
 # n_entries, n_search and capacity change from call to call (and are 1 for one-tensor calls): specialized, each
 # value 1 and each multiple of 16 would compile another variant (tests/test_triton_kernel.py counts them)
 @triton.jit(do_not_specialize=["n_entries", "n_search", "capacity"])
 def _apply_kernel(
-    plan_ptr,
-    n_entries,
-    n_search,
-    seeds_ptr,
-    coeffs_ptr,
-    icdf_ptr,
-    rec_ptr,
-    capacity,
-    count_ptr,
-    DTYPE: tl.constexpr,
-    FAMILY: tl.constexpr,
-    BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
-    F16_HW: tl.constexpr,
-    RECORD: tl.constexpr,
+    plan_ptr, n_entries, n_search, seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr, S: tl.constexpr
 ):
+    """``w += Σ_m c_m·ε_m`` over the units of a launch plan's entries (module docstring); S: :class:`UnitShape`."""
+    DTYPE: tl.constexpr = S.DTYPE
+    FAMILY: tl.constexpr = S.FAMILY
+    BLOCK: tl.constexpr = S.BLOCK
     # a 1-D grid over the units of every entry: CUDA caps grid dims 1 and 2 at 65535
     u = tl.program_id(0).to(tl.int64)
-    lo = u * 0
-    hi = lo + n_entries - 1
-    for _ in range(n_search):  # the last entry whose unit_start <= u
-        mid = (lo + hi + 1) // 2
-        ok = tl.load(plan_ptr + mid * NF + F_UNIT_START) <= u
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    e = plan_ptr + lo * NF
+    e = _entry(plan_ptr, n_entries, n_search, u)
     data = tl.load(e + F_DATA)
     if DTYPE == 0:
         w_ptr = data.to(tl.pointer_type(tl.float32), bitcast=True)
@@ -585,20 +621,17 @@ def _apply_kernel(
         shift = blk * 0
         g0 = blk.to(tl.uint64) * BLOCK
     first = blk * (4 * BLOCK) - shift
+    noise, bufs, rec = (
+        (key_lo, key_hi, scale, mb, me),
+        (seeds_ptr, coeffs_ptr, icdf_ptr),
+        (rec_ptr, capacity, count_ptr),
+    )
     # the whole unit inside the row at a 16-byte-aligned address (all units but the row ends, in the usual
     # tensor): code without masks and with vector accesses
     if (first >= 0) & (first + 4 * BLOCK <= cols) & ((row_ptr + first).to(tl.int64, bitcast=True) % 16 == 0):
-        _unit(
-            e, i, first, cols, g0, row_ptr, key_lo, key_hi, scale, mb, me,
-            seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
-            DTYPE, FAMILY, BLOCK, CHUNK, F16_HW, RECORD, True,
-        )  # fmt: skip
+        _unit(e, i, first, cols, g0, row_ptr, noise, bufs, rec, S, True)
     else:
-        _unit(
-            e, i, first, cols, g0, row_ptr, key_lo, key_hi, scale, mb, me,
-            seeds_ptr, coeffs_ptr, icdf_ptr, rec_ptr, capacity, count_ptr,
-            DTYPE, FAMILY, BLOCK, CHUNK, F16_HW, RECORD, False,
-        )  # fmt: skip
+        _unit(e, i, first, cols, g0, row_ptr, noise, bufs, rec, S, False)
 
 
 #: _apply_kernel's runtime arguments as Triton types (what a launch passes: the tests compile it with these)
@@ -625,7 +658,7 @@ def constexprs(
     chunk = chunk or min(block, RADEMACHER_CHUNK if family == RADEMACHER else CHUNK_GROUPS)
     assert chunk & (chunk - 1) == 0 and block % chunk == 0, "chunk: a power of two dividing block"
     assert family != RADEMACHER or chunk >= 32, "rademacher needs chunks of whole Philox calls (>= 32 groups)"
-    return dict(DTYPE=dtype, FAMILY=family, BLOCK=block, CHUNK=chunk, F16_HW=FP16_HW_CVT, RECORD=record)
+    return {"S": UnitShape(dtype, family, block, chunk, FP16_HW_CVT, record)}
 
 
 def apply_many(
