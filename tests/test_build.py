@@ -40,3 +40,37 @@ def test_cpu_only_build_without_cuda(tmp_path):
         text=True,
     ).stdout.split()
     assert out[0] == "False" and out[1] in ("avx512", "avx2", "generic")
+
+
+def _setup_py(monkeypatch) -> dict:
+    """setup.py's namespace (its classes), without running setup()."""
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)
+    return runpy.run_path(str(ROOT / "setup.py"), run_name="espert_setup")
+
+
+def _build_py(ns: dict, lib: Path, editable: bool):
+    from setuptools.dist import Distribution
+
+    dist = Distribution({"name": "espert", "packages": ["espert"]})
+    dist.script_name = str(ROOT / "setup.py")
+    cmd = ns["BuildPy"](dist)
+    cmd.initialize_options()
+    cmd.build_lib, cmd.editable_mode = str(lib), editable
+    cmd.finalize_options()
+    return cmd
+
+
+def test_an_editable_install_builds_without_a_traceback_and_a_wheel_records_its_commit(tmp_path, monkeypatch):
+    # pip install -e . runs build_py in editable mode into a build folder it leaves empty: writing
+    # build_lib/espert/_build.py there raised FileNotFoundError (a 40-line traceback, exit code 0)
+    monkeypatch.chdir(ROOT)
+    ns = _setup_py(monkeypatch)
+    (tmp_path / "editable").mkdir()
+    _build_py(ns, tmp_path / "editable", editable=True).run()
+    assert list((tmp_path / "editable").iterdir()) == []  # the checkout's git answers `espert env`
+    _build_py(ns, tmp_path / "wheel", editable=False).run()
+    assert 'GIT_COMMIT = "' in (tmp_path / "wheel/espert/_build.py").read_text()
