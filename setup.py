@@ -50,6 +50,10 @@ class BuildPy(build_py):
 
     def run(self) -> None:
         super().run()
+        if self.editable_mode:
+            # an editable install imports the checkout, whose git answers `espert env`; setuptools copies
+            # nothing into build_lib then, so build_lib/espert/ does not exist
+            return
         out = Path(self.build_lib) / "espert" / "_build.py"
         out.write_text(f'"""Written by setup.py when this package was built."""\n\nGIT_COMMIT = "{_git_commit()}"\n')
 
