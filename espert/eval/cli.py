@@ -245,7 +245,7 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
                 args.max_new_tokens,
                 args.seed,
                 extra_meta={"model_path": path, "evaluator": args.evaluator, "split": args.split, "data": args.data},
-                progress=True,
+                progress=f"[espert eval] sampling {label}",
             )
         finally:
             close = getattr(sampler, "close", None)
