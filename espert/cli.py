@@ -332,6 +332,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         echo(f"[espert] held-out mean reward: {curve}")
     if summary["export"]:
         echo(f"[espert] final weights (HF format): {summary['export']}")
+    _training_curve(run_dir, echo)
     if (
         summary["export"] and cfg.model == "tiny" and ":" not in cfg.task and not args.no_report
     ):  # the main job closes with a report
@@ -350,6 +351,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         echo(f"[espert] report: {os.path.join(run_dir, 'eval')}")
     return 0
+
+
+def _training_curve(run_dir: str, echo) -> None:
+    """RUN/eval/training.png when the plotting library is there (the report says once when it is not)."""
+    from espert.extras import have
+
+    if have("matplotlib"):
+        from espert.eval.curve import write_training_png
+
+        echo(f"[espert] training curve: {write_training_png(run_dir)}")
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -440,6 +451,13 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     """``parser.parse_args`` whose "unrecognized arguments" error suggests the closest option."""
     import difflib
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from espert.eval.cli import analyze_shorthand
+    except ImportError:  # the evaluation package is optional at this layer
+        pass
+    else:
+        argv = analyze_shorthand(argv)
     args, rest = parser.parse_known_args(argv)
     if rest:
         sub = _subparsers(parser).get(getattr(args, "command", None) or "", parser)

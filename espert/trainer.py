@@ -257,6 +257,8 @@ class TrainingLoop:
             raise ValueError(
                 f"{run.path} already logged {start} iterations, more than iterations={self.cfg.iterations}"
             )
+        if resume and start < self.cfg.iterations:  # when a process took over (the training curve marks it)
+            run.append({"kind": "resume", "iteration": start, "time": time.time()})
         self.trackers = Trackers(self.cfg.trackers, run.path, self.cfg.tracker_project, self.cfg.to_dict(), self.say)
         self._finish_iteration(start)  # its evaluation and checkpoint, if a kill cut them off (or the base's)
         return start

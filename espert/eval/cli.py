@@ -284,17 +284,35 @@ def _quiet_transformers() -> None:
         pass
 
 
+ANALYZE_USAGE = """
+  espert analyze RUN_DIR [--plot-dir DIR] [--json FILE]        (= espert analyze run RUN_DIR)
+  espert analyze --base BASE --ckpt [LABEL=]PATH ... [--taus TAU ...] [--json FILE] [--plot-dir DIR]
+                 [--no-per-tensor] [--export DIR --threshold TAU [--force]]
+  espert analyze estimator --model DIR [...]"""
+
+
+def analyze_shorthand(argv: Sequence[str]) -> list[str]:
+    """``analyze RUN_DIR ...`` -> ``analyze run RUN_DIR ...`` (argparse would take RUN_DIR for a sub-command)."""
+    argv = list(argv)
+    if len(argv) > 1 and argv[0] == "analyze" and not argv[1].startswith("-") and argv[1] not in ("run", "estimator"):
+        return ["analyze", "run", *argv[1:]]
+    return argv
+
+
 def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``analyze`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
     from .analyze import add_arguments, add_subcommands, run_analyze
 
     p = subparsers.add_parser(
         "analyze",
-        help="weight drift of checkpoints vs a base model; export magnitude-thresholded checkpoints",
-        description="Relative L2 drift overall and per parameter group, update-magnitude distribution, and "
-        "export of a checkpoint whose small updates (|delta| <= tau) are reset to the base weights. "
-        "Sub-commands: 'run RUN_DIR' (estimator diagnostics of a training run), 'estimator' "
-        "(one-point vs antithetic variance, common vs independent prompt sets).",
+        help="a run's training curve and estimator diagnostics; weight drift of checkpoints vs a base model",
+        usage=ANALYZE_USAGE,
+        description="'espert analyze RUN_DIR' (the same as 'espert analyze run RUN_DIR'): a training run's "
+        "estimator diagnostics, its training curve (RUN_DIR/eval/training.png) and estimator plot. "
+        "'espert analyze --base BASE --ckpt CKPT': relative L2 drift overall and per parameter group, "
+        "update-magnitude distribution, and export of a checkpoint whose small updates (|delta| <= tau) are "
+        "reset to the base weights. 'espert analyze estimator --model DIR': one-point vs antithetic variance, "
+        "common vs independent prompt sets.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
@@ -317,5 +335,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] not in ("eval", "analyze", "-h", "--help"):
         argv = ["eval"] + argv
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(analyze_shorthand(argv))
     return int(args.func(args) or 0)
