@@ -74,3 +74,18 @@ def test_an_editable_install_builds_without_a_traceback_and_a_wheel_records_its_
     assert list((tmp_path / "editable").iterdir()) == []  # the checkout's git answers `espert env`
     _build_py(ns, tmp_path / "wheel", editable=False).run()
     assert 'GIT_COMMIT = "' in (tmp_path / "wheel/espert/_build.py").read_text()
+
+
+def test_an_in_tree_build_is_kept_unless_the_compilers_changed(tmp_path, monkeypatch):
+    """.ci/setup rebuilt espert._C from scratch on every run (93 s with CUDA): an in-tree build keeps its
+    CMake cache and objects (ninja recompiles what changed); other compilers mean a fresh configure."""
+    ns = _setup_py(monkeypatch)
+    prepare = ns["_prepare_build_dir"]
+    (tmp_path / "CMakeCache.txt").write_text("CMAKE_COMMAND:INTERNAL=/usr/bin/true\n")
+    (tmp_path / "build.ninja").write_text("")
+    (tmp_path / "espert-build.txt").write_text("c++: g++ 14\nargs: -DESPERT_CUDA=OFF")
+    assert not prepare(tmp_path, "c++: g++ 14\nargs: -DESPERT_CUDA=OFF")  # nothing to configure
+    assert prepare(tmp_path, "c++: g++ 14\nargs: -DESPERT_CUDA=ON")  # other flags: configure again...
+    assert (tmp_path / "CMakeCache.txt").exists()  # ...over the same cache and objects
+    assert prepare(tmp_path, "c++: g++ 15\nargs: -DESPERT_CUDA=OFF")  # another compiler: from scratch
+    assert not (tmp_path / "CMakeCache.txt").exists()
