@@ -25,7 +25,17 @@ import time
 import typing
 from typing import Sequence
 
-from espert.config import RENAMED, ESConfig, Renamed, field_choices, field_help, field_type, renamed_keys
+from espert.config import (
+    RENAMED,
+    ESConfig,
+    Renamed,
+    field_choices,
+    field_help,
+    field_type,
+    renamed_keys,
+    smoke_capped,
+    smoke_line,
+)
 from espert.extras import MissingExtra
 
 TRAIN_EPILOG = """examples:
@@ -130,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         from espert.experiments.sweep import add_sweep_parser
 
         add_compare_parser(sub)
-        add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0])
+        add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0], _add_config_flags)
     return parser
 
 
@@ -157,7 +167,11 @@ def _train_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tr.add_argument("--config", metavar="FILE", help="YAML or TOML file of ESConfig fields")
-    tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
+    tr.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="run directory (default: runs/es-YYYYmmdd-HHMMSS, and runs/latest points at it)",
+    )
     tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     tr.add_argument(
         "--no-progress", action="store_true", help="no progress bars (shown only on a terminal; ESPERT_PROGRESS=0/1)"
@@ -218,7 +232,14 @@ def _tiny_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
-    """``(config, overrides)``: file values under flag values; on --resume the run's config is the base."""
+    """``(config, overrides)``: file values under flag values; on --resume the run's config is the base;
+    under ``ESPERT_SMOKE=1`` on the smoke-test budget (:func:`espert.config.smoke_capped`)."""
+    cfg, overrides = _given_config(args)
+    return smoke_capped(cfg)[0], overrides
+
+
+def _given_config(args: argparse.Namespace) -> tuple[ESConfig, dict]:
+    """:func:`config_from_args` before any smoke-test budget."""
     overrides = load_config_file(args.config) if args.config else {}
     names = {f.name for f in dataclasses.fields(ESConfig)}
     overrides.update({k: v for k, v in vars(args).items() if k in names})
@@ -296,7 +317,9 @@ class Preemption:
 def cmd_train(args: argparse.Namespace) -> int:
     from espert.trainer import train
 
-    cfg, _ = config_from_args(args)
+    cfg, lowered = smoke_capped(_given_config(args)[0])
+    if lowered:
+        print(smoke_line(lowered), file=sys.stderr)
     if args.no_progress:
         os.environ["ESPERT_PROGRESS"] = "0"  # every bar of the run: pretraining, loading, export, the report
     run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
@@ -313,9 +336,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
     try:
         with Preemption(run_dir, args.stop_grace, again) as pre:
-            summary = train(
-                cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo, stop=pre.requested
-            )
+            try:
+                summary = train(
+                    cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo, stop=pre.requested
+                )
+            finally:
+                if not args.run_dir:
+                    _point_latest(run_dir)
     except OSError as e:
         if not runs.is_write_error(e):
             raise
@@ -351,6 +378,21 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         echo(f"[espert] report: {os.path.join(run_dir, 'eval')}")
     return 0
+
+
+def _point_latest(run_dir: str) -> None:
+    """``runs/latest`` -> the run ``espert train`` just made in ``runs/`` (a relative link, replaced
+    atomically), so that the next commands can name it: ``espert replay runs/latest``."""
+    if not os.path.isdir(run_dir):
+        return  # a start that failed leaves nothing to point at
+    parent, name = os.path.split(run_dir)
+    link, tmp = os.path.join(parent, "latest"), os.path.join(parent, f".latest-{os.getpid()}")
+    try:
+        os.symlink(name, tmp)
+        os.replace(tmp, link)
+    except OSError:  # a filesystem without links, or "latest" is a real directory: the path still works
+        if os.path.lexists(tmp):
+            os.remove(tmp)
 
 
 def _training_curve(run_dir: str, echo) -> None:

@@ -20,7 +20,11 @@ from typing import Optional, Sequence
 from espert.config import Renamed
 from espert.extras import require
 
+#: eval's generation budget when no run gives one
+MAX_NEW_TOKENS = 512
+
 EVAL_EPILOG = """examples:
+  espert eval --models base=runs/latest/base_model es=runs/latest/export       # the run's task and budget
   espert eval --task gsm8k --data test.jsonl --models base=Qwen2.5-0.5B es=runs/es/final \\
       --base base -n 16 --limit 200 --out eval_out
   espert eval --samples eval_out/samples_base.jsonl eval_out/samples_es.jsonl --base base --out rescored
@@ -66,7 +70,9 @@ def _task_args(p: argparse.ArgumentParser) -> None:
         "--task",
         nargs="+",
         metavar="TASK",
-        help="a built-in task (copy, arithmetic, countdown, humaneval, gsm8k, math500, ...) or an import path "
+        help="default: the run's, when a model is in a run directory (RUN/base_model, RUN/export), with its "
+        "held-out problems, generation budget and chat template; "
+        "a built-in task (copy, arithmetic, countdown, humaneval, gsm8k, math500, ...) or an import path "
         "package.module:name, as espert train takes it (a reward function takes its problems from --data); "
         "several tasks: a report per task in OUT/TASK/ and the forgetting table (base vs tuned per task); "
         "TASK=JSONL gives one task its own problems file (e.g. gsm8k=heldout.jsonl arithmetic countdown)",
@@ -84,8 +90,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     samp.add_argument(
         "--max-new-tokens",
         type=int,
-        default=512,
-        help="max new tokens per sample (default 512: room for sampled reasoning; train's 8 fits the tiny main job)",
+        default=argparse.SUPPRESS,
+        help=f"max new tokens per sample (default: the run's, for a task taken from a run; else {MAX_NEW_TOKENS}: "
+        "room for sampled reasoning; train's 8 fits the tiny main job)",
     )
     samp.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     samp.add_argument(
@@ -165,7 +172,9 @@ def _run_eval(args: argparse.Namespace) -> int:
         _write(args, groups, args.out, threshold)
         return 0
     if not tasks:
-        raise ValueError("--task is required when generating")
+        tasks = _task_of_run(args)
+    if getattr(args, "max_new_tokens", None) is None:
+        args.max_new_tokens = MAX_NEW_TOKENS
     if len(tasks) > 1 and args.data:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":
@@ -202,6 +211,48 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(text)
         print(f"[espert eval] forgetting table: {os.path.join(args.out, 'forgetting.md')}", file=sys.stderr)
     return 0
+
+
+def _run_of(model_specs) -> tuple[str, dict] | None:
+    """``(run directory, its config.yaml)`` of the first model that is a run's ``base_model`` or ``export``
+    (or the run directory itself), else None."""
+    from ..runs import CONFIG, read_run_config
+    from .runner import parse_model_specs
+
+    for path in parse_model_specs(model_specs).values():
+        for d in (path, os.path.dirname(os.path.normpath(path))):
+            if os.path.isfile(os.path.join(d, CONFIG)):
+                try:
+                    return d, read_run_config(d)
+                except (ValueError, OSError):
+                    continue
+    return None
+
+
+def _task_of_run(args: argparse.Namespace) -> list[str]:
+    """The task a run was trained on, and its held-out problems, generation budget and chat template as the
+    defaults of what was not given; ValueError when no model is in a run directory."""
+    from ..tasks import PYTHON_PREFIX
+
+    found = _run_of(args.models)
+    if found is None:
+        raise ValueError("--task is required when generating (no --models path is in a run directory)")
+    run_dir, doc = found
+    cfg = doc["config"]
+    if str(cfg["task"]).startswith(PYTHON_PREFIX):
+        raise ValueError(f"{run_dir} was trained on a task given as Python objects ({cfg['task']}): give --task")
+    args.data = args.data or cfg.get("eval_data")
+    if args.split == "test":  # not given: the run's held-out split
+        args.split = cfg.get("eval_split") or args.split
+    if getattr(args, "max_new_tokens", None) is None:
+        args.max_new_tokens = int(cfg["max_new_tokens"])
+    args.chat_template = args.chat_template or bool(cfg.get("chat_template"))
+    print(
+        f"[espert eval] task {cfg['task']}, {args.max_new_tokens} new tokens"
+        f"{', chat template' if args.chat_template else ''}: from {os.path.join(run_dir, 'config.yaml')}",
+        file=sys.stderr,
+    )
+    return [cfg["task"]]
 
 
 def _dir_name(spec: str) -> str:
