@@ -34,6 +34,7 @@ from espert.config import (
     field_type,
     renamed_keys,
     smoke_capped,
+    smoke_caps,
     smoke_line,
 )
 from espert.extras import MissingExtra
@@ -365,9 +366,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     ):  # the main job closes with a report
         from espert.eval.runner import evaluate_run
 
-        echo("[espert] base vs ES, 16 samples (temperature 1) on 64 held-out problems:")
+        size = {"n": 16, "limit": 64}
+        lowered = smoke_caps(size, {"n": 2, "limit": 8})
+        if lowered:
+            echo(smoke_line(lowered))
+        size.update({k: new for k, (_, new) in lowered.items()})
+        echo(f"[espert] base vs ES, {size['n']} samples (temperature 1) on {size['limit']} held-out problems:")
         try:
-            evaluate_run(run_dir, n=16, limit=64, echo=echo)
+            evaluate_run(run_dir, **size, echo=echo)
         except OSError as e:
             if not runs.is_write_error(e):
                 raise

@@ -364,6 +364,14 @@ def smoke_capped(cfg: ESConfig) -> tuple[ESConfig, dict[str, tuple]]:
     return dataclasses.replace(cfg, **{k: new for k, (_, new) in changed.items()}), changed
 
 
+def smoke_caps(values: dict, caps: dict) -> dict[str, tuple]:
+    """``{name: (old, new)}`` of the ``values`` that ``ESPERT_SMOKE=1`` lowers to ``caps`` (a value of None is
+    unlimited, so it is lowered too; names not in ``values`` are skipped); empty without it.  For the settings of eval, the closing report and compare."""
+    if not smoke():
+        return {}
+    return {k: (values[k], cap) for k, cap in caps.items() if k in values and (values[k] is None or values[k] > cap)}
+
+
 def smoke_line(changed: dict[str, tuple]) -> str:
     """The line that says what ESPERT_SMOKE=1 lowered."""
     return f"[espert] {SMOKE_ENV}=1: smoke-test budget: " + ", ".join(

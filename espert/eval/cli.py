@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from espert.config import Renamed
+from espert.config import Renamed, smoke_caps, smoke_line
 from espert.extras import require
 
 #: eval's generation budget when no run gives one
@@ -175,6 +175,10 @@ def _run_eval(args: argparse.Namespace) -> int:
         tasks = _task_of_run(args)
     if getattr(args, "max_new_tokens", None) is None:
         args.max_new_tokens = MAX_NEW_TOKENS
+    lowered = smoke_caps(vars(args), {"n": 2, "limit": 4, "max_new_tokens": 8})
+    if lowered:
+        print(smoke_line(lowered), file=sys.stderr)
+        vars(args).update({k: new for k, (_, new) in lowered.items()})
     if len(tasks) > 1 and args.data:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":

@@ -55,6 +55,7 @@ from espert.experiments.compare.report import (
     report_text,
     write_report,
 )
+from espert.config import SMOKE_CAPS, smoke_caps, smoke_line
 from espert.extras import require
 
 
@@ -261,6 +262,10 @@ def run_cli(args: argparse.Namespace) -> int:
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cc) if hasattr(args, f.name)}
         given.pop("schedules", None)
         cc = dataclasses.replace(cc, schedules=tuple(args.schedule), **given)
+        lowered = smoke_caps(dataclasses.asdict(cc), {**SMOKE_CAPS, "n": 2, "num_generations": 2, "probe_points": 1})
+        if lowered:
+            print(smoke_line(lowered).replace("[espert]", "[compare]"), file=sys.stderr)
+            cc = dataclasses.replace(cc, **{k: new for k, (_, new) in lowered.items()})
         torch.set_num_threads(1)
         run_compare(args.out, cc, echo=lambda s: print(s, file=sys.stderr))
     except (ImportError, ValueError, FileNotFoundError) as e:
