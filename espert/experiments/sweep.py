@@ -302,8 +302,12 @@ def plot_sweep(doc: dict, path: str) -> str:
             color=colour.get(point.get(keys[0])) if keys else None,
             linestyle=style.get(point.get(keys[1]), "-") if len(keys) > 1 else "-",
         )
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"training reward (smoothed, {doc['smoothing']})")
+    ax.set_title(f"sweep over {' × '.join(keys) or 'nothing'}: smoothed training reward per grid point", fontsize=10)
     ax.grid(True, alpha=0.3)
     if curves:
         ax.legend(fontsize=7)

@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from espert.config import SMOKE_CAPS, smoke_caps, smoke_line
 from espert.experiments.compare.arms import Probe, run_es, run_grpo
 from espert.experiments.compare.config import (
     _HELP,
@@ -55,7 +56,6 @@ from espert.experiments.compare.report import (
     report_text,
     write_report,
 )
-from espert.config import SMOKE_CAPS, smoke_caps, smoke_line
 from espert.extras import require
 
 
