@@ -118,7 +118,8 @@ def evaluate(models: dict[str, str], out_dir: str, cc: CompareConfig, echo=print
             sampler.close()
         save_samples(os.path.join(out_dir, f"samples_{label}.jsonl"), recs)
         groups[label] = recs
-    return write_outputs(groups, out_dir, base="base", threshold=1.0, solve_rule="any", echo=echo or (lambda s: None))
+    # the summary is printed once, inside the whole report (run_compare)
+    return write_outputs(groups, out_dir, base="base", threshold=1.0, solve_rule="any", echo=lambda s: None)
 
 
 def base_model(out_dir: str, cc: CompareConfig, echo=print) -> tuple[str, str]:
