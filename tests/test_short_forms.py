@@ -56,7 +56,8 @@ def test_sweep_writes_under_sweeps_and_takes_train_flags(tmp_path, capsys, monke
     assert set(doc["runs"]) == {"sigma=0.01", "sigma=0.03"} and doc["set"]["iterations"] == "1"
     assert all(r["status"] == "done" and r["iterations"] == 1 for r in doc["runs"].values())
     capsys.readouterr()
-    assert main(args[:3] + ["--iterations", "2"]) == 2  # other settings into the same folder: refused
+    assert main([*args, "--alpha", "0.5"]) == 2  # other settings into the same folder: refused (more iterations
+    # would extend the runs, as resume does)
     err = capsys.readouterr().err
     assert "holds a sweep with other settings" in err and "--out" in err
     assert main(["sweep", "--grid", "sigma=0.01", "--set", "iterations=1", "--iterations", "2"]) == 2

@@ -139,12 +139,12 @@ def run_sweep(
     train_config: ``espert train`` arguments -> their ESConfig (the CLI's own parsing, which it hands
     down: this module sits beside the CLI and does not import it); every point is checked with it
     before any run starts."""
-    _refuse_other_settings(out, grid, base, config)
     plan = []
     for point in points(grid):
         run_dir = os.path.join(out, "runs", point_name(point))
         argv = train_argv(run_dir, point, base, config)
         plan.append((point, run_dir, argv, train_config(argv).iterations))
+    _refuse_other_settings(out, grid, base, config)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     from espert.runs.files import atomic_write_text
 
@@ -192,13 +192,14 @@ def default_out(grid: dict[str, list[str]]) -> str:
 
 def _refuse_other_settings(out: str, grid: dict, base: dict, config: Optional[str]) -> None:
     """ValueError when ``out`` holds a sweep of another grid or other settings (its runs would be resumed
-    under settings they were not started with)."""
+    under settings they were not started with); more ``iterations`` extend it (resume takes that)."""
     path = os.path.join(out, "sweep.json")
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:
         old = json.load(f)
-    new = {"grid": grid, "set": base, "config": config}
+    old["set"] = {k: v for k, v in (old.get("set") or {}).items() if k != "iterations"}
+    new = {"grid": grid, "set": {k: v for k, v in base.items() if k != "iterations"}, "config": config}
     diff = [f"{k} {old.get(k)} (now {v})" for k, v in new.items() if old.get(k) != v]
     if diff:
         raise ValueError(
