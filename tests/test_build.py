@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.extended  # ESPERT_SLOW=1 (a full build, ~45 s of CPU): by default .ci/install_check builds the
+# CPU-only module (`pip install .` with ESPERT_CUDA=0) and a newcomer's `bash .ci/setup` does too
 def test_cpu_only_build_without_cuda(tmp_path):
     import pybind11
 
