@@ -1,6 +1,8 @@
 """The plot faults a newcomer saw (issue 43): pareto.png said "(faded: dominated)" with nothing faded,
 zoomed its y axis so that a 0.03 drop looked large and clipped a label; progressions.png had ticks at
-half counts and the title "vs base 'base'"; sweep.png had no title and fractional iteration ticks.
+half counts and the title "vs base 'base'"; sweep.png had no title and fractional iteration ticks;
+training.png drew its checkpoints as triangles cut in half by the x axis, and its legend did not say that
+the members are perturbed copies scored on training prompts and the held-out reward is the center's.
 The figures are read before they are saved.  About 3 s."""
 
 import pytest
@@ -81,3 +83,29 @@ def test_sweep_plot_has_a_title_and_whole_iterations(figures):
     ax = figures[-1].axes[0]
     assert "sigma" in ax.get_title()
     assert all(float(t).is_integer() for t in ax.get_xticks())
+
+
+def test_training_curve_says_what_each_line_is_and_draws_inside_its_axes(figures):
+    from espert.eval.curve import plot_training
+
+    curve = {
+        "iterations": [1, 2, 3, 4],
+        "reward_mean": [0.5, 0.6, 0.7, 0.8],
+        "reward_std": [0.1] * 4,
+        "reward_min": [0.3, 0.4, 0.5, 0.6],
+        "reward_max": [0.7, 0.8, 0.9, 1.0],
+        "heldout": [(0, 0.55), (2, 0.75), (4, 0.9)],
+        "checkpoints": [2, 4],
+        "resumes": [2],
+        "task": "copy",
+        "population": 8,
+    }
+    plot_training(curve, "t.png")
+    ax = figures[-1].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    held = [lab for lab in labels if "held-out" in lab]
+    assert held and all("center" in lab for lab in held), labels  # not the members' reward
+    assert any("perturbed" in lab and "training prompts" in lab for lab in labels), labels
+    assert all(line.get_clip_on() for line in ax.lines)  # nothing drawn over the axis frame
+    at = sorted({float(x) for line in ax.lines if line.get_color() == "tab:gray" for x in line.get_xdata()})
+    assert at == [2.0, 4.0], at  # one upright line per checkpoint
