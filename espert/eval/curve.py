@@ -13,6 +13,8 @@ import os
 
 #: where a run's training curve goes, inside the run directory
 TRAINING_PNG = os.path.join("eval", "training.png")
+#: the members' line in the legend: what they are and what they are scored on (not the held-out prompts)
+MEMBERS_MEAN = "members (perturbed θ+σε, training prompts): mean"
 
 
 def training_curve(run_dir: str) -> dict:
@@ -52,14 +54,8 @@ def _band(curve: dict, low: str, high: str) -> tuple[list, list, list]:
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
-def plot_training(curve: dict, path: str) -> str:
-    """Write the training curve (:func:`training_curve`'s data) as a PNG at ``path``; returns ``path``."""
-    from matplotlib.ticker import MaxNLocator
-
-    from .plots import pyplot, save_figure
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8.4, 4.4), dpi=120)
+def _draw_members(ax, curve: dict) -> None:
+    """The members' rewards per iteration: min-max and ±1 std bands around their mean."""
     t_mm, lo, hi = _band(curve, "reward_min", "reward_max")
     ax.fill_between(t_mm, lo, hi, color="tab:blue", alpha=0.10, lw=0, label="members: min-max")
     mean_std = [
@@ -69,32 +65,48 @@ def plot_training(curve: dict, path: str) -> str:
     t_sd, lo, hi = _band({**curve, "lo": [a for a, _ in mean_std], "hi": [b for _, b in mean_std]}, "lo", "hi")
     ax.fill_between(t_sd, lo, hi, color="tab:blue", alpha=0.25, lw=0, label="members: mean ± std")
     means = [(t, m) for t, m in zip(curve["iterations"], curve["reward_mean"]) if m is not None]
-    ax.plot([t for t, _ in means], [m for _, m in means], color="tab:blue", lw=1.2, label="members: mean reward")
+    ax.plot([t for t, _ in means], [m for _, m in means], color="tab:blue", lw=1.2, label=MEMBERS_MEAN)
+
+
+def plot_training(curve: dict, path: str) -> str:
+    """Write the training curve (:func:`training_curve`'s data) as a PNG at ``path``; returns ``path``."""
+    from matplotlib.ticker import MaxNLocator
+
+    from .plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8.4, 5.0), dpi=120)
+    # the members are perturbed copies θ+σε scored on the iteration's training prompts, the held-out reward is
+    # the center θ on other prompts: the legend says so, or a reader takes the gap between them for a fault
+    _draw_members(ax, curve)
     held = curve["heldout"]
-    ax.plot([t for t, _ in held], [m for _, m in held], "o-", color="tab:orange", lw=2, ms=5, label="held-out reward")
+    label = "center θ, held-out prompts"
+    ax.plot([t for t, _ in held], [m for _, m in held], "o-", color="tab:orange", lw=2, ms=5, label=label)
     for i, t in enumerate(curve["resumes"]):
         ax.axvline(t, color="tab:red", ls="--", lw=1, label="resumed" if i == 0 else None)
-    if curve["checkpoints"]:
-        ax.plot(
-            curve["checkpoints"],
-            [0.0] * len(curve["checkpoints"]),
-            "^",
-            color="tab:gray",
-            ms=7,
-            clip_on=False,
-            transform=ax.get_xaxis_transform(),
-            label="checkpoint",
-        )
+    for i, t in enumerate(curve["checkpoints"]):  # upright and inside the axes (markers on the axis were cut)
+        ax.axvline(t, color="tab:gray", ls=":", lw=1.2, label="checkpoint" if i == 0 else None)
     values = [v for k in ("reward_min", "reward_max") for v in curve[k] if v is not None] + [m for _, m in held]
     if values and 0.0 <= min(values) and max(values) <= 1.0:
-        ax.set_ylim(0.0, 1.02)  # a reward in [0, 1] on its whole scale: a small change looks small
+        ax.set_ylim(-0.02, 1.02)  # a reward in [0, 1] on its whole scale (a small change looks small), 0 whole
     last = max(curve["iterations"] + [t for t, _ in held] + [1])
     ax.set_xlim(-0.02 * last, 1.02 * last)  # the first and last held-out points whole
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, never on them
+    handles, labels = ax.get_legend_handles_labels()
+    rank = {label: 0, MEMBERS_MEAN: 1, "members: mean ± std": 2, "members: min-max": 3}  # then the marks
+    order = sorted(range(len(labels)), key=lambda i: rank.get(labels[i], 4))
+    ax.legend(  # below the curves, never on them, and the axes keep the figure's width
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        fontsize=8,
+        ncol=2,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.13),
+        frameon=False,
+    )
     pop = f", population {curve['population']}" if curve.get("population") else ""
     ax.set_title(f"training curve: task {curve['task']}, {len(curve['iterations'])} iterations{pop}", fontsize=10)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
