@@ -12,13 +12,17 @@ machine cannot run is not run, but checked:
 - a ``pip`` line: .ci/setup installs the same package (and it is installed here);
 - a command for a GPU or a Hub model: its flags parse into a valid ESConfig.
 
-About 4 minutes on 2 cores, most of it the vLLM run on the real model."""
+Its time: 1,019 s alone on 2 cores shared with other jobs (load 20-40), docs/training.md's ``espert
+train`` then run a second time; in another run the commands up to ``espert compare`` took 6 min (sweep 2,
+the others about 1 each), so the vLLM run on the real model takes most of the rest.  ``pytest -s`` prints
+each command's time."""
 
 import os
 import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,7 +105,8 @@ def test_the_first_screen_is_what_ci_runs():
 def test_every_documented_command_runs_as_printed(checkout):
     d, env = checkout
     ran = []
-    for kind, text in documented()[2:]:  # the first screen: test_the_first_screen_is_what_ci_runs
+    for kind, text in dict.fromkeys(documented()[2:]):  # the first screen: test_the_first_screen_is_what_ci_runs;
+        # a command printed twice (README's and docs/training.md's `espert train`) runs once
         if kind == "bash" and text.startswith("pip "):
             pkg = text.split()[-1]
             assert f"--no-deps {pkg}" in (ROOT / ".ci" / "setup").read_text(), text
@@ -110,8 +115,10 @@ def test_every_documented_command_runs_as_printed(checkout):
             check_parses(text)
             continue
         argv = ["bash", "-c", text] if kind == "bash" else [sys.executable, "-c", text]
+        start = time.monotonic()
         res = subprocess.run(argv, cwd=d, env=env, capture_output=True, text=True, timeout=900)
         assert res.returncode == 0, f"{text}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
         assert "Traceback" not in res.stderr, f"{text}\n{res.stderr[-3000:]}"
         ran.append(text.splitlines()[0])
+        print(f"{time.monotonic() - start:6.1f} s  {ran[-1][:100]}")  # where this test's minutes go (pytest -s)
     assert any(c.startswith("espert train") for c in ran) and any(c.startswith("espert replay") for c in ran), ran
