@@ -12,10 +12,9 @@ machine cannot run is not run, but checked:
 - a ``pip`` line: .ci/setup installs the same package (and it is installed here);
 - a command for a GPU or a Hub model: its flags parse into a valid ESConfig.
 
-Its time: 1,019 s alone on 2 cores shared with other jobs (load 20-40), docs/training.md's ``espert
-train`` then run a second time; in another run the commands up to ``espert compare`` took 6 min (sweep 2,
-the others about 1 each), so the vLLM run on the real model takes most of the rest.  ``pytest -s`` prints
-each command's time."""
+Its time, alone under ``nice -n 19`` on 2 cores shared with other jobs (load 14-19): 606 s, of which the
+vLLM run on the real model 345 s, compare 78, sweep 67, train 43, eval 29, replay 17, analyze 13, the
+Python block 9 (``pytest -s`` prints each command's time)."""
 
 import os
 import re
