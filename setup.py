@@ -50,32 +50,96 @@ class BuildPy(build_py):
 
     def run(self) -> None:
         super().run()
+        if self.editable_mode:
+            # an editable install imports the checkout, whose git answers `espert env`; setuptools copies
+            # nothing into build_lib then, so build_lib/espert/ does not exist
+            return
         out = Path(self.build_lib) / "espert" / "_build.py"
         out.write_text(f'"""Written by setup.py when this package was built."""\n\nGIT_COMMIT = "{_git_commit()}"\n')
 
 
+def _toolchain(cuda: bool) -> str:
+    """The compilers a build uses, as their own ``--version`` lines: a change (an upgrade in place, another
+    CXX) means a fresh CMake configure, which the CMake cache alone would not notice."""
+    tools = [os.environ.get("CXX") or "c++"] + [os.environ.get("CUDACXX") or "nvcc"] * cuda
+    out = []
+    for tool in tools:
+        try:
+            said = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            said = ""
+        out.append(f"{tool}: {said or 'absent'}")
+    return "\n".join(out)
+
+
+def _prepare_build_dir(build_dir: Path, identity: str) -> bool:
+    """Keep ``build_dir``'s CMake cache and objects when they were made with the same compilers and
+    arguments (``identity``); else forget the cache.  Returns whether CMake must configure again."""
+    stamp = build_dir / "espert-build.txt"
+    _drop_stale_cache(build_dir)
+    same = stamp.exists() and stamp.read_text() == identity and (build_dir / "build.ninja").exists()
+    if not same and stamp.exists() and stamp.read_text().split("\nargs:")[0] != identity.split("\nargs:")[0]:
+        (build_dir / "CMakeCache.txt").unlink(missing_ok=True)  # other compilers: configure from scratch
+        shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)
+    return not same
+
+
+def _run(cmd: list[str], cwd: Path, keep) -> str:
+    """Run a build step; print the lines ``keep`` selects, or everything when the step fails."""
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        sys.stdout.write(done.stdout + done.stderr)
+        raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+    for line in done.stdout.splitlines():
+        if keep(line):
+            print(line.strip("- "))
+    return done.stdout
+
+
 class CMakeBuild(build_ext):
+    """espert._C through CMake and ninja.  Builds in the source tree (``pip install -e .``, ``setup.py
+    build_ext --inplace``) keep their objects in ``build/cmake-TAG`` across runs, so ninja recompiles only
+    what changed (sources, headers, flags); a wheel builds in setuptools' own temporary folder."""
+
+    def run(self) -> None:
+        # setuptools turns ``inplace`` off while it builds (and copies the module into the tree after)
+        self.in_tree = self.inplace or getattr(self, "editable_mode", False)
+        super().run()
+
     def build_extension(self, ext: Extension) -> None:
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
-        build_dir = Path(self.build_temp).resolve() / ext.name
+        build_dir = (
+            ROOT / "build" / f"cmake-{sys.implementation.cache_tag}"
+            if self.in_tree
+            else Path(self.build_temp).resolve() / ext.name
+        )
         build_dir.mkdir(parents=True, exist_ok=True)
-        _drop_stale_cache(build_dir)
+        built_dir = build_dir / "lib"  # the same for every caller: a new output folder would mean a new link
         args = [
-            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={built_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             "-DCMAKE_BUILD_TYPE=Release",
             "-G",
             "Ninja",
         ]
-        if os.environ.get("ESPERT_CUDA", "1") == "0":
-            args.append("-DESPERT_CUDA=OFF")
+        cuda = os.environ.get("ESPERT_CUDA", "1") != "0"
+        args.append(f"-DESPERT_CUDA={'ON' if cuda else 'OFF'}")
         if os.environ.get("ESPERT_CUDA_ARCHS"):
             args.append(f"-DESPERT_CUDA_ARCHS={os.environ['ESPERT_CUDA_ARCHS']}")
-        subprocess.run(["cmake", str(ROOT), *args], cwd=build_dir, check=True)
-        subprocess.run(["cmake", "--build", ".", "--parallel"], cwd=build_dir, check=True)
+        identity = _toolchain(cuda) + "\nargs: " + " ".join(args)
+        if _prepare_build_dir(build_dir, identity):
+            _run(["cmake", str(ROOT), *args], build_dir, keep=lambda line: "espert:" in line)
+            (build_dir / "espert-build.txt").write_text(identity)
+        built = _run(["cmake", "--build", ".", "--parallel"], build_dir, keep=lambda line: False)
+        steps = [line for line in built.splitlines() if line.startswith("[") and "Building" in line]
+        (module,) = built_dir.glob("_C.*")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(module, out_dir / module.name)
+        what = ", ".join(line.rsplit(" ", 1)[-1].split("/")[-1].removesuffix(".o") for line in steps)
+        print(f"espert._C in {build_dir}: " + (f"compiled {len(steps)} file(s): {what}" if steps else "up to date"))
 
 
 setup(

@@ -25,7 +25,18 @@ import time
 import typing
 from typing import Sequence
 
-from espert.config import RENAMED, ESConfig, Renamed, field_choices, field_help, field_type, renamed_keys
+from espert.config import (
+    RENAMED,
+    ESConfig,
+    Renamed,
+    field_choices,
+    field_help,
+    field_type,
+    renamed_keys,
+    smoke_capped,
+    smoke_caps,
+    smoke_line,
+)
 from espert.extras import MissingExtra
 
 TRAIN_EPILOG = """examples:
@@ -130,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         from espert.experiments.sweep import add_sweep_parser
 
         add_compare_parser(sub)
-        add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0])
+        add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0], _add_config_flags)
     return parser
 
 
@@ -157,9 +168,15 @@ def _train_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tr.add_argument("--config", metavar="FILE", help="YAML or TOML file of ESConfig fields")
-    tr.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/es-YYYYmmdd-HHMMSS)")
+    tr.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="run directory (default: runs/es-YYYYmmdd-HHMMSS, and runs/latest points at it)",
+    )
     tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (shown only on a terminal; ESPERT_PROGRESS=0/1)"
+    )
     tr.add_argument("--no-report", action="store_true", help="skip the main job's closing base-vs-ES report")
     tr.add_argument(
         "--stop-grace",
@@ -216,7 +233,14 @@ def _tiny_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[ESConfig | None, dict]:
-    """``(config, overrides)``: file values under flag values; on --resume the run's config is the base."""
+    """``(config, overrides)``: file values under flag values; on --resume the run's config is the base;
+    under ``ESPERT_SMOKE=1`` on the smoke-test budget (:func:`espert.config.smoke_capped`)."""
+    cfg, overrides = _given_config(args)
+    return smoke_capped(cfg)[0], overrides
+
+
+def _given_config(args: argparse.Namespace) -> tuple[ESConfig, dict]:
+    """:func:`config_from_args` before any smoke-test budget."""
     overrides = load_config_file(args.config) if args.config else {}
     names = {f.name for f in dataclasses.fields(ESConfig)}
     overrides.update({k: v for k, v in vars(args).items() if k in names})
@@ -294,7 +318,11 @@ class Preemption:
 def cmd_train(args: argparse.Namespace) -> int:
     from espert.trainer import train
 
-    cfg, _ = config_from_args(args)
+    cfg, lowered = smoke_capped(_given_config(args)[0])
+    if lowered:
+        print(smoke_line(lowered), file=sys.stderr)
+    if args.no_progress:
+        os.environ["ESPERT_PROGRESS"] = "0"  # every bar of the run: pretraining, loading, export, the report
     run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
     echo = lambda s: print(s, file=sys.stderr)  # noqa: E731
     echo(f"[espert] run directory: {run_dir}")
@@ -309,9 +337,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
     try:
         with Preemption(run_dir, args.stop_grace, again) as pre:
-            summary = train(
-                cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo, stop=pre.requested
-            )
+            try:
+                summary = train(
+                    cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo, stop=pre.requested
+                )
+            finally:
+                if not args.run_dir:
+                    _point_latest(run_dir)
     except OSError as e:
         if not runs.is_write_error(e):
             raise
@@ -328,14 +360,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         echo(f"[espert] held-out mean reward: {curve}")
     if summary["export"]:
         echo(f"[espert] final weights (HF format): {summary['export']}")
+    _training_curve(run_dir, echo)
     if (
         summary["export"] and cfg.model == "tiny" and ":" not in cfg.task and not args.no_report
     ):  # the main job closes with a report
         from espert.eval.runner import evaluate_run
 
-        echo("[espert] base vs ES, 16 samples (temperature 1) on 64 held-out problems:")
+        size = {"n": 16, "limit": 64}
+        lowered = smoke_caps(size, {"n": 2, "limit": 8})
+        if lowered:
+            echo(smoke_line(lowered))
+        size.update({k: new for k, (_, new) in lowered.items()})
+        echo(f"[espert] base vs ES, {size['n']} samples (temperature 1) on {size['limit']} held-out problems:")
         try:
-            evaluate_run(run_dir, n=16, limit=64, echo=echo)
+            evaluate_run(run_dir, **size, echo=echo)
         except OSError as e:
             if not runs.is_write_error(e):
                 raise
@@ -346,6 +384,31 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         echo(f"[espert] report: {os.path.join(run_dir, 'eval')}")
     return 0
+
+
+def _point_latest(run_dir: str) -> None:
+    """``runs/latest`` -> the run ``espert train`` just made in ``runs/`` (a relative link, replaced
+    atomically), so that the next commands can name it: ``espert replay runs/latest``."""
+    if not os.path.isdir(run_dir):
+        return  # a start that failed leaves nothing to point at
+    parent, name = os.path.split(run_dir)
+    link, tmp = os.path.join(parent, "latest"), os.path.join(parent, f".latest-{os.getpid()}")
+    try:
+        os.symlink(name, tmp)
+        os.replace(tmp, link)
+    except OSError:  # a filesystem without links, or "latest" is a real directory: the path still works
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def _training_curve(run_dir: str, echo) -> None:
+    """RUN/eval/training.png when the plotting library is there (the report says once when it is not)."""
+    from espert.extras import have
+
+    if have("matplotlib"):
+        from espert.eval.curve import write_training_png
+
+        echo(f"[espert] training curve: {write_training_png(run_dir)}")
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -436,6 +499,13 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     """``parser.parse_args`` whose "unrecognized arguments" error suggests the closest option."""
     import difflib
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from espert.eval.cli import analyze_shorthand
+    except ImportError:  # the evaluation package is optional at this layer
+        pass
+    else:
+        argv = analyze_shorthand(argv)
     args, rest = parser.parse_known_args(argv)
     if rest:
         sub = _subparsers(parser).get(getattr(args, "command", None) or "", parser)

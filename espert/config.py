@@ -328,6 +328,57 @@ class ESConfig:
         return cls(**{**(base.to_dict() if base else {}), **d})
 
 
+#: ``ESPERT_SMOKE=1``: every command on a smoke-test budget, so that a documented command runs as printed in
+#: seconds (CI runs README.md's and the docs' commands so: tests/test_documented_commands.py)
+SMOKE_ENV = "ESPERT_SMOKE"
+#: the budget: a config value above its cap is lowered to it (train, sweep; eval and compare cap theirs)
+SMOKE_CAPS = {
+    "iterations": 2,
+    "pretrain_steps": 20,
+    "population": 4,
+    "prompts_per_iteration": 4,
+    "train_size": 64,
+    "eval_size": 8,
+    "max_new_tokens": 8,
+    "vllm_engines": 1,
+}
+
+
+def smoke() -> bool:
+    """Whether ``ESPERT_SMOKE=1`` puts commands on the smoke-test budget."""
+    import os
+
+    return os.environ.get(SMOKE_ENV) == "1"
+
+
+def smoke_capped(cfg: ESConfig) -> tuple[ESConfig, dict[str, tuple]]:
+    """``(cfg on the smoke-test budget, {field: (old, new)} lowered)`` under ``ESPERT_SMOKE=1``, else
+    ``(cfg, {})``.  The run's config.yaml records the lowered values, so resume and replay agree."""
+    if not smoke():
+        return cfg, {}
+    changed = {
+        k: (getattr(cfg, k), cap)
+        for k, cap in SMOKE_CAPS.items()
+        if getattr(cfg, k) is None and k == "train_size" or (getattr(cfg, k) or 0) > cap
+    }
+    return dataclasses.replace(cfg, **{k: new for k, (_, new) in changed.items()}), changed
+
+
+def smoke_caps(values: dict, caps: dict) -> dict[str, tuple]:
+    """``{name: (old, new)}`` of the ``values`` that ``ESPERT_SMOKE=1`` lowers to ``caps`` (a value of None is
+    unlimited, so it is lowered too; names not in ``values`` are skipped); empty without it.  For the settings of eval, the closing report and compare."""
+    if not smoke():
+        return {}
+    return {k: (values[k], cap) for k, cap in caps.items() if k in values and (values[k] is None or values[k] > cap)}
+
+
+def smoke_line(changed: dict[str, tuple]) -> str:
+    """The line that says what ESPERT_SMOKE=1 lowered."""
+    return f"[espert] {SMOKE_ENV}=1: smoke-test budget: " + ", ".join(
+        f"{k} {a} -> {b}" for k, (a, b) in changed.items()
+    )
+
+
 def need(ok: bool, msg: str) -> None:
     """ValueError("ESConfig: msg") unless ``ok``: one rule of :meth:`ESConfig.validate`."""
     if not ok:

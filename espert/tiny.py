@@ -143,6 +143,8 @@ def pretrain(
     """
     import torch
 
+    from espert.progress import bar
+
     if steps <= 0:
         return []
     lines = pretrain_corpus(min(4096, steps * batch_size), seed, reverse_share)
@@ -160,16 +162,18 @@ def pretrain(
     model.requires_grad_(True)
     losses = []
     try:
-        for _ in range(steps):
-            batch = ids[torch.randint(0, len(ids), (batch_size,), generator=gen)]
-            mask = batch != tokenizer.pad_token_id
-            labels = batch.masked_fill(~mask, -100)
-            loss = model(input_ids=batch, attention_mask=mask.long(), labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
+        with bar("[espert] pretraining the tiny model", steps) as shown:
+            for _ in range(steps):
+                batch = ids[torch.randint(0, len(ids), (batch_size,), generator=gen)]
+                mask = batch != tokenizer.pad_token_id
+                labels = batch.masked_fill(~mask, -100)
+                loss = model(input_ids=batch, attention_mask=mask.long(), labels=labels).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                losses.append(float(loss.detach()))
+                shown.update(1)
     finally:
         torch.set_num_threads(threads)
         model.eval()

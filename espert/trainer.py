@@ -257,6 +257,8 @@ class TrainingLoop:
             raise ValueError(
                 f"{run.path} already logged {start} iterations, more than iterations={self.cfg.iterations}"
             )
+        if resume and start < self.cfg.iterations:  # when a process took over (the training curve marks it)
+            run.append({"kind": "resume", "iteration": start, "time": time.time()})
         self.trackers = Trackers(self.cfg.trackers, run.path, self.cfg.tracker_project, self.cfg.to_dict(), self.say)
         self._finish_iteration(start)  # its evaluation and checkpoint, if a kill cut them off (or the base's)
         return start
@@ -363,10 +365,12 @@ class TrainingLoop:
 def _build_evaluator(run, train_task, resume: bool):
     """The config's evaluator over the run's base model; a model it cannot load is one ValueError."""
     from espert.evaluators import build_evaluator
+    from espert.progress import ticking
 
     cfg = run.cfg
     try:
-        return build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
+        with ticking(f"[espert] loading the model ({cfg.evaluator} evaluator)"):
+            return build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
     except Exception as e:  # noqa: BLE001 - transformers, tokenizers, safetensors: each its own type
         if isinstance(e, OSError) and e.errno is not None:
             raise  # an environment failure (a full disk, ...): reported as such by the CLI
@@ -392,7 +396,10 @@ def bar_postfix(rec: dict, heldout: float | None) -> dict[str, str]:
 
 
 def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
+    """The iterations' bar, on a terminal only (:mod:`espert.progress`): a log keeps the status lines."""
+    from espert.progress import shown
+
+    if not (enabled and shown()):
         return None
     from tqdm import tqdm
 

@@ -39,7 +39,16 @@ def _espert(*args):
 
 
 @pytest.mark.parametrize(
-    "fmt,noise", [("int8", "gaussian"), ("awq", "gaussian"), ("int8", "rademacher"), ("int8", "lowrank:2")]
+    "fmt,noise",
+    [
+        ("int8", "gaussian"),
+        ("awq", "gaussian"),
+        # ESPERT_SLOW=1 (about a minute each): by default the quantized center under these families is checked
+        # by tests/test_quant.py (perturb, restore, update bits for every family) and test_quant_es.py (ES
+        # iterations, int8 rademacher); the CLI's train/resume/replay path is the same for every family
+        pytest.param("int8", "rademacher", marks=pytest.mark.extended),
+        pytest.param("int8", "lowrank:2", marks=pytest.mark.extended),
+    ],
 )
 def test_train_quantized_then_replay_bit_identical(tmp_path, capsys, fmt, noise):
     run = str(tmp_path / "run")

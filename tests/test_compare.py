@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +15,17 @@ from espert.experiments.compare import CompareConfig  # noqa: E402
 
 def test_compare_fast_variant_end_to_end(tmp_path):
     out = str(tmp_path / "cmp")
-    assert main(["compare", "--out", out, "--fast", "--schedule", "es,grpo"]) == 0
+    # as a user runs it: its own process, so that what TRL prints at import shows too
+    res = subprocess.run(
+        [sys.executable, "-m", "espert", "compare", "--out", out, "--fast", "--schedule", "es,grpo"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = res.stdout + res.stderr  # quiet: no TRL version warnings, no raw log dicts, the table once
+    assert "TRL currently supports vLLM" not in said and "{'loss'" not in said and "'train_runtime'" not in said
+    assert said.count(" samples/problem, ") == 1, said[-4000:]
     doc = json.load(open(os.path.join(out, "compare.json")))
     cc = CompareConfig.fast()
     es, grpo = doc["budgets"]["ES"], doc["budgets"]["GRPO"]

@@ -170,3 +170,23 @@ def test_type_hints_cover_every_field():
     hints = typing.get_type_hints(ESConfig)
     for f in dataclasses.fields(ESConfig):
         assert f.name in hints and f.metadata.get("help"), f.name
+
+
+def test_docs_main_job_paragraph_states_the_defaults():
+    """docs/training.md said 150 iterations, evaluated every 25, when the main job ran 80 and 20 (issue 43)."""
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "training.md"), encoding="utf-8").read()
+    para = re.sub(r"\s+", " ", text.split("## The main job", 1)[1].split("Sample output", 1)[0])
+    cfg = ESConfig()
+    m = re.search(r"(\d+) iterations of (\d+) members \((\d+) antithetic seeds\) × (\d+) prompts", para)
+    assert m, para
+    assert tuple(map(int, m.groups())) == (
+        cfg.iterations,
+        cfg.population,
+        cfg.population // 2,
+        cfg.prompts_per_iteration,
+    )
+    m = re.search(r"scoring (\d+) held-out prompts at the center every (\d+) iterations", para)
+    assert m and tuple(map(int, m.groups())) == (cfg.eval_size, cfg.eval_every), para
+    assert f"{cfg.pretrain_steps} steps of next-character prediction" in para

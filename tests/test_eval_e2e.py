@@ -243,12 +243,17 @@ def test_eval_takes_the_tasks_train_takes(tiny_models, tmp_path, monkeypatch):
     assert len(recs) == 4 and recs[0]["prompt"] == "copy: ab0\n"
 
 
-def test_eval_shows_sampling_progress(tiny_models, tmp_path, capsys):
-    """espert eval printed nothing while sampling (minutes on a real model): a bar counts the problems."""
+def test_eval_shows_sampling_progress(tiny_models, tmp_path, capsys, monkeypatch):
+    """espert eval printed nothing while sampling (minutes on a real model): on a terminal (ESPERT_PROGRESS=1
+    stands for one) a bar counts the problems; a log gets none (espert/progress.py)."""
     from espert.eval.cli import main
 
     base, _ = tiny_models
     args = ["eval", "--task", "copy", "--limit", "5", "--models", f"m={base}", "-n", "2", "--max-tokens", "3"]
+    monkeypatch.setenv("ESPERT_PROGRESS", "1")
     assert main(args + ["--batch-size", "4", "--no-plots", "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
-    assert "espert eval m: 100%" in err and "5/5" in err, err
+    assert "[espert eval] sampling m: " in err and "/5 [" in err, err
+    monkeypatch.setenv("ESPERT_PROGRESS", "0")
+    assert main(args + ["--batch-size", "4", "--no-plots", "--out", str(tmp_path / "p")]) == 0
+    assert "[espert eval] sampling m: " not in capsys.readouterr().err

@@ -266,7 +266,9 @@ def test_report_on_fixture_matches_hand_computed_numbers(rescore):
         assert cmp_["answer_entropy"][subset]["base"] == pytest.approx(vals["base"], abs=1e-12)
         assert cmp_["answer_entropy"][subset]["tuned"] == pytest.approx(vals["tuned"], abs=1e-12)
     text = format_summary(rep)
-    assert "+2 progressions" in text and "-1 regressions" in text
+    assert "2 progressions, 1 regression (net +1)" in text  # counts, not signed numbers ("-0 regressions")
+    rep["comparisons"]["tuned"].update(regressions=0, net=2)
+    assert "2 progressions, 0 regressions (net +2)" in format_summary(rep)
 
 
 def test_report_maj_default_is_the_subset_average():

@@ -9,7 +9,9 @@ from torch.profiler import ProfilerActivity, profile
 from espert import diagnostics, ops
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# float16 with ESPERT_SLOW=1 (both take ~30 s of CPU): the restore copies the center back whatever the dtype,
+# and bfloat16 (the README's claim) has the coarser grid
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.extended)])
 def test_thousand_perturb_restore_cycles_are_exact(dtype):
     r = diagnostics.restore_exactness(dtype, cycles=1000, numel=1 << 18)
     assert r["espert_differ"] == 0

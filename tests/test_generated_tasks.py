@@ -81,6 +81,8 @@ def test_generated_tasks_are_deterministic_with_stable_fingerprints(name):
     assert load_task(name, "train", n=64, seed=3).prompts != train.prompts
 
 
+@pytest.mark.extended  # ESPERT_SLOW=1: by default README's `espert train --model smollm2-135m-instruct --task
+# arithmetic ...` trains on this task (tests/test_documented_commands.py), and the tiny runs cover the CLI path
 def test_espert_train_on_arithmetic(tmp_path, capsys):
     d = str(tmp_path / "run")
     flags = ["--pretrain-steps", "0", "--iterations", "2", "--population", "2", "--prompts-per-iteration", "3"]

@@ -125,6 +125,8 @@ def test_round_to_odd_fma_is_exact_on_hard_cases():
     np.testing.assert_array_equal(fma_spec(a, b, c)[normal].view(np.uint32), want[normal].view(np.uint32))
 
 
+@pytest.mark.extended  # ESPERT_SLOW=1: every input word (77 s under load); the tests above check the same
+# reference on sampled and boundary words by default
 def test_every_input_against_a_second_reference_from_the_spec(monkeypatch):
     x = all_words()
     want = noise.icdf_from_word(x).view(np.uint32)

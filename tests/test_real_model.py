@@ -49,9 +49,19 @@ def smollm2(tmp_path_factory):
     mp.undo()
 
 
-def test_gguf_converts_once_into_a_loadable_float32_directory(smollm2):
+def test_gguf_converts_once_into_a_loadable_float32_directory(smollm2, capsys, monkeypatch):
+    from espert import progress
+
+    converted = not os.path.isdir(os.path.join(gguf.cache_root(), "gguf"))
+    monkeypatch.setenv("ESPERT_PROGRESS", "1")  # as on a terminal: the conversion's minute is not silent
     d = gguf.gguf_model_dir(smollm2)
+    if converted:
+        assert (
+            "[espert] converting SmolLM2-135M-Instruct.Q4_1.gguf to float32 safetensors ... " in capsys.readouterr().err
+        )
+    monkeypatch.setattr(progress, "TICK", 0.0)
     assert gguf.gguf_model_dir(smollm2) == d  # cached: the same directory, not converted again
+    assert "converting" not in capsys.readouterr().err
     cfg = json.load(open(os.path.join(d, "config.json")))
     assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["dtype"] == "float32"

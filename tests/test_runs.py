@@ -52,8 +52,10 @@ def espert(*args, env=None, timeout=300):
 
 
 def records(run_dir):
-    """Every log record without its wall-clock fields."""
-    return [{k: v for k, v in r.items() if k not in CLOCK} for r in runs.read_log(os.path.join(run_dir, runs.LOG))]
+    """Every log record without its wall-clock fields and "resume" records (they say when a process took
+    over, not what the run is: a resumed run ends with the state records of one that never stopped)."""
+    log = runs.read_log(os.path.join(run_dir, runs.LOG))
+    return [{k: v for k, v in r.items() if k not in CLOCK} for r in log if r["kind"] != "resume"]
 
 
 def sha(path):

@@ -147,6 +147,8 @@ def test_losing_every_engine_raises(pool):
         pool.evaluate(members(4), 0.05, TASK.prompts, TASK.answers)
 
 
+@pytest.mark.extended  # ESPERT_SLOW=1 (~2 min under load): by default the pool is checked by
+# test_two_engines_equal_one_engine and batched LoRA members by tests/test_vllm_lora.py
 def test_two_batched_engines_equal_one_batched_engine(tiny_dir):
     """Issue 23's batched members (lowrank:2 as LoRA adapters) over an EnginePool: two engines give one
     engine's rewards and answers, and the centers stay equal through updates.  After the tests above

@@ -248,6 +248,10 @@ def ev2(tiny_dir):
                 os.environ[k] = v
 
 
+# The TP=2 engine's tests run with ESPERT_SLOW=1 (its start and three checks: ~4 min under load).  By default
+# TP=2 is checked through the worker extension (tests/test_vllm_tp.py, against transformers) and this file's
+# weight-transfer commands at TP=1.
+@pytest.mark.extended
 def test_tp2_bytes_per_update_same_as_tp1(ev2):
     base = [len(r) for r in payload_bytes(ev2)]
     native(ev2.llm, *SEQUENCE)
@@ -255,12 +259,14 @@ def test_tp2_bytes_per_update_same_as_tp1(ev2):
     assert got == [[len(pickle.dumps(c)) for c in SEQUENCE]] * 2  # as at TP=1, with half the weights per rank
 
 
+@pytest.mark.extended
 def test_tp2_native_api_bit_identical_to_worker_extension(ev2):
     assert [r["tp_size"] for r in ev2.info] == [2, 2]
     ev2.restore()
     check_sequence_matches_extension(ev2)
 
 
+@pytest.mark.extended
 def test_tp2_bad_command_names_the_problem(ev2):
     """Last with this engine: after any worker error vLLM 0.32's multiprocess executor leaves the other
     ranks' replies queued, so the next collective_rpc reads a stale one (vllm-project/vllm#58242, fix proposed in #57846); the

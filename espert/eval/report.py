@@ -274,8 +274,8 @@ def format_summary(report: dict) -> str:
     for lab, cmp_ in report["comparisons"].items():
         e = cmp_["answer_entropy"]
         lines.append(
-            f"{lab} vs {cmp_['base']} (solve rule '{cmp_['solve_rule']}'): +{cmp_['progressions']} progressions, "
-            f"-{cmp_['regressions']} regressions (net {cmp_['net']:+d})"
+            f"{lab} vs {cmp_['base']} (solve rule '{cmp_['solve_rule']}'): {_count(cmp_['progressions'], 'progression')}, "
+            f"{_count(cmp_['regressions'], 'regression')} (net {cmp_['net']:+d})"
         )
         lines.append(
             f"  answer entropy (bits) {cmp_['base']} -> {lab}: all {_fmt(e['all']['base'], 2)} -> "
@@ -284,6 +284,11 @@ def format_summary(report: dict) -> str:
             f"{_fmt(e['regressions']['tuned'], 2)}"
         )
     return "\n".join(lines)
+
+
+def _count(n: int, what: str) -> str:
+    """``1 regression``, ``0 regressions``: a count, never a signed number."""
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def forgetting(reports: dict[str, dict], base: str) -> tuple[dict, str]:

@@ -6,7 +6,6 @@ import inspect
 import json
 import os
 import re
-import sys
 import time
 from typing import Callable, Optional, Sequence
 
@@ -51,27 +50,22 @@ def generate_samples(
     max_tokens: int,
     seed: int,
     extra_meta: Optional[dict] = None,
-    progress: bool = False,
+    progress: Optional[str] = None,
 ) -> list[dict]:
     """Sample ``n`` completions per problem with ``sampler`` and score them into records.
 
-    progress: a bar on stderr counting the problems sampled, for samplers that report it (a
-    ``progress`` callback; vLLM shows its own bar)."""
+    progress: the title of a bar counting the problems sampled (on a terminal only, :mod:`espert.progress`),
+    for samplers that report it (a ``progress`` callback); else a line counting the seconds."""
+    from espert.progress import bar, shown, ticking
+
     if len(task) == 0:
         raise ValueError(f"task {task.name!r} has no problems")
     t0 = time.time()
-    bar = None
-    kwargs = {}
-    if progress and "progress" in inspect.signature(sampler.sample).parameters:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(task), desc=f"espert eval {label}", unit="problem", file=sys.stderr, dynamic_ncols=True)
-        kwargs["progress"] = bar.update
-    try:
+    on = progress is not None and shown()
+    counted = on and "progress" in inspect.signature(sampler.sample).parameters
+    with bar(progress or "", len(task), "problem", counted) as done, ticking(progress or "", on and not counted):
+        kwargs = {"progress": done.update} if counted else {}
         comps = sampler.sample(task.prompts, n, temperature, top_p, max_tokens, seed, **kwargs)
-    finally:
-        if bar is not None:
-            bar.close()
     if len(comps) != len(task) or any(len(c) != n for c in comps):
         raise RuntimeError("sampler returned the wrong number of completions")
     meta = {
@@ -148,6 +142,8 @@ def evaluate_run(
     labelled ``es``, and writes ``report.json``, ``summary.txt``, the samples and the plots to
     ``out_dir`` (default ``RUN/eval``).  Returns the report.
     """
+    from espert.progress import ticking
+
     from ..runs import BASE, EXPORT, read_run_config
     from ..tasks import PYTHON_PREFIX, load_spec_task
     from .samplers import TransformersSampler
@@ -170,9 +166,21 @@ def evaluate_run(
     os.makedirs(out_dir, exist_ok=True)
     groups = {}
     for label, path in (("base", base), ("es", export)):
-        sampler = TransformersSampler(path, device="cpu", batch_size=256, chat_template=bool(cfg.get("chat_template")))
+        with ticking(f"[espert] report: loading {label}"):
+            sampler = TransformersSampler(
+                path, device="cpu", batch_size=256, chat_template=bool(cfg.get("chat_template"))
+            )
         recs = generate_samples(
-            task, label, sampler, n, temperature, 1.0, int(cfg["max_new_tokens"]), seed, extra_meta={"model_path": path}
+            task,
+            label,
+            sampler,
+            n,
+            temperature,
+            1.0,
+            int(cfg["max_new_tokens"]),
+            seed,
+            extra_meta={"model_path": path},
+            progress=f"[espert] report: sampling {label}",
         )
         save_samples(os.path.join(out_dir, f"samples_{label}.jsonl"), recs)
         groups[label] = recs

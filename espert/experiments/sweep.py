@@ -2,9 +2,10 @@
 per grid point, and the smoothed-reward table and plot of the second seed paper (its Table 6: debiased
 exponential smoothing of the training reward, weight 0.99).
 
-    espert sweep --out runs/sweep --grid population=8,16,32 --grid sigma=0.01,0.02 --workers 2 \\
-        --set iterations=100
+    espert sweep --grid population=8,16,32 --grid sigma=0.01,0.02 --iterations 100 --workers 2
 
+takes ``espert train``'s flags (or ``--set KEY=VALUE``) for every run and writes to
+``sweeps/population=8,16,32+sigma=0.01,0.02`` (``--out DIR`` chooses another folder).
 Every run is an ordinary ``espert train`` process with its own run directory under ``OUT/runs/``, so
 each resumes, replays and is evaluated like any other.  Running the same command again resumes what
 is unfinished and skips what is done.  A run that fails is reported and the others go on.
@@ -143,7 +144,13 @@ def run_sweep(
         run_dir = os.path.join(out, "runs", point_name(point))
         argv = train_argv(run_dir, point, base, config)
         plan.append((point, run_dir, argv, train_config(argv).iterations))
+    _refuse_other_settings(out, grid, base, config)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    from espert.runs.files import atomic_write_text
+
+    pending = {point_name(p): {"params": p, "run_dir": d, "status": "pending"} for p, d, _, _ in plan}
+    doc = {"grid": grid, "set": base, "config": config, "smoothing": SMOOTHING, "runs": pending}
+    atomic_write_text(os.path.join(out, "sweep.json"), json.dumps(doc, indent=2) + "\n")  # a rerun checks it
     status: dict[str, str] = {}
     queue = []
     for point, run_dir, argv, target in plan:
@@ -165,8 +172,6 @@ def run_sweep(
         runs[name] = {"params": point, "run_dir": run_dir, "status": status[name], **summarize(run_dir)}
     doc = {"grid": grid, "set": base, "config": config, "smoothing": SMOOTHING, "runs": runs}
     doc["seconds"] = round(time.time() - t0, 1)
-    from espert.runs.files import atomic_write_text
-
     atomic_write_text(os.path.join(out, "sweep.json"), json.dumps(doc, indent=2) + "\n")
     table = format_table(doc)
     atomic_write_text(os.path.join(out, "sweep.md"), table + "\n")
@@ -178,6 +183,29 @@ def run_sweep(
     else:
         echo(f"[sweep] plot skipped: {install_hint('matplotlib')}")
     return doc
+
+
+def default_out(grid: dict[str, list[str]]) -> str:
+    """``sweeps/population=8,16+sigma=0.01,0.02``: a folder per grid, so that the same command resumes it."""
+    return os.path.join("sweeps", "+".join(f"{k}={','.join(v).replace('/', '_')}" for k, v in grid.items()))
+
+
+def _refuse_other_settings(out: str, grid: dict, base: dict, config: Optional[str]) -> None:
+    """ValueError when ``out`` holds a sweep of another grid or other settings (its runs would be resumed
+    under settings they were not started with); more ``iterations`` extend it (resume takes that)."""
+    path = os.path.join(out, "sweep.json")
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        old = json.load(f)
+    old["set"] = {k: v for k, v in (old.get("set") or {}).items() if k != "iterations"}
+    new = {"grid": grid, "set": {k: v for k, v in base.items() if k != "iterations"}, "config": config}
+    diff = [f"{k} {old.get(k)} (now {v})" for k, v in new.items() if old.get(k) != v]
+    if diff:
+        raise ValueError(
+            f"{out} holds a sweep with other settings: {'; '.join(diff)}; give --out DIR for a new sweep, or the "
+            f"same settings to resume this one"
+        )
 
 
 def _train(argv: list[str], log_path: str) -> int:
@@ -275,23 +303,35 @@ def plot_sweep(doc: dict, path: str) -> str:
             color=colour.get(point.get(keys[0])) if keys else None,
             linestyle=style.get(point.get(keys[1]), "-") if len(keys) > 1 else "-",
         )
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"training reward (smoothed, {doc['smoothing']})")
+    ax.set_title(f"sweep over {' × '.join(keys) or 'nothing'}: smoothed training reward per grid point", fontsize=10)
     ax.grid(True, alpha=0.3)
     if curves:
         ax.legend(fontsize=7)
     return save_figure(fig, path)
 
 
-def add_sweep_parser(subparsers, train_config: Callable[[list[str]], Any]) -> argparse.ArgumentParser:
+def add_sweep_parser(
+    subparsers, train_config: Callable[[list[str]], Any], add_config_flags: Callable[[Any], None]
+) -> argparse.ArgumentParser:
     """Add ``espert sweep`` to an argparse ``subparsers`` object; sets ``func``.  train_config: ``espert
-    train`` arguments -> ESConfig (see :func:`run_sweep`)."""
+    train`` arguments -> ESConfig (see :func:`run_sweep`); add_config_flags: adds train's config flags to a
+    parser (the CLI's own; each one given is forwarded to every run)."""
     p = subparsers.add_parser(
         "sweep",
         help="train one config over a grid of values; smoothed-reward table and plot",
-        description=__doc__.split("\n\n")[0],
+        description="\n\n".join(__doc__.split("\n\n")[:3]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="sweep directory (runs/, logs/, sweep.json/md/png)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="sweep directory: runs/, logs/, sweep.json/md/png (default: sweeps/KEY=V1,V2+..., from --grid)",
+    )
     p.add_argument(
         "--grid", action="append", default=[], metavar="KEY=V1,V2", help="a config field and its values (repeatable)"
     )
@@ -308,8 +348,26 @@ def add_sweep_parser(subparsers, train_config: Callable[[list[str]], Any]) -> ar
         help="run each grid point as a Ray task instead (no ADDRESS: the local Ray; 'auto': a running cluster, "
         "whose nodes must all see --out); default: local processes",
     )
+    add_config_flags(p)
     p.set_defaults(func=run_cli, train_config=train_config)
     return p
+
+
+def _given_flags(args: argparse.Namespace) -> dict[str, str]:
+    """The train flags given on the command line, as ``--set`` strings (their fields' own spelling)."""
+    from espert.config import ESConfig
+
+    names = set(ESConfig().to_dict())
+    out = {}
+    for key, value in vars(args).items():
+        if key in names:
+            if isinstance(value, bool):
+                out[key] = "true" if value else "false"
+            elif isinstance(value, list):
+                out[key] = " ".join(map(str, value))
+            else:
+                out[key] = str(value)
+    return out
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -321,6 +379,11 @@ def run_cli(args: argparse.Namespace) -> int:
         if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         base[key.strip().replace("-", "_")] = value.strip()
+    for key, value in _given_flags(args).items():
+        if key in base or key in grid:
+            raise ValueError(f"{key} is given twice (--{key.replace('_', '-')} and --set or --grid)")
+        base[key] = value
+    args.out = args.out or default_out(grid)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.ray is not None:

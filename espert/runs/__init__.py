@@ -10,6 +10,7 @@ A run directory holds everything needed to resume a run or rebuild its weights::
                                 "sigma", "alpha", "prompt_indices", "skipped", "time", "eval_seconds"}
                                {"kind": "eval", "iteration": t, "mean": m, "n": n, "time": ...}  (held-out, center θ_t)
                                {"kind": "checkpoint", "iteration": t, "file": "center.safetensors", "sha256": h}
+                               {"kind": "resume", "iteration": t, "time": ...}  (a resumed process went on from t)
     RUN/center.safetensors   float32 center θ_k by logical name; metadata {"iteration": k}
     RUN/export/              θ_k in the base model's own format (config, tokenizer, *.safetensors with HF names)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
 
 import torch
 
+from espert.progress import bar
 from espert.runs.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
 from espert.runs.gguf import gguf_model_dir, is_gguf
 from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
@@ -180,7 +182,11 @@ def _write_export(tmp: str, base: str, heads: dict, where: dict[str, str], sourc
         if os.path.isfile(src) and not f.endswith(WEIGHT_SUFFIXES):
             shutil.copyfile(src, os.path.join(tmp, f))
     piece = max(1, int(source.chunk_bytes))
-    with contextlib.ExitStack() as stack:  # every shard open at once: the center's chunks come in its order
+    size = sum(math.prod(shape) * dt.itemsize for shape, dt in source.layout.values())
+    with (
+        contextlib.ExitStack() as stack,  # every shard open at once: the center's chunks come in its order
+        bar("[espert] exporting the weights", size, "B") as shown,
+    ):
         writers: dict[str, TensorFileWriter] = {}
         for shard, (meta, _, _) in heads.items():
             others = FileChunks(os.path.join(base, shard), piece, skip=where)  # the base's other tensors
@@ -192,6 +198,7 @@ def _write_export(tmp: str, base: str, heads: dict, where: dict[str, str], sourc
             if k in where:
                 w = writers[where[k]]
                 w.write(k, offset, _cast(flat, w.layout[k][1]))
+            shown.update(flat.numel() * flat.element_size())
             del flat  # a streamed chunk is freed before the next one arrives
 
 

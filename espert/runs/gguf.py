@@ -22,6 +22,7 @@ import os
 import shutil
 
 from espert.extras import require
+from espert.progress import ticking
 from espert.runs.files import fsync_dir, sha256_file
 
 SUFFIX = ".gguf"
@@ -123,7 +124,8 @@ def gguf_model_dir(path: str, echo=None) -> str:
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        convert_gguf(path, tmp)
+        with ticking(f"[espert] converting {os.path.basename(path)} to float32 safetensors"):
+            convert_gguf(path, tmp)
         with open(os.path.join(tmp, SOURCE), "w", encoding="utf-8") as f:
             json.dump({"gguf": os.path.abspath(path), "sha256": sha}, f, indent=2)
         for f in os.listdir(tmp):

@@ -10,6 +10,7 @@ import torch
 
 from espert.config import ESConfig
 from espert.es import apply_record
+from espert.progress import bar, ticking
 from espert.runs.checkpoint import load_center, save_center
 from espert.runs.export import base_identity, export_iteration, export_model, resolve_model_dir
 from espert.runs.files import BASE, CENTER, EXPORT, LOG, RunError, writing_into
@@ -73,11 +74,14 @@ def _replay(run_dir: str, out_dir: str, upto: int | None, echo: Callable[[str], 
         if not 0 <= upto <= len(its):
             raise ValueError(f"--upto {upto} is outside the logged iterations 0..{len(its)}")
         its = its[:upto]
-    model, _ = load_model(base, device="cpu", dtype=cfg.dtype)
+    with ticking("[espert] loading the base model"):
+        model, _ = load_model(base, device="cpu", dtype=cfg.dtype)
     center = config_center(model, cfg)  # the center training built (quantization, optimizer, decay exclusions)
     t0 = time.time()
-    for rec in its:
-        apply_record(center, rec)  # a Center has the Evaluator's update signature
+    with bar("[espert] replaying the logged updates", len(its), "update") as shown:
+        for rec in its:
+            apply_record(center, rec)  # a Center has the Evaluator's update signature
+            shown.update(1)
     last = its[-1]["iteration"] if its else 0
     os.makedirs(out_dir, exist_ok=True)
     state = center.state_dict()

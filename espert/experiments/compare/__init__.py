@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from espert.config import SMOKE_CAPS, smoke_caps, smoke_line
 from espert.experiments.compare.arms import Probe, run_es, run_grpo
 from espert.experiments.compare.config import (
     _HELP,
@@ -117,7 +118,8 @@ def evaluate(models: dict[str, str], out_dir: str, cc: CompareConfig, echo=print
             sampler.close()
         save_samples(os.path.join(out_dir, f"samples_{label}.jsonl"), recs)
         groups[label] = recs
-    return write_outputs(groups, out_dir, base="base", threshold=1.0, solve_rule="any", echo=echo or (lambda s: None))
+    # the summary is printed once, inside the whole report (run_compare)
+    return write_outputs(groups, out_dir, base="base", threshold=1.0, solve_rule="any", echo=lambda s: None)
 
 
 def base_model(out_dir: str, cc: CompareConfig, echo=print) -> tuple[str, str]:
@@ -261,6 +263,10 @@ def run_cli(args: argparse.Namespace) -> int:
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cc) if hasattr(args, f.name)}
         given.pop("schedules", None)
         cc = dataclasses.replace(cc, schedules=tuple(args.schedule), **given)
+        lowered = smoke_caps(dataclasses.asdict(cc), {**SMOKE_CAPS, "n": 2, "num_generations": 2, "probe_points": 1})
+        if lowered:
+            print(smoke_line(lowered).replace("[espert]", "[compare]"), file=sys.stderr)
+            cc = dataclasses.replace(cc, **{k: new for k, (_, new) in lowered.items()})
         torch.set_num_threads(1)
         run_compare(args.out, cc, echo=lambda s: print(s, file=sys.stderr))
     except (ImportError, ValueError, FileNotFoundError) as e:

