@@ -328,10 +328,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     echo(f"[espert] run directory: {run_dir}")
     from espert import runs
 
-    def write_failed(e: OSError, what: str) -> int:  # one line: the file, the errno, what is intact
-        echo(f"espert train: error: {runs.write_error_line(e)}; {what}")
-        return 1
-
     again = f"espert train --run-dir {run_dir} --resume"
     if not args.stop_grace >= 0:
         raise ValueError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
@@ -349,11 +345,27 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise
         state = runs.intact_state(run_dir)
         fix = "run the same command again" if state.startswith("nothing") else f"continue with: {again}"
-        return write_failed(e, f"{state}; once space is freed (or the filesystem writable), {fix}")
+        return _write_failed(echo, e, f"{state}; once space is freed (or the filesystem writable), {fix}")
     if pre.requested():  # also when the last iteration ended meanwhile: the report is left to the resume
         n = summary["iterations"] if summary["stopped"] is None else summary["stopped"]
         print(f"espert: stopped at iteration {n} ({pre.name}); continue with: {again}", file=sys.stderr)
         return pre.code
+    return _after_training(args, cfg, run_dir, summary, echo, again)
+
+
+def _write_failed(echo, e: OSError, what: str) -> int:
+    """One line for a failed write: the file, the errno and what is intact; exit code 1."""
+    from espert import runs
+
+    echo(f"espert train: error: {runs.write_error_line(e)}; {what}")
+    return 1
+
+
+def _after_training(args, cfg, run_dir: str, summary: dict, echo, again: str) -> int:
+    """What a finished ``espert train`` says: the held-out curve, the export, the training picture and,
+    for the main job, the closing base-vs-ES report."""
+    from espert import runs
+
     held = summary["heldout"]
     if held:
         curve = "  ".join(f"it {t}: {m:.3f}" for t, m in held)
@@ -361,28 +373,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     if summary["export"]:
         echo(f"[espert] final weights (HF format): {summary['export']}")
     _training_curve(run_dir, echo)
-    if (
-        summary["export"] and cfg.model == "tiny" and ":" not in cfg.task and not args.no_report
-    ):  # the main job closes with a report
-        from espert.eval.runner import evaluate_run
+    if not (summary["export"] and cfg.model == "tiny" and ":" not in cfg.task and not args.no_report):
+        return 0  # only the main job closes with a report
+    from espert.eval.runner import evaluate_run
 
-        size = {"n": 16, "limit": 64}
-        lowered = smoke_caps(size, {"n": 2, "limit": 8})
-        if lowered:
-            echo(smoke_line(lowered))
-        size.update({k: new for k, (_, new) in lowered.items()})
-        echo(f"[espert] base vs ES, {size['n']} samples (temperature 1) on {size['limit']} held-out problems:")
-        try:
-            evaluate_run(run_dir, **size, echo=echo)
-        except OSError as e:
-            if not runs.is_write_error(e):
-                raise
-            return write_failed(
-                e,
-                f"training is complete and intact ({runs.intact_state(run_dir).split('(', 1)[1]}, and its "
-                f"export; only the report is missing: once space is freed, write it with: {again}",
-            )
-        echo(f"[espert] report: {os.path.join(run_dir, 'eval')}")
+    size = {"n": 16, "limit": 64}
+    lowered = smoke_caps(size, {"n": 2, "limit": 8})
+    if lowered:
+        echo(smoke_line(lowered))
+    size.update({k: new for k, (_, new) in lowered.items()})
+    echo(f"[espert] base vs ES, {size['n']} samples (temperature 1) on {size['limit']} held-out problems:")
+    try:
+        evaluate_run(run_dir, **size, echo=echo)
+    except OSError as e:
+        if not runs.is_write_error(e):
+            raise
+        return _write_failed(
+            echo,
+            e,
+            f"training is complete and intact ({runs.intact_state(run_dir).split('(', 1)[1]}, and its "
+            f"export; only the report is missing: once space is freed, write it with: {again}",
+        )
+    echo(f"[espert] report: {os.path.join(run_dir, 'eval')}")
     return 0
 
 

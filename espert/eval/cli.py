@@ -155,9 +155,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from ..runs import resolve_model_dir
-    from ..runs.gguf import gguf_path
-    from .runner import load_sample_files, parse_model_specs
+    from .runner import load_sample_files
 
     if bool(args.models) == bool(args.samples):
         raise ValueError("give exactly one of --models (generate) or --samples (re-score)")
@@ -183,15 +181,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":
         require("vllm", "--evaluator vllm")
-    models = parse_model_specs(args.models)
-    for label, path in models.items():
-        gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
-        if gguf is not None:
-            models[label] = path = resolve_model_dir(gguf, lambda s: print(s, file=sys.stderr))
-        # "org/name" may be a Hub id; anything else that looks like a path must exist.
-        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-        if looks_local and not os.path.exists(os.path.expanduser(path)):
-            raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
+    models = _resolve_models(args.models)
     named = [spec.partition("=")[::2] for spec in tasks]  # (task, its own problems file or "")
     if len({name for name, _ in named}) < len(named):
         raise ValueError(f"a task is given twice: {' '.join(tasks)}")
@@ -215,6 +205,24 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(text)
         print(f"[espert eval] forgetting table: {os.path.join(args.out, 'forgetting.md')}", file=sys.stderr)
     return 0
+
+
+def _resolve_models(specs: list[str]) -> dict[str, str]:
+    """``--models LABEL=PATH ...`` as {label: model directory}: a GGUF file or a named model becomes its
+    converted directory; a path that looks local must exist ("org/name" may be a Hub id)."""
+    from ..runs import resolve_model_dir
+    from ..runs.gguf import gguf_path
+    from .runner import parse_model_specs
+
+    models = parse_model_specs(specs)
+    for label, path in models.items():
+        gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
+        if gguf is not None:
+            models[label] = path = resolve_model_dir(gguf, lambda s: print(s, file=sys.stderr))
+        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+        if looks_local and not os.path.exists(os.path.expanduser(path)):
+            raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
+    return models
 
 
 def _run_of(model_specs) -> tuple[str, dict] | None:

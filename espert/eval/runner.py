@@ -123,6 +123,18 @@ def load_sample_files(
     return groups
 
 
+def _heldout_task(cfg: dict, limit: int) -> Task:
+    """The held-out problems of a run's config (its ``eval_split`` / ``eval_data``)."""
+    from ..tasks import PYTHON_PREFIX, load_spec_task
+
+    if str(cfg["task"]).startswith(PYTHON_PREFIX):
+        raise ValueError(f"run task {cfg['task']!r} was given as Python objects: pass it as task=")
+    task = load_spec_task(cfg["task"], cfg.get("eval_split", "test"), n=limit, path=cfg.get("eval_data"))
+    if task is None:
+        raise ValueError(f"run task {cfg['task']!r} has no held-out problems (eval_data)")
+    return task
+
+
 def evaluate_run(
     run_dir: str,
     n: int = 16,
@@ -145,7 +157,6 @@ def evaluate_run(
     from espert.progress import ticking
 
     from ..runs import BASE, EXPORT, read_run_config
-    from ..tasks import PYTHON_PREFIX, load_spec_task
     from .samplers import TransformersSampler
     from .samples import save_samples
 
@@ -155,13 +166,7 @@ def evaluate_run(
     export = os.path.join(run_dir, EXPORT)
     if not os.path.isdir(export):
         raise FileNotFoundError(f"{run_dir} has no final export ({EXPORT}/): train it to the end first")
-    if task is None:
-        if str(cfg["task"]).startswith(PYTHON_PREFIX):
-            raise ValueError(f"run task {cfg['task']!r} was given as Python objects: pass it as task=")
-        task = load_spec_task(cfg["task"], cfg.get("eval_split", "test"), n=limit, path=cfg.get("eval_data"))
-        if task is None:
-            raise ValueError(f"run task {cfg['task']!r} has no held-out problems (eval_data)")
-    task = task.subset(limit)
+    task = (task or _heldout_task(cfg, limit)).subset(limit)
     out_dir = out_dir or os.path.join(run_dir, "eval")
     os.makedirs(out_dir, exist_ok=True)
     groups = {}

@@ -151,15 +151,7 @@ def run_sweep(
     pending = {point_name(p): {"params": p, "run_dir": d, "status": "pending"} for p, d, _, _ in plan}
     doc = {"grid": grid, "set": base, "config": config, "smoothing": SMOOTHING, "runs": pending}
     atomic_write_text(os.path.join(out, "sweep.json"), json.dumps(doc, indent=2) + "\n")  # a rerun checks it
-    status: dict[str, str] = {}
-    queue = []
-    for point, run_dir, argv, target in plan:
-        state = _state(run_dir, target)
-        if state == "done":
-            status[point_name(point)] = "done"
-            echo(f"[sweep] {point_name(point)}: done already")
-        else:
-            queue.append((point, run_dir, argv + (["--resume"] if state == "partial" else []), state))
+    status, queue = _pending(plan, echo)
     t0 = time.time()
     logs = {point_name(p): os.path.join(out, "logs", point_name(p) + ".log") for p, _, _, _ in plan}
     launch = _run_on_ray if ray_address is not None else _run_in_processes
@@ -173,16 +165,35 @@ def run_sweep(
     doc = {"grid": grid, "set": base, "config": config, "smoothing": SMOOTHING, "runs": runs}
     doc["seconds"] = round(time.time() - t0, 1)
     atomic_write_text(os.path.join(out, "sweep.json"), json.dumps(doc, indent=2) + "\n")
+    _write_table_and_plot(doc, out, echo)
+    return doc
+
+
+def _pending(plan: list, echo) -> tuple[dict[str, str], list]:
+    """The points already done ({name: "done"}) and the queue of the others, a partial run resumed."""
+    status: dict[str, str] = {}
+    queue = []
+    for point, run_dir, argv, target in plan:
+        state = _state(run_dir, target)
+        if state == "done":
+            status[point_name(point)] = "done"
+            echo(f"[sweep] {point_name(point)}: done already")
+        else:
+            queue.append((point, run_dir, argv + (["--resume"] if state == "partial" else []), state))
+    return status, queue
+
+
+def _write_table_and_plot(doc: dict, out: str, echo) -> None:
+    from espert.extras import have, install_hint
+    from espert.runs.files import atomic_write_text
+
     table = format_table(doc)
     atomic_write_text(os.path.join(out, "sweep.md"), table + "\n")
     echo(table)
-    from espert.extras import have, install_hint
-
     if have("matplotlib"):
         echo(f"[sweep] plot: {plot_sweep(doc, os.path.join(out, 'sweep.png'))}")
     else:
         echo(f"[sweep] plot skipped: {install_hint('matplotlib')}")
-    return doc
 
 
 def default_out(grid: dict[str, list[str]]) -> str:
