@@ -8,7 +8,8 @@ token, nothing sent to the test's unix socket or TCP port, the unrelated process
 byte for byte the same.  Killing the trainer runs alone.  Then a real ``espert train`` whose own reward
 attacks it: the run completes, resumes and replays bit-identically.
 
-Time: the batch and its settling take ~10-20 s on 2 shared cores, the training run ~30-60 s.
+Time on 2 cores shared with other jobs (load ~25): the batch and its settling ~15 s; the training run
+(two espert processes, most of it their start) ~2 min; on an idle machine about a third of that.
 """
 
 import hashlib
@@ -29,6 +30,7 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 sys.path.insert(0, FIXTURES)
 import hostile_code as H  # noqa: E402
 
+from espert.cli import main as cli_main  # noqa: E402
 from espert.tasks.code import humaneval_problem, humaneval_rows  # noqa: E402
 
 LIMITS = {"timeout_s": 3.0, "memory_mb": 512}
@@ -240,7 +242,7 @@ def test_killing_the_process_that_scores_fails(world):
 LETTERS = [a + b + c + ">" for a in "abcdef" for b in "abcdef" for c in "abcdef"]
 
 
-def test_a_real_training_run_survives_attacks_from_its_own_reward(tmp_path):
+def test_a_real_training_run_survives_attacks_from_its_own_reward(tmp_path, capsys):
     """``espert train`` whose reward attacks it at every call (tests/fixtures/hostile_code.py:reward): its log,
     config and process are the targets.  The run completes, every attack scores 0, no file of the run holds a
     token, and the run resumes and replays bit-identically."""
@@ -259,7 +261,7 @@ def test_a_real_training_run_survives_attacks_from_its_own_reward(tmp_path):
         "PYTHONPATH": FIXTURES + os.pathsep + ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
     d = str(tmp_path / "run")
-    small = ["--iterations", "2", "--population", "4", "--prompts-per-iteration", "4", "--eval-size", "6"]
+    small = ["--iterations", "2", "--population", "2", "--prompts-per-iteration", "4", "--eval-size", "6"]
     small += ["--max-new-tokens", "2", "--pretrain-steps", "0", "--eval-every", "1", "--checkpoint-every", "1"]
 
     def espert(*args):
@@ -277,12 +279,15 @@ def test_a_real_training_run_survives_attacks_from_its_own_reward(tmp_path):
     time.sleep(1.5)  # the daemon's delay
     assert p.returncode == 0, p.stderr[-3000:]
     calls = [json.loads(line) for line in report.read_text().splitlines()]
-    assert len(calls) >= 3 and all(set(c.values()) == {0.0} for c in calls), calls
+    assert {n for c in calls for n in c} == set(H.TRAINER_ATTACKS), calls  # each ran at least once
+    assert all(set(c.values()) == {0.0} for c in calls), calls
     assert not [f for f in files_with(token, [d, str(tmp_path)])], "a file of the run holds an attack's token"
     assert not processes_with(token)
     p = espert("train", "--run-dir", d, "--resume", "--iterations", "3", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
-    p = espert("replay", d, "--out", str(tmp_path / "replay"))
-    assert p.returncode == 0 and "bit-identical" in p.stderr and ": yes" in p.stderr, p.stderr[-3000:]
+    capsys.readouterr()
+    assert cli_main(["replay", d, "--out", str(tmp_path / "replay")]) == 0  # no reward: in this process
+    err = capsys.readouterr().err
+    assert "bit-identical" in err and ": yes" in err, err[-3000:]
     time.sleep(1.5)
     assert not [f for f in files_with(token, [d])]
