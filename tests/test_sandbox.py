@@ -295,3 +295,37 @@ def test_cpu_limit_and_file_limit():
     r = run_program("while True:\n    pass\n", Limits(timeout_s=30.0, cpu_s=1))
     assert not r.passed and time.monotonic() - t0 < 25  # RLIMIT_CPU, long before the wall clock
     assert math.isfinite(r.seconds)
+
+
+def test_train_refuses_code_rewards_without_a_jail_before_writing(tmp_path, capsys, monkeypatch):
+    """``espert train --task humaneval`` where no jail can be made: one line, exit 2, nothing written; with
+    ``--unsafe-code-reward`` it runs, saying so once, and the run records the choice."""
+    from espert.cli import main
+    from espert.runs import read_run_config
+
+    monkeypatch.setattr(jail, "_STATUS", jail.JailStatus(False, reason="bwrap not found: install bubblewrap"))
+    monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
+    monkeypatch.setattr(sandbox, "_UNSAFE", False)
+    monkeypatch.setattr(sandbox, "_WARNED", False)
+    d = str(tmp_path / "run")
+    small = ["--run-dir", d, "--task", "humaneval", "--no-progress", "--no-report", "--pretrain-steps", "0"]
+    assert main(["train", *small]) == 2
+    said = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("[espert] run directory")]
+    assert len(said) == 1 and said[0].startswith(
+        "espert train: error: code rewards run untrusted code, and no jail can be made here (bwrap not found"
+    ), said
+    assert not os.path.exists(d)
+    assert main(["train", *small, "--unsafe-code-reward", "--iterations", "0", "--eval-size", "0"]) == 0
+    assert capsys.readouterr().err.count("code rewards run WITHOUT a jail (--unsafe-code-reward): bwrap not found") == 1
+    assert read_run_config(d)["config"]["unsafe_code_reward"] is True
+
+
+def test_espert_env_says_whether_code_can_be_jailed(monkeypatch):
+    from espert import environment
+
+    text = environment.format_environment(environment.describe(with_gpus=False))
+    st = jail.status()
+    assert (f"jail:    {st.tool} (" if st.available else f"jail:    unavailable: {st.reason}") in text
+    monkeypatch.setattr(jail, "_STATUS", jail.JailStatus(False, reason="bwrap not found: install bubblewrap"))
+    text = environment.format_environment(environment.describe(with_gpus=False))
+    assert "jail:    unavailable: bwrap not found: install bubblewrap; code rewards need --unsafe-code-reward" in text
