@@ -6,12 +6,19 @@ import random
 
 import pytest
 
-from espert.tasks import load_task, reward_task
+from espert.tasks import jail, load_task, reward_task
 from espert.tasks.code import code_extract, humaneval_program, humaneval_rows
 
 MBPP = os.path.join(os.path.dirname(__file__), "fixtures", "mbpp_sample.jsonl")
 #: HumanEval problems checked in CI (all 164 take ~5 s on two cores; ESPERT_HUMANEVAL_ALL=1 runs them).
 SAMPLE = 20
+
+
+@pytest.fixture(autouse=True)
+def code_runs(monkeypatch):
+    """These test the tasks, not the jail (tests/test_sandbox*.py): where none can be made, run unjailed."""
+    if not jail.status().available:
+        monkeypatch.setenv("ESPERT_UNSAFE_CODE_REWARD", "1")
 
 
 @pytest.fixture(scope="module")

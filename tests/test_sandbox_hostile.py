@@ -31,7 +31,11 @@ sys.path.insert(0, FIXTURES)
 import hostile_code as H  # noqa: E402
 
 from espert.cli import main as cli_main  # noqa: E402
+from espert.tasks import jail  # noqa: E402
 from espert.tasks.code import humaneval_problem, humaneval_rows  # noqa: E402
+
+# without a jail the code rewards refuse to run: nothing to attack (.ci/run stops when CI has none)
+pytestmark = pytest.mark.skipif(not jail.status().available, reason=f"no jail here: {jail.status().reason}")
 
 LIMITS = {"timeout_s": 3.0, "memory_mb": 512}
 #: The latest delayed effect: the CPU burner writes 5 s after it started (at the latest when the batch ended).
