@@ -1,9 +1,9 @@
 """The two programs of a code check: the *callee*, which runs the untrusted candidate, and the *checker*,
 which runs the trusted tests and decides (see :mod:`espert.tasks.sandbox` for how they are launched).
 
-This file is not imported by espert's processes for its effects: its source is handed to a fresh
-interpreter (``python -S -s -P -c SOURCE ROLE CONFIG``) inside the jail, where only the standard library
-exists, so it imports nothing else.  The two processes talk over two pipes, one JSON document a line:
+This file is not imported by espert's processes for its effects: its compiled code is handed to a fresh
+interpreter (``python -S -s -P -c LOADER CODE ROLE CONFIG``) inside the jail, where only the standard
+library exists, so it imports nothing else (not even ``json``: :func:`_json_codec`).  The two processes talk over two pipes, one JSON document a line:
 
 * checker -> callee: ``{"resolve": NAME}`` (a name the tests call: the candidate's value of it),
   ``{"call": {"r": ID}, "args": [...], "kwargs": {...}}``, ``{"get": {"r": ID}, "attr": NAME}``;
@@ -23,7 +23,6 @@ line; then both wait to be killed (:func:`linger`).
 """
 
 import builtins
-import json
 import os
 import select
 import sys
@@ -32,6 +31,44 @@ import time
 NOBODY = 65534
 #: Built-in containers the codec tags (lists travel as JSON arrays).
 _TAGGED = (("t", tuple), ("s", set), ("fs", frozenset))
+
+
+def _json_codec():
+    """``(dumps, loads)`` of compact JSON, from the C scanner and encoder of ``_json``: importing the ``json``
+    package imports ``re``, about 12 ms of CPU in each of the two processes of every check.  (A malformed
+    document makes ``_json`` import ``json.decoder`` for its error: then the cost is the sender's.)"""
+    try:
+        import _json
+
+        class Context:  # what _json's scanner reads
+            strict, object_hook, object_pairs_hook = True, None, None
+            parse_float, parse_int = float, int
+            parse_constant = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}.__getitem__
+
+        scan = _json.make_scanner(Context())
+
+        def refuse(o):
+            raise TypeError(f"{type(o).__name__} is not JSON")
+
+        encode = _json.make_encoder({}, refuse, _json.encode_basestring_ascii, None, ":", ",", False, False, True)
+    except (ImportError, AttributeError, TypeError):  # another interpreter: the package
+        import json
+
+        return (lambda doc: json.dumps(doc, separators=(",", ":"))), json.loads
+
+    def loads(text):
+        try:
+            doc, end = scan(text, 0)
+        except StopIteration:
+            raise ValueError("not JSON") from None
+        if end != len(text):
+            raise ValueError("extra data after a JSON document")
+        return doc
+
+    return (lambda doc: "".join(encode(doc, 0))), loads
+
+
+dumps, loads = _json_codec()
 
 
 class CandidateError(Exception):
@@ -101,7 +138,7 @@ class Channel:
         self.buf = b""
 
     def send(self, doc) -> None:
-        data = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+        data = dumps(doc).encode() + b"\n"
         while data:
             data = data[os.write(self.wfd, data) :]
 
@@ -121,7 +158,7 @@ class Channel:
         line, self.buf = self.buf.split(b"\n", 1)
         if len(line) > self.limit:
             raise CandidateError(f"the candidate sent more than {self.limit} bytes at once")
-        return json.loads(line)
+        return loads(line.decode("utf-8"))
 
 
 def raised(pair) -> BaseException:
@@ -328,7 +365,7 @@ def checker(cfg: dict) -> None:
     """Run the trusted code and the tests (stdin: ``{"trusted", "tests", "calls"}``) against the candidate;
     write the verdict to stdout (the tests' own prints go to stderr)."""
     confine(cfg, (cfg["in"], cfg["out"]))
-    spec = json.loads(read_stdin())
+    spec = loads(read_stdin())
     verdict_fd = os.dup(1)
     os.dup2(2, 1)
     link = Link(Channel(cfg["in"], cfg["out"], cfg["message_bytes"], time.monotonic() + cfg["seconds"]))
@@ -350,7 +387,7 @@ def checker(cfg: dict) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        os.write(verdict_fd, json.dumps(verdict).encode() + b"\n")
+        os.write(verdict_fd, dumps(verdict).encode() + b"\n")
         linger()
 
 
@@ -479,5 +516,5 @@ def install_guards(root: str) -> None:
     _guard_network()
 
 
-if __name__ == "__main__":
-    {"callee": callee, "checker": checker}[sys.argv[1]](json.loads(sys.argv[2]))
+if __name__ == "__main__":  # run as ``... -c LOADER CODE ROLE CONFIG`` (espert.tasks.jail.python_args)
+    {"callee": callee, "checker": checker}[sys.argv[-2]](loads(sys.argv[-1]))
