@@ -3,7 +3,8 @@ which runs the trusted tests and decides (see :mod:`espert.tasks.sandbox` for ho
 
 This file is not imported by espert's processes for its effects: its compiled code is handed to a fresh
 interpreter (``python -S -s -P -c LOADER CODE ROLE CONFIG``) inside the jail, where only the standard
-library exists, so it imports nothing else (not even ``json``: :func:`_json_codec`).  The two processes talk over two pipes, one JSON document a line:
+library exists, so it imports nothing else (not even ``json``: :func:`_json_codec`).  The two processes
+talk over two pipes, one JSON document a line:
 
 * checker -> callee: ``{"resolve": NAME}`` (a name the tests call: the candidate's value of it),
   ``{"call": {"r": ID}, "args": [...], "kwargs": {...}}``, ``{"get": {"r": ID}, "attr": NAME}``;
