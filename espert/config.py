@@ -101,6 +101,11 @@ class ESConfig:
     eval_split: str = opt("test", "split of the held-out problems")
     train_size: int | None = opt(None, "problems in the training pool (default: all of the split)")
     eval_size: int = opt(128, "held-out problems scored at the center (0: none)")
+    unsafe_code_reward: bool = opt(
+        False,
+        "code rewards (humaneval, mbpp, code_reward tasks) where no jail can be made (bwrap missing): run the "
+        "code with Python-level guards only instead of refusing (may change on resume; docs/eval.md, Sandbox)",
+    )
     evaluator: str = opt(
         "torch", "rollout engine: torch (transformers generate) or vllm (registered lazily, see espert.evaluators)"
     )

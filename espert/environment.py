@@ -7,6 +7,7 @@ imports vLLM, transformers or Triton: versions come from the installed distribut
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import subprocess
@@ -71,6 +72,13 @@ def gpus() -> list[str]:
         return []
 
 
+def jail_facts() -> dict:
+    """Whether code rewards can run jailed here (espert.tasks.jail; probed once per process)."""
+    from espert.tasks import jail
+
+    return dataclasses.asdict(jail.status())
+
+
 def describe(with_gpus: bool = True) -> dict:
     """Every fact of ``espert env`` as a JSON-able dict (what config.yaml records under ``environment``)."""
     facts = {
@@ -81,6 +89,7 @@ def describe(with_gpus: bool = True) -> dict:
         "kernels": kernels(),
         "packages": {name: version(name) for name in PACKAGES},
         "extras": present(),
+        "jail": jail_facts(),
     }
     if with_gpus:
         facts["gpus"] = gpus()
@@ -122,6 +131,12 @@ def format_environment(facts: dict) -> str:
     missing = [e for e in extras if not facts["extras"][e]]
     if missing:
         lines.append(f"         (pip install 'espert[{','.join(missing)}]' adds the missing ones)")
+    jail = facts.get("jail")
+    if jail is not None:
+        if jail["available"]:
+            lines.append(f"jail:    {jail['tool']} ({jail['how']})")
+        else:
+            lines.append(f"jail:    unavailable: {jail['reason']}; code rewards need --unsafe-code-reward")
     return "\n".join(lines)
 
 

@@ -6,12 +6,20 @@ import random
 
 import pytest
 
-from espert.tasks import load_task, reward_task
+from espert.tasks import jail, load_task, reward_task
 from espert.tasks.code import code_extract, humaneval_program, humaneval_rows
 
 MBPP = os.path.join(os.path.dirname(__file__), "fixtures", "mbpp_sample.jsonl")
-#: HumanEval problems checked in CI (all 164 take ~5 s on two cores; ESPERT_HUMANEVAL_ALL=1 runs them).
+#: HumanEval problems checked in CI (ESPERT_HUMANEVAL_ALL=1 runs all 164: jailed, ~18 s for the canonical
+#: solutions and ~60 s for the four batches of the next test, on two cores at load ~9).
 SAMPLE = 20
+
+
+@pytest.fixture(autouse=True)
+def code_runs(monkeypatch):
+    """These test the tasks, not the jail (tests/test_sandbox*.py): where none can be made, run unjailed."""
+    if not jail.status().available:
+        monkeypatch.setenv("ESPERT_UNSAFE_CODE_REWARD", "1")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,8 @@ def test_humaneval_chat_answers_pass_and_wrong_ones_fail(humaneval):
     task, rows = humaneval
     chat = [f"Sure:\n```python\n{r['prompt']}{r['canonical_solution']}```\nThis works because..." for r in rows]
     assert task.score(chat, task.answers) == [1.0] * len(rows)
-    # a body that returns None, and each problem answered with the next problem's solution
+    # an empty completion, a body that returns None, and each problem answered with the next problem's solution
+    assert task.score([""] * len(rows), task.answers) == [0.0] * len(rows)
     assert task.score(["    pass\n"] * len(rows), task.answers) == [0.0] * len(rows)
     shifted = [rows[(i + 1) % len(rows)]["canonical_solution"] for i in range(len(rows))]
     assert sum(task.score(shifted, task.answers)) == 0.0

@@ -54,6 +54,7 @@ RESUMABLE_CHANGES = (
     "restore",
     "trackers",
     "tracker_project",
+    "unsafe_code_reward",
 )
 
 

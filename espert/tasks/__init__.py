@@ -10,7 +10,7 @@ Public API::
 """
 
 from .base import Task, check_rewards, make_task, per_item_reward
-from .code import code_extract, humaneval_reward, mbpp_reward
+from .code import code_extract, code_reward, humaneval_reward, mbpp_reward
 from .copy_task import make_copy_task
 from .generated import COUNTDOWN_PROMPT, make_arithmetic_task, make_countdown_task
 from .loaders import (
@@ -42,6 +42,7 @@ from .rewards import (
     math_extract,
     math_reward,
 )
+from .sandbox import Check
 
 __all__ = [
     "Task",
@@ -77,6 +78,8 @@ __all__ = [
     "arithmetic_extract",
     "humaneval_reward",
     "mbpp_reward",
+    "code_reward",
+    "Check",
     "code_extract",
     "countdown_extract",
     "countdown_check",

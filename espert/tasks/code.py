@@ -2,22 +2,27 @@
 
 A reference answer is JSON: ``{"prompt", "test", "entry_point"}`` for HumanEval (``test`` defines
 ``check(candidate)``), ``{"tests": [...], "setup": ...}`` for MBPP (``tests`` are ``assert`` lines).
-A completion's code (:func:`code_extract`) and the tests are joined into one program that runs in
-:mod:`espert.tasks.sandbox`; the reward is 1.0 when it passes, else 0.0.
+A completion's code (:func:`code_extract`) becomes a :class:`~espert.tasks.sandbox.Check`: the
+candidate (the completion, with the prompt or the setup around it) runs jailed, the tests run in a
+checker that calls it (:mod:`espert.tasks.sandbox`); the reward is 1.0 when the tests pass, else 0.0.
+Custom code tasks use the same API: :func:`code_reward` turns a function that makes a ``Check`` of a
+completion into a reward.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import gzip
 import importlib.util
 import json
 import os
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from espert.extras import require
 
-from .sandbox import Limits, run_programs
+from .sandbox import Check, Limits, run_checks
 
 #: HumanEval has one set of 164 problems: ``train`` is HumanEval/0-123, ``test`` HumanEval/124-163
 #: (disjoint, so a training run's held-out reward is held out), ``all`` the 164 of the benchmark.
@@ -97,17 +102,15 @@ def _defines(code: str, name: str) -> bool:
     return re.search(rf"^(?:async\s+)?def\s+{re.escape(name)}\s*\(", code, re.MULTILINE) is not None
 
 
-def humaneval_program(completion: str, answer: str) -> str:
-    """The program that tests one HumanEval completion.
+def _humaneval_candidate(completion: str, a: dict) -> str:
+    """The candidate code of one HumanEval completion: the prompt, then the completion's code.
 
     A completion that defines the entry point (a chat model's full function, fenced or not: with
     several fenced blocks the first that defines it, unfenced from its first ``def``/``import``/...
     line) follows the prompt, which keeps the prompt's imports and helpers.  Any other completion
     continues the prompt (a base model's function body; a completion that opens with a fence: that
-    block), cut at the first of :data:`HUMANEVAL_STOP` and `````.  Then the problem's ``test`` and
-    ``check(entry_point)``.
+    block), cut at the first of :data:`HUMANEVAL_STOP` and `````.
     """
-    a = json.loads(answer)
     entry = a["entry_point"]
     blocks = _fenced_blocks(completion)
     full = next((b for b in blocks if _defines(b, entry)), None)
@@ -115,33 +118,91 @@ def humaneval_program(completion: str, answer: str) -> str:
         m = _CODE_START_RE.search(completion)  # drop a line of prose before the code
         full = completion[m.start() :] if m else completion
     if full is not None:
-        body = a["prompt"].rstrip() + "\n\n" + full.rstrip() + "\n"
-    else:
-        code = blocks[0] if blocks and completion.lstrip().startswith("```") else completion
-        stops = (*HUMANEVAL_STOP, "```")
-        cut = min((i for i in (code.find(s) for s in stops) if i >= 0), default=len(code))
-        body = a["prompt"] + code[:cut].rstrip() + "\n"
-    return f"{body}\n\n{a['test']}\n\ncheck({entry})\n"
+        return a["prompt"].rstrip() + "\n\n" + full.rstrip() + "\n"
+    code = blocks[0] if blocks and completion.lstrip().startswith("```") else completion
+    stops = (*HUMANEVAL_STOP, "```")
+    cut = min((i for i in (code.find(s) for s in stops) if i >= 0), default=len(code))
+    return a["prompt"] + code[:cut].rstrip() + "\n"
+
+
+def humaneval_check(completion: str, answer: str) -> Check:
+    """The check of one HumanEval completion: the candidate (:func:`_humaneval_candidate`) runs jailed; the
+    problem's ``test`` and ``check(entry_point)`` run in the checker after the prompt (its imports and
+    helpers, such as ``poly``: the trusted ones, not the completion's), with ``entry_point`` calling the
+    candidate's function."""
+    a = json.loads(answer)
+    entry = a["entry_point"]
+    tests = f"{a['test']}\n\ncheck({entry})\n"
+    return Check(_humaneval_candidate(completion, a), tests, (entry,), trusted=a["prompt"])
+
+
+def humaneval_program(completion: str, answer: str) -> str:
+    """One HumanEval completion and its tests as the single program HumanEval's harness would run (for
+    reading; scoring runs :func:`humaneval_check`, which keeps the tests out of the candidate's reach)."""
+    c = humaneval_check(completion, answer)
+    return f"{c.candidate}\n\n{c.tests}"
+
+
+def _called_names(tests: str, setup: str) -> tuple[str, ...]:
+    """The names the tests read that neither they, the setup nor the builtins define: the candidate's."""
+    read, bound = set(), set(dir(builtins))
+    for tree in (ast.parse(setup), ast.parse(tests)):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.arg):
+                bound.add(node.arg)
+    return tuple(sorted(read - bound))
+
+
+def mbpp_check(completion: str, answer: str) -> Check:
+    """The check of one MBPP completion: its code, then the problem's setup code, run jailed (as MBPP's harness
+    runs them, one after the other); the ``assert`` lines run in the checker after the setup code, calling the
+    candidate's functions (every name they read that the setup and the builtins do not define)."""
+    a = json.loads(answer)
+    code, setup, tests = code_extract(completion) or "", a.get("setup", ""), "\n".join(a["tests"])
+    return Check(f"{code}\n\n{setup}\n", tests + "\n", _called_names(tests, setup), trusted=setup)
 
 
 def mbpp_program(completion: str, answer: str) -> str:
-    """The program that tests one MBPP completion: its code, the setup code, then the ``assert`` lines."""
-    a = json.loads(answer)
-    code = code_extract(completion) or ""
-    return "\n\n".join([code, a.get("setup", ""), "\n".join(a["tests"])]) + "\n"
+    """One MBPP completion and its tests as a single program (for reading; scoring runs :func:`mbpp_check`)."""
+    c = mbpp_check(completion, answer)
+    return f"{c.candidate}\n{c.tests}"
 
 
-def run_code_reward(programs: Sequence[str]) -> list[float]:
-    """1.0 for each program that passes in the sandbox, else 0.0 (input order)."""
-    results = run_programs(programs, CODE_LIMITS, total_timeout_s=CODE_BATCH_TIMEOUT_S)
+def run_code_checks(checks: Sequence[Check]) -> list[float]:
+    """1.0 for each check that passes (in input order), else 0.0; :data:`CODE_LIMITS` per check, at most
+    :data:`CODE_BATCH_TIMEOUT_S` for the batch."""
+    results = run_checks(checks, CODE_LIMITS, total_timeout_s=CODE_BATCH_TIMEOUT_S)
     return [1.0 if r.passed else 0.0 for r in results]
 
 
-def humaneval_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-    """Batched HumanEval reward: 1.0 when the completion passes the problem's ``check`` in the sandbox."""
-    return run_code_reward([humaneval_program(c, a) for c, a in zip(completions, answers)])
+def code_reward(make_check: Callable[[str, str], Check], name: Optional[str] = None) -> Callable:
+    """A batched reward ``fn(completions, answers) -> list[float]`` from ``make_check(completion, answer) ->
+    Check``: the one API of code tasks (``humaneval`` and ``mbpp`` are made with it).  The reward is marked
+    ``runs_code``: a run that uses it is refused before it starts where no jail can be made (unless
+    ``--unsafe-code-reward``)."""
+
+    def reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+        return run_code_checks([make_check(c, a) for c, a in zip(completions, answers)])
+
+    reward.__name__ = reward.__qualname__ = name or f"{getattr(make_check, '__name__', 'code')}_reward"
+    reward.__module__ = getattr(make_check, "__module__", __name__)
+    reward.__doc__ = f"Batched code reward: 1.0 when a completion passes its check ({reward.__name__[:-7]})."
+    reward.runs_code = True
+    return reward
 
 
-def mbpp_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-    """Batched MBPP reward: 1.0 when the completion's code passes every ``assert`` in the sandbox."""
-    return run_code_reward([mbpp_program(c, a) for c, a in zip(completions, answers)])
+#: Batched HumanEval reward: 1.0 when the completion passes the problem's ``check`` (:func:`humaneval_check`).
+humaneval_reward = code_reward(humaneval_check, "humaneval_reward")
+#: Batched MBPP reward: 1.0 when the completion's code passes every ``assert`` (:func:`mbpp_check`).
+mbpp_reward = code_reward(mbpp_check, "mbpp_reward")
+
+
+def runs_code(task) -> bool:
+    """Whether a task's reward runs code (made with :func:`code_reward`)."""
+    return bool(getattr(getattr(task, "reward_fn", None), "runs_code", False))

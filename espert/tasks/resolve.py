@@ -9,6 +9,8 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import sandbox
+from .code import runs_code
 from .loaders import custom_task, import_object, load_task, object_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,7 +45,7 @@ def resolve_tasks(
     if task is None and ":" not in cfg.task:  # a built-in task, as before
         train = load_task(cfg.task, "train", n=cfg.train_size, path=cfg.train_data)
         evalt = load_task(cfg.task, cfg.eval_split, n=cfg.eval_size, path=cfg.eval_data) if cfg.eval_size else None
-        return cfg.task, "builtin", _nonempty(train, cfg.task), evalt
+        return cfg.task, "builtin", _code_allowed(cfg, _nonempty(train, cfg.task)), _code_allowed(cfg, evalt)
     if task is None or isinstance(task, str):
         spec = task or cfg.task
         obj, source = import_object(spec), "import"
@@ -60,16 +62,31 @@ def resolve_tasks(
         evalt = custom_task(
             obj, cfg.eval_split, n=cfg.eval_size, path=cfg.eval_data, name=name, problems_from=eval_prompts
         )
-    return spec, source, _nonempty(train, spec), evalt
+    return spec, source, _code_allowed(cfg, _nonempty(train, spec)), _code_allowed(cfg, evalt)
+
+
+def _code_allowed(cfg: ESConfig, task):
+    """``task``, once its code reward may run here: in a jail, or unjailed with ``unsafe_code_reward`` (which
+    this sets for the process); otherwise :class:`~espert.tasks.sandbox.JailUnavailable`, before anything is
+    written."""
+    sandbox.allow_unsafe_code(getattr(cfg, "unsafe_code_reward", False))
+    if task is not None and runs_code(task):
+        sandbox.code_jail()
+    return task
 
 
 def load_spec_task(spec: str, split: str, n: int | None = None, path: str | None = None):
     """The problems of ``split`` of a task named as a run's config names it: a built-in name
     (:func:`load_task`) or an import path ``package.module:name`` (:func:`custom_task`; a reward
-    function takes its problems from ``path``).  None when the task has no problems for ``split``."""
+    function takes its problems from ``path``).  None when the task has no problems for ``split``.  A code
+    task is refused here where no jail can be made (``ESPERT_UNSAFE_CODE_REWARD=1`` allows it unjailed)."""
     if ":" not in spec:
-        return load_task(spec, split, n=n, path=path)
-    return custom_task(import_object(spec), split, n=n, path=path, name=spec.rsplit(":", 1)[-1])
+        task = load_task(spec, split, n=n, path=path)
+    else:
+        task = custom_task(import_object(spec), split, n=n, path=path, name=spec.rsplit(":", 1)[-1])
+    if task is not None and runs_code(task):
+        sandbox.code_jail()
+    return task
 
 
 def _nonempty(task, spec):

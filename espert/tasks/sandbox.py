@@ -1,43 +1,38 @@
-"""Run untrusted Python programs (model-written code plus its unit tests) for the code rewards.
+"""Run untrusted code for the code rewards: the candidate in a jail, the verdict where it cannot reach.
 
-Each program runs in its own process, ``sys.executable -S -s -P -c RUNNER`` in a fresh temporary
-directory, and *passes* only when the runner reaches its end: the program (solution and tests) ran
-without raising, and the runner then wrote a random per-run token to its saved stdout and exited 0.
-``sys.exit(0)``, ``os._exit(0)``, ``KeyboardInterrupt``, a crash, a limit or a timeout before that
-point is a failure; so is a program that does not compile (checked in the parent: compiling runs
-nothing, and the child would fail the same way).  What is enforced, and how (docs/eval.md, "Sandbox"):
+A :class:`Check` is untrusted ``candidate`` code (a completion with the prompt around it), trusted
+``tests`` and the names the tests call.  :func:`run_check` starts two processes, each in a jail of its
+own (:mod:`espert.tasks.jail`: bubblewrap, new namespaces, uid 65534, a read-only view, a private tmpfs):
 
-* wall clock: the parent kills the process group (``start_new_session=True``, ``os.killpg``)
-  at the deadline; CPU time: ``RLIMIT_CPU``; memory: ``RLIMIT_AS``; files: ``RLIMIT_FSIZE``;
-  processes: ``RLIMIT_NPROC`` (0: no new process or thread; the kernel ignores it for root) and a
-  Python-level guard that replaces ``os.fork``/``os.system``/``os.exec*``/``os.spawn*``/
-  ``os.posix_spawn``/``subprocess`` (``_posixsubprocess.fork_exec``)/``os.kill``; ``ctypes`` cannot
-  be imported; core dumps: ``RLIMIT_CORE`` 0;
-* output: at most ``output_bytes`` of stdout+stderr are read; more kills the process (a failure);
-* environment: the child gets a fixed minimal environment (no variable of the parent); reading
-  ``/proc/<pid>`` of another process is refused by the guard (a same-user process could otherwise
-  read the trainer's environment from ``/proc/<ppid>/environ``);
-* files: ``open``/``os.open`` for writing and ``os.remove``/``rename``/``mkdir``/... outside the
-  temporary directory raise ``PermissionError`` (Python-level guard); the directory is removed after;
-* network: a new network namespace with no interface up (``unshare --net``) when the host allows it
-  (root, see :func:`network_namespace`), and in any case a Python-level guard: ``_socket.socket``,
-  hence ``socket.socket``, cannot be instantiated, ``socketpair`` and name lookups raise.
+* the *callee* runs the candidate and then only answers calls;
+* the *checker* runs the trusted code and the tests, where each called name is a stand-in that sends the
+  call's arguments to the callee as data (JSON, :mod:`espert.tasks.jailed`) and turns its answer back into
+  plain built-in objects, with the check's remaining time as the limit of every call.
 
-The Python-level guards are best effort, not a security boundary: they stop accidents and the
-usual hostile shapes (fork bombs, ``rm -rf``, exfiltration), not code written to defeat them (for
-instance through ``_io.FileIO`` or by reading the token out of the interpreter's memory).  Run
-untrusted code from the open internet in a container or VM.  ``-s -P`` with a controlled
-environment is ``-I`` (isolated mode) except ``-E``: the environment is wholly ours, and it sets
-``PYTHONHASHSEED=0`` so that set and dict orders, hence pass/fail, do not change between runs.
-``-S`` (no ``site``): only the standard library can be imported, and a start takes ~20 ms instead
-of ~90 ms (the environment's ``.pth`` files are not run).
+The checker decides, and tells this process on a pipe the candidate does not hold.  So nothing the
+candidate can read or write takes part in the decision: its frames hold no token, its patched builtins and
+its always-equal objects stay in its own process, and its output is only output.  At the end (or at the
+deadline) both jails are killed whole: each jail's init, found through bwrap's ``--info-fd`` and held by a
+pidfd, dies, and with it its PID namespace.  Limits (:class:`Limits`) are the kernel's: ``RLIMIT_CPU``,
+``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC`` (uid 65534: the kernel enforces it),
+``RLIMIT_NOFILE``, ``RLIMIT_CORE`` 0, the tmpfs size; the wall clock and the output are this process's.
+The callee also installs the old Python-level guards, as a second layer (docs/eval.md, "Sandbox").
+
+Where no jail can be made (:func:`espert.tasks.jail.status` says why), code is refused
+(:class:`JailUnavailable`) unless the user allowed it (``--unsafe-code-reward``, :func:`allow_unsafe_code`,
+or ``ESPERT_UNSAFE_CODE_REWARD=1``): then both processes run unjailed, in sessions of their own, with the
+Python-level guards only (and an empty network namespace where ``unshare --net`` works).
 """
 
 from __future__ import annotations
 
+import binascii
+import json
+import marshal
 import math
 import os
-import secrets
+import re
+import select
 import selectors
 import shutil
 import signal
@@ -45,145 +40,105 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-#: The program the child runs before (and around) the untrusted code.  argv: cpu seconds, address
-#: space bytes, file size bytes, process limit.  stdin: the token.  The program is ./program.py.
-RUNNER = r"""
-import os, sys, resource
-def _setup():
-    tok = sys.stdin.buffer.readline().strip()
-    null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0); os.close(null)
-    cpu, mem, fsize, nproc = (int(x) for x in sys.argv[1:5])
-    for lim, v in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (mem, mem)),
-                   (resource.RLIMIT_FSIZE, (fsize, fsize)), (resource.RLIMIT_NPROC, (nproc, nproc)),
-                   (resource.RLIMIT_CORE, (0, 0))):
-        resource.setrlimit(lim, v)
-    root = os.path.realpath(os.getcwd())
-    src = open("program.py", encoding="utf-8").read()
-    import builtins, io, posix, _socket, _posixsubprocess
-    def deny(name):
-        def denied(*a, **k):
-            raise PermissionError("sandbox: " + name + " is not allowed")
-        return denied
-    for n in ("fork", "forkpty", "system", "popen", "execv", "execve", "execvp", "execvpe", "execl",
-              "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl",
-              "spawnle", "spawnlp", "spawnlpe", "posix_spawn", "posix_spawnp", "kill", "killpg",
-              "setsid", "setpgid", "setpgrp", "chroot", "pidfd_open"):
-        for m in (os, posix):
-            if hasattr(m, n):
-                setattr(m, n, deny("os." + n))
-    _posixsubprocess.fork_exec = deny("subprocess")
-    resource.setrlimit = resource.prlimit = deny("resource.setrlimit")
-    for n in ("ctypes", "_ctypes"):
-        sys.modules[n] = None
-    real = os.path.realpath
-    own = ("/proc/self", "/proc/thread-self", "/proc/%d" % os.getpid())
-    def check(path, write, dir_fd=None):
-        if isinstance(path, int):
-            return
-        p = os.fsdecode(path)
-        if dir_fd is not None and not p.startswith("/"):
-            p = os.path.join(os.readlink("/proc/self/fd/%d" % dir_fd), p)
-        p = real(p)
-        if write and p != root and not p.startswith(root + os.sep):
-            raise PermissionError("sandbox: writing outside the working directory: " + p)
-        if p.startswith("/proc/") and not any(p == o or p.startswith(o + "/") for o in own):
-            raise PermissionError("sandbox: reading another process: " + p)
-    real_open, real_os_open = builtins.open, os.open
-    def guarded_open(file, mode="r", *a, **k):
-        check(file, any(c in mode for c in "wax+"))
-        return real_open(file, mode, *a, **k)
-    W = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    def guarded_os_open(path, flags, *a, **k):
-        check(path, flags & W, k.get("dir_fd"))
-        return real_os_open(path, flags, *a, **k)
-    builtins.open = io.open = guarded_open
-    os.open = posix.open = guarded_os_open
-    def wrap(fn, npaths):
-        def guarded(*a, **k):
-            fds = (k.get("src_dir_fd", k.get("dir_fd")), k.get("dst_dir_fd", k.get("dir_fd")))
-            for p, fd in zip(a[:npaths], fds):
-                check(p, True, fd)
-            return fn(*a, **k)
-        return guarded
-    for n, k in (("remove", 1), ("unlink", 1), ("rmdir", 1), ("mkdir", 1), ("rename", 2), ("replace", 2),
-                 ("truncate", 1), ("chmod", 1), ("chown", 1), ("lchown", 1), ("link", 2), ("symlink", 2),
-                 ("utime", 1), ("mkfifo", 1), ("mknod", 1), ("removedirs", 1), ("renames", 2)):
-        if hasattr(os, n):
-            g = wrap(getattr(os, n), k)
-            setattr(os, n, g)
-            if hasattr(posix, n):
-                setattr(posix, n, g)
-    # socket.py is not imported yet: it subclasses _socket.socket and calls _socket's functions, so
-    # patching _socket covers both (and importing socket here would cost ~15 ms a program)
-    class NoSocket(_socket.socket):
-        __slots__ = ()  # socket.socket adds __weakref__
-        def __init__(self, *a, **k):
-            raise PermissionError("sandbox: network access is not allowed")
-    _socket.socket = _socket.SocketType = NoSocket
-    for n in ("socketpair", "dup", "getaddrinfo", "getnameinfo", "gethostbyname", "gethostbyname_ex",
-              "gethostbyaddr"):
-        if hasattr(_socket, n):
-            setattr(_socket, n, deny("network access"))
-    return tok, src, os.dup(1)
-def _main():
-    tok, src, out = _setup()
-    _exit, _write, _flush = os._exit, os.write, (sys.stdout.flush, sys.stderr.flush)
-    ok = False
-    try:
-        exec(compile(src, "program.py", "exec"), {"__name__": "__main__"})
-        for f in _flush:
-            f()
-        ok = True
-    except BaseException:
-        try:
-            import traceback
-            traceback.print_exc(limit=3)
-            sys.stderr.flush()
-        except BaseException:
-            pass
-    if ok:
-        _write(out, b"\n" + tok + b"\n")
-        _exit(0)
-    _exit(1)
-_main()
-"""
+from . import jail
+
+#: The environment variable that allows unjailed code (as ``--unsafe-code-reward`` does).
+UNSAFE_ENV = "ESPERT_UNSAFE_CODE_REWARD"
+_JAILED_CODE: Optional[str] = None
+#: The longest argument the kernel passes to a program (MAX_ARG_STRLEN, 32 pages).
+MAX_ARG_BYTES = 1 << 17
+
+
+class JailUnavailable(ValueError):
+    """Code rewards were asked for where no jail can be made, and unjailed code was not allowed."""
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Limits of one program.  cpu_s None: ``ceil(timeout_s)``."""
+    """Limits of one check.  cpu_s None: ``ceil(timeout_s)``.  memory_mb: address space of each process;
+    output_bytes: stdout+stderr kept (more kills the check); file_bytes: largest file; tmp_bytes: the jail's
+    writable tmpfs; procs: processes the candidate may start (0: none, not even a thread; above 0, as root,
+    the jails of one process share the count: they share a user namespace); open_files:
+    descriptors of each process (with file_bytes it bounds what memfds can hold); message_bytes: the
+    largest call or answer."""
 
     timeout_s: float = 10.0
     cpu_s: Optional[int] = None
     memory_mb: int = 1024
     output_bytes: int = 1 << 16
     file_bytes: int = 1 << 24
+    tmp_bytes: int = 1 << 24
     procs: int = 0
+    open_files: int = 32
+    message_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check.  ``candidate``: untrusted code, run in the callee.  ``tests``: trusted code, run in the
+    checker; it passes when it ends without raising.  ``calls``: the names the tests call, each a stand-in for
+    the candidate's function of that name.  ``trusted``: code run in the checker before the tests (a
+    HumanEval prompt's helpers, MBPP's setup), never the candidate's version of it."""
+
+    candidate: str
+    tests: str
+    calls: tuple[str, ...] = ()
+    trusted: str = ""
 
 
 @dataclass
 class Result:
-    """What became of one program: ``status`` is ``passed``, ``failed`` (it raised or exited before the
-    end), ``timeout``, ``output_limit`` or ``skipped`` (the batch's total time was spent before it
-    started).  ``output``: its stdout+stderr (at most ``output_bytes``), the token removed."""
+    """What became of one check: ``status`` is ``passed``, ``failed`` (a test failed, the candidate raised,
+    did not load or ended), ``timeout``, ``output_limit`` or ``skipped`` (the batch's time was spent before it
+    started).  ``output``: the candidate's stdout+stderr and the tests' prints (at most ``output_bytes``);
+    ``error``: why it failed, in one line."""
 
     passed: bool
     status: str
-    returncode: Optional[int] = None
     seconds: float = 0.0
     output: str = field(default="", repr=False)
+    error: str = ""
+
+
+_UNSAFE = False
+_WARNED = False
+
+
+def allow_unsafe_code(allowed: bool = True) -> None:
+    """Allow (or stop allowing) this process to run code rewards without a jail (``--unsafe-code-reward``)."""
+    global _UNSAFE
+    _UNSAFE = bool(allowed)
+
+
+def code_jail() -> bool:
+    """True: code runs jailed.  False: no jail can be made here and unjailed code was allowed (one warning line
+    on stderr, once).  Raises :class:`JailUnavailable` (one line: why, and what to do) otherwise."""
+    global _WARNED
+    st = jail.status()
+    if st.available:
+        return True
+    if not (_UNSAFE or os.environ.get(UNSAFE_ENV) == "1"):
+        raise JailUnavailable(
+            f"code rewards run untrusted code, and no jail can be made here ({st.reason}); "
+            f"pass --unsafe-code-reward (or set {UNSAFE_ENV}=1) to run it with Python-level guards only"
+        )
+    if not _WARNED:
+        _WARNED = True
+        print(f"[espert] warning: code rewards run WITHOUT a jail (--unsafe-code-reward): {st.reason}", file=sys.stderr)
+    return False
 
 
 _NETNS: Optional[list[str]] = None
 
 
 def network_namespace() -> list[str]:
-    """The command prefix that gives a child its own empty network namespace (``["unshare", "--net"]``),
-    or ``[]`` where this host does not allow it (not root, no ``unshare``).  Probed once."""
+    """Unjailed only: the command prefix that gives a process its own empty network namespace
+    (``["unshare", "--net"]``), or ``[]`` where this host does not allow it.  Probed once."""
     global _NETNS
     if _NETNS is None:
         _NETNS = []
@@ -197,154 +152,305 @@ def network_namespace() -> list[str]:
     return list(_NETNS)
 
 
-def _child_env(workdir: str) -> dict:
-    """The whole environment of a child: nothing of the parent's."""
+def _jailed_code() -> str:
+    """espert/tasks/jailed.py compiled, marshalled, compressed, as base64: the jailed interpreter loads it
+    instead of compiling the source again (about 6 ms of CPU in each process; the same interpreter reads it).
+    Compressed, it is ~25 KB of the 128 KiB the kernel allows one argument (as hex it was 80 KB)."""
+    global _JAILED_CODE
+    if _JAILED_CODE is None:
+        from . import jailed
+
+        with open(jailed.__file__, encoding="utf-8") as f:
+            code = compile(f.read(), jailed.__file__, "exec", dont_inherit=True)
+        _JAILED_CODE = binascii.b2a_base64(zlib.compress(marshal.dumps(code), 9), newline=False).decode()
+        if len(_JAILED_CODE) >= MAX_ARG_BYTES:
+            raise jail.JailError(f"espert/tasks/jailed.py is too large to pass as an argument: {len(_JAILED_CODE)}")
+    return _JAILED_CODE
+
+
+def _rlimits(limits: Limits, candidate: bool) -> dict:
+    cpu = limits.cpu_s if limits.cpu_s is not None else max(1, math.ceil(limits.timeout_s))
+    mem = limits.memory_mb << 20
     return {
-        "PATH": "/usr/bin:/bin",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "HOME": workdir,
-        "TMPDIR": workdir,
-        "PYTHONHASHSEED": "0",
-        "PYTHONDONTWRITEBYTECODE": "1",
+        "RLIMIT_CPU": [cpu, cpu + 1],
+        "RLIMIT_AS": [mem, mem],
+        "RLIMIT_FSIZE": [limits.file_bytes if candidate else 1 << 20] * 2,
+        "RLIMIT_NPROC": [limits.procs if candidate else 0] * 2,
+        "RLIMIT_NOFILE": [limits.open_files] * 2,
+        "RLIMIT_CORE": [0, 0],
     }
 
 
-def _wait_unreaped(pid: int, deadline: float) -> bool:
-    """Wait until ``pid`` exits, leaving it a zombie (its pid, hence its process group id, stays
-    reserved, so the ``killpg`` after cannot hit a stranger).  False at the deadline."""
-    delay = 0.0005
-    while True:
-        try:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return True
-        except ChildProcessError:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
-
-
-def _killpg(pid: int) -> None:
+def _init_pidfd(r: int, launcher: int) -> Optional[int]:
+    """A pidfd of the jail's init: bwrap names it on ``--info-fd`` right after it is made.  Kept only if it is
+    the launcher's child (the pid cannot have been reused by a stranger: the pidfd pins the process)."""
+    data, deadline = b"", time.monotonic() + 30
+    while b"}" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([r], [], [], left)[0]:
+            return None
+        chunk = os.read(r, 4096)
+        if not chunk:
+            return None
+        data += chunk
+    m = re.search(rb'"child-pid":\s*(\d+)', data)
+    if m is None:
+        return None
     try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        fd = os.pidfd_open(int(m.group(1)))
+    except OSError:  # already gone
+        return None
+    try:
+        with open(f"/proc/{int(m.group(1))}/stat", "rb") as f:
+            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        ppid = -1
+    if ppid != launcher:
+        os.close(fd)
+        return None
+    return fd
 
 
-def run_program(program: str, limits: Limits = Limits(), deadline: Optional[float] = None) -> Result:
-    """Run one program in the sandbox (see the module docstring).  ``deadline``: a ``time.monotonic()``
-    bound that may cut ``limits.timeout_s`` short (the batch's total time)."""
+class _Process:
+    """One process of a check.  Jailed: killed by killing its jail's init (the whole PID namespace dies).
+    Unjailed: in a session of its own, killed by its process group."""
+
+    def __init__(self, args: list[str], io: tuple, fds: tuple, jailed: bool, tmp_bytes: int, cwd: Optional[str]):
+        stdin, stdout, stderr = io
+        self.pidfd: Optional[int] = None
+        self.jailed = jailed
+        if not jailed:
+            env = {**jail.ENVIRONMENT, "HOME": cwd, "TMPDIR": cwd}
+            self.proc = subprocess.Popen(
+                [*network_namespace(), *args], stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=fds,
+                cwd=cwd, env=env, start_new_session=True,
+            )  # fmt: skip
+            return
+        argv, jail_fds = jail.command(args, tmp_bytes)
+        r, w = os.pipe()
+        try:
+            argv = [argv[0], "--info-fd", str(w), *argv[1:]]
+            self.proc = subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=(*fds, *jail_fds, w))
+        finally:
+            os.close(w)
+        try:
+            self.pidfd = _init_pidfd(r, self.proc.pid)
+        finally:
+            os.close(r)
+
+    def kill(self) -> None:
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            elif self.jailed:
+                self.proc.kill()
+            else:  # the leader is not reaped yet, so its group id cannot be anyone else's
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def reap(self) -> Optional[int]:
+        """Wait for the launcher and, jailed, for the jail's init (hence its whole namespace) to end."""
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        if self.pidfd is not None:
+            # readable once the init has ended, which it does only after every process of its namespace: when
+            # the program ended by itself, bwrap's launcher may have ended first
+            select.select([self.pidfd], [], [], 30)
+            os.close(self.pidfd)
+            self.pidfd = None
+        return rc
+
+
+#: What the jailed interpreter runs (``-c``): the marshalled program that follows it on the command line.
+LOADER = "import binascii, marshal, sys, zlib\nexec(marshal.loads(zlib.decompress(binascii.a2b_base64(sys.argv[1]))))"
+#: How long past a check's end the checker may take to report its own timeout before it is killed.
+GRACE_S = 0.5
+
+
+class _Run:
+    """The pipes and the two processes of one check, driven to a verdict."""
+
+    def __init__(self, check: Check, limits: Limits, jailed: bool, end: float):
+        self.check, self.limits, self.jailed, self.end = check, limits, jailed, end
+        self.procs: list[_Process] = []
+        self.fds: list[int] = []  # this process's ends of the pipes
+        self.pending: dict[int, bytes] = {}  # stdin still to write: the candidate, the checker's spec
+        self.output, self.verdict_data = bytearray(), bytearray()
+        self.workdir = None if jailed else tempfile.mkdtemp(prefix="espert-sandbox-")
+
+    def _pipe(self, mine: int) -> tuple[int, int]:
+        r, w = os.pipe()
+        self.fds.append((r, w)[mine])
+        return r, w
+
+    def start(self) -> None:
+        (c_in, c_src), (k_in, k_src) = self._pipe(1), self._pipe(1)
+        (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
+        (self.out, out_w), (self.verdict, verdict_w) = self._pipe(0), self._pipe(0)
+        theirs = (c_in, k_in, req_r, req_w, resp_r, resp_w, out_w, verdict_w)
+        lim, program = self.limits, _jailed_code()
+        common = {"drop": self.jailed and os.geteuid() == 0, "message_bytes": lim.message_bytes}
+        callee = {**common, "in": req_r, "out": resp_w, "rlimits": _rlimits(lim, True)}
+        checker = {**common, "in": resp_r, "out": req_w, "rlimits": _rlimits(lim, False)}
+        checker["seconds"] = max(0.0, self.end - time.monotonic())
+        c = self.check
+        self.pending = {
+            c_src: c.candidate.encode("utf-8", "surrogatepass"),
+            k_src: json.dumps({"trusted": c.trusted, "tests": c.tests, "calls": list(c.calls)}).encode(),
+        }
+        try:
+            for role, cfg, io, fds in (
+                ("callee", callee, (c_in, out_w, out_w), (req_r, resp_w)),
+                ("checker", checker, (k_in, verdict_w, out_w), (resp_r, req_w)),
+            ):
+                args = jail.python_args(LOADER, program, role, json.dumps(cfg))
+                self.procs.append(_Process(args, io, fds, self.jailed, lim.tmp_bytes, self.workdir))
+        finally:
+            for fd in theirs:
+                os.close(fd)
+
+    def _feed(self, sel: selectors.BaseSelector, fd: int) -> None:
+        try:
+            n = os.write(fd, self.pending[fd][: 1 << 16])
+            self.pending[fd] = self.pending[fd][n:]
+            if self.pending[fd]:
+                return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # the process is gone (BrokenPipeError): what it does not read it cannot run
+            pass
+        sel.unregister(fd)
+        del self.pending[fd]
+        self.fds.remove(fd)
+        os.close(fd)
+
+    def drive(self) -> Optional[str]:
+        """Feed both programs, collect the output and the verdict until the verdict is complete (None), the
+        deadline (``timeout``) or too much output (``output_limit``)."""
+        with selectors.DefaultSelector() as sel:
+            for fd in self.pending:
+                os.set_blocking(fd, False)
+                sel.register(fd, selectors.EVENT_WRITE)
+            for fd in (self.out, self.verdict):
+                sel.register(fd, selectors.EVENT_READ)
+            while True:
+                left = self.end + GRACE_S - time.monotonic()
+                if left <= 0:
+                    return "timeout"
+                for key, _ in sel.select(left):
+                    if key.fd in self.pending:
+                        self._feed(sel, key.fd)
+                        continue
+                    data = os.read(key.fd, 1 << 16)
+                    if key.fd == self.verdict:
+                        self.verdict_data += data
+                        if not data or self.verdict_data.endswith(b"\n"):
+                            return None
+                    elif not data:
+                        sel.unregister(key.fd)
+                    else:
+                        self.output += data
+                        if len(self.output) > self.limits.output_bytes:
+                            return "output_limit"
+
+    def finish(self) -> None:
+        """Kill both jails whole, wait for them, keep what output is left, close everything."""
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.reap()
+        os.set_blocking(self.out, False)
+        try:  # every writer is gone (jailed); unjailed, an escaped process may still hold the pipe
+            while len(self.output) <= self.limits.output_bytes and (data := os.read(self.out, 1 << 16)):
+                self.output += data
+        except BlockingIOError:
+            pass
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def result(self, status: Optional[str], t0: float) -> Result:
+        out = bytes(self.output[: self.limits.output_bytes]).decode("utf-8", "replace")
+        seconds = time.monotonic() - t0
+        if status is not None:
+            return Result(False, status, seconds, out)
+        try:
+            verdict = json.loads(bytes(self.verdict_data))
+        except ValueError:
+            raise jail.JailError(f"the checker ended without a verdict; its output: {out[-500:]!r}") from None
+        if verdict.get("started") is not True and verdict.get("status") != "timeout":
+            raise jail.JailError(f"the candidate's process did not start; its output: {out[-500:]!r}")
+        passed = verdict.get("passed") is True
+        status = "passed" if passed else str(verdict.get("status") or "failed")
+        return Result(passed, status, seconds, out, str(verdict.get("error") or ""))
+
+
+def _compiles(source: str, name: str) -> Optional[str]:
+    """None, or the error compiling ``source`` raises (compiling runs nothing)."""
+    try:
+        compile(source, name, "exec", dont_inherit=True)
+    except Exception as e:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_check(check: Check, limits: Limits = Limits(), deadline: Optional[float] = None) -> Result:
+    """Run one check (see the module docstring).  ``deadline``: a ``time.monotonic()`` bound that may cut
+    ``limits.timeout_s`` short (the batch's total time).  Raises :class:`JailUnavailable` (no jail, unjailed
+    code not allowed), ValueError (the trusted code or tests do not compile) or :class:`~espert.tasks.jail.
+    JailError` (a jail broke)."""
     t0 = time.monotonic()
+    for source, name in ((check.trusted, "trusted code"), (check.tests, "tests")):
+        if (err := _compiles(source, name)) is not None:
+            raise ValueError(f"the {name} of a code check do not compile: {err}")
     end = t0 + limits.timeout_s if deadline is None else min(t0 + limits.timeout_s, deadline)
     if end <= t0:
         return Result(False, "skipped")
-    try:  # compiling runs nothing; a program that does not compile fails in the child too, so skip it
-        compile(program, "program.py", "exec", dont_inherit=True)
-    except Exception as e:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
-        return Result(False, "failed", None, time.monotonic() - t0, f"{type(e).__name__}: {e}")
-    cpu = limits.cpu_s if limits.cpu_s is not None else max(1, math.ceil(limits.timeout_s))
-    token = secrets.token_hex(16).encode()
-    workdir = tempfile.mkdtemp(prefix="espert-sandbox-")
+    jailed = code_jail()
+    if (err := _compiles(check.candidate, "candidate.py")) is not None:  # it would fail in the jail the same way
+        return Result(False, "failed", time.monotonic() - t0, "", err)
+    run = _Run(check, limits, jailed, end)
     try:
-        with open(os.path.join(workdir, "program.py"), "w", encoding="utf-8") as f:
-            f.write(program)
-        argv = [
-            *network_namespace(),
-            sys.executable,
-            "-S",
-            "-s",
-            "-P",
-            "-c",
-            RUNNER,
-            str(cpu),
-            str(limits.memory_mb << 20),
-            str(limits.file_bytes),
-            str(limits.procs),
-        ]
-        p = subprocess.Popen(
-            argv,
-            cwd=workdir,
-            env=_child_env(workdir),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-        )
-        buf, status = b"", "failed"
-        try:
-            buf, status = _drive(p, token, limits.output_bytes, end)
-        finally:
-            if not _wait_unreaped(p.pid, max(end, time.monotonic())):  # it closed its output but runs on
-                _killpg(p.pid)
-                status = status or "timeout"
-                _wait_unreaped(p.pid, time.monotonic() + 5.0)
-            _killpg(p.pid)  # whatever is left of its group (the leader is a zombie: its pgid is still ours)
-            p.wait()
-            p.stdout.close()
-        tail = b"\n" + token + b"\n"
-        passed = status is None and p.returncode == 0 and buf.endswith(tail)
-        if status is None and p.returncode == -signal.SIGXCPU:
-            status = "timeout"  # the CPU-time limit (RLIMIT_CPU) can fire before the wall-clock one
-        if status is None:
-            status = "passed" if passed else "failed"
-        out = buf[: -len(tail)] if buf.endswith(tail) else buf
-        return Result(passed, status, p.returncode, time.monotonic() - t0, out.decode("utf-8", "replace"))
+        run.start()
+        status = run.drive()
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        run.finish()
+    return run.result(status, t0)
 
 
-def _drive(p: subprocess.Popen, token: bytes, max_bytes: int, end: float) -> tuple[bytes, Optional[str]]:
-    """Hand the child its token and read its output until EOF: ``(output, None)``, or ``(output,
-    "timeout" | "output_limit")`` after killing its process group."""
-    try:
-        p.stdin.write(token + b"\n")
-        p.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass
-    fd = p.stdout.fileno()
-    os.set_blocking(fd, False)
-    chunks, n = [], 0
-    limit = max_bytes + len(token) + 2
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                _killpg(p.pid)
-                return b"".join(chunks), "timeout"
-            if not sel.select(left):
-                continue
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                continue
-            if not data:
-                return b"".join(chunks), None
-            chunks.append(data)
-            n += len(data)
-            if n > limit:
-                _killpg(p.pid)
-                return b"".join(chunks)[:max_bytes], "output_limit"
-
-
-def run_programs(
-    programs: Sequence[str],
+def run_checks(
+    checks: Sequence[Check],
     limits: Limits = Limits(),
     workers: Optional[int] = None,
     total_timeout_s: Optional[float] = None,
 ) -> list[Result]:
-    """Run programs in parallel (``workers`` processes at a time, default: the CPU count, at most 8);
-    results in input order.  ``total_timeout_s`` bounds the whole batch: programs still running at
-    that point are killed (``timeout``) and programs not started are ``skipped``."""
-    programs = list(programs)
-    if not programs:
+    """Run checks in parallel (``workers`` at a time, default: the CPU count, at most 8); results in input
+    order.  ``total_timeout_s`` bounds the whole batch: checks still running then are killed (``timeout``),
+    checks not started are ``skipped``."""
+    checks = list(checks)
+    if not checks:
         return []
+    code_jail()  # refused here, once, rather than in every worker
     deadline = None if total_timeout_s is None else time.monotonic() + total_timeout_s
     workers = workers or min(8, os.cpu_count() or 1)
-    if workers == 1 or len(programs) == 1:
-        return [run_program(p, limits, deadline) for p in programs]
-    with ThreadPoolExecutor(max_workers=min(workers, len(programs)), thread_name_prefix="espert-sandbox") as ex:
-        return list(ex.map(lambda prog: run_program(prog, limits, deadline), programs))
+    if workers == 1 or len(checks) == 1:
+        return [run_check(c, limits, deadline) for c in checks]
+    with ThreadPoolExecutor(max_workers=min(workers, len(checks)), thread_name_prefix="espert-sandbox") as ex:
+        return list(ex.map(lambda c: run_check(c, limits, deadline), checks))
+
+
+def run_program(program: str, limits: Limits = Limits(), deadline: Optional[float] = None) -> Result:
+    """Run a whole program as a candidate with no tests: it passes when its code ran without raising.  That is
+    the program's own claim (it can exit early, or fake it): fine for limits and isolation, never a verdict."""
+    return run_check(Check(program, ""), limits, deadline)
+
+
+def run_programs(programs: Sequence[str], limits: Limits = Limits(), **kw) -> list[Result]:
+    """:func:`run_program` over a batch, as :func:`run_checks`."""
+    return run_checks([Check(p, "") for p in programs], limits, **kw)

@@ -1,0 +1,235 @@
+"""The OS-level jail of the code rewards: bubblewrap (``bwrap``, Debian's ``bubblewrap`` package).
+
+:func:`command` wraps a Python command line so that it runs with
+
+* new user, PID, mount, IPC, UTS, network (and, where the kernel has it, cgroup) namespaces: it sees no
+  other process, no network interface but a loopback that is down, no socket file of the host (the
+  filesystem view is its own), no host IPC object;
+* an unprivileged uid and gid, 65534, also when espert runs as root.  As root, bwrap joins a user namespace
+  that maps uid/gid 0 and 65534 to themselves (:func:`_root_userns`, made once per process); bwrap does the
+  mounts as 0 there, and the program's first act (``jailed.confine``) is to become 65534, a real
+  unprivileged user to the kernel, so ``RLIMIT_NPROC`` holds (the kernel exempts uid 0) and only
+  world-readable files can be read.  Not as root, bwrap makes the user namespace itself and maps the user
+  to 65534.  Either way the namespace cannot make further user namespaces, and no capability is left;
+* a read-only view of only what the interpreter needs: ``/usr``, ``/bin``, ``/lib*`` (their symlinks where
+  they are links), ``/etc/ld.so.cache``, the interpreter's prefix; ``_ctypes`` is masked;
+  ``/dev/null``, ``/dev/zero``, ``/dev/random``, ``/dev/urandom``; its own ``/proc`` (of its PID namespace);
+  no ``/dev/shm``; and one writable place, a private tmpfs of ``tmp_bytes`` at ``/tmp``, its working
+  directory.  The root is a read-only tmpfs;
+* ``--die-with-parent``: if the process that launched it dies, the jail's init is killed, and with it every
+  process of its PID namespace.  :mod:`espert.tasks.sandbox` kills that init itself at the deadline.
+
+:func:`status` probes once per process whether a jail can be made here, and says why not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+#: The unprivileged uid and gid of jailed code.
+NOBODY = 65534
+INSTALL_HINT = "install bubblewrap (Debian, Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
+#: The whole environment of jailed code.
+ENVIRONMENT = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "PYTHONHASHSEED": "0",  # set and dict orders, hence pass/fail, repeat
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+DEVICES = ("null", "zero", "random", "urandom")
+#: What the probe runs in the jail: the drop to 65534 that ``jailed.confine`` makes as root, then its uid.
+PROBE = f"""import os
+if os.getuid() == 0:
+    os.setgroups([])
+    os.setresgid({NOBODY}, {NOBODY}, {NOBODY})
+    os.setresuid({NOBODY}, {NOBODY}, {NOBODY})
+print("jailed as", os.getuid())
+"""
+
+
+class JailError(RuntimeError):
+    """A jail could not be made, or broke while it ran."""
+
+
+@dataclass(frozen=True)
+class JailStatus:
+    """Whether code can be jailed here: ``tool`` ("bubblewrap 0.8.0") and ``how`` (the uid setup), or
+    ``reason`` (why not, and what to install)."""
+
+    available: bool
+    tool: str = ""
+    how: str = ""
+    reason: str = ""
+
+    def line(self) -> str:
+        """``bubblewrap 0.8.0 (...)`` or ``unavailable: REASON``."""
+        return f"{self.tool} ({self.how})" if self.available else f"unavailable: {self.reason}"
+
+
+_LOCK = threading.Lock()
+_STATUS_LOCK = threading.Lock()
+_STATUS: JailStatus | None = None
+_USERNS: int | None = None
+
+
+def _root_userns() -> int:
+    """A descriptor of the user namespace root's jails join (made once per process, kept open)."""
+    global _USERNS
+    with _LOCK:
+        if _USERNS is None:
+            _USERNS = _make_root_userns()
+        return _USERNS
+
+
+def _make_root_userns() -> int:
+    """``unshare --user`` a helper, map uid/gid 0 and 65534 to themselves in its namespace, forbid further
+    user namespaces there (``user.max_user_namespaces`` 0, written from inside once the map makes it root
+    there), then keep a descriptor of the namespace and end the helper."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise JailError("unshare (util-linux) is not installed: as root the jail needs it")
+    script = 'read _ && exec sh -c "echo 0 > /proc/sys/user/max_user_namespaces && echo ready && exec cat"'
+    p = subprocess.Popen(
+        [unshare, "--user", "--", "sh", "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        own, deadline = os.readlink("/proc/self/ns/user"), time.monotonic() + 30
+        while os.readlink(f"/proc/{p.pid}/ns/user") == own:  # unshare has not unshared yet
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise JailError(f"unshare --user failed: {p.stderr.read().decode(errors='replace').strip()}")
+            time.sleep(0.001)
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{p.pid}/{name}", "w") as f:
+                f.write(f"0 0 1\n{NOBODY} {NOBODY} 1\n")
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+        if p.stdout.readline().strip() != b"ready":
+            p.kill()
+            raise JailError(f"a user namespace for the jail failed: {p.stderr.read().decode(errors='replace')}")
+        return os.open(f"/proc/{p.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        p.kill()
+        p.wait()
+        for f in (p.stdin, p.stdout, p.stderr):
+            f.close()
+
+
+def _python_dirs() -> list[str]:
+    """The directories the interpreter needs that ``/usr`` does not hold: its prefix (the real one, under a
+    virtual environment)."""
+    exe = os.path.realpath(sys.executable)
+    dirs = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    dirs.add(os.path.dirname(os.path.dirname(exe)))
+    out = []
+    for d in sorted(dirs, key=len):
+        if d not in ("/", "") and not any(d == o or d.startswith(o + "/") for o in ["/usr", *out]):
+            out.append(d)
+    return out
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b/c`` -> ``["/", "/a", "/a/b"]``."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/"] + ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _masked() -> list[str]:
+    """Files hidden in the jail (``/dev/null`` bound over them): ``_ctypes``, so that no foreign call can be
+    made even past the Python-level guard."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("_ctypes")
+    origin = getattr(spec, "origin", None) if spec else None
+    return [os.path.realpath(origin)] if origin and os.path.isfile(origin) else []
+
+
+def _filesystem(tmp_bytes: int) -> list[str]:
+    """bwrap's mount options: read-only system and interpreter, devices, /proc, the tmpfs, a read-only root."""
+    binds = [("--ro-bind", "/usr", "/usr")]
+    links = []
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = "/" + name
+        if os.path.islink(path):
+            links += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            binds.append(("--ro-bind", path, path))
+    if os.path.isfile("/etc/ld.so.cache"):
+        binds.append(("--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"))
+    binds += [("--ro-bind", d, d) for d in _python_dirs()]
+    binds += [("--ro-bind", "/dev/null", f) for f in _masked()]
+    binds += [("--dev-bind", f"/dev/{dev}", f"/dev/{dev}") for dev in DEVICES]
+    # the directories above the mount points: bwrap would make them 0700, which 65534 could not pass through
+    under = [d for _, _, d in binds]
+    parents = sorted(
+        {p for d in under for p in _ancestors(d) if not any(p == u or p.startswith(u + "/") for u in under)}
+    )
+    ops = [x for p in parents if p != "/" for x in ("--perms", "0755", "--dir", p)] + links
+    ops += [x for bind in binds for x in bind]
+    ops += ["--proc", "/proc", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp", "--remount-ro", "/"]
+    return ops
+
+
+def command(args: list[str], tmp_bytes: int) -> tuple[list[str], tuple[int, ...]]:
+    """``(argv, fds)``: ``args`` (an interpreter command line) run in the jail, and the descriptors the
+    launcher must inherit (``pass_fds``).  The program learns from ``jailed.confine(drop=...)`` whether it
+    starts as root and must drop to 65534 (``os.geteuid() == 0`` here).  Raises :class:`JailError`."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise JailError(f"bwrap not found: {INSTALL_HINT}")
+    if os.geteuid() == 0:
+        fd = _root_userns()
+        who = ["--userns", str(fd), "--uid", "0", "--gid", "0", "--cap-drop", "ALL"]
+        who += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]  # to drop to 65534, then gone
+        fds: tuple[int, ...] = (fd,)
+    else:
+        who, fds = ["--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)], ()
+    spaces = ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    spaces += ["--die-with-parent", "--new-session", "--hostname", "jail"]
+    env = ["--clearenv"] + [x for k, v in ENVIRONMENT.items() for x in ("--setenv", k, v)]
+    return [bwrap, *who, *spaces, *_filesystem(tmp_bytes), *env, "--chdir", "/tmp", "--", *args], fds
+
+
+def python_args(source: str, *argv: str) -> list[str]:
+    """The interpreter running ``source`` (``-S``: no site, only the standard library; ``-s -P``: no user site,
+    no script directory on the path)."""
+    return [os.path.realpath(sys.executable), "-S", "-s", "-P", "-c", source, *argv]
+
+
+def status() -> JailStatus:
+    """Whether a jail can be made here (probed once per process: a jailed interpreter must start and say so)."""
+    global _STATUS
+    with _STATUS_LOCK:
+        if _STATUS is None:
+            _STATUS = _probe()
+        return _STATUS
+
+
+def _probe() -> JailStatus:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return JailStatus(False, reason=f"bwrap not found: {INSTALL_HINT}")
+    try:
+        v = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30).stdout.split()
+        tool = " ".join(v[:2]) if v else "bubblewrap"
+        argv, fds = command(python_args(PROBE), 1 << 20)
+        p = subprocess.run(argv, pass_fds=fds, capture_output=True, text=True, timeout=60)
+    except (JailError, OSError, subprocess.SubprocessError) as e:
+        return JailStatus(False, reason=str(e))
+    said = (p.stdout + p.stderr).strip().splitlines()
+    if p.returncode != 0 or p.stdout.strip() != f"jailed as {NOBODY}":
+        return JailStatus(False, reason=f"{tool} cannot make a jail here: {said[-1] if said else p.returncode}")
+    how = "root: joins a user namespace mapping 0 and 65534, then drops to 65534" if os.geteuid() == 0 else ""
+    return JailStatus(True, tool, how or f"uid {os.geteuid()} mapped to {NOBODY} in its own user namespace")
