@@ -36,6 +36,7 @@ PromptSampler = Literal["sha256", "python_random"]
 MemberErrors = Literal["raise", "nan"]
 Members = Literal["serial", "batched"]
 RestoreMode = Literal["copy", "patch"]
+AnchorNorm = Literal["l2", "l1"]
 Tracker = Literal["wandb", "tensorboard"]
 
 NORMALIZATIONS: tuple[str, ...] = typing.get_args(Normalization)
@@ -188,6 +189,14 @@ class ESConfig:
     weight_decay_exclude: list[str] = opt(
         list(NO_DECAY_DEFAULT), "parameters weight decay leaves alone (patterns; default: norms and biases)"
     )
+    anchor_decay: float = opt(
+        0.0,
+        "anchored weight decay (AWD) toward the base weights, lambda: after each update the float32 master "
+        "moves back to the base, l2: center <- base + (1 - alpha*lambda)*(center - base) (10 recommended), "
+        "l1: center - base soft-thresholded by alpha*lambda (0.01); every moved tensor, replayed, a host "
+        "copy of the base in the weights' dtype (docs/training.md); 0: off",
+    )
+    anchor_decay_norm: AnchorNorm = opt("l2", "anchored weight decay's penalty: l2 (a factor) or l1 (a soft threshold)")
     prompts_per_iteration: int = opt(32, "training prompts per iteration (all members share them)")
     prompt_sampler: PromptSampler = opt(
         "sha256",
@@ -297,6 +306,9 @@ class ESConfig:
             )
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay must be >= 0")
         need(self.alpha * self.weight_decay < 1, "alpha·weight_decay must be < 1")
+        peak = max(self.alpha, self.alpha_end or 0.0) * self.anchor_decay
+        need(math.isfinite(self.anchor_decay) and self.anchor_decay >= 0, "anchor_decay must be a finite number >= 0")
+        need(self.anchor_decay_norm == "l1" or peak < 1, f"alpha·anchor_decay must be < 1 for l2, got {peak:g}")
         need(
             NOISE_RE.match(self.noise) is not None and int(self.noise.partition(":")[2] or 1) <= NOISE_MAX_RANK,
             f"noise must be gaussian, gaussian-icdf, rademacher or lowrank:R (1 <= R <= {NOISE_MAX_RANK}), got {self.noise!r}",
