@@ -198,14 +198,15 @@ def train_all(base: str, out_dir: str, cc: CompareConfig, echo, probe) -> tuple[
     budget = Budget.of(cc)
     budgets, models = {}, {"base": base}
     for arm in cc.arms():
-        out = os.path.join(out_dir, arm)
+        out, load = os.path.join(out_dir, arm), os.getloadavg()[0]  # a shared machine: the load is part of the time
         if arm in ("es", "es_awd"):
             spent = run_es(base, out, cc, echo, probe=probe, budget=budget, anchor=arm == "es_awd")
         elif arm == "grpo":
             spent = run_grpo(base, out, cc, echo, probe=probe, budget=budget)
         else:
             spent = run_randopt(base, out, cc, echo, budget=budget)
-        budgets[ARMS[arm]] = {**spent, "budget": {"kind": budget.kind, "value": budget.value}}
+        load = [round(load, 1), round(os.getloadavg()[0], 1)]
+        budgets[ARMS[arm]] = {**spent, "budget": {"kind": budget.kind, "value": budget.value}, "load_avg": load}
         models[arm] = out
     for spec in cc.schedules:
         label = schedule_label(spec)

@@ -26,8 +26,8 @@ def _budget_lines(budgets: dict, P: int) -> list[str]:
 
     lines = [
         "| method | budget | trained | rollouts | prompt tokens | generated tokens | rollout forward FLOPs | wall s "
-        "| load s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| load s | load avg (start, end) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for lab, b in budgets.items():
         fl = forward_flops(P, b["prompt_tokens"] + b["generated_tokens"])
@@ -37,7 +37,7 @@ def _budget_lines(budgets: dict, P: int) -> list[str]:
         trained = next((f"{b[k]} {k}" for k in ("iterations", "steps", "members") if k in b), "")
         lines.append(
             f"| {lab} | {budget} | {trained} | {b['rollouts']} | {b['prompt_tokens']} | {b['generated_tokens']} "
-            f"| {fl:.3e} | {b['seconds']} | {b.get('load_seconds', '')} |"
+            f"| {fl:.3e} | {b['seconds']} | {b.get('load_seconds', '')} | {', '.join(map(str, b.get('load_avg', [])))} |"
         )
     return lines
 
