@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_eval_parser(sub)
         add_analyze_parser(sub)
+        from espert.eval.forgetting import add_forgetting_parser
+
+        add_forgetting_parser(sub)
         from espert.experiments.compare import add_compare_parser
         from espert.experiments.sweep import add_sweep_parser
 
