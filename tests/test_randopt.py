@@ -42,6 +42,13 @@ def test_select_top_ranks_by_reward_then_k_and_failed_last():
     assert randopt.select_top(recs, 5)[-1]["k"] == 1
 
 
+def test_top_k_is_checked_for_randopt_only():
+    """An ES config with a population below the default top K is valid; a RandOpt one is refused."""
+    assert ESConfig(**{**SMALL_RUN, "population": 4}).randopt_top_k > 4
+    with pytest.raises(ValueError, match="randopt_top_k"):
+        ESConfig(**{**RUN, "population": 2})
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("randopt") / "run")
