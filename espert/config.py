@@ -320,7 +320,10 @@ class ESConfig:
         need(self.anchor_decay_norm == "l1" or peak < 1, f"alpha·anchor_decay must be < 1 for l2, got {peak:g}")
         grid = sigma_grid(self.randopt_sigmas)
         need(bool(grid) and all(math.isfinite(s) and s > 0 for s in grid), "randopt_sigmas: finite numbers > 0")
-        need(1 <= self.randopt_top_k <= self.population, "randopt_top_k must be in [1, population]")
+        need(
+            self.method != "randopt" or 1 <= self.randopt_top_k <= self.population,
+            "randopt_top_k must be in [1, population]",
+        )
         need(
             NOISE_RE.match(self.noise) is not None and int(self.noise.partition(":")[2] or 1) <= NOISE_MAX_RANK,
             f"noise must be gaussian, gaussian-icdf, rademacher or lowrank:R (1 <= R <= {NOISE_MAX_RANK}), got {self.noise!r}",
