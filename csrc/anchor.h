@@ -21,13 +21,25 @@ enum AnchorNorm : int { kAnchorL2 = 0, kAnchorL1 = 1 };
 
 ESPERT_HD bool finite_bits(float x) { return (f2u(x) & 0x7F800000u) != 0x7F800000u; }
 
-ESPERT_HD float anchor_rule(float m, float a, int norm, float p) {
-  if (!(finite_bits(m) && finite_bits(a))) return m;
+// x where c, else y, by bit masks: gcc does not if-convert a float ?: under -fno-fast-math ("control flow
+// in loop"), a mask it vectorizes.
+ESPERT_HD float select_bits(bool c, float x, float y) {
+  const uint32_t k = 0u - (uint32_t)c;
+  return u2f((f2u(x) & k) | (f2u(y) & ~k));
+}
+
+// Branch-free (masks, no early return), so the CPU loop vectorizes; the norm is a template parameter.
+template <int NORM>
+ESPERT_HD float anchor_rule(float m, float a, float p) {
   const float d = fsub(m, a);
-  if (norm == kAnchorL2) return fadd(a, fmul(p, d));
-  const float s = fsub(u2f(f2u(d) & 0x7FFFFFFFu), p);
-  if (!(s > 0.0f)) return a;
-  return fadd(a, u2f(f2u(s) | (f2u(d) & 0x80000000u)));
+  float r;
+  if (NORM == kAnchorL2) {
+    r = fadd(a, fmul(p, d));
+  } else {
+    const float s = fsub(u2f(f2u(d) & 0x7FFFFFFFu), p);
+    r = select_bits(s > 0.0f, fadd(a, u2f(f2u(s) | (f2u(d) & 0x80000000u))), a);
+  }
+  return select_bits(finite_bits(m) & finite_bits(a), r, m);
 }
 
 }  // namespace espert

@@ -12,18 +12,21 @@
 namespace espert {
 namespace {
 
-template <int DT>
-void anchor_rows(float* m, const typename Storage<DT>::T* a, int64_t n, int norm, float p) {
+template <int DT, int NORM>
+void anchor_rows(float* m, const typename Storage<DT>::T* a, int64_t n, float p) {
   constexpr int64_t kChunk = 1 << 16;
   const int64_t tasks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= 4 * kChunk)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t i0 = t * kChunk, i1 = i0 + kChunk < n ? i0 + kChunk : n;
-    if (norm == kAnchorL2)
-      for (int64_t i = i0; i < i1; ++i) m[i] = anchor_rule(m[i], Storage<DT>::load(a[i]), kAnchorL2, p);
-    else
-      for (int64_t i = i0; i < i1; ++i) m[i] = anchor_rule(m[i], Storage<DT>::load(a[i]), kAnchorL1, p);
+    for (int64_t i = i0; i < i1; ++i) m[i] = anchor_rule<NORM>(m[i], Storage<DT>::load(a[i]), p);
   }
+}
+
+template <int DT>
+void anchor_rows(float* m, const void* a, int64_t n, int norm, float p) {
+  const auto* at = static_cast<const typename Storage<DT>::T*>(a);
+  norm == kAnchorL2 ? anchor_rows<DT, kAnchorL2>(m, at, n, p) : anchor_rows<DT, kAnchorL1>(m, at, n, p);
 }
 
 }  // namespace
@@ -40,13 +43,13 @@ void register_anchor(pybind11::module_& m) {
         pybind11::gil_scoped_release release;
         switch (dtype) {
           case kFloat32:
-            anchor_rows<kFloat32>(mp, reinterpret_cast<const float*>(anchor), n, norm, p);
+            anchor_rows<kFloat32>(mp, reinterpret_cast<const void*>(anchor), n, norm, p);
             break;
           case kFloat16:
-            anchor_rows<kFloat16>(mp, reinterpret_cast<const uint16_t*>(anchor), n, norm, p);
+            anchor_rows<kFloat16>(mp, reinterpret_cast<const void*>(anchor), n, norm, p);
             break;
           case kBFloat16:
-            anchor_rows<kBFloat16>(mp, reinterpret_cast<const uint16_t*>(anchor), n, norm, p);
+            anchor_rows<kBFloat16>(mp, reinterpret_cast<const void*>(anchor), n, norm, p);
             break;
           default: {
             pybind11::gil_scoped_acquire acquire;

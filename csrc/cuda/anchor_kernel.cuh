@@ -17,11 +17,11 @@ inline int64_t anchor_blocks(int64_t n) {
   return b < kAnchorMaxBlocks ? b : kAnchorMaxBlocks;
 }
 
-template <int DT>
+template <int DT, int NORM>
 __global__ void __launch_bounds__(kAnchorThreads)
-    anchor_kernel(float* __restrict__ m, const typename Storage<DT>::T* __restrict__ a, int64_t n, int norm, float p) {
+    anchor_kernel(float* __restrict__ m, const typename Storage<DT>::T* __restrict__ a, int64_t n, float p) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-    m[i] = anchor_rule(m[i], Storage<DT>::load(a[i]), norm, p);
+    m[i] = anchor_rule<NORM>(m[i], Storage<DT>::load(a[i]), p);
 }
 
 }  // namespace cuda_kernel

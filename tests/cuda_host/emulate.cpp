@@ -178,8 +178,12 @@ int main(int argc, char** argv) {
     if (n > 0) {
       blocks_run = forced(cuda_kernel::anchor_blocks(n), max_blocks);
       DTYPE_SWITCH((int)dtype, DT, [&] {
+        const auto* a = static_cast<const typename Storage<DT>::T*>(anchor);
         grid(blocks_run, cuda_kernel::kAnchorThreads, [&] {
-          cuda_kernel::anchor_kernel<DT>(master, static_cast<const typename Storage<DT>::T*>(anchor), n, (int)norm, p);
+          if (norm == kAnchorL2)
+            cuda_kernel::anchor_kernel<DT, kAnchorL2>(master, a, n, p);
+          else
+            cuda_kernel::anchor_kernel<DT, kAnchorL1>(master, a, n, p);
         });
       });
     }
