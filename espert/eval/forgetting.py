@@ -34,7 +34,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-#: Update magnitudes a weight must exceed to count as changed (``--threshold`` adds to these).
+#: A decoder layer's index in a parameter name (the per-layer ‖θ − θ₀‖ groups by it).
 LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
