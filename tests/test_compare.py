@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import time
 
 import pytest
 
@@ -120,7 +121,10 @@ def test_budget_is_what_each_method_spends():
     used = {"rollouts": 10, "prompt_tokens": 70, "generated_tokens": 30}
     assert Budget("tokens", 100).done(used, 0.0) and not Budget("tokens", 101).done(used, 0.0)
     assert Budget("rollouts", 10).done(used, 0.0) and Budget("rollouts", 10).steps(3) == 4
-    assert Budget("seconds", 1e9).steps(3) is None and not Budget("seconds", 1e9).done(used, 0.0)
+    # seconds count from t0 (a clock time): an hour after a start just now is not spent, one ago is
+    now = time.time()
+    assert Budget("seconds", 3600).steps(3) is None and not Budget("seconds", 3600).done(used, now)
+    assert Budget("seconds", 3600).done(used, now - 3601)
     for bad, match in (
         (dict(budget="seconds"), "needs --budget-value"),
         (dict(budget="flops", budget_value=1.0), "use one of rollouts, tokens, seconds"),
