@@ -162,6 +162,7 @@ setup(
         "track": ["wandb", "tensorboard"],
         "gguf": ["gguf"],  # GGUF base models (espert/runs/gguf.py)
         "ray": ["ray"],  # espert sweep --ray, and the vLLM engine pool across nodes
+        "lmeval": ["lm-eval>=0.4.13"],  # espert's models in lm-evaluation-harness (espert/eval/lmeval.py)
         "dev": ["pytest", "pytest-benchmark", "pybind11>=2.12", "ninja", "cmake>=3.18", "scipy"],
     },
     entry_points={"console_scripts": ["espert=espert.cli:run"]},

@@ -3,6 +3,7 @@
 #include <omp.h>
 #include <pybind11/pybind11.h>
 
+#include "anchor.h"
 #include "apply.h"
 #include "quant.h"
 
@@ -16,11 +17,16 @@ PatchList patch_list(uintptr_t records, int64_t capacity, uintptr_t count) {
     throw py::value_error("patch list: capacity >= 0 and records needed");
   return PatchList{reinterpret_cast<int64_t*>(records), capacity, reinterpret_cast<int64_t*>(count)};
 }
-void register_cast(py::module_& m);  // csrc/cpu/cast_cpu.cpp: exact float32 -> bf16/fp16 for restore_
+void register_cast(py::module_& m);    // csrc/cpu/cast_cpu.cpp: exact float32 -> bf16/fp16 for restore_
+void register_anchor(py::module_& m);  // csrc/cpu/anchor_cpu.cpp: anchored weight decay of the host master
+#ifdef ESPERT_WITH_CUDA
+int anchor_decay_cuda(float* master, const void* anchor, int dtype, int64_t n, int norm, float p, void* stream);
+#endif
 }  // namespace espert
 
 PYBIND11_MODULE(_C, m) {
   register_cast(m);
+  register_anchor(m);
   m.doc() = "espert compiled kernels (CPU, and CUDA when built with nvcc)";
   // Codes shared with Python (espert/ops, kernels/apply.py derive theirs from these).
   m.attr("DTYPE_CODES") = py::dict(py::arg("float32") = (int)kFloat32, py::arg("float16") = (int)kFloat16,
@@ -128,6 +134,16 @@ PYBIND11_MODULE(_C, m) {
       "One launch over plan entries sharing a dtype and a family: host plan (for the grid), device plan, seeds, "
       "coeffs and a cudaStream_t handle; records/capacity/count: a recording perturb's list (as apply_many_cpu; "
       "records device-writable, count in device memory).");
+  m.def(
+      "anchor_decay_cuda",
+      [](uintptr_t master, uintptr_t anchor, int dtype, int64_t n, int norm, float p, uintptr_t stream) {
+        if (norm != kAnchorL2 && norm != kAnchorL1) throw py::value_error("anchor_decay_cuda: unknown norm code");
+        const int err = anchor_decay_cuda(reinterpret_cast<float*>(master), reinterpret_cast<const void*>(anchor),
+                                          dtype, n, norm, p, reinterpret_cast<void*>(stream));
+        if (err != 0)
+          throw std::runtime_error("espert anchor CUDA launch failed with cudaError " + std::to_string(err));
+      },
+      "Like anchor_decay_cpu, with device pointers and a cudaStream_t handle.");
   m.def(
       "apply_patch_cuda",
       [](uintptr_t records, int64_t n, uintptr_t stream) {

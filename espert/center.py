@@ -20,6 +20,7 @@ Host memory per parameter (bf16 weights):
     float32 master + momentum              8 B
     float32 master + adam                  12 B
     + pinned mirror (CUDA weights)         + 2 B (restore at PCIe line rate)
+    + anchor (anchored weight decay)       + 2 B (the base in the weights' dtype)
     =====================================  ============================
 
 The center is also what checkpoints save (``state_dict``) and replays rebuild.
@@ -36,6 +37,7 @@ import torch
 from espert import ops
 from espert.noise import NoiseFamily
 from espert.ops import plan
+from espert.ops.anchor import anchor_decay_, check_anchor_step
 from espert.ops.checks import geometry
 from espert.params import ParamView, matches
 
@@ -71,10 +73,17 @@ class Center(Protocol):
         """Live weights <- center + sign·σ·ε(seed), in place; call it on restored weights only."""
 
     def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
-        """center <- decay·center, then the step Σ_n coeffs[n]·ε(seeds[n]) (through the optimizer);
-        then restore the live weights.  ``lr`` is the iteration's α (used by adam only)."""
+        """center <- decay·center, then the step Σ_n coeffs[n]·ε(seeds[n]) (through the optimizer), then
+        the anchor step ``{"norm", "amount"}`` toward the base weights (:mod:`espert.ops.anchor`; needs a
+        center built with an anchor); then restore the live weights.  ``lr`` is the iteration's α (used
+        by adam only)."""
 
     def scale(self, factor: float) -> None:
         """center <- factor·center (weight decay), live weights untouched until the next restore."""
@@ -126,6 +135,17 @@ def check_update_args(seeds, coeffs, decay, lr) -> tuple[list[int], list[float],
     if lr is not None:
         check_factor("lr", lr)
     return seeds, coeffs, decay
+
+
+def check_anchor(anchor: dict | None, anchors) -> dict | None:
+    """An ``update``'s anchor step, checked (:func:`espert.ops.anchor.check_anchor_step`) against the center's
+    anchors (None: the center keeps none, and a step is refused)."""
+    if anchor is None:
+        return None
+    check_anchor_step(anchor)
+    if anchors is None:
+        raise ValueError("an anchor step needs a center built with anchor=True (it keeps the base weights)")
+    return anchor
 
 
 @dataclass(frozen=True)
@@ -220,6 +240,10 @@ class CenterStore:
         ``patch_stats`` counts both kinds.  Assumes nothing else writes the live weights.
     patch_capacity: records the list holds, as a fraction of the views' elements (16 B each: the
         default 1/16 is 1 B per parameter of host memory; a miss rate above it falls back to copies).
+    anchor: keep a host copy of the weights as they are now (the base), in their own dtype (2 B per bf16
+        parameter, 4 per float32 one; pinned with ``pin``), for anchored weight decay: ``update(...,
+        anchor={"norm", "amount"})`` then moves the float32 master back toward it (:mod:`espert.ops.anchor`).
+        It is never saved: a resumed or replayed run rebuilds it from the base model.  Needs the master.
     """
 
     def __init__(
@@ -236,6 +260,7 @@ class CenterStore:
         update_on: str | torch.device | None = None,
         restore: str = "copy",
         patch_capacity: float = 1 / 16,
+        anchor: bool = False,
     ):
         if master_dtype not in (None, torch.float32):
             raise ValueError(f"master_dtype must be torch.float32 or None, got {master_dtype}")
@@ -265,6 +290,7 @@ class CenterStore:
         self.state: dict[str, list[torch.Tensor]] = {
             s: [torch.zeros_like(c) for c in self.centers] for s in self.optimizer.slots
         }
+        self.anchors = self._anchors(pin) if anchor else None
         self.step = 0
         if mirror is None:
             mirror = master_dtype is not None and any(v.tensor.device.type == "cuda" for v in self.views)
@@ -280,6 +306,16 @@ class CenterStore:
         self.patch_stats = {"patched": 0, "copied": 0, "records": 0}
         self._pending: tuple | None = None  # (seed, sigma, sign, backend) of the recorded perturb
         self._at_center = True  # the live weights are the rounded center (built from them)
+
+    def _anchors(self, pin: bool) -> list[torch.Tensor]:
+        """The base for anchored weight decay: a host copy of every live weight in its own dtype, bit for bit
+        (widening it gives the initial master exactly)."""
+        if self.centers[:1] and self.centers[0].dtype != torch.float32:
+            raise ValueError("anchor (anchored weight decay) needs the float32 master (master_dtype=torch.float32)")
+        out = [torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device="cpu", pin_memory=pin) for v in self.views]
+        for a, v in zip(out, self.views):
+            a.copy_(v.tensor)
+        return out
 
     def _checked_scales(self, sigma_scales: Sequence[float] | None) -> list[float] | None:
         if sigma_scales is None:
@@ -305,8 +341,8 @@ class CenterStore:
     # -- memory -----------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Host memory held by centers, optimizer state and mirrors, in bytes."""
-        ts = self.centers + [t for ts in self.state.values() for t in ts] + (self.mirrors or [])
+        """Host memory held by centers, optimizer state, mirrors and anchors, in bytes."""
+        ts = self.centers + [t for ts in self.state.values() for t in ts] + (self.mirrors or []) + (self.anchors or [])
         return sum(t.numel() * t.element_size() for t in ts) + (self.patch.nbytes if self.patch else 0)
 
     def noise_energy(self) -> float:
@@ -370,16 +406,24 @@ class CenterStore:
                 c.mul_(factor)
 
     def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
         """center <- decay·center; then the step d = Σ_n coeffs[n]·s_t·ε(seeds[n]) through the optimizer
-        (sgd: center += d, fused, in one multi-tensor call); then restore the live weights.
+        (sgd: center += d, fused, in one multi-tensor call); then the anchor step toward the base; then
+        restore the live weights.
 
         seeds: N ints in [0, 2^64) (any iterable); coeffs: N finite floats (rounded to float32).
-        lr: the iteration's α, required by adam (whose step size it is).  Everything is validated
-        before anything moves.
+        lr: the iteration's α, required by adam (whose step size it is).  anchor: ``{"norm": "l2" |
+        "l1", "amount": α·λ}`` or None (:mod:`espert.ops.anchor`; every view, decay exclusions or not).
+        Everything is validated before anything moves.
         """
         seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)
+        anchor = check_anchor(anchor, self.anchors)
         opt = self.optimizer
         if opt.name == "adam" and lr is None:
             raise ValueError("the adam optimizer needs lr (the iteration's alpha)")
@@ -387,25 +431,38 @@ class CenterStore:
         if decay != 1.0:
             self.scale(decay)
         if opt.name == "sgd" and self.update_on is not None:
-            self._staged_update(seeds, coeffs)
-        elif opt.name == "sgd":
-            ops.es_update_many_(self._items(self.centers), seeds, coeffs, noise=self.noise, scales=self.sigma_scales)
+            self._staged_update(seeds, coeffs, anchor)
         else:
-            self.step += 1
-            self._optimizer_step(seeds, coeffs, lr)
+            if opt.name == "sgd":
+                ops.es_update_many_(
+                    self._items(self.centers), seeds, coeffs, noise=self.noise, scales=self.sigma_scales
+                )
+            else:
+                self.step += 1
+                self._optimizer_step(seeds, coeffs, lr)
+            for c, a in zip(self.centers, self.anchors if anchor else []):
+                anchor_decay_(c, a, anchor)
         self._rebuild_mirrors()
         self.restore()
 
-    def _staged_update(self, seeds: list[int], coeffs: list[float]) -> None:
+    def _staged_update(self, seeds: list[int], coeffs: list[float], anchor: dict | None) -> None:
         """The sgd update on ``update_on``: each ≤ 64 MiB chunk of the master goes up, gets the fused update
-        with its Block, and comes back.  The device holds only the staging buffer."""
+        with its Block (and the anchor step, its chunk of the anchor staged beside it), and comes back.  The
+        device holds only the staging buffers."""
         staging = torch.empty(_chunk_elems(), dtype=torch.float32, device=self.update_on)
+        held = torch.empty(_chunk_elems() if anchor else 0, dtype=torch.float32, device=self.update_on)
         for i, v in enumerate(self.views):
             scale = None if self.sigma_scales is None else [self.sigma_scales[i]]
+            pieces = _chunks(self.anchors[i], v.block, _chunk_elems()) if anchor else None
             for c, blk in _chunks(self.centers[i], v.block, _chunk_elems()):
                 s = staging[: c.numel()].view(c.shape)
                 s.copy_(c, non_blocking=True)
                 ops.es_update_many_([(s, v.key, blk)], seeds, coeffs, noise=self.noise, scales=scale)
+                if anchor:
+                    a = next(pieces)[0]
+                    h = held.view(a.dtype)[: a.numel()].view(a.shape)
+                    h.copy_(a, non_blocking=True)
+                    anchor_decay_(s, h, anchor)
                 c.copy_(s)
 
     def _optimizer_step(self, seeds: list[int], coeffs: list[float], lr: float | None) -> None:

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_eval_parser(sub)
         add_analyze_parser(sub)
+        from espert.eval.forgetting import add_forgetting_parser
+
+        add_forgetting_parser(sub)
         from espert.experiments.compare import add_compare_parser
         from espert.experiments.sweep import add_sweep_parser
 
@@ -203,6 +206,12 @@ def _replay_parser(sub) -> None:
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/replay)")
     rp.add_argument("--upto", type=int, metavar="T", help="stop after iteration T (default: the last logged)")
+    rp.add_argument(
+        "--member",
+        type=int,
+        metavar="RANK",
+        help="a RandOpt run: also write the weights of the ensemble's member of this rank (from 1) to OUT/export",
+    )
     rp.set_defaults(func=cmd_replay)
 
 
@@ -434,7 +443,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from espert.runs import replay
 
-    res = replay(args.run_dir, args.out, upto=args.upto, echo=lambda s: print(s, file=sys.stderr))
+    res = replay(args.run_dir, args.out, upto=args.upto, echo=lambda s: print(s, file=sys.stderr), member=args.member)
     return 1 if res["matches_checkpoint"] is False else 0
 
 

@@ -36,6 +36,8 @@ PromptSampler = Literal["sha256", "python_random"]
 MemberErrors = Literal["raise", "nan"]
 Members = Literal["serial", "batched"]
 RestoreMode = Literal["copy", "patch"]
+AnchorNorm = Literal["l2", "l1"]
+Method = Literal["es", "randopt"]
 Tracker = Literal["wandb", "tensorboard"]
 
 NORMALIZATIONS: tuple[str, ...] = typing.get_args(Normalization)
@@ -155,6 +157,14 @@ class ESConfig:
     )
     exclude: list[str] | None = opt(None, "never perturb parameters matching these patterns (default: none)")
     # -- ES --
+    method: Method = opt(
+        "es",
+        "es (the ES loop) or randopt (RandOpt, arXiv 2603.12228: population members over the randopt_sigmas "
+        "grid, each scored once on prompts_per_iteration training prompts; the best randopt_top_k kept as "
+        "(seed, sigma) in RUN/ensemble.json, which espert eval scores by majority vote; docs/training.md)",
+    )
+    randopt_sigmas: str = opt("5e-4,1e-3,2e-3", "method randopt: the sigma grid, comma-separated")
+    randopt_top_k: int = opt(8, "method randopt: the ensemble's size K (its best members on the training prompts)")
     iterations: int = opt(80, "ES iterations")
     population: int = opt(32, "members per iteration (N; N/2 seeds when antithetic)")
     antithetic: bool = opt(True, "mirrored pairs (+eps, -eps) sharing a seed")
@@ -193,6 +203,14 @@ class ESConfig:
     weight_decay_exclude: list[str] = opt(
         list(NO_DECAY_DEFAULT), "parameters weight decay leaves alone (patterns; default: norms and biases)"
     )
+    anchor_decay: float = opt(
+        0.0,
+        "anchored weight decay (AWD) toward the base weights, lambda: after each update the float32 master "
+        "moves back to the base, l2: center <- base + (1 - alpha*lambda)*(center - base) (10 recommended), "
+        "l1: center - base soft-thresholded by alpha*lambda (0.01); every moved tensor, replayed, a host "
+        "copy of the base in the weights' dtype (docs/training.md); 0: off",
+    )
+    anchor_decay_norm: AnchorNorm = opt("l2", "anchored weight decay's penalty: l2 (a factor) or l1 (a soft threshold)")
     prompts_per_iteration: int = opt(32, "training prompts per iteration (all members share them)")
     prompt_sampler: PromptSampler = opt(
         "sha256",
@@ -234,7 +252,7 @@ class ESConfig:
             f"gguf_file {self.gguf_file!r} needs model to be the directory that holds it, not 'tiny'",
         )
         need(
-            not self.antithetic or self.population % 2 == 0,
+            not self.antithetic or self.population % 2 == 0 or self.method == "randopt",
             f"antithetic sampling needs an even population, got {self.population}",
         )
         need(0 <= self.seed < U64 and 0 <= self.tiny_seed < U64, "seed and tiny_seed must be in [0, 2^64)")
@@ -302,6 +320,15 @@ class ESConfig:
             )
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay must be >= 0")
         need(self.alpha * self.weight_decay < 1, "alpha·weight_decay must be < 1")
+        peak = max(self.alpha, self.alpha_end or 0.0) * self.anchor_decay
+        need(math.isfinite(self.anchor_decay) and self.anchor_decay >= 0, "anchor_decay must be a finite number >= 0")
+        need(self.anchor_decay_norm == "l1" or peak < 1, f"alpha·anchor_decay must be < 1 for l2, got {peak:g}")
+        grid = sigma_grid(self.randopt_sigmas)
+        need(bool(grid) and all(math.isfinite(s) and s > 0 for s in grid), "randopt_sigmas: finite numbers > 0")
+        need(
+            self.method != "randopt" or 1 <= self.randopt_top_k <= self.population,
+            "randopt_top_k must be in [1, population]",
+        )
         need(
             NOISE_RE.match(self.noise) is not None and int(self.noise.partition(":")[2] or 1) <= NOISE_MAX_RANK,
             f"noise must be gaussian, gaussian-icdf, rademacher or lowrank:R (1 <= R <= {NOISE_MAX_RANK}), got {self.noise!r}",
@@ -382,6 +409,14 @@ def smoke_line(changed: dict[str, tuple]) -> str:
     return f"[espert] {SMOKE_ENV}=1: smoke-test budget: " + ", ".join(
         f"{k} {a} -> {b}" for k, (a, b) in changed.items()
     )
+
+
+def sigma_grid(spec: str) -> list[float]:
+    """``"5e-4,1e-3"`` -> [0.0005, 0.001] (RandOpt's σ grid); ValueError naming a value that is not a number."""
+    try:
+        return [float(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"ESConfig: randopt_sigmas must be comma-separated numbers, got {spec!r}") from None
 
 
 def need(ok: bool, msg: str) -> None:

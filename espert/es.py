@@ -11,12 +11,14 @@ The step (``es_step``), with N members, antithetic pairs sharing a seed::
     z_n        = normalize(r) · min(1, std(r)/floor)          over valid members (nan = failed, dropped)
     c_k        = α_t / N_valid · Σ_{n: seed s_k} sign_n·z_n   one coefficient per seed
     θ         <- (1 - α_t·wd)·θ + Σ_k c_k·ε(s_k)              fused, on the float32 master
+    θ         <- θ_0 + (1 - α_t·λ)·(θ - θ_0)                   anchored weight decay (AWD), when λ > 0
+                 (l1: θ - θ_0 soft-thresholded by α_t·λ)       θ_0: the base weights
 
 so θ ← θ + α·(1/N)·Σ z_n ε_n exactly as in ES-at-Scale (Qiu et al. 2025): **we do not divide by
 σ** (the gradient estimate is (1/(Nσ))·Σ z_n ε_n, so α here plays the role of lr·σ; the seed
 papers use α = σ/2).  Noise never exists as a tensor: perturbation and update regenerate
 ε(seed, key, index) inside the kernels.  Everything that moves θ is logged before it is applied
-(seeds, coefficients, decay), so a run is replayable from the base model and its log alone.
+(seeds, coefficients, decay, anchor step), so a run is replayable from the base model and its log alone.
 
 Failure rule: a member whose reward is nan or infinite (failed rollout) is dropped; z-scores/ranks are
 computed over the valid members and N_valid divides the sum.  All valid rewards equal → zero
@@ -211,7 +213,7 @@ def es_step(
 
     ``write_ahead(record)`` is called after the update is decided and before it is applied (the run
     log); the record holds everything that moves θ: ``seeds``, ``coeffs`` (float64, rounded to
-    float32 by the op) and ``decay``.  noise_energy (see :func:`step_norm`): when given, the
+    float32 by the op), ``decay`` and ``anchor`` (the AWD step ``{"norm", "amount": α·λ}``, or None).  noise_energy (see :func:`step_norm`): when given, the
     record's ``step_norm`` is ‖Σ c_k ε_k‖.  Returns the record.
     """
     t0 = time.time()
@@ -226,6 +228,9 @@ def es_step(
     stats = reward_stats(rewards)
     skipped = stats["n_valid"] == 0
     decay = 1.0 if skipped else 1.0 - alpha * cfg.weight_decay
+    anchor = (
+        None if skipped or not cfg.anchor_decay else {"norm": cfg.anchor_decay_norm, "amount": alpha * cfg.anchor_decay}
+    )
     record = {
         "kind": "iter",
         "iteration": t,
@@ -237,6 +242,7 @@ def es_step(
         "seeds": seeds,
         "coeffs": coeffs,
         "decay": decay,
+        "anchor": anchor,
         "skipped": skipped,
         "zero_spread": not skipped and stats["max"] == stats["min"],
         "step_norm": None if noise_energy is None else step_norm(coeffs, noise_energy),
@@ -250,9 +256,14 @@ def es_step(
 
 def apply_record(evaluator: Evaluator, record: dict) -> None:
     """Apply a logged update (training and replay share this): decay, then Σ coeffs·ε(seeds) through the
-    optimizer, whose step size is the record's α.  ``evaluator``: anything with the Evaluator's
-    ``update(seeds, coeffs, decay, lr)`` (an Evaluator or a Center)."""
-    if record["seeds"] or record["decay"] != 1.0:
+    optimizer, whose step size is the record's α, then the anchor step when the record has one.
+    ``evaluator``: anything with the Evaluator's ``update(seeds, coeffs, decay, lr, anchor=None)`` (an
+    Evaluator or a Center; without an anchor step it is called as ``update(seeds, coeffs, decay, lr)``,
+    so centers written before AWD still replay their runs)."""
+    anchor = record.get("anchor")  # absent in records written before AWD
+    if anchor:
+        evaluator.update(record["seeds"], record["coeffs"], record["decay"], record["alpha"], anchor=anchor)
+    elif record["seeds"] or record["decay"] != 1.0:
         evaluator.update(record["seeds"], record["coeffs"], record["decay"], record["alpha"])
 
 

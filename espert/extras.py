@@ -28,6 +28,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "gguf": ("gguf", "gguf"),
     "triton": ("triton", "triton"),
     "ray": ("ray", "ray"),
+    "lm_eval": ("lmeval", "lm-eval"),
 }
 
 

@@ -503,6 +503,27 @@ def update_reference(
     return apply_update(w, acc, dtype)
 
 
+def anchor_decay_reference(master: np.ndarray, anchor: np.ndarray, norm: str, amount: float) -> np.ndarray:
+    """Reference for ``espert.ops.anchor_decay_`` (anchored weight decay, csrc/anchor.h): the new master.
+
+    master, anchor: float32 arrays of one shape (the anchor's values widened exactly).  With d = m - a,
+    l2: a + fl32(1 - amount)·d; l1: a where |d| - fl32(amount) is not > 0, else a + sign(d)·(|d| - p);
+    every step a float32 operation; elements whose master or anchor is not finite are returned as they are."""
+    m = np.asarray(master, dtype=np.float32)
+    a = np.asarray(anchor, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = m - a
+        if norm == "l2":
+            r = a + np.float32(1.0 - amount) * d
+        elif norm == "l1":
+            s = np.abs(d) - np.float32(amount)
+            moved = a + np.copysign(s, d)
+            r = np.where(s > 0, moved, a)
+        else:
+            raise ValueError(f"unknown anchor norm {norm!r}")
+    return np.where(np.isfinite(m) & np.isfinite(a), r, m).astype(np.float32)
+
+
 # ---- golden vectors: committed in tests/golden/, regenerated only on a spec version bump ----
 
 GOLDEN_CASES = [  # (seed, parameter name, first logical index, count)

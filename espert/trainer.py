@@ -179,6 +179,8 @@ def train(
     loop = TrainingLoop(run, tasks, hook, echo)
     try:
         start, T = loop.setup(resume), run.cfg.iterations  # task record, evaluator, center, trackers
+        if run.cfg.method == "randopt":  # no iterations: members scored once, the ensemble kept
+            return {**run.summary(), **train_randopt(run, tasks.train, loop.evaluator, echo, stop)}
         bar = _progress(progress, T, start)
         stopped = None
         for t in range(start + 1, T + 1):
@@ -360,6 +362,37 @@ class TrainingLoop:
             self.trackers.close()
         if self.evaluator is not None:
             self.evaluator.close()
+
+
+def train_randopt(run, train_task, evaluator, echo=print, stop: Callable[[], bool] | None = None) -> dict:
+    """``method: randopt`` (:mod:`espert.randopt`): score the members the log does not hold yet, a window at a
+    time (each window's records logged before the next is evaluated), then log the ensemble and write
+    ``RUN/ensemble.json``.  Returns ``{"members", "ensemble": [(seed, σ)] | None, "stopped"}`` (``stopped``:
+    the members scored when ``stop()`` ended the run early, else None)."""
+    import json
+
+    from espert.randopt import ENSEMBLE, WINDOW, ensemble_doc, score_members
+    from espert.runs.files import atomic_write_text
+
+    cfg, say = run.cfg, echo or (lambda s: None)
+    idx = prompt_indices(cfg, 1, len(train_task))
+    prompts, answers = [train_task.prompts[i] for i in idx], [train_task.answers[i] for i in idx]
+    done = {r["k"]: r for r in run.records if r.get("kind") == "member"}
+    todo = [k for k in range(cfg.population) if k not in done]
+    for i in range(0, len(todo), WINDOW):
+        if stop is not None and stop():
+            return {"members": len(done), "ensemble": None, "stopped": len(done)}
+        for rec in score_members(evaluator, cfg, todo[i : i + WINDOW], prompts, answers):
+            run.append({**rec, "time": time.time()})
+            done[rec["k"]] = rec
+        best = max((r["reward"] for r in done.values() if r["reward"] is not None), default=None)
+        say(f"[espert] randopt: {len(done)}/{cfg.population} members scored, best training reward {best}")
+    doc = ensemble_doc(cfg, run.doc["base_model"], [done[k] for k in range(cfg.population)], len(idx))
+    if not any(r.get("kind") == "ensemble" for r in run.records):
+        run.append({"kind": "ensemble", "members": doc["members"], "time": time.time()})
+    atomic_write_text(run.file(ENSEMBLE), json.dumps(doc, indent=2) + "\n")
+    say(f"[espert] randopt: ensemble of {len(doc['members'])} members -> {run.file(ENSEMBLE)}")
+    return {"members": len(done), "ensemble": [(m["seed"], m["sigma"]) for m in doc["members"]], "stopped": None}
 
 
 def _build_evaluator(run, train_task, resume: bool):

@@ -1,9 +1,11 @@
 """ES vs GRPO end to end (espert.experiments.compare), the fast variant: same base, task, reward and rollout budget."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -121,3 +123,48 @@ def test_entropy_curves_put_every_method_on_the_same_budget_axis():
     assert curves["ES"] == [(0.0, 1.0), (0.5, 0.5), (1.0, 0.25)]
     assert curves["es-grpo"] == [(0.0, 1.0), (0.25, 0.9), (0.25, 0.9), (0.4375, 0.4), (1.0, 0.2)]
     assert "GRPO" not in curves
+
+
+def test_budget_is_what_each_method_spends():
+    from espert.experiments.compare.config import Budget
+
+    cc = CompareConfig.fast()
+    assert Budget.of(cc) == Budget("rollouts", cc.es_rollouts())
+    used = {"rollouts": 10, "prompt_tokens": 70, "generated_tokens": 30}
+    assert Budget("tokens", 100).done(used, 0.0) and not Budget("tokens", 101).done(used, 0.0)
+    assert Budget("rollouts", 10).done(used, 0.0) and Budget("rollouts", 10).steps(3) == 4
+    # seconds count from t0 (a clock time): an hour after a start just now is not spent, one ago is
+    now = time.time()
+    assert Budget("seconds", 3600).steps(3) is None and not Budget("seconds", 3600).done(used, now)
+    assert Budget("seconds", 3600).done(used, now - 3601)
+    for bad, match in (
+        (dict(budget="seconds"), "needs --budget-value"),
+        (dict(budget="flops", budget_value=1.0), "use one of rollouts, tokens, seconds"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Budget.of(dataclasses.replace(cc, **bad))
+    for methods in ("es,es", "es,sft", ""):
+        with pytest.raises(ValueError, match="--methods"):
+            dataclasses.replace(cc, methods=methods).arms()
+
+
+def test_equal_wall_clock_for_every_method(tmp_path, capsys):
+    """--budget seconds: ES, ES+AWD, GRPO and RandOpt each train until they have spent the same seconds (the
+    first check past them), the report says so per method, and RandOpt's ensemble is evaluated by vote."""
+    out = str(tmp_path / "cmp")
+    argv = ["compare", "--out", out, "--fast", "--methods", "es,es_awd,grpo,randopt", "--budget", "seconds",
+            "--budget-value", "3", "--randopt-top-k", "4", "--randopt-sigmas", "0.01,0.02", "--probe-points", "0"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.load(open(os.path.join(out, "compare.json")))
+    assert set(doc["budgets"]) == {"ES", "ES+AWD", "GRPO", "RandOpt"}
+    for b in doc["budgets"].values():
+        assert b["budget"] == {"kind": "seconds", "value": 3.0} and b["seconds"] >= 3.0 and b["rollouts"] > 0
+    assert doc["budgets"]["RandOpt"]["members"] >= 4 and doc["budgets"]["GRPO"]["steps"] >= 1
+    assert set(doc["eval"]) == {"base", "es", "es_awd", "grpo", "randopt"}
+    assert doc["eval"]["randopt"]["n_samples_per_problem"] == CompareConfig.fast().n
+    assert doc["drift"]["es_awd"]["overall"]["rel_l2"] < doc["drift"]["es"]["overall"]["rel_l2"]
+    text = open(os.path.join(out, "report.md")).read()
+    assert "| ES+AWD | 3 seconds |" in text and "| RandOpt | 3 seconds |" in text and " members |" in text
+    capsys.readouterr()
+    assert main(["compare", "--fast", "--methods", "es,randopt", "--randopt-top-k", "3", "--out", out + "2"]) == 2
+    assert "multiple of K" in capsys.readouterr().err

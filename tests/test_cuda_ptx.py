@@ -104,7 +104,7 @@ def nvcc(tmp_path: Path, source: str, kind: str) -> Path:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("source", ["csrc/cuda/apply_cuda.cu", "csrc/cuda/quant_cuda.cu"])
+@pytest.mark.parametrize("source", ["csrc/cuda/apply_cuda.cu", "csrc/cuda/quant_cuda.cu", "csrc/cuda/anchor_cuda.cu"])
 def test_cuda_kernels_ptx_has_no_flush_to_zero(tmp_path, source):
     assert_exact_ptx(source, nvcc_ptx(tmp_path, source))
 

@@ -207,10 +207,10 @@ def test_bfloat16_live_weights_resume_and_replay(tmp_path):
 
 
 def test_vllm_adam_run_resumes_and_replays_bit_identically(tmp_path, monkeypatch):
-    """evaluator: vllm with adam, rademacher noise, sigma_mode rms and decay exclusions: the checkpoint holds the
-    optimizer state the workers keep (``optim.*``), a run crashed after a checkpoint resumes bit-identically to
-    an uninterrupted one (answer diversity included), and replay (the torch center) rebuilds its checkpoint
-    exactly."""
+    """evaluator: vllm with adam, rademacher noise, sigma_mode rms, decay exclusions and anchored weight decay
+    (l1): the checkpoint holds the optimizer state the workers keep (``optim.*``), a run crashed after a
+    checkpoint resumes bit-identically to an uninterrupted one (answer diversity included; the workers' anchor
+    is the base again after the restart), and replay (the torch center) rebuilds its checkpoint exactly."""
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: faster to start
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -223,6 +223,8 @@ def test_vllm_adam_run_resumes_and_replays_bit_identically(tmp_path, monkeypatch
             "optimizer": "adam",
             "noise": "rademacher",
             "sigma_mode": "rms",
+            "anchor_decay": 0.02,
+            "anchor_decay_norm": "l1",
         }
     )
     a, b = str(tmp_path / "a"), str(tmp_path / "b")

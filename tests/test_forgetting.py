@@ -88,3 +88,14 @@ def test_each_task_may_bring_its_own_problems_file(tmp_path, capsys):
     argv[2:4] = ["copy", "copy=" + str(probs)]
     assert main([*argv[:-1], str(tmp_path / "o3")]) == 2
     assert "a task is given twice" in capsys.readouterr().err
+
+
+def test_the_table_with_one_sample_per_problem():
+    """n = 1 (greedy): K = 1, pass@K is pass@1, and every row still has its three columns (an IndexError
+    before)."""
+    copy = load_task("copy", "test", n=2)
+    reports = {"copy": build_report({"base": make_records("base", copy, [["x"], ["y"]]),
+                                     "es": make_records("es", copy, [[a] for a in copy.answers])})}  # fmt: skip
+    doc, text = forgetting(reports, base="base")
+    assert doc["tasks"]["copy"]["models"]["es"]["change"] == {"pass_at_1": 1.0, "maj_at_1": 1.0}
+    assert "+1.000" in text.splitlines()[-1]

@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the worker side of vLLM (and the class paths users write, which forward to it)
     ("vllm engine", ("espert.vllm.engine", "espert.vllm.worker", "espert.vllm.compat")),
     ("evaluators", ("espert.evaluators", "espert.vllm", "espert.vllm.driver")),
-    ("es", ("espert.es",)),
+    ("es", ("espert.es", "espert.randopt")),
     ("runs", ("espert.runs",)),
     ("train", ("espert.trainer", "espert.tracking")),
     (

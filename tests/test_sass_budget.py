@@ -296,3 +296,48 @@ def test_sass_instruction_budget(measured, record_property):
     backends = {k[0] for k in measured}
     assert {k for k in BUDGET if k[0] in backends} <= set(measured)  # every budgeted kernel was found
     assert "triton" in backends and ("cuda" in backends or NVCC is None)
+
+
+# Anchored weight decay (csrc/cuda/anchor_kernel.cuh): a grid-stride loop, memory-bound (master read and
+# written, anchor read: 10 B per element in bf16).  Its hot loop is the one with the most stores (nvcc
+# unrolls it); counted per stored element.  Measured 2026-12-04, nvcc 13, sm_90, with the norm a template
+# parameter (it was a runtime argument: 24.75 bf16, 23.75 fp32, 37.75 fp16, either norm); fp16's anchor
+# load converts in software.  (dtype, norm) -> SASS instructions per element.
+ANCHOR_BUDGET = {
+    ("fp32", "l2"): 16.75,
+    ("fp32", "l1"): 20.25,
+    ("fp16", "l2"): 36.75,
+    ("fp16", "l1"): 40.5,
+    ("bf16", "l2"): 17.25,
+    ("bf16", "l1"): 21.75,
+}
+
+
+def anchor_per_element(fn: dict) -> float:
+    """Instructions per stored element of the loop with the most global stores (NOPs excluded)."""
+    ins = fn["ins"]
+    best = max(
+        ((lp[2], sum(1 for a, t in ins if lp[0] <= a <= lp[1] and re.search(r"\bSTG\b", t))) for lp in loops(ins)),
+        key=lambda c: c[1],
+    )
+    assert best[1] > 0, "no loop that stores"
+    return best[0] / best[1]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_anchor_kernel_sass_budget(tmp_path, record_property):
+    fns = sass_functions(nvcc(tmp_path, "csrc/cuda/anchor_cuda.cu", "-cubin"))
+    seen = {}
+    for name, fn in fns.items():
+        m = re.search(r"anchor_kernelILi(\d)ELi(\d)E", name)
+        assert m, f"{name}: an anchor kernel without its dtype and norm as template parameters"
+        key = (DTYPES[int(m.group(1))], ("l2", "l1")[int(m.group(2))])
+        assert fn["local"] == 0, f"{key}: local memory (spills) in the SASS"
+        assert fn["regs"] <= 32, f"{key}: {fn['regs']} registers > 32"
+        seen[key] = anchor_per_element(fn)
+    record_property("table", "anchor_decay_ SASS instructions per element: " + ", ".join(
+        f"{dt} {norm} {v:.2f} (budget {ANCHOR_BUDGET[dt, norm]})" for (dt, norm), v in sorted(seen.items())
+    ))  # fmt: skip
+    assert set(seen) == set(ANCHOR_BUDGET)
+    for key, v in seen.items():
+        assert v <= ANCHOR_BUDGET[key], f"{key}: {v:.2f} instructions/element > {ANCHOR_BUDGET[key]}"

@@ -228,6 +228,39 @@ def test_es_iterations_update_codes_like_quant_center_store(ev, model, noise):
         assert torch.equal(c, model[1][k].qweight), k
 
 
+def test_anchored_weight_decay_on_the_w8a8_codes(ev, model):
+    """es_setup(anchor=True): ES steps with an l2 anchor step move the W8A8 masters (code domain) and the codes
+    exactly as a host QuantCenterStore(anchor=True) driven by the same records, and the float center too."""
+    from espert.es import ESConfig, es_step, prompt_indices
+
+    task = load_task("copy", "train", n=16)
+    ev.rpc("es_setup", anchor=True)
+    start = ev.center_state()
+    qviews = [
+        QuantParamView(k, QuantWeight("int8", qw.qweight.clone(), qw.scales.clone(), qw.out_features, qw.in_features))
+        for k, qw in model[1].items()
+    ]
+    host = QuantCenterStore(qviews, anchor=True)
+    cfg = ESConfig(population=4, sigma=0.02, alpha=0.05, prompts_per_iteration=4, iterations=2, anchor_decay=6.0)
+    records = []
+    try:
+        for t in range(1, 3):
+            idx = prompt_indices(cfg, t, len(task))
+            es_step(ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx], records.append)
+        assert all(r["anchor"] == {"norm": "l2", "amount": 0.05 * 6.0} for r in records)
+        for r in records:
+            host.update(r["seeds"], r["coeffs"], r["decay"], anchor=r["anchor"])
+        center, codes = ev.center_state(), live_codes(ev)
+        for v, m, c in zip(host.views, host.masters, host.codes):
+            assert torch.equal(center[v.name].view(torch.int32), m.view(torch.int32)), v.name
+            assert torch.equal(codes[v.name], c), v.name
+        info = ev.llm.collective_rpc(lambda w: w._es_center.inner.float.anchors is not None)
+        assert info == [True]
+    finally:
+        ev.load_center(start)
+        ev.rpc("es_setup")
+
+
 def test_w8a8_refuses_the_float_loop_fields(ev):
     """The W8A8 center moves int8 codes with sgd only (any noise family): other loop fields fail at setup with
     one clear error, and the engine keeps the center it had."""

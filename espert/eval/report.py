@@ -306,21 +306,14 @@ def forgetting(reports: dict[str, dict], base: str) -> tuple[dict, str]:
         k = max((int(x) for x in models[base]["pass_at_k"]), default=1)
         task = {"k": k, "models": {}}
         ref = models[base]
+        keys = ("pass_at_1", f"pass_at_{k}", f"maj_at_{k}")  # at K = 1 the first two are one key: rows keep three
+        ref_vals = (ref["pass_at_k"].get("1"), ref["pass_at_k"].get(str(k)), ref["maj_at_k"].get(str(k)))
         for lab, m in models.items():
-            vals = {
-                "pass_at_1": m["pass_at_k"].get("1"),
-                f"pass_at_{k}": m["pass_at_k"].get(str(k)),
-                f"maj_at_{k}": m["maj_at_k"].get(str(k)),
-            }
-            delta = {
-                key: None if v is None or ref_v is None else v - ref_v
-                for (key, v), ref_v in zip(
-                    vals.items(), (ref["pass_at_k"].get("1"), ref["pass_at_k"].get(str(k)), ref["maj_at_k"].get(str(k)))
-                )
-            }
-            task["models"][lab] = {**vals, "change": delta}
-            signed = [("" if lab == base else f"{d:+.3f}") if d is not None else "n/a" for d in delta.values()]
-            rows.append([f"{spec} (K={k})", lab] + [_fmt(v) for v in vals.values()] + signed)
+            vals = (m["pass_at_k"].get("1"), m["pass_at_k"].get(str(k)), m["maj_at_k"].get(str(k)))
+            delta = [None if v is None or r is None else v - r for v, r in zip(vals, ref_vals)]
+            task["models"][lab] = {**dict(zip(keys, vals)), "change": dict(zip(keys, delta))}
+            signed = [("" if lab == base else f"{d:+.3f}") if d is not None else "n/a" for d in delta]
+            rows.append([f"{spec} (K={k})", lab] + [_fmt(v) for v in vals] + signed)
         doc["tasks"][spec] = task
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     lines = [f"forgetting: every model on every task, change against {base!r}"]

@@ -6,11 +6,15 @@ A sampler is anything with::
 
 returning, for every prompt, ``n`` completions (generated text only, prompt excluded).
 :class:`TransformersSampler` (CPU or GPU, batched, seeded) is the default;
-:class:`VLLMSampler` is a thin wrapper over ``vllm.LLM.generate`` that imports vllm lazily.
+:class:`VLLMSampler` is a thin wrapper over ``vllm.LLM.generate`` that imports vllm lazily;
+:class:`EnsembleSampler` gives the K members of a RandOpt ensemble (``ensemble.json``) as the samples of
+one model, so pass@k and maj@k score the ensemble (maj@K is its vote).  :func:`make_sampler` takes a
+model directory, a run directory (its ``export/``) or an ensemble.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
@@ -223,8 +227,104 @@ class VLLMSampler:
         del self.llm
 
 
+class EnsembleSampler:
+    """The members of a RandOpt ensemble as one sampler: for every problem, member m's greedy completion is
+    sample m (member order, the ensemble's rank order), so pass@1 is the members' mean accuracy, pass@K any
+    member's, and maj@K (``--maj first``, or ``subsets`` at k = n) the ensemble's plurality vote.
+
+    path: a RandOpt run directory or its ``ensemble.json`` (:mod:`espert.randopt`).  Each member is θ0 +
+    σ·ε(seed) made by the ES evaluator the run's config describes (noise, σ mode, parameter selection), on
+    ``evaluator`` (torch, or vllm, where ``vllm_members: batched`` lowrank members share a generate as LoRA
+    adapters), so it is the very model RandOpt scored.  Members answer greedily, as RandOpt's do:
+    temperature and top_p do not apply; n must be a multiple of K (each member's answer repeated n/K times).
+    """
+
+    def __init__(self, path: str, evaluator: str = "torch", chat_template: bool = False, device=None, **_):
+        from espert.config import ESConfig
+
+        doc, self.base = read_ensemble(path)
+        self.members = [(int(m["seed"]), float(m["sigma"])) for m in doc["members"]]
+        cfg = ESConfig.from_dict(doc["config"])
+        batched = evaluator == "vllm" and cfg.vllm_members == "batched"
+        self.cfg = dataclasses.replace(
+            cfg, evaluator=evaluator, chat_template=chat_template, device=device or "cpu", eval_size=0,
+            vllm_members="batched" if batched else "serial", member_errors="raise",
+        )  # fmt: skip
+        self._ev, self._max_tokens, self._texts = None, None, []
+
+    def _evaluator(self, max_tokens: int):
+        from espert.evaluators import build_evaluator
+
+        if self._ev is None or self._max_tokens != max_tokens:
+            self.close()
+
+            def record(completions, answers):  # every member's completions, in the order members ran
+                self._texts.append(list(completions))
+                return [0.0] * len(completions)
+
+            cfg = dataclasses.replace(self.cfg, max_new_tokens=max_tokens)
+            self._ev, self._max_tokens = build_evaluator(cfg, self.base, record), max_tokens
+        return self._ev
+
+    def sample(self, prompts, n, temperature=0.0, top_p=1.0, max_tokens=512, seed=0, **_) -> list[list[str]]:
+        """n completions per prompt: the K members' greedy answers, each repeated n/K times."""
+        _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
+        K = len(self.members)
+        if n % K:
+            raise ValueError(f"an ensemble of {K} members gives a multiple of {K} samples per problem, not n={n}")
+        ev, by_member = self._evaluator(max_tokens), {}
+        for sigma in dict.fromkeys(s for _, s in self.members):  # one call per σ: its members batch together
+            group = [i for i, (_, s) in enumerate(self.members) if s == sigma]
+            self._texts.clear()
+            ev.evaluate([(self.members[i][0], 1) for i in group], sigma, list(prompts), [""] * len(prompts))
+            by_member.update(zip(group, self._texts))
+        return [[by_member[m][p] for m in range(K) for _ in range(n // K)] for p in range(len(prompts))]
+
+    def close(self) -> None:
+        if self._ev is not None:
+            self._ev.close()
+            self._ev = None
+
+
+def read_ensemble(path: str) -> tuple[dict, str]:
+    """(the ensemble document, its base model's local directory) of a RandOpt run directory or ensemble.json."""
+    import json
+
+    from espert.randopt import ENSEMBLE
+    from espert.runs import BASE, resolve_model_dir
+
+    f = os.path.join(path, ENSEMBLE) if os.path.isdir(path) else path
+    with open(f, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    if doc.get("method") != "randopt" or not doc.get("members"):
+        raise ValueError(f"{f} is not a RandOpt ensemble (no members)")
+    ref = doc["base_model"]
+    base = os.path.join(os.path.dirname(os.path.abspath(f)), BASE) if ref == BASE else resolve_model_dir(ref)
+    return doc, base
+
+
+def is_ensemble(path: str) -> bool:
+    """True for a RandOpt run directory (it holds ensemble.json) or an ensemble.json file."""
+    from espert.randopt import ENSEMBLE
+
+    return os.path.isfile(os.path.join(path, ENSEMBLE)) or (os.path.basename(path) == ENSEMBLE and os.path.isfile(path))
+
+
+def model_dir(path: str) -> str:
+    """A run directory's final model (``RUN/export``); any other path as it is."""
+    from espert.runs import CONFIG, EXPORT
+
+    if os.path.isfile(os.path.join(path, CONFIG)) and os.path.isdir(os.path.join(path, EXPORT)):
+        return os.path.join(path, EXPORT)
+    return path
+
+
 def make_sampler(evaluator: str, model_path: str, **kwargs) -> Sampler:
-    """Construct a sampler by evaluator name (``torch``: transformers' generate, or ``vllm``)."""
+    """Construct a sampler by evaluator name (``torch``: transformers' generate, or ``vllm``) for a model
+    directory, a run directory (its export) or a RandOpt ensemble (:class:`EnsembleSampler`)."""
+    if is_ensemble(model_path):
+        return EnsembleSampler(model_path, evaluator, **kwargs)
+    model_path = model_dir(model_path)
     if evaluator == "torch":
         return TransformersSampler(model_path, **kwargs)
     if evaluator == "vllm":

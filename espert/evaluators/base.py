@@ -15,9 +15,10 @@ Contract of an :class:`Evaluator` (what the loop relies on):
     resumed runs rely on it to reproduce rewards.
 ``evaluate_center(prompts, answers) -> list[float]``
     Per-prompt rewards of the center itself (held-out evaluation).
-``update(seeds, coeffs, decay=1.0)``
-    ``center <- decay·center + Σ_n coeffs[n]·ε(seeds[n])`` on the float32 master, then the live
-    weights are restored to the new center.  Every replica must apply the same arithmetic: the
+``update(seeds, coeffs, decay=1.0, lr=None, anchor=None)``
+    ``center <- decay·center + Σ_n coeffs[n]·ε(seeds[n])`` on the float32 master, then (``anchor``: an
+    anchored-weight-decay step ``{"norm", "amount"}``) back toward the base, then the live weights are
+    restored to the new center.  Every replica must apply the same arithmetic: the
     update goes through the CPU op on the host master, so it is bit-identical everywhere.
 ``center_state() -> dict[str, Tensor]`` / ``load_center(state)``
     The float32 master by logical (checkpoint) name; what checkpoints save and replay rebuilds.
@@ -82,10 +83,16 @@ class Evaluator(abc.ABC):
 
     @abc.abstractmethod
     def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
         """``center <- decay·center``, then the step ``Σ coeffs[n]·ε(seeds[n])`` (through the center's
-        optimizer; ``lr`` is the iteration's α), then restore the live weights."""
+        optimizer; ``lr`` is the iteration's α), then the anchor step (``{"norm", "amount"}``, see
+        :mod:`espert.ops.anchor`), then restore the live weights."""
 
     @abc.abstractmethod
     def center_state(self) -> dict[str, torch.Tensor]:
@@ -246,8 +253,11 @@ class ModelEvaluator(Evaluator):
     def evaluate_center(self, prompts, answers):
         return list(self.rollout(prompts, answers))
 
-    def update(self, seeds, coeffs, decay=1.0, lr=None):
-        self.center.update(seeds, coeffs, decay, lr)
+    def update(self, seeds, coeffs, decay=1.0, lr=None, anchor=None):
+        if anchor is None:  # a Center of another package may predate the anchor argument
+            self.center.update(seeds, coeffs, decay, lr)
+        else:
+            self.center.update(seeds, coeffs, decay, lr, anchor=anchor)
 
     def center_state(self):
         return self.center.state_dict()

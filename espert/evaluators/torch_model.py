@@ -104,7 +104,7 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
                 f"(got {cfg.optimizer}, {cfg.sigma_mode})"
             )
         quantized = quantize_model(model, cfg.quant, group_size=cfg.quant_group_size)
-        return model_quant_center(quantized, pin=pin, noise=cfg.noise)
+        return model_quant_center(quantized, pin=pin, noise=cfg.noise, anchor=cfg.anchor_decay > 0)
     views = torch_param_views(model, include=cfg.include, exclude=cfg.exclude)
     if cfg.vllm_members == "batched":  # vLLM's LoRA members move only these
         views = lora_carried(model, views)
@@ -117,6 +117,7 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
         sigma_scales=rms_scales(views) if cfg.sigma_mode == "rms" else None,
         no_decay=cfg.weight_decay_exclude,
         restore=cfg.restore,
+        anchor=cfg.anchor_decay > 0,
     )
 
 

@@ -56,6 +56,7 @@ class Backend:
     unit_groups: Callable[[], int] | None = None  # GPU: Philox groups per launch unit (None: CPU tiles itself)
     quant: Callable | None = None  # (qw, geometry, master, mode, seeds, coeffs, key, family name) -> None
     write_patch: Callable | None = None  # (device, PatchList, n) -> None: records [0, n) written back
+    anchor: Callable | None = None  # (master, anchor, dtype code, norm code, p) -> None: anchored weight decay
 
     @property
     def run(self) -> Callable | None:
@@ -251,8 +252,33 @@ def _triton_block() -> int:
     return DEFAULT_BLOCK
 
 
+def _anchor_cpu(master, anchor, dtype: int, norm: int, p: float) -> None:
+    """Anchored weight decay (espert/ops/anchor.py) with the C++ kernel: one OpenMP pass on the host."""
+    sync_cpu_threads()
+    COUNTERS["launches"] += 1
+    _C.anchor_decay_cpu(master.data_ptr(), anchor.data_ptr(), dtype, master.numel(), norm, p)
+
+
+def _anchor_cuda(master, anchor, dtype: int, norm: int, p: float) -> None:
+    with torch.cuda.device(master.device):
+        COUNTERS["launches"] += 1
+        stream = torch.cuda.current_stream(master.device).cuda_stream
+        _C.anchor_decay_cuda(master.data_ptr(), anchor.data_ptr(), dtype, master.numel(), norm, p, stream)
+
+
+def _anchor_triton(master, anchor, dtype: int, norm: int, p: float) -> None:
+    from espert.kernels.anchor import anchor_decay
+
+    ctx = torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext()
+    with ctx:
+        COUNTERS["launches"] += 1
+        anchor_decay(master, anchor, norm, p)
+
+
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", lambda w: w.device.type == "cpu", _stage_cpu, _launch_cpu, write_patch=_patch_cpu),
+    "cpu": Backend(
+        "cpu", lambda w: w.device.type == "cpu", _stage_cpu, _launch_cpu, write_patch=_patch_cpu, anchor=_anchor_cpu
+    ),
     "cuda": Backend(
         "cuda",
         lambda w: w.is_cuda and bool(_C.has_cuda),
@@ -260,8 +286,17 @@ BACKENDS: dict[str, Backend] = {
         _launch_cuda,
         lambda: int(_C.CUDA_UNIT_GROUPS),
         write_patch=_patch_cuda,
+        anchor=_anchor_cuda,
     ),
-    "triton": Backend("triton", _triton_ok, _stage_triton, _launch_triton, _triton_block, write_patch=_patch_triton),
+    "triton": Backend(
+        "triton",
+        _triton_ok,
+        _stage_triton,
+        _launch_triton,
+        _triton_block,
+        write_patch=_patch_triton,
+        anchor=_anchor_triton,
+    ),
 }
 
 
@@ -287,7 +322,7 @@ def default_backend(w: torch.Tensor) -> str:
 
 def available_backends(w: torch.Tensor, kind: str = "run") -> list[str]:
     """Names of the backends whose capability gate accepts ``w`` and that have ``kind`` kernels
-    (``"run"``: float, ``"quant"``: quantized)."""
+    (``"run"``: float, ``"quant"``: quantized, ``"anchor"``: anchored weight decay)."""
     return [name for name, b in BACKENDS.items() if getattr(b, kind) is not None and b.supports(w)]
 
 
@@ -298,7 +333,7 @@ def select(w: torch.Tensor, name: str | None, kind: str = "run") -> Backend:
         raise ValueError(f"unknown backend {name!r}; known: {sorted(BACKENDS)}")
     b = BACKENDS[name]
     if getattr(b, kind) is None:
-        what = "float" if kind == "run" else "quantized"
+        what = {"run": "float", "quant": "quantized", "anchor": "anchored-weight-decay"}[kind]
         raise ValueError(f"backend {name!r} has no {what} kernels; available: {available_backends(w, kind)}")
     if not b.supports(w):
         raise ValueError(

@@ -11,6 +11,12 @@
 
 Scales and zero points are never changed; a host copy of the scales (1/g of the codes) lets the
 update run on the host whatever device the weights are on.
+
+Anchored weight decay (``anchor=True``): a second host copy of the codes as they were at construction
+(the base: 1 byte per int8 / fp8 weight, 0.5 per int4 one); an ``update(..., anchor=step)`` then moves
+each code-domain master toward the base's code-domain values (widened one tensor at a time, a bounded
+float32 temporary) and re-derives the codes.  In code units: the l1 threshold α·λ is in codes, like σ
+and α of a quantized run; l2's factor is unit-free (scales are fixed, so it is the same in values).
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from typing import Sequence
 import torch
 
 from espert import ops
-from espert.center import check_factor, check_state, check_update_args
+from espert.center import check_anchor, check_factor, check_state, check_update_args
 from espert.noise import NoiseFamily
 from espert.ops import Block
+from espert.ops.anchor import anchor_decay_
 from espert.params import LogicalParam
 
 from .formats import QuantWeight, dequantize, e4m3_bits_to_float, unpack_codes
@@ -61,12 +68,20 @@ class QuantCenterStore:
 
     views: QuantParamViews (weights on any device).  master: keep the float32 master (default).
     pin: page-lock the host code copies (faster GPU restores).  noise: the noise family
-    (``"gaussian"``, ``"gaussian-icdf"``, ``"rademacher"``, ``"lowrank:R"``; docs/noise.md §5).  Validates every view up front.
+    (``"gaussian"``, ``"gaussian-icdf"``, ``"rademacher"``, ``"lowrank:R"``; docs/noise.md §5).  anchor:
+    keep the base codes for anchored weight decay (module doc; needs the master).  Validates every view up front.
     """
 
     def __init__(
-        self, views: Sequence[QuantParamView], master: bool = True, pin: bool = False, noise: str = "gaussian"
+        self,
+        views: Sequence[QuantParamView],
+        master: bool = True,
+        pin: bool = False,
+        noise: str = "gaussian",
+        anchor: bool = False,
     ):
+        if anchor and not master:
+            raise ValueError("anchor (anchored weight decay) needs the float32 code-domain master (master=True)")
         self.noise = str(NoiseFamily.parse(noise))
         names = [v.name for v in views]
         if len(set(names)) != len(names):
@@ -97,6 +112,8 @@ class QuantCenterStore:
             self.host.append(h)
             if self.masters is not None:
                 self.masters.append(initial_master(h))
+        # the base codes (scales and zero points never change): what anchored weight decay pulls toward
+        self.anchors = [replace(h, qweight=h.qweight.clone()) for h in self.host] if anchor else None
 
     # -- CenterStore API -------------------------------------------------------------------
     @property
@@ -109,8 +126,9 @@ class QuantCenterStore:
 
     @property
     def nbytes(self) -> int:
-        """Host memory: exact codes + scales copies + masters, in bytes."""
+        """Host memory: exact codes + scales copies + masters + anchor codes, in bytes."""
         total = sum(c.numel() * c.element_size() for c in self.codes)
+        total += sum(a.qweight.numel() * a.qweight.element_size() for a in self.anchors or [])
         total += sum(h.scales.numel() * h.scales.element_size() for h in self.host)
         if self.masters is not None:
             total += sum(m.numel() * 4 for m in self.masters)
@@ -164,17 +182,27 @@ class QuantCenterStore:
             ops.perturb_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend, noise=self.noise)
 
     def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
         """center <- decay·center (:meth:`scale`), then center + Σ coeffs[n]·ε(seeds[n]) (fused, on the host),
-        then restore the live weights.  Arguments are validated first (any iterable works); ``lr`` is
-        accepted for the :class:`~espert.center.Center` protocol (the quantized center is plain sgd)."""
+        then the anchor step toward the base codes (module doc), then restore the live weights.  Arguments
+        are validated first (any iterable works); ``lr`` is accepted for the :class:`~espert.center.Center`
+        protocol (the quantized center is plain sgd)."""
         seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)
+        anchor = check_anchor(anchor, self.anchors)
         if decay != 1.0:
             self.scale(decay)
         for i, v in enumerate(self.views):
             m = None if self.masters is None else self.masters[i]
             ops.es_update_(self.host[i], seeds, coeffs, v.key, master=m, block=v.block, backend="cpu", noise=self.noise)
+            if anchor is not None:
+                anchor_decay_(m, initial_master(self.anchors[i]), anchor)
+                requantize_(self.host[i], m, backend="cpu")
         self.restore()
 
     def export_state(self) -> dict[str, torch.Tensor]:

@@ -113,7 +113,8 @@ def quant_param_views(model: torch.nn.Module) -> list[QuantParamView]:
 
 
 def model_quant_center(
-    model: torch.nn.Module, master: bool = True, pin: bool = False, noise: str = "gaussian"
+    model: torch.nn.Module, master: bool = True, pin: bool = False, noise: str = "gaussian", anchor: bool = False
 ) -> QuantCenterStore:
-    """The host center of a quantized model's QuantLinear weights (noise: the noise family, docs/noise.md §5)."""
-    return QuantCenterStore(quant_param_views(model), master=master, pin=pin, noise=noise)
+    """The host center of a quantized model's QuantLinear weights (noise: the noise family, docs/noise.md §5;
+    anchor: keep the base codes for anchored weight decay)."""
+    return QuantCenterStore(quant_param_views(model), master=master, pin=pin, noise=noise, anchor=anchor)

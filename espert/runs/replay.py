@@ -20,7 +20,11 @@ from espert.runs.run import read_run_config
 
 
 def replay(
-    run_dir: str, out_dir: str | None = None, upto: int | None = None, echo: Callable[[str], None] | None = print
+    run_dir: str,
+    out_dir: str | None = None,
+    upto: int | None = None,
+    echo: Callable[[str], None] | None = print,
+    member: int | None = None,
 ) -> dict:
     """Rebuild a run's center from its base model and log alone, on the CPU.
 
@@ -32,11 +36,56 @@ def replay(
     log that ends before the run's checkpoint or export (records are missing).  Writing into a run
     directory (OUT inside one, as the default is) takes its writer lock (:class:`RunBusy` while another
     process writes it); reading takes none, and sees only whole log lines and verified checkpoints.
+
+    A RandOpt run (``method: randopt``) has no updates: replay checks that every logged member's (seed, σ)
+    is the config's and that the logged ensemble is the top K of the logged rewards
+    (:func:`espert.randopt.check_log`), and with ``member`` (a rank in the ensemble, from 1) writes that
+    member's weights, θ0 + σ·ε(seed) rebuilt by the ops, to ``OUT/export/``.
     """
     echo = echo or (lambda s: None)
     out_dir = out_dir or os.path.join(run_dir, "replay")
     with writing_into(out_dir):  # into a run (the default: RUN/replay): one writer at a time
+        doc = read_run_config(run_dir)
+        if ESConfig.from_dict(doc["config"]).method == "randopt":
+            return _replay_randopt(run_dir, out_dir, doc, member, echo)
+        if member is not None:
+            raise ValueError("--member is for RandOpt runs (method: randopt); this run's method is es")
         return _replay(run_dir, out_dir, upto, echo)
+
+
+def _base_dir(run_dir: str, doc: dict, echo) -> str:
+    """The run's base model directory, checked against its fingerprint (a GGUF before it is converted)."""
+    base_ref = doc["base_model"]
+    base = os.path.join(run_dir, BASE) if base_ref == BASE else base_identity(base_ref)
+    check_base(base, doc.get("base_fingerprint"), echo)
+    return base if base_ref == BASE else resolve_model_dir(base_ref)
+
+
+def _replay_randopt(run_dir: str, out_dir: str, doc: dict, member: int | None, echo) -> dict:
+    from espert.evaluators import config_center, load_model
+    from espert.randopt import check_log
+
+    cfg = ESConfig.from_dict(doc["config"])
+    res = check_log(cfg, read_log(os.path.join(run_dir, LOG)))
+    echo(
+        f"[espert] randopt run: {res['members']} members logged, each (seed, sigma) the config's; ensemble: "
+        + ("the top K of the logged rewards" if res["ensemble"] else "not selected yet (the run is unfinished)")
+    )
+    if member is not None:
+        if not res["ensemble"] or not 1 <= member <= len(res["ensemble"]):
+            raise ValueError(f"--member must be a rank in the ensemble (1..{len(res['ensemble'] or [])}), got {member}")
+        base = _base_dir(run_dir, doc, echo)
+        model, _ = load_model(base, device="cpu", dtype=cfg.dtype)
+        center = config_center(model, cfg)
+        if not hasattr(center, "mirrors"):
+            raise ValueError("--member exports float weights; this RandOpt run perturbs quantized codes")
+        seed, sigma = res["ensemble"][member - 1]
+        center.perturb(seed, sigma, 1)
+        live = {v.name: v.tensor.detach().float() for v in center.views}
+        note = {"replayed_from": run_dir, "randopt_member": member, "seed": seed, "sigma": sigma}
+        export_model(live, base, os.path.join(out_dir, EXPORT), iteration=0, note=note)
+        echo(f"[espert] ensemble member {member} (seed {seed}, sigma {sigma:g}) -> {os.path.join(out_dir, EXPORT)}")
+    return {"iteration": 0, "out": out_dir, "matches_checkpoint": None, "randopt": res}
 
 
 def _replay(run_dir: str, out_dir: str, upto: int | None, echo: Callable[[str], None]) -> dict:
@@ -44,11 +93,7 @@ def _replay(run_dir: str, out_dir: str, upto: int | None, echo: Callable[[str], 
 
     doc = read_run_config(run_dir)
     cfg = ESConfig.from_dict(doc["config"])
-    base_ref = doc["base_model"]
-    base = os.path.join(run_dir, BASE) if base_ref == BASE else base_identity(base_ref)
-    check_base(base, doc.get("base_fingerprint"), echo)  # a GGUF file before it is converted
-    if base_ref != BASE:
-        base = resolve_model_dir(base_ref)
+    base = _base_dir(run_dir, doc, echo)
     log = os.path.join(run_dir, LOG)
     records = read_log(log)
     its = iteration_records(records, log)

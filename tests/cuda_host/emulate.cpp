@@ -11,7 +11,8 @@
 // per region its byte size, its address modulo 256 on the caller's side (kept, so the kernel sees the
 // alignment the caller's tensors have) and its bytes (padded to 8); n_members, seeds [n], coefficients
 // as float32 (padded to 8); max_blocks (0: the real grid); then kind 0: n_entries and the plan rows
-// [n, 18]; kind 2: the same, then a patch capacity (a recording perturb); kind 1: one QuantEntry row (26 words; its
+// [n, 18]; kind 2: the same, then a patch capacity (a recording perturb); kind 3: anchored weight decay (master and
+// anchor pointer fields, n, dtype code, norm code, p as float32 padded to 8); kind 1: one QuantEntry row (26 words; its
 // seeds, coeffs and n are replaced by the above). Pointer fields (plan: data, stage_a, stage_b; quant: codes, scales,
 // master, stage_a, stage_b) are (region + 1) << 44 | byte offset (0: null).  Each region is its own allocation, ending
 // where the region ends, so ASan sees any byte past it.  The caller checks the plan (_C.check_plan) first. OUT: kind 2
@@ -28,6 +29,7 @@
 // host_shim.h first: the kernel headers use its CUDA names
 #include "../../csrc/cuda/apply_kernel.cuh"
 #include "../../csrc/cuda/quant_kernel.cuh"
+#include "../../csrc/cuda/anchor_kernel.cuh"
 
 using namespace espert;
 
@@ -163,6 +165,28 @@ int main(int argc, char** argv) {
       blocks_run = forced(quant_blocks(units), max_blocks);
       grid(blocks_run, kQuantThreads, [&] { quant_kernel<E, L, MODE>(a, units); });
     });
+  } else if (kind == 3) {  // anchored weight decay: master and anchor pointers, n, dtype, norm, p (float32)
+    float* master = nullptr;
+    const void* anchor = nullptr;
+    master = reinterpret_cast<float*>(word());
+    anchor = reinterpret_cast<const void*>(word());
+    rebase(master);
+    rebase(anchor);
+    const int64_t n = word(), dtype = word(), norm = word();
+    float p;
+    bytes(&p, 4);
+    if (n > 0) {
+      blocks_run = forced(cuda_kernel::anchor_blocks(n), max_blocks);
+      DTYPE_SWITCH((int)dtype, DT, [&] {
+        const auto* a = static_cast<const typename Storage<DT>::T*>(anchor);
+        grid(blocks_run, cuda_kernel::kAnchorThreads, [&] {
+          if (norm == kAnchorL2)
+            cuda_kernel::anchor_kernel<DT, kAnchorL2>(master, a, n, p);
+          else
+            cuda_kernel::anchor_kernel<DT, kAnchorL1>(master, a, n, p);
+        });
+      });
+    }
   } else {
     fail("unknown kind", 2);
   }

@@ -32,7 +32,8 @@ BUILDS = {
     "sanitized": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
 }
 SOURCES = ["tests/cuda_host/emulate.cpp", "csrc/cuda/host_shim.h", "csrc/cuda/apply_kernel.cuh",
-           "csrc/cuda/quant_kernel.cuh", "csrc/apply.h", "csrc/noise.h", "csrc/quant.h"]  # fmt: skip
+           "csrc/cuda/quant_kernel.cuh", "csrc/cuda/anchor_kernel.cuh", "csrc/apply.h", "csrc/noise.h", "csrc/quant.h",
+           "csrc/anchor.h"]  # fmt: skip
 _FAILED: dict[Path, str] = {}
 _ES = {0: 4, 1: 2, 2: 2}  # plan dtype code -> bytes per element
 _F = {name: i for i, name in enumerate(_C.PLAN_FIELDS)}
@@ -180,6 +181,13 @@ class Emulator:
         ptrs = [row[_Q[n] : _Q[n] + 1] for n in names]
         self.run(1, extents, ptrs, row.tobytes, np.asarray(seeds, np.uint64), coeffs)
 
+    def anchor(self, master, anchor, dtype: int, norm: int, p: float) -> None:
+        """Anchored weight decay through the CUDA kernel's body (kind 3): master and anchor are the regions."""
+        extents = [(master.data_ptr(), master.numel() * 4), (anchor.data_ptr(), anchor.numel() * anchor.element_size())]
+        ptrs = [np.array([master.data_ptr(), anchor.data_ptr()], np.int64)]
+        tail = lambda: ptrs[0].tobytes() + struct.pack("<qqqf4x", master.numel(), dtype, norm, p)  # noqa: E731
+        self.run(3, extents, ptrs, tail, np.zeros(0, np.uint64), [])
+
 
 def register(monkeypatch=None, kind: str = "plain", max_blocks: int = 0, pad: int = 0) -> Emulator:
     """Install ``cuda_emulated`` in ops.BACKENDS (for the test, when given its monkeypatch; else for the
@@ -194,6 +202,7 @@ def register(monkeypatch=None, kind: str = "plain", max_blocks: int = 0, pad: in
         lambda: groups,
         em.quant,
         B._patch_cpu,  # the records hold this process's addresses: the CPU writes them back
+        em.anchor,
     )
     if monkeypatch is None:
         B.BACKENDS["cuda_emulated"] = be

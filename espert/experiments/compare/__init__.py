@@ -1,4 +1,4 @@
-"""ES against GRPO on one machine: the seed papers' comparison in miniature.
+"""ES against GRPO (and ES with anchored weight decay, and RandOpt) on one machine and one budget.
 
     espert compare --out runs/compare           # full run (8 minutes on a loaded 2-core machine)
     espert compare --out runs/compare --fast    # the CI variant (about a minute)
@@ -21,10 +21,14 @@ reward, one training prompt pool, one rollout budget:
 5. **Token entropy** of every model on the probe set (the held-out prompts), and of ES's center and
    GRPO's policy at ``probe_points + 1`` equally spaced points of their training (:class:`Probe`).
 
-Both budgets are counted the same way: one rollout is one completion of one prompt; generated
+Every budget is counted the same way: one rollout is one completion of one prompt; generated
 tokens are the completion's token ids up to and including the end token; forward FLOPs are
 ``2·P·(prompt + generated tokens)`` for the rollouts (GRPO's backward pass, about twice the forward,
-is reported separately).  Everything lands in ``OUT/report.md``, ``OUT/compare.json`` and the PNGs.
+is reported separately).  ``--budget rollouts|tokens|seconds`` (with ``--budget-value``) says what each
+method trains until it has spent (default: ES's rollouts); ``--methods es,es_awd,grpo,randopt`` which
+methods run (ES+AWD: ES with anchored weight decay; RandOpt: members scored until the budget is spent,
+its top K evaluated as an ensemble).  Everything lands in ``OUT/report.md``, ``OUT/compare.json`` and
+the PNGs; the report states each method's budget and what it spent.
 
 TRL is an optional extra (``pip install espert[compare]``); without it :func:`run_compare` stops with
 :class:`espert.extras.MissingExtra` before it builds anything.
@@ -40,9 +44,11 @@ import time
 from typing import Optional, Sequence
 
 from espert.config import SMOKE_CAPS, smoke_caps, smoke_line
-from espert.experiments.compare.arms import Probe, run_es, run_grpo
+from espert.experiments.compare.arms import Probe, run_es, run_grpo, run_randopt
 from espert.experiments.compare.config import (
     _HELP,
+    ARMS,
+    Budget,
     CompareConfig,
     load_tasks,
     parse_schedule,
@@ -154,10 +160,11 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
     try:
         budgets, models = train_all(base, out_dir, cc, echo, probe)
         report = evaluate(models, os.path.join(out_dir, "eval"), cc, echo)
-        entropy = {label: probe.of_dir(path) for label, path in models.items()}
+        single = {lab: path for lab, path in models.items() if lab != "randopt"}  # an ensemble is no one model
+        entropy = {label: probe.of_dir(path) for label, path in single.items()}
     finally:
         probe.close()
-    drift = {lab: compute_drift(base, path, per_tensor=False) for lab, path in models.items() if lab != "base"}
+    drift = {lab: compute_drift(base, path, per_tensor=False) for lab, path in single.items() if lab != "base"}
     plot_drift(drift, os.path.join(out_dir, "eval"))
     schedules = {schedule_label(sp): parse_schedule(sp) for sp in cc.schedules}
     _plot_probe_entropy(budgets, schedules, os.path.join(out_dir, "eval", "probe_entropy.png"))
@@ -179,16 +186,30 @@ def _check(cc: CompareConfig):
         raise ValueError(f"evaluator {cc.evaluator!r}: use torch or vllm")
     for spec in cc.schedules:
         parse_schedule(spec)
+    if cc.schedules and cc.budget != "rollouts":
+        raise ValueError("--schedule shares a rollout budget; use it with --budget rollouts")
+    if "randopt" in cc.arms() and cc.n % cc.randopt_top_k:
+        raise ValueError(f"RandOpt's ensemble of {cc.randopt_top_k} gives a multiple of K samples: -n {cc.n}")
+    Budget.of(cc)
     return load_tasks(cc)[1]
 
 
 def train_all(base: str, out_dir: str, cc: CompareConfig, echo, probe) -> tuple[dict, dict]:
-    """ES, GRPO and every ``--schedule`` composition from ``base``: (budgets by label, {label: model directory})."""
-    budgets = {
-        "ES": run_es(base, os.path.join(out_dir, "es"), cc, echo, probe=probe),
-        "GRPO": run_grpo(base, os.path.join(out_dir, "grpo"), cc, echo, probe=probe),
-    }
-    models = {"base": base, "es": os.path.join(out_dir, "es"), "grpo": os.path.join(out_dir, "grpo")}
+    """Every method of ``--methods`` until the budget is spent, and every ``--schedule`` composition, from
+    ``base``: (budgets spent by label, {label: model directory, or RandOpt's ensemble directory})."""
+    budget = Budget.of(cc)
+    budgets, models = {}, {"base": base}
+    for arm in cc.arms():
+        out, load = os.path.join(out_dir, arm), os.getloadavg()[0]  # a shared machine: the load is part of the time
+        if arm in ("es", "es_awd"):
+            spent = run_es(base, out, cc, echo, probe=probe, budget=budget, anchor=arm == "es_awd")
+        elif arm == "grpo":
+            spent = run_grpo(base, out, cc, echo, probe=probe, budget=budget)
+        else:
+            spent = run_randopt(base, out, cc, echo, budget=budget)
+        load = [round(load, 1), round(os.getloadavg()[0], 1)]
+        budgets[ARMS[arm]] = {**spent, "budget": {"kind": budget.kind, "value": budget.value}, "load_avg": load}
+        models[arm] = out
     for spec in cc.schedules:
         label = schedule_label(spec)
         budgets[label], phases = run_schedule(base, os.path.join(out_dir, label), spec, cc, echo, probe=probe)

@@ -1,9 +1,11 @@
-"""The two training methods ``espert compare`` runs on one budget: ES (espert's loop) and GRPO (TRL).
+"""The training methods ``espert compare`` runs on one budget: ES (espert's loop, with or without anchored
+weight decay), GRPO (TRL) and RandOpt (espert's :mod:`espert.randopt`).
 
-Both count their budget the same way (:func:`token_counter`): one rollout is one completion of one prompt;
-generated tokens are the completion's token ids up to and including the end token.  A :class:`Probe`
-measures the token entropy of each method's policy at equally spaced points of its training.  TRL and
-``datasets`` are imported only when GRPO runs.
+All count their budget the same way (:func:`token_counter`): one rollout is one completion of one prompt;
+generated tokens are the completion's token ids up to and including the end token.  Each trains until it
+has spent the :class:`~espert.experiments.compare.config.Budget` (checked after every iteration, step or
+window of members).  A :class:`Probe` measures the token entropy of each method's policy at equally spaced
+points of its training.  TRL and ``datasets`` are imported only when GRPO runs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import time
 from typing import Optional, Sequence
 
-from espert.experiments.compare.config import CompareConfig, load_tasks
+from espert.experiments.compare.config import Budget, CompareConfig, load_tasks
 from espert.tasks.base import chat_prompt
 
 
@@ -87,48 +89,74 @@ class Probe:
 
 
 def run_es(
-    base_dir: str, out_dir: str, cc: CompareConfig, echo=print, iterations: Optional[int] = None, probe=None
+    base_dir: str,
+    out_dir: str,
+    cc: CompareConfig,
+    echo=print,
+    iterations: Optional[int] = None,
+    probe=None,
+    budget: Budget | None = None,
+    anchor: bool = False,
 ) -> dict:
-    """ES on ``cc.task`` from ``base_dir`` for ``iterations`` (default ``cc.iterations``) on
-    ``cc.evaluator``; exports the final center to ``out_dir`` in the base's format; returns the budget
-    (with ``probe_entropy``: ``[(iteration, bits)]`` when a :class:`Probe` is given)."""
-    if iterations is not None:
-        cc = dataclasses.replace(cc, iterations=iterations)
+    """ES on ``cc.task`` from ``base_dir`` on ``cc.evaluator``, for ``iterations`` (a schedule's phase), else
+    until ``budget`` is spent (default: the rollouts of ``cc.iterations``); ``anchor``: with anchored weight
+    decay (``cc.anchor_decay``).  Exports the final center to ``out_dir`` in the base's format; returns the
+    budget spent (with ``probe_entropy``: ``[(iteration, bits)]`` when a :class:`Probe` is given)."""
+    budget = Budget("rollouts", (iterations or cc.iterations) * cc.population * cc.prompts_per_iteration) if (
+        iterations is not None or budget is None
+    ) else budget  # fmt: skip
     from transformers import AutoTokenizer
 
-    from espert.es import es_step, prompt_indices
     from espert.evaluators import build_evaluator
     from espert.runs.export import export_model
 
     train, _ = load_tasks(cc)
     tok = AutoTokenizer.from_pretrained(base_dir)
-    budget, score = _counted(train.score, token_counter(tok, cc.max_new_tokens))
-    cfg = es_config(cc, base_dir)
+    used, score = _counted(train.score, token_counter(tok, cc.max_new_tokens))
+    cfg = es_config(cc, base_dir, anchor)
+    t_load = time.time()
     ev = build_evaluator(cfg, base_dir, score)
     t0 = time.time()
-    curve, entropy = [], []
-    due = set(probe_steps(cc.iterations, cc.probe_points)) if probe else set()
     try:
-        if 0 in due:
-            entropy.append((0, probe(ev.export_state())))
-        for t in range(1, cc.iterations + 1):
-            idx = prompt_indices(cfg, t, len(train))
-            prompts = [train.prompts[i] for i in idx]
-            budget["prompt_tokens"] += cc.population * sum(
-                len(tok(chat_prompt(tok, p) if cc.chat_template else p).input_ids) for p in prompts
-            )
-            rec = es_step(ev, cfg, t, prompts, [train.answers[i] for i in idx])
-            curve.append(rec["reward"]["mean"])
-            if t in due:
-                entropy.append((t, probe(ev.export_state())))
-            if echo and (t % max(1, cc.iterations // 5) == 0 or t == cc.iterations):
-                echo(f"[compare] ES iteration {t}/{cc.iterations}: mean member reward {rec['reward']['mean']:.3f}")
+        curve, entropy, t = _es_loop(ev, cfg, cc, train, tok, used, budget, t0, probe, echo)
         stream = ev.center_stream()  # vLLM: chunk by chunk from the workers; torch: the dict
         export_model(ev.export_state() if stream is None else stream, base_dir, out_dir)
     finally:
         ev.close()
-    budget.update(seconds=round(time.time() - t0, 1), train_reward=curve, probe_entropy=entropy)
-    return budget
+    used.update(seconds=round(time.time() - t0, 1), load_seconds=round(t0 - t_load, 1), iterations=t)
+    used.update(train_reward=curve, probe_entropy=entropy)
+    return used
+
+
+def _es_loop(ev, cfg, cc: CompareConfig, train, tok, used: dict, budget: Budget, t0: float, probe, echo):
+    """ES iterations until ``budget`` is spent: (mean member reward per iteration, probes, iterations run)."""
+    from espert.es import es_step, prompt_indices
+
+    per_iter = cc.population * cc.prompts_per_iteration
+    total = budget.steps(per_iter)  # known for a rollout budget: probes at equal fractions of it
+    due = set(probe_steps(total, cc.probe_points)) if probe and total else {0} if probe else set()
+    curve, entropy, t = [], [], 0
+    if 0 in due:
+        entropy.append((0, probe(ev.export_state())))
+    while not budget.done(used, t0):
+        t += 1
+        idx = prompt_indices(cfg, t, len(train))
+        prompts = [train.prompts[i] for i in idx]
+        used["prompt_tokens"] += cc.population * sum(
+            len(tok(chat_prompt(tok, p) if cc.chat_template else p).input_ids) for p in prompts
+        )
+        rec = es_step(ev, cfg, t, prompts, [train.answers[i] for i in idx])
+        curve.append(rec["reward"]["mean"])
+        if t in due or (probe and total is None and budget.done(used, t0)):  # unknown length: probe the end
+            entropy.append((t, probe(ev.export_state())))
+        if echo and (t % max(1, (total or 10) // 5) == 0 or budget.done(used, t0)):
+            spent = f"{budget.spent(used, t0):.0f}/{budget.value:.0f} {budget.kind}"
+            echo(f"[compare] {cfg_label(cfg)} iteration {t} ({spent}): mean member reward {rec['reward']['mean']:.3f}")
+    return curve, entropy, t
+
+
+def cfg_label(cfg) -> str:
+    return "ES+AWD" if cfg.anchor_decay else "ES"
 
 
 def _counted(score, count):
@@ -143,11 +171,12 @@ def _counted(score, count):
     return budget, counted
 
 
-def es_config(cc: CompareConfig, base_dir: str):
-    """The :class:`~espert.config.ESConfig` of the ES arm (no held-out evaluation: compare evaluates after)."""
+def es_config(cc: CompareConfig, base_dir: str, anchor: bool = False, **more):
+    """The :class:`~espert.config.ESConfig` of the ES arm (no held-out evaluation: compare evaluates after);
+    ``anchor``: with anchored weight decay; ``more``: fields to set besides (RandOpt's)."""
     from espert.config import ESConfig
 
-    return ESConfig(
+    fields = dict(
         model=base_dir,
         task=cc.task,
         iterations=cc.iterations,
@@ -160,7 +189,56 @@ def es_config(cc: CompareConfig, base_dir: str):
         chat_template=cc.chat_template,
         evaluator=cc.evaluator,
         eval_size=0,
+        anchor_decay=cc.anchor_decay if anchor else 0.0,
+        anchor_decay_norm=cc.anchor_decay_norm,
     )
+    return ESConfig(**{**fields, **more})
+
+
+def run_randopt(base_dir: str, out_dir: str, cc: CompareConfig, echo=print, budget: Budget | None = None) -> dict:
+    """RandOpt (:mod:`espert.randopt`) from ``base_dir``: members scored a window of 8 at a time on
+    ``cc.prompts_per_iteration`` training prompts until ``budget`` is spent (default: ES's rollouts), then the
+    top ``cc.randopt_top_k`` written to ``out_dir/ensemble.json`` (``espert eval`` scores the ensemble).
+    Returns the budget spent, with the members scored."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from espert.es import prompt_indices
+    from espert.evaluators import build_evaluator
+    from espert.randopt import ENSEMBLE, ensemble_doc, score_members
+    from espert.runs.files import atomic_write_text
+
+    budget = budget or Budget("rollouts", cc.es_rollouts())
+    train, _ = load_tasks(cc)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    used, score = _counted(train.score, token_counter(tok, cc.max_new_tokens))
+    cap = max(cc.randopt_top_k, budget.steps(cc.prompts_per_iteration) or 1_000_000)
+    cfg = es_config(cc, base_dir, method="randopt", population=cap, randopt_top_k=cc.randopt_top_k,
+                    randopt_sigmas=cc.randopt_sigmas, antithetic=False)  # fmt: skip
+    idx = prompt_indices(cfg, 1, len(train))
+    prompts, answers = [train.prompts[i] for i in idx], [train.answers[i] for i in idx]
+    per_member = sum(len(tok(chat_prompt(tok, p) if cc.chat_template else p).input_ids) for p in prompts)
+    t_load = time.time()
+    ev = build_evaluator(cfg, base_dir, score)
+    t0, records = time.time(), []
+    try:
+        while not budget.done(used, t0) and len(records) < cap:
+            ks = list(range(len(records), min(cap, len(records) + 8)))
+            records += score_members(ev, cfg, ks, prompts, answers)
+            used["prompt_tokens"] += per_member * len(ks)
+            if echo:
+                best = max(r["reward"] or 0.0 for r in records)
+                echo(f"[compare] RandOpt: {len(records)} members ({budget.spent(used, t0):.0f}/{budget.value:.0f} "
+                     f"{budget.kind}), best training reward {best:.3f}")  # fmt: skip
+    finally:
+        ev.close()
+    os.makedirs(out_dir, exist_ok=True)
+    doc = ensemble_doc(dataclasses.replace(cfg, population=len(records)), os.path.abspath(base_dir), records, len(idx))
+    atomic_write_text(os.path.join(out_dir, ENSEMBLE), json.dumps(doc, indent=2) + "\n")
+    used.update(seconds=round(time.time() - t0, 1), load_seconds=round(t0 - t_load, 1), members=len(records))
+    used.update(train_reward=[r["reward"] for r in records], probe_entropy=[])
+    return used
 
 
 def trl_names(*names: str):
@@ -183,11 +261,20 @@ def trl_names(*names: str):
 
 
 def run_grpo(
-    base_dir: str, out_dir: str, cc: CompareConfig, echo=print, steps: Optional[int] = None, probe=None
+    base_dir: str,
+    out_dir: str,
+    cc: CompareConfig,
+    echo=print,
+    steps: Optional[int] = None,
+    probe=None,
+    budget: Budget | None = None,
 ) -> dict:
-    """GRPO (``trl.GRPOTrainer``) on ``cc.task`` from ``base_dir`` for ``steps`` optimizer steps (default:
-    ES's rollout budget, :meth:`CompareConfig.grpo_steps`); saves to ``out_dir``.  With ``cc.chat_template``
-    the prompts are TRL's conversational ones, so TRL applies the same template as ES and eval."""
+    """GRPO (``trl.GRPOTrainer``) on ``cc.task`` from ``base_dir`` for ``steps`` optimizer steps (a schedule's
+    phase), else until ``budget`` is spent (default: ES's rollouts, :meth:`CompareConfig.grpo_steps`); saves
+    to ``out_dir``.  A rollout budget fixes the steps (the learning rate decays linearly over them, TRL's
+    default); a token or time budget stops training at the first step past it, and the learning rate is then
+    constant (the number of steps is not known in advance).  With ``cc.chat_template`` the prompts are TRL's
+    conversational ones, so TRL applies the same template as ES and eval."""
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback
 
@@ -195,54 +282,69 @@ def run_grpo(
 
     train, _ = load_tasks(cc)
     tok = AutoTokenizer.from_pretrained(base_dir)
-    count = token_counter(tok, cc.max_new_tokens)
-    budget = {"rollouts": 0, "prompt_tokens": 0, "generated_tokens": 0}
+    budget_used = {"rollouts": 0, "prompt_tokens": 0, "generated_tokens": 0}
     curve = []
-
-    def task_reward(prompts, completions, answer, **kw):
-        # conversational completions are [{"role": "assistant", "content": text}]
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        budget["rollouts"] += len(texts)
-        budget["generated_tokens"] += count(texts)
-        budget["prompt_tokens"] += sum(
-            len(tok(p if isinstance(p, str) else chat_prompt(tok, p[-1]["content"])).input_ids) for p in prompts
-        )
-        r = train.score(texts, answer)
-        curve.append(sum(r) / len(r))
-        return r
-
-    steps = cc.grpo_steps() if steps is None else steps
-    entropy = []
+    task_reward = _counted_reward(train, tok, cc.max_new_tokens, budget_used, curve)
+    if steps is None:
+        budget = budget or Budget("rollouts", cc.es_rollouts())
+        steps = budget.steps(cc.num_generations * cc.prompts_per_step)  # None: stopped by the budget
+    else:
+        budget = None
+    entropy, clock = [], {"t0": time.time()}
+    due = set(probe_steps(steps, cc.probe_points)) if probe and steps else {0} if probe else set()
     prompts = [[{"role": "user", "content": p}] if cc.chat_template else p for p in train.prompts]
+    t_load = time.time()
     trainer = GRPOTrainer(
         model=base_dir,
         reward_funcs=[task_reward],
         args=grpo_args(cc, os.path.join(out_dir, "_trl"), steps),
         train_dataset=Dataset.from_dict({"prompt": prompts, "answer": train.answers}),
         processing_class=tok,
-        callbacks=[_probe_callback(probe, set(probe_steps(steps, cc.probe_points)) if probe else set(), entropy)],
+        callbacks=[_probe_callback(probe, due, entropy), _budget_callback(budget, budget_used, clock, probe, entropy)],
     )
     trainer.remove_callback(PrinterCallback)  # its raw log dicts; the budget and curve are in the report
-    t0 = time.time()
+    t0 = clock["t0"] = time.time()
     trainer.train()
     trainer.model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
+    done = trainer.state.global_step
     if echo:
-        echo(f"[compare] GRPO: {steps} steps, last mean reward {curve[-1]:.3f}")
+        echo(f"[compare] GRPO: {done} steps, last mean reward {curve[-1]:.3f}")
     # TRL's own token entropy of the policy on its sampled completions (nats), at each logging step:
     # GRPO's entropy during training, in bits
     own = [(h["step"], h["entropy"] / math.log(2)) for h in trainer.state.log_history if "entropy" in h]
-    budget.update(
-        seconds=round(time.time() - t0, 1), steps=steps, train_reward=curve, train_entropy=own, probe_entropy=entropy
-    )
-    return budget
+    budget_used.update(seconds=round(time.time() - t0, 1), load_seconds=round(t0 - t_load, 1), steps=done)
+    budget_used.update(train_reward=curve, train_entropy=own, probe_entropy=entropy)
+    return budget_used
 
 
-def grpo_args(cc: CompareConfig, output_dir: str, steps: int):
-    """TRL's ``GRPOConfig`` of the GRPO arm: CPU, no KL term (beta 0), nothing saved or reported by TRL."""
+def _counted_reward(train, tok, max_new_tokens: int, budget_used: dict, curve: list):
+    """TRL's reward function for the task: scores the completions, counts the rollouts and the prompt and
+    generated tokens into ``budget_used`` and appends each batch's mean reward to ``curve``."""
+    count = token_counter(tok, max_new_tokens)
+
+    def task_reward(prompts, completions, answer, **kw):
+        # conversational completions are [{"role": "assistant", "content": text}]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        budget_used["rollouts"] += len(texts)
+        budget_used["generated_tokens"] += count(texts)
+        budget_used["prompt_tokens"] += sum(
+            len(tok(p if isinstance(p, str) else chat_prompt(tok, p[-1]["content"])).input_ids) for p in prompts
+        )
+        r = train.score(texts, answer)
+        curve.append(sum(r) / len(r))
+        return r
+
+    return task_reward
+
+
+def grpo_args(cc: CompareConfig, output_dir: str, steps: int | None):
+    """TRL's ``GRPOConfig`` of the GRPO arm: CPU, no KL term (beta 0), nothing saved or reported by TRL;
+    steps None (stopped by a token or time budget): a constant learning rate."""
     return trl_names("GRPOConfig")(
         output_dir=output_dir,
-        max_steps=steps,
+        max_steps=steps or 1_000_000,
+        lr_scheduler_type="linear" if steps else "constant",
         learning_rate=cc.learning_rate,
         per_device_train_batch_size=cc.num_generations * cc.prompts_per_step,
         num_generations=cc.num_generations,
@@ -252,12 +354,27 @@ def grpo_args(cc: CompareConfig, output_dir: str, steps: int):
         use_cpu=True,
         report_to="none",
         save_strategy="no",
-        logging_steps=max(1, steps // 5),
+        logging_steps=max(1, steps // 5) if steps else 5,
         seed=cc.seed,
         disable_tqdm=True,
         bf16=False,
         dataloader_num_workers=0,
     )
+
+
+def _budget_callback(budget: Budget | None, used: dict, clock: dict, probe, entropy: list):
+    """A TRL callback that stops training at the first step end past ``budget`` (a token or time budget; a
+    rollout budget fixes max_steps instead), probing the policy there when a probe is given."""
+    from transformers import TrainerCallback
+
+    class BudgetCallback(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if budget is not None and budget.kind != "rollouts" and budget.done(used, clock["t0"]):
+                control.should_training_stop = True
+                if probe is not None:
+                    entropy.append((state.global_step, probe(model.state_dict())))
+
+    return BudgetCallback()
 
 
 def _probe_callback(probe, due: set, entropy: list):

@@ -1,10 +1,19 @@
 """What ``espert compare`` compares and at which size: :class:`CompareConfig` (every field is a flag),
-the sequential compositions of ES and GRPO (``--schedule``), and the task's problems."""
+the budget every method trains until it has spent (:class:`Budget`), the sequential compositions of ES
+and GRPO (``--schedule``), and the task's problems."""
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Optional
+
+#: What a method's training is stopped by: its rollouts, its tokens (prompt + generated, the forward
+#: passes' input) or its wall-clock seconds of training (model loading and engine start excluded).
+BUDGETS = ("rollouts", "tokens", "seconds")
+#: The methods ``--methods`` may name (labels in the report: ES, ES+AWD, GRPO, RandOpt).
+ARMS = {"es": "ES", "es_awd": "ES+AWD", "grpo": "GRPO", "randopt": "RandOpt"}
 
 
 #: What the two methods are compared on (model, task, budget).  Defaults: the full run.
@@ -43,6 +52,17 @@ class CompareConfig:
     prompts_per_step: int = 8
     learning_rate: float = 1e-3
     seed: int = 0
+    # the budget every method trains until it has spent (budget_value 0: ES's rollouts, iterations ×
+    # population × prompts_per_iteration; tokens and seconds need a value)
+    budget: str = "rollouts"
+    budget_value: float = 0.0
+    methods: str = "es,grpo"  # comma-separated: es, es_awd, grpo, randopt
+    # ES+AWD: anchored weight decay toward the base (lambda, norm)
+    anchor_decay: float = 10.0
+    anchor_decay_norm: str = "l2"
+    # RandOpt: the sigma grid and the ensemble's size (members are scored on prompts_per_iteration prompts)
+    randopt_sigmas: str = "5e-4,1e-3,2e-3"
+    randopt_top_k: int = 8
     # sequential compositions, e.g. ("es:0.5,grpo:0.5",): phases trained one after the other
     schedules: tuple = ()
 
@@ -59,6 +79,48 @@ class CompareConfig:
         """Optimizer steps giving GRPO the same number of rollouts as ES (rounded up)."""
         per_step = self.num_generations * self.prompts_per_step
         return -(-self.es_rollouts() // per_step)
+
+    def arms(self) -> list[str]:
+        """The methods to train, checked: names of :data:`ARMS`, each once."""
+        arms = [m.strip() for m in self.methods.split(",") if m.strip()]
+        bad = [m for m in arms if m not in ARMS]
+        if bad or not arms or len(set(arms)) < len(arms):
+            raise ValueError(f"--methods {self.methods!r}: name each of {', '.join(ARMS)} at most once")
+        return arms
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What every method trains until it has spent: ``kind`` (:data:`BUDGETS`) and its ``value``.  A method
+    checks it after each iteration, step or window of members, so it stops at the first check past the
+    value (the report states what each one spent)."""
+
+    kind: str
+    value: float
+
+    @classmethod
+    def of(cls, cc: CompareConfig) -> "Budget":
+        if cc.budget not in BUDGETS:
+            raise ValueError(f"--budget {cc.budget!r}: use one of {', '.join(BUDGETS)}")
+        value = cc.budget_value or (cc.es_rollouts() if cc.budget == "rollouts" else 0.0)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--budget {cc.budget} needs --budget-value > 0, got {cc.budget_value}")
+        return cls(cc.budget, float(value))
+
+    def spent(self, used: dict, t0: float) -> float:
+        """What ``used`` (rollouts, prompt_tokens, generated_tokens) and the clock since ``t0`` have spent of it."""
+        if self.kind == "rollouts":
+            return used["rollouts"]
+        if self.kind == "tokens":
+            return used["prompt_tokens"] + used["generated_tokens"]
+        return time.time() - t0
+
+    def done(self, used: dict, t0: float) -> bool:
+        return self.spent(used, t0) >= self.value
+
+    def steps(self, per_step: int) -> int | None:
+        """Steps of ``per_step`` rollouts that spend a rollout budget (rounded up); None for the others."""
+        return math.ceil(self.value / per_step) if self.kind == "rollouts" else None
 
 
 #: the methods a schedule's phases may name
@@ -145,4 +207,12 @@ _HELP = {
     "learning_rate": "GRPO learning rate (Adam)",
     "seed": "seed of both methods and of sampling",
     "probe_points": "token entropy on the probe set at this many equal steps of each method's training (+ the start)",
+    "budget": "what every method trains until it has spent: rollouts, tokens (prompt + generated) or seconds "
+    "(wall clock of training; loading excluded)",
+    "budget_value": "the budget (0: with rollouts, ES's iterations x population x prompts_per_iteration)",
+    "methods": "methods to train, comma-separated: es, es_awd (ES with anchored weight decay), grpo, randopt",
+    "anchor_decay": "es_awd: anchored weight decay lambda",
+    "anchor_decay_norm": "es_awd: l2 or l1",
+    "randopt_sigmas": "randopt: the sigma grid, comma-separated",
+    "randopt_top_k": "randopt: the ensemble's size K (its members answer greedily, the vote decides)",
 }

@@ -25,14 +25,19 @@ def _budget_lines(budgets: dict, P: int) -> list[str]:
     from espert.diagnostics import forward_flops
 
     lines = [
-        "| method | rollouts | prompt tokens | generated tokens | rollout forward FLOPs | wall s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | budget | trained | rollouts | prompt tokens | generated tokens | rollout forward FLOPs | wall s "
+        "| load s | load avg (start, end) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for lab, b in budgets.items():
         fl = forward_flops(P, b["prompt_tokens"] + b["generated_tokens"])
         b["rollout_forward_flops"] = fl
+        given = b.get("budget")
+        budget = f"{given['value']:g} {given['kind']}" if given else "a phase share"
+        trained = next((f"{b[k]} {k}" for k in ("iterations", "steps", "members") if k in b), "")
         lines.append(
-            f"| {lab} | {b['rollouts']} | {b['prompt_tokens']} | {b['generated_tokens']} | {fl:.3e} | {b['seconds']} |"
+            f"| {lab} | {budget} | {trained} | {b['rollouts']} | {b['prompt_tokens']} | {b['generated_tokens']} "
+            f"| {fl:.3e} | {b['seconds']} | {b.get('load_seconds', '')} | {', '.join(map(str, b.get('load_avg', [])))} |"
         )
     return lines
 

@@ -368,7 +368,12 @@ class VLLMEvaluator(Evaluator):
         return self.rollout(prompts, answers)
 
     def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
         t0 = time.perf_counter()
         self._quiesced()
@@ -378,6 +383,7 @@ class VLLMEvaluator(Evaluator):
             [float(c) for c in coeffs],
             float(decay),
             None if lr is None else float(lr),
+            None if anchor is None else dict(anchor),
         )
         self._changed()
         self.timings["update"] += time.perf_counter() - t0

@@ -76,8 +76,8 @@ class EngineActor:
     def evaluate_center(self, prompts, answers) -> list[float]:
         return self.ev.evaluate_center(prompts, answers)
 
-    def update(self, seeds, coeffs, decay, lr=None) -> list[dict]:
-        self.ev.update(seeds, coeffs, decay, lr)
+    def update(self, seeds, coeffs, decay, lr=None, anchor=None) -> list[dict]:
+        self.ev.update(seeds, coeffs, decay, lr, anchor=anchor)
         return self.ev.checksum()
 
     def checksum(self) -> list[dict]:
@@ -281,10 +281,15 @@ class EnginePool(Evaluator):
                 )
 
     def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
         seeds, coeffs = [int(s) for s in seeds], [float(c) for c in coeffs]
-        msg = (seeds, coeffs, float(decay), None if lr is None else float(lr))
+        msg = (seeds, coeffs, float(decay), None if lr is None else float(lr), None if anchor is None else dict(anchor))
         for _ in self.alive:
             self._count("update_out", msg)
         sums = self._broadcast("update", *msg)
@@ -347,7 +352,7 @@ class EnginePool(Evaluator):
 
 def center_kwargs(cfg, model_path: str) -> dict:
     """The center's loop fields of ``cfg`` as :class:`VLLMEvaluator` / :class:`EnginePool` keywords
-    (``noise``, ``optimizer``, ``no_decay``, ``sigma_scales``), as
+    (``noise``, ``optimizer``, ``no_decay``, ``anchor``, ``sigma_scales``), as
     :func:`espert.evaluators.torch_model.config_center` gives them to the torch evaluator's CenterStore.
     The rms scales are computed once, here, from the checkpoint's whole tensors, so every engine and TP
     rank gets the same."""
@@ -357,6 +362,7 @@ def center_kwargs(cfg, model_path: str) -> dict:
         noise=cfg.noise,
         optimizer=optimizer_spec(cfg),
         no_decay=list(cfg.weight_decay_exclude) if cfg.weight_decay else [],
+        anchor=cfg.anchor_decay > 0,
         sigma_scales=checkpoint_rms_scales(model_path, cfg.dtype, cfg.include, cfg.exclude)
         if cfg.sigma_mode == "rms"
         else None,

@@ -74,10 +74,15 @@ class RepackingCenter:
             self._stale()
 
     def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
         try:
-            self.inner.update(seeds, coeffs, decay, lr)
+            self.inner.update(seeds, coeffs, decay, lr, anchor=anchor)
         finally:
             self._stale()
 

@@ -42,7 +42,9 @@ Commands (``update_info``; each key belongs to one op, and a key another op take
   live weights <- center + sign·σ·ε(seed); from restored weights (as ``es_perturb``);
 - ``{"op": "restore"}``: live weights <- the exact center (as ``es_restore``);
 - ``{"op": "update", "seeds": [N ints], "coeffs": [N floats], "decay": float > 0 (default 1),
-  "lr": float > 0 | None}``: the ES step on the host master, then restore (as ``es_update``).
+  "lr": float > 0 | None, "anchor": {"norm": "l2" | "l1", "amount": float} | None}``: the ES step on the
+  host master, then the anchored-weight-decay step (``init_info`` ``{"anchor": true}``), then restore (as
+  ``es_update``).
 
 A command is checked whole before anything is applied: an unknown op or key, or a value of the wrong
 type or range, raises one ValueError naming it, and the weights are untouched (vLLM then ends the
@@ -67,6 +69,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from espert.center import check_factor
+from espert.ops.anchor import check_anchor_step
 from espert.ops.checks import check_members, check_sigma, check_sign, check_u64
 
 #: The name this engine is registered under (``WeightTransferConfig(backend=BACKEND)``).
@@ -76,7 +79,7 @@ BACKEND = "espert"
 OPS: dict[str, dict[str, Any]] = {
     "perturb": {"seed": ..., "sigma": ..., "sign": 1},
     "restore": {},
-    "update": {"seeds": ..., "coeffs": ..., "decay": 1.0, "lr": None},
+    "update": {"seeds": ..., "coeffs": ..., "decay": 1.0, "lr": None, "anchor": None},
 }
 
 
@@ -152,6 +155,8 @@ def parse_command(update: Any) -> ESUpdateInfo:
             a["decay"] = check_factor("decay", a["decay"])
             if a["lr"] is not None:
                 a["lr"] = check_factor("lr", a["lr"])
+            if a["anchor"] is not None:
+                _checked("anchor", check_anchor_step, a["anchor"])
     except ValueError as e:
         raise ValueError(f"espert weight transfer: {e}") from None
     return ESUpdateInfo(op, a)
@@ -232,7 +237,7 @@ class ESWeightTransferEngine(WeightTransferEngine[ESInitInfo, ESUpdateInfo]):
         elif update_info.op == "restore":
             self.worker.es_restore()
         else:
-            self.worker.es_update(a["seeds"], a["coeffs"], a["decay"], a["lr"])
+            self.worker.es_update(a["seeds"], a["coeffs"], a["decay"], a["lr"], a["anchor"])
 
     def shutdown(self) -> None:
         """Nothing to release (no communicator); the center stays with the worker extension."""

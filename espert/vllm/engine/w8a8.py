@@ -228,6 +228,7 @@ class W8A8Center:
         master: str = "float32",
         rename=None,
         noise: str = "gaussian",
+        anchor: bool = False,
     ):
         from espert.center import CenterStore
         from espert.quant import QuantCenterStore
@@ -243,11 +244,13 @@ class W8A8Center:
         if not fviews and not qviews:
             raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
         self.float = (
-            CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None, noise=noise)
+            CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None, noise=noise, anchor=anchor)
             if fviews
             else None
         )
-        self.quant = QuantCenterStore(qviews, master=master == "float32", noise=noise) if qviews else None
+        self.quant = (
+            QuantCenterStore(qviews, master=master == "float32", noise=noise, anchor=anchor) if qviews else None
+        )
         self.views = list(fviews) + [_QView(v) for v in qviews]
         self.repack_seconds, self.repacks = 0.0, 0
 
@@ -289,13 +292,20 @@ class W8A8Center:
         self._repack()
 
     def update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
-        from espert.center import check_update_args
+        from espert.center import check_anchor, check_update_args
 
         seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)  # before either store moves
         for s in self._stores():
-            s.update(seeds, coeffs, decay, lr)
+            check_anchor(anchor, s.anchors)
+        for s in self._stores():
+            s.update(seeds, coeffs, decay, lr, anchor=anchor)
         self._repack()
 
     def scale(self, factor: float) -> None:

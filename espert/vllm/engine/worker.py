@@ -7,7 +7,7 @@ so the methods below run next to the live weights; the driver calls them by name
     llm.collective_rpc("es_setup", kwargs=dict(include=None, exclude=None, optimizer="adam"))
     llm.collective_rpc("es_perturb", args=(seed, sigma, sign))   # in place, from the center
     llm.collective_rpc("es_restore")                             # exact: copies the host center back
-    llm.collective_rpc("es_update", args=(seeds, coeffs, decay, lr))  # optimizer step on the host master
+    llm.collective_rpc("es_update", args=(seeds, coeffs, decay, lr, anchor))  # optimizer step on the host master
     llm.collective_rpc("es_checksum")                            # cheap exact fingerprint, per rank
 
 Only seeds, scalars and (for checkpoints) the float32 center and optimizer state cross the RPC.  All weight edits
@@ -166,6 +166,7 @@ class ESWorkerExtension:
         sigma_scales: dict[str, float] | None = None,
         no_decay: Sequence[str] = (),
         members: str = "serial",
+        anchor: bool = False,
     ) -> dict:
         """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
 
@@ -178,7 +179,7 @@ class ESWorkerExtension:
         whole tensors (:func:`espert.vllm.driver.pool.checkpoint_rms_scales`); it names every selected
         parameter.  members: ``"serial"`` (in place) or ``"batched"`` (lowrank:r noise: LoRA slots filled
         by :meth:`es_lora_fill`, :mod:`espert.vllm.engine.lora`; the tensors no slot carries are
-        ``"unmoved"``).  Ends with the self-test of :mod:`espert.vllm.engine.selftest` (``EditsNotVisible``).
+        ``"unmoved"``).  anchor: keep the base for es_update's anchor step.  Then the self-test (``EditsNotVisible``).
 
         Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device",
         "self_test": [probed logical names], "members", "unmoved": [logical names]}``.  Raises (naming the
@@ -195,7 +196,7 @@ class ESWorkerExtension:
         slots = None
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, espert/vllm/engine/w8a8.py
             _check_w8a8_loop(optimizer, sigma_scales, no_decay, members)
-            center = w8a8.W8A8Center(model, master=master, noise=noise, **select)
+            center = w8a8.W8A8Center(model, master=master, noise=noise, anchor=bool(anchor), **select)
             if check_names:
                 self._es_check_names(center.views)
         else:
@@ -206,7 +207,7 @@ class ESWorkerExtension:
                 slots = self._es_lora_slots(model, views, noise)
                 views = slots.views
             master_dtype, pin = torch.float32 if master == "float32" else None, views[0].tensor.is_cuda
-            loop = dict(noise=noise, optimizer=optimizer, no_decay=list(no_decay))
+            loop = dict(noise=noise, optimizer=optimizer, no_decay=list(no_decay), anchor=bool(anchor))
             center = CenterStore(views, master_dtype, pin, sigma_scales=_scales_for(views, sigma_scales), **loop)
         info = self._es_install(RepackingCenter(center, model), model, str(center.views[0].tensor.device))
         if slots is not None:
@@ -300,11 +301,21 @@ class ESWorkerExtension:
         self._es_sync()
 
     def es_update(
-        self, seeds: Sequence[int], coeffs: Sequence[float], decay: float = 1.0, lr: float | None = None
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
     ) -> None:
-        """center <- decay·center + Σ coeffs[n]·ε(seeds[n]) on the host master (CPU op), then restore."""
+        """center <- decay·center + Σ coeffs[n]·ε(seeds[n]) on the host master (CPU op), then the anchor step
+        ``{"norm", "amount"}`` toward the base (needs es_setup(anchor=True)), then restore."""
         self._es_require().update(
-            [int(s) for s in seeds], [float(c) for c in coeffs], float(decay), None if lr is None else float(lr)
+            [int(s) for s in seeds],
+            [float(c) for c in coeffs],
+            float(decay),
+            None if lr is None else float(lr),
+            anchor=None if anchor is None else dict(anchor),
         )
         self._es_sync()
 
