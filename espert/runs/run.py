@@ -54,6 +54,9 @@ RESUMABLE_CHANGES = (
     "restore",
     "trackers",
     "tracker_project",
+    "vllm_engines",
+    "vllm_engines_file",
+    "vllm_deadline_floor",
 )
 
 

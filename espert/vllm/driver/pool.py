@@ -47,6 +47,7 @@ bounded chunks (``center_stream``); a streamed catch-up sends one center, engine
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -704,6 +705,12 @@ class EnginePool(Evaluator):
         self.log.rebase(ref)
         self._check(self._broadcast("load_center", ref), "after load_center")
 
+    def base_moved(self, path: str) -> None:
+        """Replacement engines load the base model from ``path`` from now on (a new run's directory was renamed
+        into place after the first engines loaded it)."""
+        if isinstance(self._make_engine, VLLMEngine):
+            self._make_engine = dataclasses.replace(self._make_engine, model=path)
+
     def timings(self) -> dict[int, dict]:
         return self._broadcast("timings")
 
@@ -740,27 +747,24 @@ def center_kwargs(cfg, model_path: str) -> dict:
 
 
 def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
-    """``evaluator: vllm``: one engine (``cfg.vllm_engines`` <= 1) or an :class:`EnginePool`; extract:
-    the task's answer extractor (the evaluator then fills ``member_answers``).
+    """``evaluator: vllm``: one in-process engine, or an :class:`EnginePool` when ``cfg.vllm_engines`` > 1 or an
+    engines file is given (``cfg.vllm_engines_file``: the pool follows the number in it between iterations).
+    extract: the task's answer extractor (the evaluator then fills ``member_answers``).
 
-    Reads optional config fields when present (``vllm_tensor_parallel_size``, ``vllm_engines``,
-    ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``, ``vllm_rename``, ``vllm_members``,
-    ``vllm_max_loras``); defaults otherwise.
-    The center's loop fields (``noise``, ``optimizer*``, ``sigma_mode``, ``weight_decay_exclude``) go to
-    every worker's center as :func:`espert.evaluators.torch_model.config_center` gives them to the torch
-    evaluator's.  A malformed ``vllm_rename`` is refused before any engine starts.
+    Engine fields: ``vllm_tensor_parallel_size``, ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``,
+    ``vllm_rename``, ``vllm_members``, ``vllm_max_loras``.  The center's loop fields (``noise``,
+    ``optimizer*``, ``sigma_mode``, ``weight_decay_exclude``) go to every worker's center as
+    :func:`espert.evaluators.torch_model.config_center` gives them to the torch evaluator's.  A malformed
+    ``vllm_rename`` is refused before any engine starts.
     """
     from espert.vllm.driver.evaluator import VLLMEvaluator, parse_rename
 
-    rename = parse_rename(getattr(cfg, "vllm_rename", None))
-    engines = int(getattr(cfg, "vllm_engines", 1) or 1)
-    llm_kwargs = dict(dtype=cfg.dtype, tensor_parallel_size=int(getattr(cfg, "vllm_tensor_parallel_size", 1) or 1))
-    for field, arg in (
-        ("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
-        ("vllm_max_model_len", "max_model_len"),
-    ):
-        if getattr(cfg, field, None) is not None:
-            llm_kwargs[arg] = getattr(cfg, field)
+    rename = parse_rename(cfg.vllm_rename)
+    llm_kwargs = dict(dtype=cfg.dtype, tensor_parallel_size=cfg.vllm_tensor_parallel_size)
+    if cfg.vllm_gpu_memory_utilization is not None:
+        llm_kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    if cfg.vllm_max_model_len is not None:
+        llm_kwargs["max_model_len"] = cfg.vllm_max_model_len
     ev_kwargs = dict(
         include=cfg.include,
         exclude=cfg.exclude,
@@ -770,12 +774,20 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
         member_errors=cfg.member_errors,
         rename=rename,
         extract=extract,
-        members=getattr(cfg, "vllm_members", "serial"),
-        max_loras=int(getattr(cfg, "vllm_max_loras", 8) or 8),
+        members=cfg.vllm_members,
+        max_loras=cfg.vllm_max_loras,
         **center_kwargs(cfg, model_path),
     )
-    if engines > 1:
-        return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)
+    if cfg.vllm_engines > 1 or cfg.vllm_engines_file:
+        return EnginePool(
+            model_path,
+            score,
+            engines=cfg.vllm_engines,
+            engines_file=cfg.vllm_engines_file,
+            deadline_floor=cfg.vllm_deadline_floor,
+            llm_kwargs=llm_kwargs,
+            **ev_kwargs,
+        )
     return VLLMEvaluator(model_path, score, llm_kwargs=llm_kwargs, **ev_kwargs)
 
 
