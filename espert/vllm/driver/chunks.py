@@ -9,8 +9,9 @@ deadline ``max(floor, factor × m × u)``, m being the median seconds per unit o
 - A chunk still unanswered at its deadline is given to an idle engine as well (once the queue is
   empty).  The first answer wins; every later answer must agree with it bit for bit (rewards and
   extracted answers), or :class:`ReplicaDivergence` is raised.
-- A copy running past ``HANG ×`` its deadline is hung, and so is one still running past its
-  deadline once every member has a reward: the pool kills its engine and replaces it.
+- A copy running past ``HANG ×`` its deadline is hung: the pool kills its engine and replaces it.  Once
+  every member has a reward the pool still waits for the copies running (until that limit), so that a
+  straggler's late answer is checked.
 
 Nothing here talks to Ray; :mod:`espert.vllm.driver.pool` does.
 """

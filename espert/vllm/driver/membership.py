@@ -123,3 +123,4 @@ class Join:
     route: str | None = None
     estimate: dict = field(default_factory=dict)
     ready_at: float | None = None
+    unreachable: int = 0

@@ -23,15 +23,15 @@ Members are handed out in chunks from a queue, so a fast engine takes more.  A m
 depends only on (center, member, σ, prompts), not on which engine scores it, so rewards are identical
 with 1 or N engines, and whatever happens to the engines in between:
 
-- **death** (``ActorDiedError``: the process or its node is gone): the engine's chunk goes back on the
-  queue and a live engine scores it; a new actor replaces the engine (anywhere in the cluster with
-  room) and joins once it holds the live engines' center (:mod:`espert.vllm.driver.membership`:
-  replayed from the update log or streamed from a live engine, whichever is estimated cheaper, and
-  checked against the live engines' checksum at the same point of the log);
+- **death** (``ActorDiedError``, or ``OutOfMemoryError`` from Ray's OOM killer: the process or its node
+  is gone): the engine's chunk goes back on the queue and a live engine scores it; a new actor replaces
+  the engine (anywhere in the cluster with room) and joins once it holds the live engines' center
+  (:mod:`espert.vllm.driver.membership`: replayed from the update log or streamed from a live engine,
+  whichever is estimated cheaper, and checked against the live engines' checksum at the same point of
+  the log);
 - **stragglers and hangs**: every chunk and call has a deadline derived from the observed times with a
   floor (:mod:`espert.vllm.driver.chunks`); a late chunk is also given to an idle engine, the first
-  answer wins and the late one must agree; an engine past twice its deadline, or still busy past it when
-  every member has its reward, is killed and replaced;
+  answer wins and the late one must agree; an engine past twice its deadline is hung: killed and replaced;
 - **unreachable** (``ActorUnavailableError``: an RPC failed, the task may or may not have run): a chunk
   is re-queued; an update is settled by the engine's checksum (applied, or sent again, or the replicas
   differ and the pool stops); three in a row and the engine is replaced;
@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import pickle
+import queue
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ __all__ = ["EnginePool", "PoolOptions", "ReplicaDivergence", "build_from_config"
 
 #: ActorUnavailableError calls in a row after which an engine is replaced.
 UNREACHABLE_LIMIT = 3
+#: Times a starting engine's ``ready`` (which changes nothing) is asked again after an ActorUnavailableError.
+READY_RETRIES = 10
 CATCH_UP_MODES = ("auto", "replay", "stream")
 
 
@@ -132,6 +135,28 @@ def _numel(info) -> int:
     return sum(r["numel"] for r in info)
 
 
+class Completions:
+    """Calls in flight, reported in the order they finish: one callback per ObjectRef, O(1) per answer, where
+    ``ray.wait`` over every call in flight costs O(calls) at each answer (measured: ~0.45 ms for 1,000 refs;
+    docs/vllm.md, driver scaling)."""
+
+    def __init__(self):
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def watch(self, ref) -> None:
+        ref.future().add_done_callback(lambda _, r=ref: self._done.put(r))
+
+    def wait(self, timeout: float | None) -> list:
+        """The refs finished since the last call, after waiting up to ``timeout`` seconds for the first."""
+        try:
+            out = [self._done.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while not self._done.empty():
+            out.append(self._done.get_nowait())
+        return out
+
+
 class EnginePool(Evaluator):
     """The Evaluator interface over engines in Ray actors (see the module docstring).
 
@@ -171,6 +196,9 @@ class EnginePool(Evaluator):
             ray.init(**{"include_dashboard": False, "log_to_driver": False, **(options.ray_init or {})})
         self._ray, self.options, self._make_engine = ray, options, make_engine
         self._unavailable_error = getattr(ray.exceptions, "ActorUnavailableError", ())
+        # an engine is gone: its actor or process died (Ray's OOM killer too: OutOfMemoryError), or its node
+        gone = ("RayActorError", "OutOfMemoryError", "WorkerCrashedError", "NodeDiedError")
+        self._gone_errors = tuple(getattr(ray.exceptions, n) for n in gone if hasattr(ray.exceptions, n))
         self.chunk = options.chunk
         self.chunk_bytes = CHUNK_BYTES  # center_stream's chunk size (as VLLMEvaluator.chunk_bytes)
         self._actor_cls = ray.remote(num_cpus=options.num_cpus_per_engine, num_gpus=options.num_gpus_per_engine)(
@@ -190,6 +218,7 @@ class EnginePool(Evaluator):
         self.info = None
         self.last_round: dict = {}
         self._round: Round | None = None
+        self._completions = Completions()
         self._unreachable: dict[int, int] = defaultdict(int)
         self._stream_rate = float(options.stream_bytes_per_s)
         self._bad_engines_file: str | None = None
@@ -227,6 +256,7 @@ class EnginePool(Evaluator):
         actor = cls.remote(self._make_engine, env)
         self.actors.append(actor)
         self.joins[e] = Join(e, actor, actor.ready.remote(), time.monotonic(), replaces, fault_at, attempts, initial)
+        self._completions.watch(self.joins[e].ref)
         return e
 
     def _event(self, kind: str, engine: int, **details) -> None:
@@ -256,6 +286,7 @@ class EnginePool(Evaluator):
         the third in a row replaces it), False when it is lost."""
         if isinstance(err, self._unavailable_error) and self._unreachable[e] + 1 < UNREACHABLE_LIMIT:
             self._unreachable[e] += 1
+            self._event("unreachable_once", e, time=time.monotonic(), error=_brief(err))
             log.warning("engine %d unreachable (%s); trying again", e, _brief(err))
             return True
         self._lose(e, "unreachable" if isinstance(err, self._unavailable_error) else "died", err)
@@ -355,9 +386,11 @@ class EnginePool(Evaluator):
         try:
             result = self._ray.get(j.ref)
         except Exception as err:  # noqa: BLE001 - an actor that cannot start or catch up, for any reason
-            if j.phase == "starting" and isinstance(err, self._unavailable_error) and j.attempts < UNREACHABLE_LIMIT:
-                j.attempts += 1  # ``ready`` changes nothing: ask again
+            if j.phase == "starting" and isinstance(err, self._unavailable_error) and j.unreachable < READY_RETRIES:
+                j.unreachable += 1  # ``ready`` changes nothing: ask again
+                self._event("unreachable_once", j.engine, time=time.monotonic(), error=_brief(err))
                 j.ref = j.actor.ready.remote()
+                self._completions.watch(j.ref)
             else:  # a catch-up may or may not have run: start over with a new engine
                 self._join_failed(j, err)
             return
@@ -396,10 +429,12 @@ class EnginePool(Evaluator):
             )  # fmt: skip
             if j.route == "stream":  # a snapshot taken after every update sent so far (actor call order)
                 j.ref, j.at = j.actor.catch_up.remote(self.actors[self.alive[0]].center_state.remote(), []), pos
+                self._completions.watch(j.ref)
                 return
             state, start = self.log.base, 0
         batch = self.log.batch(start)
         j.ref, j.at = j.actor.catch_up.remote(state, batch), (pos[0], start + len(batch))
+        self._completions.watch(j.ref)
 
     def _caught_up(self, j: Join, checksum: list[dict]) -> None:
         want = self.log.reference(j.at)
@@ -502,7 +537,9 @@ class EnginePool(Evaluator):
             if c is None:
                 break
             chunk = rnd.chunks[c][1]
-            rnd.start(self.actors[e].evaluate.remote(chunk, *args), e, c, now)
+            ref = self.actors[e].evaluate.remote(chunk, *args)
+            rnd.start(ref, e, c, now)
+            self._completions.watch(ref)
             self._count("members_out", (chunk, args[0]))
 
     def _wait_round(self, rnd: Round) -> None:
@@ -510,17 +547,12 @@ class EnginePool(Evaluator):
         if not rnd.running:
             self._wait_for_a_join()
             return
-        joins = {j.ref: j for j in self.joins.values()}
-        refs = list(rnd.running) + list(joins)
-        done, _ = self._ray.wait(
-            refs, num_returns=1, timeout=rnd.next_check(time.monotonic(), self._chunk_deadline(rnd))
-        )
-        if done:  # and whatever else is ready by now, in one sweep
-            done, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in done:
+        done = self._completions.wait(rnd.next_check(time.monotonic(), self._chunk_deadline(rnd)))
+        joins = {j.ref: j for j in self.joins.values()} if done else {}
+        for ref in done:  # refs of copies or calls the pool gave up on are ignored
             if ref in rnd.running:
                 self._collect(rnd, ref)
-            elif ref in joins and joins[ref].engine in self.joins:
+            elif ref in joins and self.joins.get(joins[ref].engine) is joins[ref] and joins[ref].ref is ref:
                 self._advance(joins[ref])
         limit = self._chunk_deadline(rnd)
         for copy in rnd.overdue(time.monotonic(), lambda c: HANG * limit(c)):
@@ -531,7 +563,7 @@ class EnginePool(Evaluator):
         copy = rnd.finish(ref)
         try:
             rewards, extracted = self._ray.get(ref)
-        except self._ray.exceptions.RayActorError as err:
+        except self._gone_errors as err:
             rnd.requeue(copy.chunk)
             self._call_failed(copy.engine, err)
             return
@@ -546,9 +578,13 @@ class EnginePool(Evaluator):
             self.clock.observe("member", time.monotonic() - copy.started, len(members))
 
     def _settle(self, rnd: Round) -> None:
-        """Every member has its reward: wait for the copies still running within their deadline (their answers
-        must agree); an engine still busy past its deadline is hung."""
-        limit = self._chunk_deadline(rnd)
+        """Every member has its reward: wait for the copies still running (a straggler's, or a duplicate's)
+        until their hang limit; each answer must agree with the first.  An engine still busy then is hung."""
+        deadline = self._chunk_deadline(rnd)
+
+        def limit(c: int) -> float:
+            return HANG * deadline(c)
+
         while rnd.running:
             now = time.monotonic()
             for copy in rnd.overdue(now, limit):
@@ -556,9 +592,9 @@ class EnginePool(Evaluator):
             if not rnd.running:
                 break
             left = min(limit(k.chunk) - (now - k.started) for k in rnd.running.values())
-            done, _ = self._ray.wait(list(rnd.running), num_returns=1, timeout=max(0.0, left))
-            for ref in done:
-                self._collect(rnd, ref)
+            for ref in self._completions.wait(max(0.0, left)):
+                if ref in rnd.running:
+                    self._collect(rnd, ref)
 
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return self._first("evaluate_center", list(prompts), list(answers))
@@ -569,22 +605,19 @@ class EnginePool(Evaluator):
         being the engines that were unreachable (the call may or may not have run).  An engine that died or
         did not answer in time is lost."""
         t0, pending = time.monotonic(), {ref: e for e, ref in refs.items()}
-        deadline = t0 + self.clock.deadline(kind)
+        done, late = self._ray.wait(list(pending), num_returns=len(pending), timeout=self.clock.deadline(kind))
         out: dict[int, object] = {}
         unsure: list[int] = []
-        while pending:
-            done, _ = self._ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                for e in list(pending.values()):
-                    self._lose(e, "hung")
-                break
-            e = pending.pop(done[0])
+        for ref in done:
+            e = pending[ref]
             try:
-                out[e] = self._ray.get(done[0])
+                out[e] = self._ray.get(ref)
                 self._unreachable[e] = 0
-            except self._ray.exceptions.RayActorError as err:
+            except self._gone_errors as err:
                 if self._call_failed(e, err):
                     unsure.append(e)
+        for ref in late:
+            self._lose(pending[ref], "hung")
         if out:
             self.clock.observe(kind, time.monotonic() - t0)
         return out, unsure
@@ -641,7 +674,9 @@ class EnginePool(Evaluator):
             self._count("update_out", msg)
         before = self.log.reference(self.log.position)
         self.log.append(*msg)
-        sums, unsure = self._gather("update", {e: self.actors[e].update.remote(*msg) for e in self.alive})
+        # seeds and coefficients serialized once, into the object store; each node fetches them once
+        shared = (self._ray.put(seeds), self._ray.put(coeffs), *msg[2:])
+        sums, unsure = self._gather("update", {e: self.actors[e].update.remote(*shared) for e in self.alive})
         for e in unsure:
             self._settle_update(e, msg, before, sums)
         for cs in sums.values():
@@ -661,7 +696,9 @@ class EnginePool(Evaluator):
             if cs is None or exact_fields(cs) != before:
                 if cs is not None:
                     sums[e] = cs
+                    self._event("update_settled", e, time=time.monotonic(), how="it had run")
                 return
+            self._event("update_settled", e, time=time.monotonic(), how="it had not run: sent again")
             out, _ = self._gather("update", {e: self.actors[e].update.remote(*msg)})
             if e in out:
                 sums[e] = out[e]
