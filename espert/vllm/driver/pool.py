@@ -137,8 +137,8 @@ def _numel(info) -> int:
 
 class Completions:
     """Calls in flight, reported in the order they finish: one callback per ObjectRef, O(1) per answer, where
-    ``ray.wait`` over every call in flight costs O(calls) at each answer (measured: ~0.45 ms for 1,000 refs;
-    docs/vllm.md, driver scaling)."""
+    ``ray.wait`` over every call in flight costs O(calls) at each answer (measured: 0.08 ms for 1,000 refs,
+    0.59 ms for 4,000; docs/vllm.md, driver scaling)."""
 
     def __init__(self):
         self._done: queue.SimpleQueue = queue.SimpleQueue()
