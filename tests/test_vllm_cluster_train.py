@@ -9,9 +9,10 @@ one-engine run's, bit for bit.
 - the run stops at iteration 3 and is resumed to 5 with another number of engines (``--vllm-engines``
   may change on resume).
 
-With ESPERT_SLOW=1 a longer run also loses a node, grows through the engines file, and must see
-replacements join.  Runtime: ~2.5 min (a one-engine run, a two-engine run, a one-engine resume; engines
-start in ~20 s each here); the slow case ~5 min.
+With ESPERT_SLOW=1 a longer run loses every engine (a replacement must join by replay), then a node, and
+grows through the engines file.  Runtime: 5 min 11 s at load 16-21 on 2 cores (a one-engine run, a
+two-engine run, a one-engine resume; an engine starts in ~20 s on a quiet machine); the slow case 3 min 53 s
+more at load 6-17.
 """
 
 import json
@@ -123,6 +124,10 @@ class Inject:
         pid = sorted(ray_cluster.engine_pids(self.cluster))[0]
         os.kill(pid, signal.SIGKILL)
 
+    def kill_all(self):
+        for pid in ray_cluster.engine_pids(self.cluster):
+            os.kill(pid, signal.SIGKILL)
+
     def freeze(self):
         pid = sorted(ray_cluster.engine_pids(self.cluster))[0]  # the oldest: in service, not a replacement starting
         os.kill(pid, signal.SIGSTOP)
@@ -164,8 +169,10 @@ def test_faults_then_resume_equal_one_engine(cluster, tmp_path):
 
 @pytest.mark.extended
 def test_a_longer_run_loses_a_node_grows_and_resumes_equal_one_engine(cluster, tmp_path):
-    """ESPERT_SLOW=1: 24 iterations; an engine killed at 1, a node removed at 3, the engines file asks for 3
-    at 5: replacements and the added engine must join (their log lines), then a resume with 2 engines."""
+    """ESPERT_SLOW=1: 24 iterations; every engine killed at 1 (the run waits for a replacement, which must join
+    by replay: its log line), a node with an engine removed at 3, the engines file asks for 3 at 5, then a
+    resume with 2 engines.  Whether the later replacements and the added engine join before the run ends
+    depends on the machine's speed (an iteration takes ~1 s, an engine's start ~20 s here): not asserted."""
     a, b = str(tmp_path / "one"), str(tmp_path / "pool")
     long = ["--prompts-per-iteration", "16", "--max-new-tokens", "12"]
     train(a, "--iterations", "26", "--vllm-engines", "1", *long)
@@ -180,8 +187,9 @@ def test_a_longer_run_loses_a_node_grows_and_resumes_equal_one_engine(cluster, t
     err = train(
         b, "--iterations", "24", "--vllm-engines", "2", "--vllm-engines-file", engines_file, "--vllm-deadline-floor",
         "3", *long, environ=env(RAY_ADDRESS=cluster.address),
-        faults=[(1, inject.kill), (3, inject.remove_node), (5, grow)],
+        faults=[(1, inject.kill_all), (3, inject.remove_node), (5, grow)],
     )  # fmt: skip
-    assert err.count("joined") >= 2, err[-4000:]
+    assert "died" in err and "joined (replay)" in err, err[-4000:]
+    print(f"engines joined during the run: {err.count('joined')}")
     train(b, "--resume", "--iterations", "26", "--vllm-engines", "2", *long, environ=env(RAY_ADDRESS=cluster.address))
     assert_same_run(a, b, 26)
