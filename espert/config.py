@@ -128,7 +128,22 @@ class ESConfig:
         "matrices run fastest on one thread; larger models gain from more, e.g. 2 threads generated 1.5x "
         "faster on a 2-core machine; 0: torch's default, all cores)",
     )
-    vllm_engines: int = opt(1, "evaluator vllm: number of engines sharing the population")
+    vllm_engines: int = opt(
+        1,
+        "evaluator vllm: number of engines sharing the population (may change on resume: rewards and centers do "
+        "not depend on it)",
+    )
+    vllm_engines_file: str | None = opt(
+        None,
+        "evaluator vllm: a file holding a number of engines, read before each iteration: the pool grows or "
+        "shrinks to it while the run goes on (echo 4 > FILE); missing: no change (docs/vllm.md)",
+    )
+    vllm_deadline_floor: float = opt(
+        60.0,
+        "evaluator vllm, several engines: seconds an engine may always take for a chunk or call; past "
+        "max(this, 8x the observed time) a chunk goes to another engine too, past twice that the engine is "
+        "replaced",
+    )
     vllm_tensor_parallel_size: int = opt(1, "evaluator vllm: tensor-parallel GPUs per engine")
     vllm_gpu_memory_utilization: float | None = opt(
         None, "evaluator vllm: fraction of GPU memory per engine (default: vLLM's)"
@@ -280,6 +295,10 @@ class ESConfig:
             "vllm_engines and vllm_tensor_parallel_size must be >= 1",
         )
         need(self.vllm_max_loras >= 1, f"vllm_max_loras must be >= 1, got {self.vllm_max_loras}")
+        need(
+            math.isfinite(self.vllm_deadline_floor) and self.vllm_deadline_floor > 0,
+            f"vllm_deadline_floor must be a number of seconds > 0, got {self.vllm_deadline_floor}",
+        )
         need(
             self.vllm_members == "serial" or (self.evaluator == "vllm" and self.noise.startswith("lowrank:")),
             f"vllm_members: batched serves members as rank-R LoRA adapters in vLLM: it needs evaluator: vllm and "

@@ -251,6 +251,7 @@ class TrainingLoop:
         self._record_task()
         self.evaluator = _build_evaluator(run, tasks.train, resume)
         run.commit()  # everything loaded: only now does the run directory appear
+        self.evaluator.base_moved(run.base_path)
         self._say_unmoved()
         self.energy = self.evaluator.noise_energy()
         self.meter = IterationMeter(self.evaluator, run.iterations(), answer_equivalence(tasks.train.name))

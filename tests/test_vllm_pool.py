@@ -4,6 +4,8 @@
 - replicas compare checksums at every update and stop loudly on divergence;
 - a dead engine's members are re-queued on a live one, not lost: an engine process dies in the
   middle of scoring (os._exit), and later the last one is killed with ray.kill (the pool raises);
+  this pool does not replace engines (``replace=False``; replacement, hangs, node loss and added
+  engines: tests/test_vllm_cluster.py);
 - batched members (lowrank:2 as LoRA adapters) over two engines equal one batched engine.
 Runtime: ~1 min (two actors start an engine each, twice).
 """
@@ -66,6 +68,7 @@ def pool(tiny_dir, crash_file):
         tiny_dir,
         CrashOnce(crash_file, TASK.score),
         engines=2,
+        replace=False,
         max_new_tokens=6,
         extract=TASK.extract,
         llm_kwargs=dict(max_model_len=64),
@@ -84,9 +87,9 @@ def one_thread(set_torch_threads):
 
 
 def exact(cs):
-    from espert.vllm.engine.worker import EXACT_FIELDS
+    from espert.vllm.wire import exact_fields
 
-    return [{k: r[k] for k in EXACT_FIELDS} for r in cs]
+    return exact_fields(cs)
 
 
 def members(t):

@@ -33,6 +33,9 @@ Contract of an :class:`Evaluator` (what the loop relies on):
     (:func:`center_energy`) at scale 1; a :class:`ModelEvaluator` asks its center.
 ``close()``
     Free the model.
+``base_moved(path)`` (optional)
+    The base model's directory moved (a new run is renamed into place after its evaluator loaded);
+    an evaluator that loads it again later uses ``path``.
 ``member_answers`` (optional)
     After ``evaluate``: ``member_answers[m][p]``, the task's extracted answer (``str``, or ``None``
     when nothing was extracted or member m failed) of member m on prompt p; ``None`` when the
@@ -116,6 +119,11 @@ class Evaluator(abc.ABC):
     def noise_energy(self) -> float | None:
         """Σ_t n_t·s_t² over the moved tensors (see the module docstring); None when unknown."""
         return center_energy(self)
+
+    def base_moved(self, path: str) -> None:  # noqa: B027 - optional hook
+        """The base model's directory is now ``path``: a new run's directory, built aside, was renamed into
+        place after its evaluator loaded.  An evaluator that loads the base again later (an
+        :class:`~espert.vllm.driver.pool.EnginePool` starting a replacement engine) must use the new path."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model."""

@@ -55,6 +55,9 @@ RESUMABLE_CHANGES = (
     "trackers",
     "tracker_project",
     "unsafe_code_reward",
+    "vllm_engines",
+    "vllm_engines_file",
+    "vllm_deadline_floor",
 )
 
 

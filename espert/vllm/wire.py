@@ -34,6 +34,16 @@ def block_slices(shape: Sequence[int], block: Block | None) -> tuple[slice, ...]
     return (slice(block.row_offset, block.row_offset + shape[0]), slice(block.col_offset, block.col_offset + shape[1]))
 
 
+#: The fields of a worker's checksum (``es_checksum``) that replicas must agree on bit for bit; the rest
+#: (float sums) are for people.
+EXACT_FIELDS = ("rank", "live_bits", "center_bits", "hash")
+
+
+def exact_fields(checksum: Sequence[dict]) -> list[dict]:
+    """An engine's per-rank checksums reduced to :data:`EXACT_FIELDS`: what two replicas compare."""
+    return [{k: r[k] for k in EXACT_FIELDS} for r in checksum]
+
+
 #: dtype name -> dtype of center pieces: the floats, and int64 for the optimizer's step (``optim.step``).
 PIECE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16}

@@ -1,284 +1,669 @@
-"""A population over several vLLM engines: Ray actors, each owning one engine.
+"""A population over several engines: Ray actors, each owning one vLLM engine, that can die, hang, join
+and leave while a run goes on.
 
     pool = EnginePool(model_path, task.score, engines=4, llm_kwargs=dict(tensor_parallel_size=1))
     rewards = pool.evaluate(members, sigma, prompts, answers)   # members spread over the engines
     pool.update(seeds, coeffs, decay)                           # every engine applies it itself
+    pool.add_engines(2); pool.remove_engines(1)                 # between iterations
 
 What travels per iteration (never weights):
 
-    driver -> engine   members (seed: uint64, sign: ±1), σ, the prompts/answers (once per chunk)
+    driver -> engine   members (seed: uint64, sign: ±1), σ, the prompts/answers (once per engine)
     engine -> driver   one float64 reward per member (+ the task's extracted answer per member per
                        prompt, short strings, when the pool is given the task's ``extract``)
     driver -> engine   the update: seeds (8 B each), coefficients (float64 -> float32), decay
     engine -> driver   a checksum per TP rank (two exact int64 bit sums, a 16-byte hash, two float64 sums)
 
-Every engine applies the same update to its own float32 host master through espert's CPU op,
-whose arithmetic is fixed (docs/noise.md), so all replicas hold bit-identical centers.  The
-checksums returned by ``update`` are compared every iteration; any difference raises
-:class:`ReplicaDivergence` (stop loudly: a silent fork would train N different models).
+Every engine applies the same update to its own float32 host master through espert's CPU op, whose
+arithmetic is fixed (docs/noise.md), so all replicas hold bit-identical centers.  The checksums
+returned by ``update`` are compared every iteration; any difference raises :class:`ReplicaDivergence`
+(stop loudly: a silent fork would train N different models).
 
 Members are handed out in chunks from a queue, so a fast engine takes more.  A member's reward
-depends only on (center, member, σ, prompts), not on which engine scores it, so rewards are
-identical with 1 or N engines.  When an engine dies (its actor raises ``RayActorError``), its
-chunk goes back on the queue and is scored by a live engine; the dead engine is dropped from
-the pool (``dead`` lists it).  Losing every engine raises.
+depends only on (center, member, σ, prompts), not on which engine scores it, so rewards are identical
+with 1 or N engines, and whatever happens to the engines in between:
 
-Mapping to many nodes: nothing here assumes one machine.  Start Ray on a cluster
-(``ray start --head`` / ``ray start --address=...``), pass ``num_gpus_per_engine`` (e.g. the TP
-size) and Ray places one actor per GPU group anywhere in the cluster; only the bytes above
-cross the network.  ``load_center`` (resume) is the one call that sends weights, once; checkpoints
-stream the center out of one engine in bounded chunks (``center_stream``).
+- **death** (``ActorDiedError``, or ``OutOfMemoryError`` from Ray's OOM killer: the process or its node
+  is gone): the engine's chunk goes back on the queue and a live engine scores it; a new actor replaces
+  the engine (anywhere in the cluster with room) and joins once it holds the live engines' center
+  (:mod:`espert.vllm.driver.membership`: replayed from the update log or streamed from a live engine,
+  whichever is estimated cheaper, and checked against the live engines' checksum at the same point of
+  the log);
+- **stragglers and hangs**: every chunk and call has a deadline derived from the observed times with a
+  floor (:mod:`espert.vllm.driver.chunks`); a late chunk is also given to an idle engine, the first
+  answer wins and the late one must agree; an engine past twice its deadline is hung: killed and replaced;
+- **unreachable** (``ActorUnavailableError``: an RPC failed, the task may or may not have run): a chunk
+  is re-queued; an update is settled by the engine's checksum (applied, or sent again, or the replicas
+  differ and the pool stops); three in a row and the engine is replaced;
+- **elastic size**: :meth:`EnginePool.add_engines` / :meth:`EnginePool.remove_engines` between
+  iterations, or a file holding the number of engines (``engines_file``), read before each iteration.
+
+Nothing assumes one machine.  Start Ray on a cluster (``ray start --head`` / ``ray start
+--address=...``; ``RAY_ADDRESS`` for the driver), pass ``num_gpus_per_engine`` (e.g. the TP size) and
+Ray places one actor per GPU group, spread over the nodes; only the bytes above cross the network.
+``load_center`` (resume) sends weights once; checkpoints stream the center out of one engine in
+bounded chunks (``center_stream``); a streamed catch-up sends one center, engine to engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import pickle
+import queue
 import time
-from collections import deque
+from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from espert.evaluators.base import Evaluator, Member, center_energy
 from espert.tensorfile import CHUNK_BYTES
+from espert.vllm.driver.actor import EngineActor, VLLMEngine
+from espert.vllm.driver.chunks import HANG, Clock, ReplicaDivergence, Round
+from espert.vllm.driver.membership import JOIN_ATTEMPTS, Join, UpdateLog, choose_route
+from espert.vllm.wire import exact_fields
 
 log = logging.getLogger("espert.vllm")
 
+__all__ = ["EnginePool", "PoolOptions", "ReplicaDivergence", "build_from_config"]
 
-class ReplicaDivergence(RuntimeError):
-    """Engines that applied the same updates hold different weights."""
+#: ActorUnavailableError calls in a row after which an engine is replaced.
+UNREACHABLE_LIMIT = 3
+#: Times a starting engine's ``ready`` (which changes nothing) is asked again after an ActorUnavailableError.
+READY_RETRIES = 10
+CATCH_UP_MODES = ("auto", "replay", "stream")
 
 
-class EngineActor:
-    """One vLLM engine and its espert evaluator, living in its own process (a Ray actor).
+@dataclass
+class PoolOptions:
+    """How an :class:`EnginePool` runs its engines (every field is also a keyword of ``EnginePool``).
 
-    env: environment set before vLLM is imported in this process (e.g. in-process V1 engine,
-    KV cache size, thread binding).
+    engines: engines at start.  chunk: members per task handed to an engine (default: about two chunks
+    per engine).  num_cpus_per_engine / num_gpus_per_engine: Ray resources per actor (GPU: the TP size).
+    env: extra environment for the actors.  ray_init: keyword arguments for ``ray.init`` when Ray is not
+    initialised yet (``RAY_ADDRESS`` joins a running cluster).  replace: start a new engine for each one
+    lost.  catch_up: how a new engine gets the center: ``"auto"`` (cheaper estimate), ``"replay"``,
+    ``"stream"``.  deadline_floor / deadline_factor: a call's deadline is ``max(floor, factor × its median
+    observed time)`` (seconds; :mod:`espert.vllm.driver.chunks`).  stream_bytes_per_s: the assumed
+    engine-to-engine rate until a streamed catch-up was measured.  engines_file: a file holding the wanted
+    number of engines, read before each iteration.  join_timeout: seconds to wait for a replacement when
+    no engine is left.  count_traffic: record every message's pickled size in ``traffic``.
     """
 
-    def __init__(self, model: str, score: Callable, ev_kwargs: dict, llm_kwargs: dict, env: dict):
-        os.environ.update({k: str(v) for k, v in env.items()})
-        from espert.vllm.driver.evaluator import VLLMEvaluator
+    engines: int = 2
+    chunk: int | None = None
+    num_cpus_per_engine: float = 1
+    num_gpus_per_engine: float = 0
+    env: dict | None = None
+    ray_init: dict | None = None
+    replace: bool = True
+    catch_up: str = "auto"
+    deadline_floor: float = 60.0
+    deadline_factor: float = 8.0
+    stream_bytes_per_s: float = 1e9
+    engines_file: str | None = None
+    join_timeout: float = 3600.0
+    count_traffic: bool = True
 
-        self.ev = VLLMEvaluator(model, score, llm_kwargs=llm_kwargs, **ev_kwargs)
-
-    def ready(self) -> dict:
-        return {"pid": os.getpid(), "info": self.ev.info}
-
-    def evaluate(self, members, sigma, prompts, answers) -> tuple[list[float], list | None]:
-        """The members' rewards and their extracted answers (``member_answers``; None without ``extract``)."""
-        rewards = self.ev.evaluate([tuple(m) for m in members], sigma, prompts, answers)
-        return rewards, self.ev.member_answers
-
-    def evaluate_center(self, prompts, answers) -> list[float]:
-        return self.ev.evaluate_center(prompts, answers)
-
-    def update(self, seeds, coeffs, decay, lr=None, anchor=None) -> list[dict]:
-        self.ev.update(seeds, coeffs, decay, lr, anchor=anchor)
-        return self.ev.checksum()
-
-    def checksum(self) -> list[dict]:
-        return self.ev.checksum()
-
-    def center_state(self):
-        from espert.vllm.wire import pack_tensor
-
-        return {k: pack_tensor(v) for k, v in self.ev.center_state().items()}
-
-    def load_center(self, state) -> list[dict]:
-        from espert.vllm.wire import unpack_tensor
-
-        self.ev.load_center({k: unpack_tensor(v) for k, v in state.items()})
-        return self.ev.checksum()
-
-    def rpc(self, method: str, *args):
-        """Call a worker-extension method directly (diagnostics and tests)."""
-        return self.ev.rpc(method, *args)
-
-    def timings(self) -> dict:
-        return dict(self.ev.timings)
-
-    def close(self) -> None:
-        self.ev.close()
+    def __post_init__(self):
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.catch_up not in CATCH_UP_MODES:
+            raise ValueError(f"catch_up must be one of {CATCH_UP_MODES}, got {self.catch_up!r}")
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        if not self.stream_bytes_per_s > 0:
+            raise ValueError(f"stream_bytes_per_s must be > 0, got {self.stream_bytes_per_s}")
 
 
 def _nbytes(obj) -> int:
     return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def _brief(err: BaseException) -> str:
+    """An error in one line: its type, first line and (for a traceback Ray wraps) its last line."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [""]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(err).__name__}: {text}"[:400]
+
+
+def _numel(info) -> int:
+    return sum(r["numel"] for r in info)
+
+
+class Completions:
+    """Calls in flight, reported in the order they finish: one callback per ObjectRef, O(1) per answer, where
+    ``ray.wait`` over every call in flight costs O(calls) at each answer (measured: 0.08 ms for 1,000 refs,
+    0.59 ms for 4,000; docs/vllm.md, driver scaling)."""
+
+    def __init__(self):
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def watch(self, ref) -> None:
+        ref.future().add_done_callback(lambda _, r=ref: self._done.put(r))
+
+    def wait(self, timeout: float | None) -> list:
+        """The refs finished since the last call, after waiting up to ``timeout`` seconds for the first."""
+        try:
+            out = [self._done.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while not self._done.empty():
+            out.append(self._done.get_nowait())
+        return out
+
+
 class EnginePool(Evaluator):
-    """The Evaluator interface over ``engines`` vLLM engines in Ray actors (see the module docstring).
+    """The Evaluator interface over engines in Ray actors (see the module docstring).
 
-    model: model directory or Hub id.  score: the task's batched reward (picklable).
-    engines: number of engines.  chunk: members per task handed to an engine (default: spread
-    the population evenly, about two chunks per engine).  llm_kwargs: passed to
-    :func:`espert.vllm.make_llm` in each actor.  num_cpus_per_engine / num_gpus_per_engine: Ray
-    resources per actor (GPU: set num_gpus_per_engine to the TP size).  env: extra environment
-    for the actors.  ray_init: keyword arguments for ``ray.init`` when Ray is not initialised yet.
-    Other keyword arguments go to :class:`espert.vllm.VLLMEvaluator`.
+    model: model directory or Hub id.  score: the task's batched reward (picklable).  llm_kwargs: passed
+    to :func:`espert.vllm.make_llm` in each actor.  The keywords of :class:`PoolOptions` set how the pool
+    runs (engines, deadlines, replacement, ...); the other keyword arguments go to
+    :class:`espert.vllm.VLLMEvaluator`.  :meth:`of` builds a pool over any engine.
 
-    ``traffic`` records the pickled size of every message of the last iteration (``evaluate`` +
-    ``update``), by direction; ``weights_bytes`` is what one broadcast of the center would cost.
+    State a caller may read: ``alive`` (engine ids in service), ``joining`` (ids starting or catching
+    up), ``dead`` (lost: died, hung, unreachable), ``removed``, ``nodes`` (id -> Ray node id),
+    ``events`` (every membership change, with its time and, for a join, its route, estimate and the
+    seconds since the fault), ``traffic`` (pickled bytes of the last iteration's messages, by kind),
+    ``weights_bytes`` (one broadcast of the float32 center), ``log`` (the update log a new engine
+    replays), ``last_round`` (the last evaluate's chunks, duplicates and agreeing late answers).
     """
 
-    def __init__(
-        self,
-        model: str,
-        score: Callable,
-        *,
-        engines: int = 2,
-        chunk: int | None = None,
-        llm_kwargs: dict | None = None,
-        num_cpus_per_engine: float = 1,
-        num_gpus_per_engine: float = 0,
-        env: dict | None = None,
-        ray_init: dict | None = None,
-        **ev_kwargs,
-    ):
+    def __init__(self, model: str, score: Callable, *, llm_kwargs: dict | None = None, **kwargs):
+        fields = set(PoolOptions.__dataclass_fields__)
+        options = PoolOptions(**{k: v for k, v in kwargs.items() if k in fields})
+        ev_kwargs = {k: v for k, v in kwargs.items() if k not in fields}
+        self.sigma_scales = ev_kwargs.get("sigma_scales")  # as VLLMEvaluator.sigma_scales
+        self._start(VLLMEngine(model, score, ev_kwargs, dict(llm_kwargs or {})), options)
+
+    @classmethod
+    def of(cls, make_engine: Callable, **options) -> "EnginePool":
+        """A pool whose actors each hold ``make_engine()``: any picklable zero-argument callable returning an
+        object with the engine methods (:mod:`espert.vllm.driver.actor`).  options: :class:`PoolOptions`."""
+        pool = cls.__new__(cls)
+        pool.sigma_scales = None
+        pool._start(make_engine, PoolOptions(**options))
+        return pool
+
+    def _start(self, make_engine: Callable, options: PoolOptions) -> None:
         import ray
 
-        if engines < 1:
-            raise ValueError(f"engines must be >= 1, got {engines}")
         if not ray.is_initialized():
-            ray.init(**{"include_dashboard": False, "log_to_driver": False, **(ray_init or {})})
-        self._ray = ray
-        self.chunk = chunk
+            ray.init(**{"include_dashboard": False, "log_to_driver": False, **(options.ray_init or {})})
+        self._ray, self.options, self._make_engine = ray, options, make_engine
+        self._unavailable_error = getattr(ray.exceptions, "ActorUnavailableError", ())
+        # an engine is gone: its actor or process died (Ray's OOM killer too: OutOfMemoryError), or its node
+        gone = ("RayActorError", "OutOfMemoryError", "WorkerCrashedError", "NodeDiedError")
+        self._gone_errors = tuple(getattr(ray.exceptions, n) for n in gone if hasattr(ray.exceptions, n))
+        self.chunk = options.chunk
         self.chunk_bytes = CHUNK_BYTES  # center_stream's chunk size (as VLLMEvaluator.chunk_bytes)
-        self.sigma_scales = ev_kwargs.get("sigma_scales")  # as VLLMEvaluator.sigma_scales
-        ncpu = os.cpu_count() or 1
-        actor_cls = ray.remote(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine)(EngineActor)
-        self.actors = []
-        for i in range(engines):
-            e = {
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            }
-            if num_gpus_per_engine == 0:
-                if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                    e["VLLM_CPU_OMP_THREADS_BIND"] = str(i % ncpu)  # one core per CPU engine, no oversubscription
-                # OpenMP reads this when the runtime loads, i.e. before any Python runs in the actor; more
-                # threads than cores makes espert's kernels and vLLM's GEMMs stall on a busy machine
-                e.setdefault(
-                    "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(max(1, int(num_cpus_per_engine))))
-                )
-            e.update(env or {})
-            opts = actor_cls.options(runtime_env={"env_vars": e})
-            self.actors.append(opts.remote(model, score, ev_kwargs, llm_kwargs or {}, e))
-        infos = ray.get([a.ready.remote() for a in self.actors])
-        self.info = infos[0]["info"]
-        self.alive = list(range(engines))
+        self._actor_cls = ray.remote(num_cpus=options.num_cpus_per_engine, num_gpus=options.num_gpus_per_engine)(
+            EngineActor
+        )
+        self.actors: list = []
+        self.alive: list[int] = []
         self.dead: list[int] = []
-        numel = sum(r["numel"] for r in self.info)
-        self.weights_bytes = 4 * numel  # one float32 center
+        self.removed: list[int] = []
+        self.joins: dict[int, Join] = {}
+        self.nodes: dict[int, str] = {}
+        self.events: list[dict] = []
+        self.log = UpdateLog()
+        self.clock = Clock(options.deadline_floor, options.deadline_factor)
         self.traffic: dict[str, int] = {}
         self.checksums: list[list[dict]] = []
+        self.info = None
+        self.last_round: dict = {}
+        self._round: Round | None = None
+        self._completions = Completions()
+        self._unreachable: dict[int, int] = defaultdict(int)
+        self._stream_rate = float(options.stream_bytes_per_s)
+        self._bad_engines_file: str | None = None
+        for _ in range(options.engines):
+            self._spawn(initial=True)
+        self.wait_for_engines()
+        self.weights_bytes = 4 * _numel(self.info)  # one float32 center
 
-    # -- failure handling --------------------------------------------------------------------------
-    def _mark_dead(self, i: int, err: BaseException) -> None:
-        if i in self.alive:
-            self.alive.remove(i)
-            self.dead.append(i)
-            log.warning(
-                "engine %d died (%s); its work is re-queued, %d engines left", i, type(err).__name__, len(self.alive)
-            )
-        if not self.alive:
+    @property
+    def joining(self) -> list[int]:
+        return sorted(self.joins)
+
+    # -- engines in and out ------------------------------------------------------------------------
+    def _engine_env(self, i: int) -> dict:
+        """The environment of engine i's actor: an in-process vLLM engine, a small CPU KV cache, and on CPU
+        one core and OpenMP thread per engine (more threads than cores stall espert's kernels)."""
+        opts = self.options
+        e = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        }
+        if opts.num_gpus_per_engine == 0:
+            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                e["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))
+            # OpenMP reads this when its runtime loads, before any Python runs in the actor
+            e["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(max(1, int(opts.num_cpus_per_engine))))
+        e.update(opts.env or {})
+        return e
+
+    def _spawn(self, replaces: int | None = None, fault_at: float | None = None, attempts: int = 1, initial=False):
+        """Ask Ray for a new engine actor (placed anywhere with room, spread over nodes); it joins later."""
+        e = len(self.actors)
+        env = self._engine_env(e)
+        cls = self._actor_cls.options(runtime_env={"env_vars": env}, scheduling_strategy="SPREAD")
+        actor = cls.remote(self._make_engine, env)
+        self.actors.append(actor)
+        self.joins[e] = Join(e, actor, actor.ready.remote(), time.monotonic(), replaces, fault_at, attempts, initial)
+        self._completions.watch(self.joins[e].ref)
+        return e
+
+    def _event(self, kind: str, engine: int, **details) -> None:
+        self.events.append({"event": kind, "engine": engine, "node": self.nodes.get(engine), **details})
+
+    def _lose(self, e: int, why: str, err: BaseException | None = None) -> None:
+        """Engine e is out (``why``: died, hung, unreachable): kill it, requeue its chunks, and start its
+        replacement (or raise when none is left and replacement is off)."""
+        if e not in self.alive:
+            return
+        self.alive.remove(e)
+        self.dead.append(e)
+        now = time.monotonic()
+        self._event(why, e, time=now, error=None if err is None else type(err).__name__)
+        cause = "no answer by its deadline" if err is None else _brief(err)
+        log.warning("engine %d %s (%s); its work is re-queued, %d engines left", e, why, cause, len(self.alive))
+        self._ray.kill(self.actors[e], no_restart=True)
+        if self._round is not None:
+            self._round.drop_engine(e)
+        if self.options.replace:
+            self._spawn(replaces=e, fault_at=now)
+        elif not self.alive and not self.joins:
             raise RuntimeError("every engine of the pool died") from err
 
-    def _count(self, key: str, obj) -> None:
-        self.traffic[key] = self.traffic.get(key, 0) + _nbytes(obj)
+    def _call_failed(self, e: int, err: BaseException) -> bool:
+        """Handle a failed call to engine e: True when the engine may still be up (``ActorUnavailableError``;
+        the third in a row replaces it), False when it is lost."""
+        if isinstance(err, self._unavailable_error) and self._unreachable[e] + 1 < UNREACHABLE_LIMIT:
+            self._unreachable[e] += 1
+            self._event("unreachable_once", e, time=time.monotonic(), error=_brief(err))
+            log.warning("engine %d unreachable (%s); trying again", e, _brief(err))
+            return True
+        self._lose(e, "unreachable" if isinstance(err, self._unavailable_error) else "died", err)
+        return False
+
+    def add_engines(self, k: int, wait: bool = False) -> list[int]:
+        """Start k more engines; each takes members once it holds the pool's center (checked by checksum).
+        Call between iterations; wait: return only when they joined."""
+        if k < 1:
+            raise ValueError(f"add_engines needs k >= 1, got {k}")
+        new = [self._spawn() for _ in range(k)]
+        for e in new:
+            self._event("added", e, time=time.monotonic())
+        if wait:
+            self.wait_for_engines()
+        return new
+
+    def remove_engines(self, k: int) -> list[int]:
+        """Stop k engines between iterations: those still joining first, then the newest in service."""
+        total = len(self.alive) + len(self.joins)
+        if not 1 <= k < total:
+            raise ValueError(f"remove_engines needs 1 <= k < {total} (the engines in the pool), got {k}")
+        out = (sorted(self.joins, reverse=True) + sorted(self.alive, reverse=True))[:k]
+        for e in out:
+            self._retire(e)
+        return out
+
+    def _retire(self, e: int) -> None:
+        if self.joins.pop(e, None) is None:
+            self.alive.remove(e)
+            try:
+                self._ray.get(self.actors[e].close.remote(), timeout=self.options.deadline_floor)
+            except Exception:  # noqa: BLE001 - it is going anyway
+                pass
+        self.removed.append(e)
+        self._ray.kill(self.actors[e], no_restart=True)
+        self._event("removed", e, time=time.monotonic())
+
+    def _apply_engines_file(self) -> None:
+        """Grow or shrink the pool to the number in ``engines_file`` (a missing file changes nothing; a
+        malformed one is reported once and ignored: a typo must not stop a run)."""
+        path = self.options.engines_file
+        if not path:
+            return
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            return
+        want = int(text) if text.isdigit() else 0
+        if want < 1:
+            if text != self._bad_engines_file:
+                log.warning("%s must hold a whole number of engines >= 1, got %r; the pool stays as it is", path, text)
+            self._bad_engines_file = text
+            return
+        have = len(self.alive) + len(self.joins)
+        if want > have:
+            self.add_engines(want - have)
+        elif want < have:
+            self.remove_engines(have - want)
+
+    # -- joining -----------------------------------------------------------------------------------
+    def wait_for_engines(self, timeout: float | None = None) -> None:
+        """Block until every engine starting or catching up has joined (or failed); at most ``timeout``
+        seconds (default: the pool's join_timeout)."""
+        end = time.monotonic() + (self.options.join_timeout if timeout is None else timeout)
+        while self.joins:
+            if not self._poll_joins(end - time.monotonic()):
+                raise TimeoutError(f"engines {self.joining} did not join in time")
+
+    def _poll_joins(self, timeout: float = 0.0) -> bool:
+        """Advance every joining engine whose call answered, waiting up to ``timeout`` seconds for one;
+        False when nothing answered in time."""
+        refs = {j.ref: j for j in self.joins.values()}
+        if not refs:
+            return True
+        done, _ = self._ray.wait(list(refs), num_returns=1, timeout=max(0.0, timeout))
+        if done:
+            done, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in done:
+            self._advance(refs[ref])
+        return bool(done)
+
+    def _wait_for_a_join(self) -> None:
+        """No engine in service: wait for one to join (a replacement catching up by replay)."""
+        end = time.monotonic() + self.options.join_timeout
+        while not self.alive:
+            if not self.joins:
+                raise RuntimeError("every engine of the pool died, and no replacement could join")
+            if not self._poll_joins(end - time.monotonic()):
+                raise RuntimeError(
+                    f"every engine of the pool died; no replacement joined in {self.options.join_timeout} s"
+                )
+
+    def _advance(self, j: Join) -> None:
+        """One answered call of a joining engine: its start, or a catch-up to be checked."""
+        try:
+            result = self._ray.get(j.ref)
+        except Exception as err:  # noqa: BLE001 - an actor that cannot start or catch up, for any reason
+            if j.phase == "starting" and isinstance(err, self._unavailable_error) and j.unreachable < READY_RETRIES:
+                j.unreachable += 1  # ``ready`` changes nothing: ask again
+                self._event("unreachable_once", j.engine, time=time.monotonic(), error=_brief(err))
+                j.ref = j.actor.ready.remote()
+                self._completions.watch(j.ref)
+            else:  # a catch-up may or may not have run: start over with a new engine
+                self._join_failed(j, err)
+            return
+        if j.phase == "starting":
+            self._started(j, result)
+        else:
+            self._caught_up(j, result)
+
+    def _started(self, j: Join, ready: dict) -> None:
+        j.phase, j.ready_at = "catching_up", time.monotonic()
+        self.nodes[j.engine] = ready["node"]
+        self.info = self.info or ready["info"]
+        if _numel(ready["info"]) != _numel(self.info):
+            self._refuse(j, f"it holds {_numel(ready['info'])} parameters, the pool {_numel(self.info)}")
+            return
+        if self.log.reference((0, 0)) is None:  # the first engine up: the base every other must hold
+            self.log.remember((0, 0), exact_fields(ready["checksum"]))
+        if self.log.position == (0, 0):  # nothing to catch up on
+            j.at = (0, 0)
+            self._caught_up(j, ready["checksum"])
+        else:
+            self._send_catch_up(j)
+
+    def _send_catch_up(self, j: Join) -> None:
+        """The next catch-up call of a joining engine: a route chosen at the start of each epoch, then the
+        updates logged since the point it reached."""
+        pos = self.log.position
+        if j.at is not None and j.at[0] == pos[0]:
+            state, start = None, j.at[1]
+        else:
+            n = self.log.position[1]
+            per_update = self.clock.typical("replay") or self.clock.typical("update")
+            j.route, j.estimate = choose_route(
+                self.options.catch_up, n, per_update, self.weights_bytes, self._stream_rate,
+                self.log.base is not None, bool(self.alive),
+            )  # fmt: skip
+            if j.route == "stream":  # a snapshot taken after every update sent so far (actor call order)
+                j.ref, j.at = j.actor.catch_up.remote(self.actors[self.alive[0]].center_state.remote(), []), pos
+                self._completions.watch(j.ref)
+                return
+            state, start = self.log.base, 0
+        batch = self.log.batch(start)
+        j.ref, j.at = j.actor.catch_up.remote(state, batch), (pos[0], start + len(batch))
+        self._completions.watch(j.ref)
+
+    def _caught_up(self, j: Join, checksum: list[dict]) -> None:
+        want = self.log.reference(j.at)
+        if want is not None and exact_fields(checksum) != want:
+            self._refuse(j, f"its checksum {checksum} != the live engines' {want} at update {j.at[1]}")
+        elif j.at != self.log.position:
+            self._send_catch_up(j)  # the pool moved on (or loaded a center) while it caught up
+        else:
+            if want is None:  # every engine was lost before reporting this point: the replay defines it
+                self.log.remember(j.at, exact_fields(checksum))
+            self._admit(j)
+
+    def _admit(self, j: Join) -> None:
+        now = time.monotonic()
+        del self.joins[j.engine]
+        self.alive.append(j.engine)
+        self._unreachable[j.engine] = 0
+        catch_up = now - (j.ready_at or now)
+        if j.route == "stream" and catch_up > 0:
+            self._stream_rate = self.weights_bytes / catch_up
+        elif j.route == "replay" and j.at[1]:
+            self.clock.observe("replay", catch_up, j.at[1])
+        details = dict(route=j.route, estimate=j.estimate, start_s=(j.ready_at or now) - j.asked, catch_up_s=catch_up)
+        if j.fault_at is not None:
+            details.update(replaces=j.replaces, recovery_s=now - j.fault_at)
+        self._event("joined", j.engine, time=now, **details)
+        if not j.initial:
+            log.warning("engine %d joined (%s) on node %s", j.engine, j.route or "at the base", self.nodes[j.engine])
+
+    def _refuse(self, j: Join, why: str) -> None:
+        """A new engine that cannot hold the pool's center is stopped and not replaced (the same environment
+        would fail again); the run goes on with the engines it has."""
+        del self.joins[j.engine]
+        self.dead.append(j.engine)
+        self._ray.kill(j.actor, no_restart=True)
+        self._event("refused", j.engine, time=time.monotonic(), why=why)
+        log.error("engine %d refused: %s", j.engine, why)
+        if j.initial:
+            raise ReplicaDivergence(f"engine {j.engine} does not start from the same center: {why}")
+
+    def _join_failed(self, j: Join, err: BaseException) -> None:
+        del self.joins[j.engine]
+        self.dead.append(j.engine)
+        self._ray.kill(j.actor, no_restart=True)
+        self._event("join_failed", j.engine, time=time.monotonic(), error=_brief(err))
+        if j.initial:
+            raise RuntimeError(f"engine {j.engine} failed to start: {err}") from err
+        if j.attempts < JOIN_ATTEMPTS:
+            log.warning("engine %d failed to join (%s); starting another", j.engine, _brief(err))
+            self._spawn(j.replaces, j.fault_at, j.attempts + 1)
+        else:
+            log.error(
+                "engine %d failed to join %d times (%s); the pool goes on without it", j.engine, j.attempts, _brief(err)
+            )
 
     # -- the Evaluator interface -------------------------------------------------------------------
+    def _count(self, key: str, obj) -> None:
+        if self.options.count_traffic:
+            self.traffic[key] = self.traffic.get(key, 0) + _nbytes(obj)
+
+    def _between_iterations(self) -> None:
+        """Admit the engines that caught up, and follow the engines file."""
+        self._poll_joins()
+        self._apply_engines_file()
+
     def evaluate(
         self, members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str]
     ) -> list[float]:
-        ray = self._ray
+        self._between_iterations()
         members = [(int(s), int(g)) for s, g in members]
         self.traffic = {}
-        n = len(members)
-        size = self.chunk or max(1, math.ceil(n / (2 * max(1, len(self.alive)))))
-        queue = deque((i, members[i : i + size]) for i in range(0, n, size))
-        out: list[float | None] = [None] * n
-        extracted: list | None = [None] * n  # member_answers; None once an engine returns none
-        running: dict = {}  # ObjectRef -> (engine, start, chunk)
+        n_engines = max(1, len(self.alive))
+        rnd = Round(members, self.chunk or max(1, math.ceil(len(members) / (2 * n_engines))))
         prompts, answers = list(prompts), list(answers)
         # the prompts travel once per engine per iteration (ray.put), not once per chunk
-        p_ref, a_ref = ray.put(prompts), ray.put(answers)
+        args = (float(sigma), self._ray.put(prompts), self._ray.put(answers))
         self._count("prompts_to_each_engine", (prompts, answers))
-        while queue or running:
-            busy = {e for e, _, _ in running.values()}
-            for e in [e for e in self.alive if e not in busy]:
-                if not queue:
-                    break
-                start, chunk = queue.popleft()
-                ref = self.actors[e].evaluate.remote(chunk, float(sigma), p_ref, a_ref)
-                self._count("members_out", (chunk, float(sigma)))
-                running[ref] = (e, start, chunk)
-            if not running:
-                raise RuntimeError("no live engine to evaluate the population")
-            done, _ = ray.wait(list(running), num_returns=1)
-            for ref in done:
-                e, start, chunk = running.pop(ref)
-                try:
-                    rewards, ext = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as err:
-                    queue.appendleft((start, chunk))
-                    self._mark_dead(e, err)
-                    continue
-                self._count("rewards_in", rewards)
-                if len(rewards) != len(chunk):
-                    raise RuntimeError(f"engine {e} returned {len(rewards)} rewards for {len(chunk)} members")
-                out[start : start + len(chunk)] = [float(r) for r in rewards]
-                if ext is None:
-                    extracted = None
-                elif extracted is not None:
-                    self._count("answers_in", ext)
-                    extracted[start : start + len(chunk)] = ext
-        self.member_answers = extracted
-        return [float(r) for r in out]
+        self._round = rnd
+        try:
+            while not rnd.done():
+                self._dispatch(rnd, args)
+                self._wait_round(rnd)
+            self._settle(rnd)
+        finally:
+            self._round = None
+        self.last_round = {"chunks": len(rnd.chunks), "duplicates": rnd.duplicates, "agreed": rnd.agreed}
+        rewards, self.member_answers = rnd.results()
+        return rewards
+
+    def _chunk_deadline(self, rnd: Round) -> Callable[[int], float]:
+        return lambda c: self.clock.deadline("member", rnd.size_of(c))
+
+    def _dispatch(self, rnd: Round, args: tuple) -> None:
+        """Give every idle engine in service a chunk: the queue's next, else a late chunk's duplicate."""
+        now, busy = time.monotonic(), rnd.busy()
+        for e in self.alive:
+            if e in busy:
+                continue
+            c = rnd.take(now, self._chunk_deadline(rnd))
+            if c is None:
+                break
+            chunk = rnd.chunks[c][1]
+            ref = self.actors[e].evaluate.remote(chunk, *args)
+            rnd.start(ref, e, c, now)
+            self._completions.watch(ref)
+            self._count("members_out", (chunk, args[0]))
+
+    def _wait_round(self, rnd: Round) -> None:
+        """Wait for an answer, a joining engine or the next deadline; then handle what came."""
+        if not rnd.running:
+            self._wait_for_a_join()
+            return
+        done = self._completions.wait(rnd.next_check(time.monotonic(), self._chunk_deadline(rnd)))
+        joins = {j.ref: j for j in self.joins.values()} if done else {}
+        for ref in done:  # refs of copies or calls the pool gave up on are ignored
+            if ref in rnd.running:
+                self._collect(rnd, ref)
+            elif ref in joins and self.joins.get(joins[ref].engine) is joins[ref] and joins[ref].ref is ref:
+                self._advance(joins[ref])
+        limit = self._chunk_deadline(rnd)
+        for copy in rnd.overdue(time.monotonic(), lambda c: HANG * limit(c)):
+            self._lose(copy.engine, "hung")
+
+    def _collect(self, rnd: Round, ref) -> None:
+        """One chunk's answer: its rewards (the first answer wins, a later one must agree), or a lost engine."""
+        copy = rnd.finish(ref)
+        try:
+            rewards, extracted = self._ray.get(ref)
+        except self._gone_errors as err:
+            rnd.requeue(copy.chunk)
+            self._call_failed(copy.engine, err)
+            return
+        self._unreachable[copy.engine] = 0
+        members = rnd.chunks[copy.chunk][1]
+        if len(rewards) != len(members):
+            raise RuntimeError(f"engine {copy.engine} returned {len(rewards)} rewards for {len(members)} members")
+        self._count("rewards_in", rewards)
+        if extracted is not None:
+            self._count("answers_in", extracted)
+        if rnd.answer(copy, rewards, extracted):
+            self.clock.observe("member", time.monotonic() - copy.started, len(members))
+
+    def _settle(self, rnd: Round) -> None:
+        """Every member has its reward: wait for the copies still running (a straggler's, or a duplicate's)
+        until their hang limit; each answer must agree with the first.  An engine still busy then is hung."""
+        deadline = self._chunk_deadline(rnd)
+
+        def limit(c: int) -> float:
+            return HANG * deadline(c)
+
+        while rnd.running:
+            now = time.monotonic()
+            for copy in rnd.overdue(now, limit):
+                self._lose(copy.engine, "hung")
+            if not rnd.running:
+                break
+            left = min(limit(k.chunk) - (now - k.started) for k in rnd.running.values())
+            for ref in self._completions.wait(max(0.0, left)):
+                if ref in rnd.running:
+                    self._collect(rnd, ref)
 
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return self._first("evaluate_center", list(prompts), list(answers))
 
-    def _first(self, method: str, *args):
-        while True:
-            e = self.alive[0] if self.alive else None
-            if e is None:
-                raise RuntimeError("every engine of the pool died")
+    # -- calls to every engine, or to one ----------------------------------------------------------
+    def _gather(self, kind: str, refs: dict[int, object]) -> tuple[dict[int, object], list[int]]:
+        """The answers of ``{engine: call}`` within the deadline of ``kind``: ``(answers, unsure)``, unsure
+        being the engines that were unreachable (the call may or may not have run).  An engine that died or
+        did not answer in time is lost."""
+        t0, pending = time.monotonic(), {ref: e for e, ref in refs.items()}
+        done, late = self._ray.wait(list(pending), num_returns=len(pending), timeout=self.clock.deadline(kind))
+        out: dict[int, object] = {}
+        unsure: list[int] = []
+        for ref in done:
+            e = pending[ref]
             try:
-                return self._ray.get(getattr(self.actors[e], method).remote(*args))
-            except (self._ray.exceptions.RayActorError, self._ray.exceptions.ActorDiedError) as err:
-                self._mark_dead(e, err)
+                out[e] = self._ray.get(ref)
+                self._unreachable[e] = 0
+            except self._gone_errors as err:
+                if self._call_failed(e, err):
+                    unsure.append(e)
+        for ref in late:
+            self._lose(pending[ref], "hung")
+        if out:
+            self.clock.observe(kind, time.monotonic() - t0)
+        return out, unsure
+
+    def _call(self, e: int, method: str, *args):
+        """An idempotent call to engine e, again while it is unreachable; None when the engine is lost."""
+        while e in self.alive:
+            out, _ = self._gather(method, {e: getattr(self.actors[e], method).remote(*args)})
+            if e in out:
+                return out[e]
+        return None
 
     def _broadcast(self, method: str, *args) -> dict[int, object]:
-        ray = self._ray
-        refs = {e: getattr(self.actors[e], method).remote(*args) for e in list(self.alive)}
-        results = {}
-        for e, ref in refs.items():
-            try:
-                results[e] = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as err:
-                self._mark_dead(e, err)
-        return results
+        """An idempotent call to every engine in service: ``{engine: answer}`` of those still in service."""
+        out, unsure = self._gather(method, {e: getattr(self.actors[e], method).remote(*args) for e in self.alive})
+        for e in unsure:
+            got = self._call(e, method, *args)
+            if got is not None:
+                out[e] = got
+        return out
 
+    def _first(self, method: str, *args):
+        """One engine's answer (the first in service that gives one)."""
+        while True:
+            if not self.alive:
+                self._wait_for_a_join()
+            got = self._call(self.alive[0], method, *args)
+            if got is not None:
+                return got
+
+    # -- the center --------------------------------------------------------------------------------
     def _check(self, sums: dict[int, list[dict]], when: str) -> None:
+        """Every answering engine must report the same exact checksum; it becomes the log's reference for
+        the current position (what a joining engine must reproduce)."""
         if not sums:
-            raise RuntimeError("every engine of the pool died")
+            raise RuntimeError(f"{when}: no engine of the pool answered")
         self.checksums.append([sums[e] for e in sorted(sums)])
-        from espert.vllm.engine.worker import EXACT_FIELDS
-
-        def exact(cs):
-            return [{k: r[k] for k in EXACT_FIELDS} for r in cs]
-
         ref_e = min(sums)
+        want = exact_fields(sums[ref_e])
         for e, cs in sums.items():
-            if exact(cs) != exact(sums[ref_e]):
+            if exact_fields(cs) != want:
                 raise ReplicaDivergence(
                     f"{when}: engine {e} checksum {cs} != engine {ref_e} checksum {sums[ref_e]}; "
                     f"the replicas no longer hold the same weights"
                 )
+        self.log.remember(self.log.position, want)
 
     def update(
         self,
@@ -292,10 +677,37 @@ class EnginePool(Evaluator):
         msg = (seeds, coeffs, float(decay), None if lr is None else float(lr), None if anchor is None else dict(anchor))
         for _ in self.alive:
             self._count("update_out", msg)
-        sums = self._broadcast("update", *msg)
+        before = self.log.reference(self.log.position)
+        self.log.append(*msg)
+        # seeds and coefficients serialized once, into the object store; each node fetches them once
+        shared = (self._ray.put(seeds), self._ray.put(coeffs), *msg[2:])
+        sums, unsure = self._gather("update", {e: self.actors[e].update.remote(*shared) for e in self.alive})
+        for e in unsure:
+            self._settle_update(e, msg, before, sums)
         for cs in sums.values():
             self._count("checksums_in", cs)
+        if not sums and not self.alive:  # every engine was lost: a replacement replays this update too
+            self._wait_for_a_join()
+            sums = self._broadcast("checksum")
         self._check(sums, "after update")
+        self._poll_joins()
+
+    def _settle_update(self, e: int, msg: tuple, before: list[dict] | None, sums: dict) -> None:
+        """An update whose call failed in flight (``ActorUnavailableError``): ask the engine's checksum; still
+        the one before the update means it never ran, so send it again; anything else is what the update
+        made (``_check`` then compares it with the other engines')."""
+        while e in self.alive:
+            cs = self._call(e, "checksum")
+            if cs is None or exact_fields(cs) != before:
+                if cs is not None:
+                    sums[e] = cs
+                    self._event("update_settled", e, time=time.monotonic(), how="it had run")
+                return
+            self._event("update_settled", e, time=time.monotonic(), how="it had not run: sent again")
+            out, _ = self._gather("update", {e: self.actors[e].update.remote(*msg)})
+            if e in out:
+                sums[e] = out[e]
+                return
 
     def checksum(self) -> dict[int, list[dict]]:
         """Every live engine's per-rank checksums, after checking that they agree."""
@@ -311,7 +723,7 @@ class EnginePool(Evaluator):
     def center_stream(self):
         """The center streamed from a live engine in chunks of ``chunk_bytes`` (the replicas hold the same
         center, checked at every update): checkpoints and exports are written from it chunk by chunk.  An
-        engine that dies mid-stream is marked dead and the same chunk is asked of the next one."""
+        engine lost mid-stream is replaced and the same chunk is asked of the next one."""
         from espert.vllm.driver.stream import CenterStream
 
         return CenterStream(lambda method, *args: self._first("rpc", method, *args), self.chunk_bytes)
@@ -326,25 +738,33 @@ class EnginePool(Evaluator):
         return without_optimizer_state(self.center_state())
 
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
+        """Every engine loads ``state`` (one Ray object, sent once per node); it becomes the base a new
+        engine starts from (the update log restarts there)."""
         from espert.vllm.driver.evaluator import host_state
         from espert.vllm.wire import pack_tensor
 
         ref = self._ray.put({k: pack_tensor(host_state(v)) for k, v in state.items()})
+        self.log.rebase(ref)
         self._check(self._broadcast("load_center", ref), "after load_center")
+
+    def base_moved(self, path: str) -> None:
+        """Replacement engines load the base model from ``path`` from now on (a new run's directory was renamed
+        into place after the first engines loaded it)."""
+        if isinstance(self._make_engine, VLLMEngine):
+            self._make_engine = dataclasses.replace(self._make_engine, model=path)
 
     def timings(self) -> dict[int, dict]:
         return self._broadcast("timings")
 
     def close(self) -> None:
+        """Close every engine (at most the deadline floor for all of them), then kill their actors."""
         ray = self._ray
-        for e in list(self.alive):
-            try:
-                ray.get(self.actors[e].close.remote(), timeout=60)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-            ray.kill(self.actors[e])
-        self.alive = []
-        time.sleep(0)
+        closing = [self.actors[e].close.remote() for e in self.alive]
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=self.options.deadline_floor)
+        for e in list(self.alive) + list(self.joins):
+            ray.kill(self.actors[e], no_restart=True)
+        self.alive, self.joins = [], {}
 
 
 # ---- the ES loop's evaluator registry (espert.evaluators: "vllm" -> this builder) ----------------------
@@ -370,27 +790,24 @@ def center_kwargs(cfg, model_path: str) -> dict:
 
 
 def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
-    """``evaluator: vllm``: one engine (``cfg.vllm_engines`` <= 1) or an :class:`EnginePool`; extract:
-    the task's answer extractor (the evaluator then fills ``member_answers``).
+    """``evaluator: vllm``: one in-process engine, or an :class:`EnginePool` when ``cfg.vllm_engines`` > 1 or an
+    engines file is given (``cfg.vllm_engines_file``: the pool follows the number in it between iterations).
+    extract: the task's answer extractor (the evaluator then fills ``member_answers``).
 
-    Reads optional config fields when present (``vllm_tensor_parallel_size``, ``vllm_engines``,
-    ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``, ``vllm_rename``, ``vllm_members``,
-    ``vllm_max_loras``); defaults otherwise.
-    The center's loop fields (``noise``, ``optimizer*``, ``sigma_mode``, ``weight_decay_exclude``) go to
-    every worker's center as :func:`espert.evaluators.torch_model.config_center` gives them to the torch
-    evaluator's.  A malformed ``vllm_rename`` is refused before any engine starts.
+    Engine fields: ``vllm_tensor_parallel_size``, ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``,
+    ``vllm_rename``, ``vllm_members``, ``vllm_max_loras``.  The center's loop fields (``noise``,
+    ``optimizer*``, ``sigma_mode``, ``weight_decay_exclude``) go to every worker's center as
+    :func:`espert.evaluators.torch_model.config_center` gives them to the torch evaluator's.  A malformed
+    ``vllm_rename`` is refused before any engine starts.
     """
     from espert.vllm.driver.evaluator import VLLMEvaluator, parse_rename
 
-    rename = parse_rename(getattr(cfg, "vllm_rename", None))
-    engines = int(getattr(cfg, "vllm_engines", 1) or 1)
-    llm_kwargs = dict(dtype=cfg.dtype, tensor_parallel_size=int(getattr(cfg, "vllm_tensor_parallel_size", 1) or 1))
-    for field, arg in (
-        ("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
-        ("vllm_max_model_len", "max_model_len"),
-    ):
-        if getattr(cfg, field, None) is not None:
-            llm_kwargs[arg] = getattr(cfg, field)
+    rename = parse_rename(cfg.vllm_rename)
+    llm_kwargs = dict(dtype=cfg.dtype, tensor_parallel_size=cfg.vllm_tensor_parallel_size)
+    if cfg.vllm_gpu_memory_utilization is not None:
+        llm_kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    if cfg.vllm_max_model_len is not None:
+        llm_kwargs["max_model_len"] = cfg.vllm_max_model_len
     ev_kwargs = dict(
         include=cfg.include,
         exclude=cfg.exclude,
@@ -400,12 +817,20 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
         member_errors=cfg.member_errors,
         rename=rename,
         extract=extract,
-        members=getattr(cfg, "vllm_members", "serial"),
-        max_loras=int(getattr(cfg, "vllm_max_loras", 8) or 8),
+        members=cfg.vllm_members,
+        max_loras=cfg.vllm_max_loras,
         **center_kwargs(cfg, model_path),
     )
-    if engines > 1:
-        return EnginePool(model_path, score, engines=engines, llm_kwargs=llm_kwargs, **ev_kwargs)
+    if cfg.vllm_engines > 1 or cfg.vllm_engines_file:
+        return EnginePool(
+            model_path,
+            score,
+            engines=cfg.vllm_engines,
+            engines_file=cfg.vllm_engines_file,
+            deadline_floor=cfg.vllm_deadline_floor,
+            llm_kwargs=llm_kwargs,
+            **ev_kwargs,
+        )
     return VLLMEvaluator(model_path, score, llm_kwargs=llm_kwargs, **ev_kwargs)
 
 

@@ -33,6 +33,7 @@ from espert.vllm import patches
 from espert.vllm.engine import w8a8
 from espert.vllm.engine.repack import RepackingCenter
 from espert.vllm.patches import cpu_prepack
+from espert.vllm.wire import EXACT_FIELDS  # noqa: F401 - its former home: compat.py and tests import it from here
 
 patches.install()  # before the worker loads the model: every patch this vLLM gets (espert/vllm/patches/)
 
@@ -73,10 +74,6 @@ def fingerprint(views, centers) -> dict:
             acc.append(float(torch.sum(t, dtype=torch.float64)))
     out.update(hash=h.hexdigest(), live_sum=math.fsum(live_sum), center_sum=math.fsum(center_sum))
     return out
-
-
-#: The checksum fields replicas must agree on exactly.
-EXACT_FIELDS = ("rank", "live_bits", "center_bits", "hash")
 
 
 def _allow_amx() -> None:
