@@ -52,10 +52,12 @@ class HashEngine:
     def evaluate_center(self, prompts, answers) -> list[float]:
         return [self._reward(0, 0, 0.0)] * len(prompts)
 
-    def update(self, seeds, coeffs, decay=1.0, lr=None) -> None:
+    def update(self, seeds, coeffs, decay=1.0, lr=None, anchor=None) -> None:
         t0 = time.perf_counter()
         h = hashlib.blake2b(self.center, digest_size=16)
         h.update(array("Q", seeds).tobytes() + array("d", coeffs).tobytes() + struct.pack("<dd", decay, lr or 0.0))
+        if anchor:  # an AWD step changes the center too
+            h.update(repr(sorted(anchor.items())).encode())
         self.center = h.digest()
         self.timings["update"] += time.perf_counter() - t0
 

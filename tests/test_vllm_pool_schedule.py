@@ -90,9 +90,10 @@ def test_update_log_keeps_16_bytes_per_seed_and_batches_replays():
     assert log.nbytes() == 3 * big * 16
     assert [len(log.batch(s)) for s in (0, 1, 2)] == [1, 1, 1]  # two would exceed the batch
     assert log.batch(0)[0][0].dtype == np.uint64 and log.batch(0)[0][1].dtype == np.float64
-    log.append([2**64 - 1], [1e-300], 0.5, 0.1)
-    seeds, coeffs, decay, lr = log.batch(3)[0]
+    log.append([2**64 - 1], [1e-300], 0.5, 0.1, {"norm": "l2", "amount": 0.01})  # an AWD step rides along
+    seeds, coeffs, decay, lr, anchor = log.batch(3)[0]
     assert seeds.tolist() == [2**64 - 1] and coeffs.tolist() == [1e-300] and (decay, lr) == (0.5, 0.1)
+    assert anchor == {"norm": "l2", "amount": 0.01} and log.batch(0)[0][4] is None
     log.remember(log.position, [{"hash": "h"}])
     log.rebase("state")
     assert log.position == (1, 0) and log.base == "state" and log.reference((0, 4)) == [{"hash": "h"}]
