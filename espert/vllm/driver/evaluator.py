@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -43,6 +43,9 @@ from espert.evaluators.base import (
 from espert.tasks.base import chat_prompt
 from espert.tensorfile import CHUNK_BYTES
 from espert.vllm import patches
+
+if TYPE_CHECKING:  # what espert calls on it is checked in every vLLM release (espert.vllm.contract)
+    from vllm import LLM
 
 log = logging.getLogger("espert.vllm")
 
@@ -190,6 +193,8 @@ class VLLMEvaluator(Evaluator):
 
     ``timings`` accumulates seconds spent in perturb (batched: filling the slots) / generate / restore / update.
     """
+
+    llm: LLM
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -33,6 +33,10 @@ from espert.vllm import patches
 from espert.vllm.engine import w8a8
 from espert.vllm.engine.repack import RepackingCenter
 from espert.vllm.patches import cpu_prepack
+
+if TYPE_CHECKING:  # what vLLM's worker gives its extension (espert.vllm.contract checks their members)
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 patches.install()  # before the worker loads the model: every patch this vLLM gets (espert/vllm/patches/)
 
@@ -122,6 +126,10 @@ def _scales_for(views, sigma_scales: dict[str, float] | None) -> list[float] | N
 
 class ESWorkerExtension:
     """Mixed into vLLM's worker class; see the module docstring.  State lives in ``self._es_*``."""
+
+    #: the host worker's attributes this extension uses (annotations only: vLLM's worker sets them)
+    model_runner: GPUModelRunner
+    vllm_config: VllmConfig
 
     # -- helpers ---------------------------------------------------------------------------------
     def _es_model(self) -> torch.nn.Module:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger("espert.vllm")
 
+_WARNED: set[str] = set()
+
 #: The oldest and newest vLLM release espert is written for (docs/vllm.md, "vLLM versions").
 OLDEST, NEWEST = "0.11", "0.34"
 
@@ -36,15 +38,27 @@ class Patch:
     name: str
     first: str  # the oldest vLLM release it is written for
     what: str
+    modules: tuple[str, ...] = ()  # espert modules that exist for this patch (checked from `first` on too)
+    last: str | None = None  # the newest release it is written for (None: NEWEST)
 
 
 #: Every patch, with the oldest release it is written for; each is written up to :data:`NEWEST`.
 PATCHES = (
     Patch("cpu_prepack", OLDEST, "vLLM-CPU's prepacked Linear weights keep their plain copy and repack after edits"),
-    Patch("w8a8", OLDEST, "vLLM-CPU's W8A8 int8 layers keep their codes and take the rebuildable oneDNN path"),
+    Patch(
+        "w8a8",
+        OLDEST,
+        "vLLM-CPU's W8A8 int8 layers keep their codes and take the rebuildable oneDNN path",
+        modules=("espert.vllm.engine.w8a8",),
+    ),
     Patch("seeded", OLDEST, "seeded sampling on CPU survives chunked prefill (the generator is rewound exactly)"),
     Patch("lora_cpu", OLDEST, "vLLM-CPU's LoRA ops as GEMMs over espert's slots, without a per-token gather"),
-    Patch("weight_transfer", "0.32", "the 'espert' backend of vLLM's weight-transfer API"),
+    Patch(
+        "weight_transfer",
+        "0.32",
+        "the 'espert' backend of vLLM's weight-transfer API",
+        modules=("espert.vllm.engine.transfer",),
+    ),
 )
 
 
@@ -81,9 +95,6 @@ def installed_version() -> str | None:
     return None
 
 
-_WARNED: set[str] = set()
-
-
 def install(version: str | None = None, only: tuple[str, ...] | None = None) -> list[str]:
     """Apply the patches vLLM ``version`` (default: the installed one) gets, or those of them named in
     ``only``; idempotent.  Returns the names applied.  A version newer than :data:`NEWEST` gets them with
@@ -99,6 +110,37 @@ def install(version: str | None = None, only: tuple[str, ...] | None = None) -> 
     for name in names:
         importlib.import_module(f"{__name__}.{name}").install()
     return names
+
+
+def releases(first: str, last: str | None = None):
+    """Mark a function as written for the vLLM releases ``first`` to ``last`` (default: the newest), where
+    vLLM's internals differ between releases; :func:`for_release` picks the one for the installed vLLM, and
+    :mod:`espert.vllm.contract` checks the function's uses of vLLM in exactly those releases."""
+
+    def mark(fn):
+        fn.vllm_releases = (first, last)
+        return fn
+
+    return mark
+
+
+def for_release(*fns, version: str | None = None):
+    """The one of ``fns`` (each marked with :func:`releases`) written for vLLM ``version`` (default: installed)."""
+    now = _release(version or installed_version() or NEWEST)
+    for fn in fns:
+        first, last = fn.vllm_releases
+        if _release(first) <= now <= _release(last or NEWEST) or (last is None and now > _release(NEWEST)):
+            return fn
+    raise VLLMVersionError(f"espert has no {fns[0].__name__} for vLLM {version or installed_version()}")
+
+
+def replace_once(owner, attr: str, replacement) -> bool:
+    """Make ``replacement`` ``owner.attr`` (it takes vLLM's arguments; :mod:`espert.vllm.contract` checks
+    that by name and position in every release); returns True if installed now."""
+    if getattr(owner, attr) is replacement:
+        return False
+    setattr(owner, attr, replacement)
+    return True
 
 
 def wrap_once(owner, attr: str, replacement) -> bool:

@@ -15,6 +15,8 @@ import weakref
 
 import torch
 
+from espert.vllm.patches import replace_once
+
 #: id of a LoRA layer's stacked buffer -> (a weak reference to it, the rank espert's slots use in it: the
 #: columns past it stay zero, :class:`LoraSlots` resets every slot and writes only r), so a lowrank:4
 #: population does not pay for vLLM's smallest allowed max_lora_rank of 8.  Other buffers are used whole;
@@ -163,9 +165,11 @@ def install() -> None:
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:  # a vLLM without these modules: its own kernels stay
         return
-    ours = {"bgmv_shrink": cpu_shrink, "bgmv_expand": cpu_expand, "bgmv_expand_slice": cpu_expand_slice}
-    VLLM_OPS.update({name: getattr(lora_ops, name) for name in ours})
-    for mod in (lora_ops, punica_cpu):
-        for name, fn in ours.items():
-            setattr(mod, name, fn)
+    VLLM_OPS.update({name: getattr(lora_ops, name) for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")})
+    replace_once(lora_ops, "bgmv_shrink", cpu_shrink)
+    replace_once(lora_ops, "bgmv_expand", cpu_expand)
+    replace_once(lora_ops, "bgmv_expand_slice", cpu_expand_slice)
+    replace_once(punica_cpu, "bgmv_shrink", cpu_shrink)  # punica_cpu imported vLLM's by name
+    replace_once(punica_cpu, "bgmv_expand", cpu_expand)
+    replace_once(punica_cpu, "bgmv_expand_slice", cpu_expand_slice)
     _INSTALLED = True

@@ -16,12 +16,17 @@ how its prompt was chunked, as on GPU.  Installed in every worker by the worker 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from espert.vllm.patches import wrap_once
 
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-def _discarded_cpu_generators(runner) -> dict:
+
+def _discarded_cpu_generators(runner: GPUModelRunner) -> dict:
     n = runner.input_batch.num_reqs
     gens = runner.input_batch.generators
     out = {}
@@ -32,12 +37,12 @@ def _discarded_cpu_generators(runner) -> dict:
     return out
 
 
-def _sample(original, runner, *args, **kwargs):
+def _sample(original, runner: GPUModelRunner, *args, **kwargs):
     runner._espert_rewind = {i: (g, g.get_state()) for i, g in _discarded_cpu_generators(runner).items()}
     return original(runner, *args, **kwargs)
 
 
-def _bookkeeping_sync(original, runner, *args, **kwargs):
+def _bookkeeping_sync(original, runner: GPUModelRunner, *args, **kwargs):
     saved = getattr(runner, "_espert_rewind", None) or {}
     runner._espert_rewind = None
     gens = runner.input_batch.generators

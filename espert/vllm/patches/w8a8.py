@@ -8,12 +8,17 @@ oneDNN (or, with AMX, SGL) copy and drops the plain codes.  The wrapper below st
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from espert.vllm.patches import wrap_once
 
+if TYPE_CHECKING:
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel as Kernel
 
-def _unsupported(kernel) -> str | None:
+
+def _unsupported(kernel: Kernel) -> str | None:
     c = kernel.config
     if not c.input_symmetric:
         return "asymmetric activations (input zero points / azp_adj)"
@@ -22,7 +27,7 @@ def _unsupported(kernel) -> str | None:
     return None
 
 
-def _capture(original, kernel, layer: torch.nn.Module) -> None:
+def _capture(original, kernel: Kernel, layer: torch.nn.Module) -> None:
     """Stash the exact int8 codes, then prepack on the oneDNN path (rebuildable)."""
     w_q = kernel.layer_param_names[0]
     weight = getattr(layer, w_q)
