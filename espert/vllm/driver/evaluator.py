@@ -104,7 +104,9 @@ def make_llm(
         import vllm.envs
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-        vllm.envs.disable_envs_cache()
+        reset = getattr(vllm.envs, "disable_envs_cache", None)  # vLLM >= 0.13; 0.11 and 0.12 cache nothing
+        if reset is not None:
+            reset()
 
     kw = dict(
         model=model,

@@ -24,7 +24,7 @@ log = logging.getLogger("espert.vllm")
 _WARNED: set[str] = set()
 
 #: The oldest and newest vLLM release espert is written for (docs/vllm.md, "vLLM versions").
-OLDEST, NEWEST = "0.11", "0.34"
+OLDEST, NEWEST = "0.11", "0.33"
 
 
 class VLLMVersionError(RuntimeError):
@@ -39,10 +39,10 @@ class Patch:
     first: str  # the oldest vLLM release it is written for
     what: str
     modules: tuple[str, ...] = ()  # espert modules that exist for this patch (checked from `first` on too)
-    last: str | None = None  # the newest release it is written for (None: NEWEST)
+    last: str | None = None  # the newest release it is written for (None: NEWEST, and any newer one)
 
 
-#: Every patch, with the oldest release it is written for; each is written up to :data:`NEWEST`.
+#: Every patch, with the releases it is written for (checked by espert.vllm.contract, tests/test_vllm_contract.py).
 PATCHES = (
     Patch("cpu_prepack", OLDEST, "vLLM-CPU's prepacked Linear weights keep their plain copy and repack after edits"),
     Patch(
@@ -51,11 +51,16 @@ PATCHES = (
         "vLLM-CPU's W8A8 int8 layers keep their codes and take the rebuildable oneDNN path",
         modules=("espert.vllm.engine.w8a8",),
     ),
-    Patch("seeded", OLDEST, "seeded sampling on CPU survives chunked prefill (the generator is rewound exactly)"),
+    Patch(
+        "seeded",
+        OLDEST,
+        "seeded sampling on CPU survives chunked prefill (the generator is rewound exactly)",
+        last="0.33",  # vLLM 0.34's model runner samples from a hash of (seed, position): nothing to rewind
+    ),
     Patch("lora_cpu", OLDEST, "vLLM-CPU's LoRA ops as GEMMs over espert's slots, without a per-token gather"),
     Patch(
         "weight_transfer",
-        "0.32",
+        "0.28",  # 0.16 to 0.27 have the API in other shapes (an abstract trainer_send_weights, another __init__)
         "the 'espert' backend of vLLM's weight-transfer API",
         modules=("espert.vllm.engine.transfer",),
     ),
@@ -78,7 +83,8 @@ def patches_for(version: str) -> list[Patch]:
             f"vLLM {version} is older than {OLDEST}, the oldest release espert supports; "
             f"install vllm>={OLDEST} (docs/vllm.md, 'vLLM versions')"
         )
-    return [p for p in PATCHES if _release(version) >= _release(p.first)]
+    now = _release(version)
+    return [p for p in PATCHES if _release(p.first) <= now <= _release(p.last or "9999.9999")]
 
 
 def installed_version() -> str | None:
