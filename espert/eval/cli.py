@@ -18,7 +18,6 @@ import sys
 from typing import Optional, Sequence
 
 from espert.config import Renamed
-from espert.extras import require
 
 EVAL_EPILOG = """examples:
   espert eval --task gsm8k --data test.jsonl --models base=Qwen2.5-0.5B es=runs/es/final \\
@@ -169,7 +168,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     if len(tasks) > 1 and args.data:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":
-        require("vllm", "--evaluator vllm")
+        from ..vllm.patches import require_vllm
+
+        require_vllm("--evaluator vllm")
     models = parse_model_specs(args.models)
     for label, path in models.items():
         gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)

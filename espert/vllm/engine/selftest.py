@@ -82,7 +82,18 @@ def _logits(runner: GPUModelRunner, hidden):
 
 
 def _forward(runner: GPUModelRunner):
-    """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not)."""
+    """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not).
+
+    Drives vLLM's V1 model runner (0.11 to 0.33); one without its probe inputs (vLLM 0.34's V2 runner) is
+    refused with :class:`EditsNotVisible`, since nothing then proves that edits reach its forward pass."""
+    if not hasattr(runner, "input_ids") or not hasattr(runner, "_dummy_run"):
+        from espert.vllm.patches import NEWEST, OLDEST, installed_version
+
+        raise EditsNotVisible(
+            f"espert self-test: cannot run a probe forward pass through {type(runner).__name__} (vLLM "
+            f"{installed_version()}), so nothing proves that weight edits reach this engine; espert is checked "
+            f"on vLLM {OLDEST} to {NEWEST} (docs/vllm.md, 'vLLM versions')"
+        )
     ids = runner.input_ids.gpu[:PROBE_TOKENS]
     vocab = runner.model_config.get_vocab_size()
     ids.copy_(torch.arange(1, PROBE_TOKENS + 1, device=ids.device) % vocab)

@@ -19,6 +19,8 @@ import importlib
 import logging
 from dataclasses import dataclass
 
+from espert.extras import MissingExtra, require
+
 log = logging.getLogger("espert.vllm")
 
 _WARNED: set[str] = set()
@@ -27,8 +29,9 @@ _WARNED: set[str] = set()
 OLDEST, NEWEST = "0.11", "0.33"
 
 
-class VLLMVersionError(RuntimeError):
-    """The installed vLLM is older than :data:`OLDEST`: espert's patches and RPCs do not fit it."""
+class VLLMVersionError(MissingExtra):
+    """The installed vLLM is older than :data:`OLDEST`: espert's patches and RPCs do not fit it.  A
+    :class:`~espert.extras.MissingExtra`, so a command says it in one line and exits 2."""
 
 
 @dataclass(frozen=True)
@@ -76,15 +79,40 @@ def _release(version: str) -> tuple[int, int]:
     return (parts + [0, 0])[0], (parts + [0, 0])[1]
 
 
-def patches_for(version: str) -> list[Patch]:
-    """The patches a vLLM ``version`` gets; :class:`VLLMVersionError` (one line) if it is older than OLDEST."""
+def check_version(version: str) -> None:
+    """Refuse a vLLM older than :data:`OLDEST` (:class:`VLLMVersionError`, one line); warn once, in one line,
+    about one newer than :data:`NEWEST` (it runs: every engine's self-test must then prove that edits reach
+    its forward pass, and refuses it otherwise)."""
     if _release(version) < _release(OLDEST):
         raise VLLMVersionError(
-            f"vLLM {version} is older than {OLDEST}, the oldest release espert supports; "
-            f"install vllm>={OLDEST} (docs/vllm.md, 'vLLM versions')"
+            f"vLLM {version} is older than {OLDEST}, the oldest release espert supports: "
+            f"pip install 'vllm>={OLDEST}' (docs/vllm.md, 'vLLM versions')"
         )
+    if _release(version) > _release(NEWEST) and version not in _WARNED:
+        _WARNED.add(version)
+        log.warning(
+            "espert: vLLM %s is newer than %s, the newest release espert is checked on; each engine's "
+            "self-test decides whether espert's edits reach it (docs/vllm.md, 'vLLM versions')",
+            version,
+            NEWEST,
+        )
+
+
+def patches_for(version: str) -> list[Patch]:
+    """The patches a vLLM ``version`` gets (:func:`check_version` first)."""
+    check_version(version)
     now = _release(version)
     return [p for p in PATCHES if _release(p.first) <= now <= _release(p.last or "9999.9999")]
+
+
+def require_vllm(purpose: str) -> str:
+    """What a command that starts vLLM engines checks before it writes anything: vLLM is installed
+    (:func:`espert.extras.require`) and :func:`check_version` passes.  Returns the installed version."""
+    require("vllm", purpose)
+    version = installed_version()
+    if version is not None:
+        check_version(version)
+    return version or ""
 
 
 def installed_version() -> str | None:
@@ -103,15 +131,12 @@ def installed_version() -> str | None:
 
 def install(version: str | None = None, only: tuple[str, ...] | None = None) -> list[str]:
     """Apply the patches vLLM ``version`` (default: the installed one) gets, or those of them named in
-    ``only``; idempotent.  Returns the names applied.  A version newer than :data:`NEWEST` gets them with
-    a one-line warning (the engine's self-test then proves that edits are seen); one older than
-    :data:`OLDEST` raises :class:`VLLMVersionError`."""
+    ``only``; idempotent.  Returns the names applied.  :func:`check_version` first: a version newer than
+    :data:`NEWEST` gets them with a one-line warning (the engine's self-test then proves that edits are
+    seen); one older than :data:`OLDEST` raises :class:`VLLMVersionError`."""
     version = version or installed_version()
     if version is None:
         return []
-    if _release(version) > _release(NEWEST) and version not in _WARNED:
-        _WARNED.add(version)
-        log.warning("espert: vLLM %s is newer than %s, the newest release espert was checked on", version, NEWEST)
     names = [p.name for p in patches_for(version) if only is None or p.name in only]
     for name in names:
         importlib.import_module(f"{__name__}.{name}").install()
