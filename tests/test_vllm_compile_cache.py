@@ -18,8 +18,6 @@ import pytest
 pytest.importorskip("vllm")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: Fails until the next commit: every espert build hashes as plain vLLM does (9bd11496fa for VllmConfig()).
-_BEFORE_FIX = pytest.mark.xfail(strict=True, reason="vLLM's compile-cache key has nothing of espert yet")
 
 HASH = """
 import os, sys
@@ -48,7 +46,6 @@ def _copy(dst) -> str:
     return str(dst)
 
 
-@_BEFORE_FIX
 def test_two_espert_builds_give_two_keys(tmp_path):
     a, b = _copy(tmp_path / "a"), _copy(tmp_path / "b")
     prepack = os.path.join(b, "espert", "vllm", "patches", "cpu_prepack.py")
@@ -66,7 +63,6 @@ def test_two_espert_builds_give_two_keys(tmp_path):
     assert _hash(REPO, "plain") not in (key_a, key_b), "an espert engine shares plain vLLM's compile cache"
 
 
-@_BEFORE_FIX
 def test_the_key_holds_version_commit_and_patch_set():
     from espert.vllm.patches import compile_key
 

@@ -24,6 +24,8 @@ from espert.extras import MissingExtra, require
 log = logging.getLogger("espert.vllm")
 
 _WARNED: set[str] = set()
+#: The patches installed in this process, in order (espert.vllm.patches.compile_key keys vLLM's compile cache by them).
+INSTALLED: list[str] = []
 
 #: The oldest and newest vLLM release espert is written for (docs/vllm.md, "vLLM versions").
 OLDEST, NEWEST = "0.11", "0.33"
@@ -66,6 +68,12 @@ PATCHES = (
         "0.28",  # 0.16 to 0.27 have the API in other shapes (an abstract trainer_send_weights, another __init__)
         "the 'espert' backend of vLLM's weight-transfer API",
         modules=("espert.vllm.engine.transfer",),
+    ),
+    Patch(
+        "compile_key",
+        OLDEST,
+        "vLLM's compile-cache key includes espert's version, commit and patch set",
+        last="0.33",  # 0.34 hashes its config elsewhere (compute_env_and_config_hashes); 0.34 is refused anyway
     ),
 )
 
@@ -138,6 +146,7 @@ def install(version: str | None = None, only: tuple[str, ...] | None = None) -> 
     if version is None:
         return []
     names = [p.name for p in patches_for(version) if only is None or p.name in only]
+    INSTALLED.extend(n for n in names if n not in INSTALLED)  # before compile_key's first hash
     for name in names:
         importlib.import_module(f"{__name__}.{name}").install()
     return names
