@@ -43,7 +43,9 @@ print("RESULT", seconds, list(out[0].outputs[0].token_ids), flush=True)
 def start(model: str, mode: str, cache: str) -> dict:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, VLLM_CACHE_ROOT=cache, PYTHONPATH=repo, VLLM_LOGGING_LEVEL="INFO")
-    p = subprocess.run([sys.executable, "-c", START, model, mode], env=env, capture_output=True, text=True, timeout=1800)
+    p = subprocess.run(
+        [sys.executable, "-c", START, model, mode], env=env, capture_output=True, text=True, timeout=1800
+    )
     log = p.stdout + p.stderr
     result = next((line.split(" ", 1)[1] for line in log.splitlines() if line.startswith("RESULT ")), None)
     if p.returncode != 0 or result is None:
@@ -54,7 +56,11 @@ def start(model: str, mode: str, cache: str) -> dict:
     return {
         "mode": mode,
         "start_s": round(float(seconds), 1),
-        "aot": "reloaded" if "Directly load AOT compilation" in log else f"compiled again: {again.group(1)[:80]}" if again else "compiled",
+        "aot": "reloaded"
+        if "Directly load AOT compilation" in log
+        else f"compiled again: {again.group(1)[:80]}"
+        if again
+        else "compiled",
         "hash_dirs": sorted(os.listdir(aot)) if os.path.isdir(aot) else [],
         "tokens": tokens,
     }
@@ -81,7 +87,9 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
     print(f"load average after: {os.getloadavg()}")
     plain, espert = rows[0]["hash_dirs"], rows[2]["hash_dirs"]
-    print(f"compile-cache directories: plain {plain}, espert {espert}: {'apart' if set(plain).isdisjoint(espert) else 'SHARED'}")
+    print(
+        f"compile-cache directories: plain {plain}, espert {espert}: {'apart' if set(plain).isdisjoint(espert) else 'SHARED'}"
+    )
     return 0
 
 
