@@ -19,8 +19,6 @@ import pytest
 pytest.importorskip("vllm")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: Fails until the next commit: the start prints 11 "Attempted to load weight" lines and no counted line.
-_BEFORE_FIX = pytest.mark.xfail(strict=True, reason="vLLM's per-layer warnings are not counted yet")
 
 START = """
 import os, sys
@@ -45,7 +43,6 @@ def _lines(log, text):
     return [line for line in log if text in line]
 
 
-@_BEFORE_FIX
 def test_weights_loaded_into_another_dtype_are_one_line(start_log):
     assert not _lines(start_log, "Attempted to load weight"), "\n".join(start_log[-40:])
     said = _lines(start_log, "weights were loaded from torch.float32 into torch.float16 parameters")
@@ -53,7 +50,6 @@ def test_weights_loaded_into_another_dtype_are_one_line(start_log):
     assert int(said[0].split("espert: ")[1].split()[0]) >= 2  # one per tensor the loader converted
 
 
-@_BEFORE_FIX
 def test_layers_on_torch_linear_are_one_line_with_the_reason(start_log):
     assert not _lines(start_log, "Failed to create oneDNN linear"), "\n".join(start_log[-40:])
     said = _lines(start_log, "layers use torch linear")
@@ -62,17 +58,28 @@ def test_layers_on_torch_linear_are_one_line_with_the_reason(start_log):
     assert "could not create a primitive descriptor" in said[0]
 
 
-@_BEFORE_FIX
 def test_errors_pass_in_full():
     """The filter drops only the warnings it counts: an error record with the same text goes through."""
     from espert.vllm.patches.quiet import Counter
 
     counter = Counter()
     warn = logging.LogRecord(
-        "vllm.x", logging.WARNING, "f", 1, "Attempted to load weight a with dtype x into y", (), None
+        "vllm.x",
+        logging.WARNING,
+        "f",
+        1,
+        "Attempted to load weight a with dtype torch.float32 into parameter with dtype torch.float16",
+        (),
+        None,
     )
     error = logging.LogRecord(
-        "vllm.x", logging.ERROR, "f", 1, "Attempted to load weight a with dtype x into y", (), None
+        "vllm.x",
+        logging.ERROR,
+        "f",
+        1,
+        "Attempted to load weight a with dtype torch.float32 into parameter with dtype torch.float16",
+        (),
+        None,
     )
     other = logging.LogRecord("vllm.x", logging.WARNING, "f", 1, "something else", (), None)
     assert counter.filter(warn) is False and counter.filter(error) is True and counter.filter(other) is True

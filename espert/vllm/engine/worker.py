@@ -32,7 +32,7 @@ import torch
 from espert.vllm import patches
 from espert.vllm.engine import w8a8
 from espert.vllm.engine.repack import RepackingCenter
-from espert.vllm.patches import cpu_prepack
+from espert.vllm.patches import cpu_prepack, say_counted_warnings
 
 if TYPE_CHECKING:  # what vLLM's worker gives its extension (espert.vllm.contract checks their members)
     from vllm.config import VllmConfig
@@ -196,6 +196,7 @@ class ESWorkerExtension:
         from espert.vllm.engine.params import vllm_param_views
 
         model = self._es_model()
+        say_counted_warnings()  # vLLM's repeated warnings since the load, one line each (espert/vllm/patches/quiet.py)
         cpu_prepack.check_model(model)
         _check_choice("members", members, ("serial", "batched"))
         _check_choice("master", master, ("float32", "weights"))

@@ -69,6 +69,7 @@ PATCHES = (
         "the 'espert' backend of vLLM's weight-transfer API",
         modules=("espert.vllm.engine.transfer",),
     ),
+    Patch("quiet", OLDEST, "vLLM's per-layer warnings at load are counted into one line per engine; errors in full"),
     Patch(
         "compile_key",
         OLDEST,
@@ -150,6 +151,33 @@ def install(version: str | None = None, only: tuple[str, ...] | None = None) -> 
     for name in names:
         importlib.import_module(f"{__name__}.{name}").install()
     return names
+
+
+#: What runs each time vLLM has loaded a model in this process (:func:`on_model_loaded`).
+_LOADED: list = []
+
+
+def on_model_loaded(hook) -> None:
+    """Call ``hook(model)`` each time vLLM has loaded a model in this process and post-processed its weights
+    (after ``process_weights_after_loading`` of vLLM's model loader, wrapped once); idempotent per hook."""
+    from vllm.model_executor.model_loader import base_loader
+
+    if hook not in _LOADED:
+        _LOADED.append(hook)
+    wrap_once(base_loader, "process_weights_after_loading", _after_load)
+
+
+def _after_load(original, model, model_config, target_device):
+    out = original(model, model_config, target_device)
+    for hook in _LOADED:
+        hook(model)
+    return out
+
+
+def say_counted_warnings() -> None:
+    """One line per kind of vLLM warning :mod:`espert.vllm.patches.quiet` counted since the last call."""
+    if "quiet" in INSTALLED:
+        importlib.import_module(f"{__name__}.quiet").say()
 
 
 def releases(first: str, last: str | None = None):
