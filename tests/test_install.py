@@ -227,11 +227,6 @@ def test_without_compiled_cuda_kernels_the_gpu_ops_are_triton_and_env_says_so(mo
     assert backends.default_backend(CudaTensor()) == "triton"
 
 
-#: Fail until the next commit: espert[gguf] installs gguf alone, and no start-up check names accelerate.
-_BEFORE_FIX = pytest.mark.xfail(strict=True, reason="the gguf extra lacks accelerate")
-
-
-@_BEFORE_FIX
 def test_a_gguf_model_without_accelerate_names_the_gguf_extra(tmp_path, monkeypatch, capsys):
     """transformers refuses to load a GGUF file without accelerate; the start-up check says so first."""
     monkeypatch.setitem(sys.modules, "accelerate", None)
@@ -244,7 +239,6 @@ def test_a_gguf_model_without_accelerate_names_the_gguf_extra(tmp_path, monkeypa
     assert not [p for p in tmp_path.iterdir() if p.name != "m.gguf"]
 
 
-@_BEFORE_FIX
 def test_each_extra_installs_what_its_commands_require():
     """setup.py's extras hold every package the start-up checks name for them (the gguf extra: accelerate too)."""
     import ast

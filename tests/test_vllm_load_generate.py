@@ -29,9 +29,6 @@ import torch  # noqa: E402
 
 PROMPTS = ["abca>", "bcad>", "cafe>", "dacb>"]
 COMPAT = "espert.vllm.compat.ESAtScaleWorkerExtension"
-#: Fails until the next commit: a write through p.data leaves the packed copies stale (the drop-in's own .pth
-#: load then fails its self-test: "after restoring ... the forward pass differs from before the edit").
-_BEFORE_FIX = pytest.mark.xfail(strict=True, reason="writes through .data do not mark the packed layers stale yet")
 
 
 def tokens(llm) -> list[list[int]]:
@@ -76,7 +73,6 @@ def test_their_loader_through_espert_reaches_generation(compat):
     assert tokens(llm) == t1
 
 
-@_BEFORE_FIX
 def test_their_pth_alone_reaches_generation(compat, tmp_path):
     import shutil
 
@@ -88,7 +84,6 @@ def test_their_pth_alone_reaches_generation(compat, tmp_path):
     assert tokens(llm) == t1
 
 
-@_BEFORE_FIX
 def test_a_loader_writing_parameters_through_data_reaches_generation(compat):
     """Their own loader body on an espert engine: it writes the plain weights behind espert's back."""
     llm, d, t0, t1 = compat

@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from espert.vllm.patches import wrap_once
+from espert.vllm.patches import on_model_loaded, wrap_once
 
 log = logging.getLogger("espert.vllm")
 
@@ -161,7 +161,41 @@ def install() -> bool:
         return False
     if wrap_once(vutils, "dispatch_cpu_unquantized_gemm", _dispatch):
         log.info("espert: vLLM-CPU prepacked weights keep their plain copy and are repacked after edits")
+    on_model_loaded(watch)
     return True
+
+
+#: The methods that hand a model's parameters out (to a loader that may write them through ``p.data``, which
+#: bumps no version counter espert could read): each call marks every repacking layer of the model stale.
+HANDED_OUT = ("named_parameters", "parameters", "state_dict", "load_state_dict")
+
+
+def watch(model: torch.nn.Module) -> None:
+    """Mark ``model``'s repacking layers stale whenever its parameters are handed out (:data:`HANDED_OUT`, on
+    the model and on each of its modules that has ``load_weights``, where vLLM's loaders start), so the next
+    forward repacks them from what was written: ES-at-Scale's ``load_weights_from_disk`` (``p.data.copy_`` over
+    ``named_parameters()``), vLLM's own ``load_weights``, espert's drop-in loading their ``.pth``.  A write
+    through a parameter reached by attribute (``model.lm_head.weight``) is not seen: edit through espert's RPCs.
+    The cost is one repack of every layer after such a call (espert's own calls included)."""
+    lazy = [m.cpu_linear for _, m in packed_layers(model)]
+    if not lazy:
+        return
+    for module in [model, *(m for m in model.modules() if m is not model and hasattr(m, "load_weights"))]:
+        for name in HANDED_OUT:
+            method = getattr(module, name, None)
+            if method is not None and not getattr(method, "_espert_watch", False):
+                setattr(module, name, _handing_out(method, lazy))
+
+
+def _handing_out(method, lazy: list):
+    @functools.wraps(method)
+    def handed_out(*args, **kwargs):
+        for z in lazy:
+            z.stale = True
+        return method(*args, **kwargs)
+
+    handed_out._espert_watch = True
+    return handed_out
 
 
 def installed() -> bool:
