@@ -38,6 +38,7 @@ import contextlib
 import functools
 import logging
 import time
+import types
 import weakref
 
 import torch
@@ -171,28 +172,26 @@ HANDED_OUT = ("named_parameters", "parameters", "state_dict", "load_state_dict")
 
 
 def watch(model: torch.nn.Module) -> None:
-    """Mark ``model``'s repacking layers stale whenever its parameters are handed out (:data:`HANDED_OUT`, on
-    the model and on each of its modules that has ``load_weights``, where vLLM's loaders start), so the next
-    forward repacks them from what was written: ES-at-Scale's ``load_weights_from_disk`` (``p.data.copy_`` over
-    ``named_parameters()``), vLLM's own ``load_weights``, espert's drop-in loading their ``.pth``.  A write
-    through a parameter reached by attribute (``model.lm_head.weight``) is not seen: edit through espert's RPCs.
-    The cost is one repack of every layer after such a call (espert's own calls included)."""
+    """Mark ``model``'s repacking layers stale whenever the model hands its parameters out (:data:`HANDED_OUT`),
+    so the next forward repacks them from what was written: ES-at-Scale's ``load_weights_from_disk``
+    (``p.data.copy_`` over ``model.named_parameters()``), espert's drop-in loading their ``.pth``.  Only the
+    top-level model is watched, with bound methods: the modules vLLM compiles are left as they are (Dynamo
+    reads their ``named_parameters``).  A write through a parameter reached another way (``model.lm_head.weight``,
+    a submodule's ``named_parameters()``) is not seen: edit through espert's RPCs.  Cost: one repack of every
+    layer after such a call (espert's own calls included)."""
     lazy = [m.cpu_linear for _, m in packed_layers(model)]
-    if not lazy:
-        return
-    for module in [model, *(m for m in model.modules() if m is not model and hasattr(m, "load_weights"))]:
-        for name in HANDED_OUT:
-            method = getattr(module, name, None)
-            if method is not None and not getattr(method, "_espert_watch", False):
-                setattr(module, name, _handing_out(method, lazy))
+    for name in HANDED_OUT if lazy else ():
+        method = getattr(model, name, None)
+        if method is not None and not getattr(method, "_espert_watch", False):
+            setattr(model, name, types.MethodType(_handing_out(getattr(type(model), name), lazy), model))
 
 
-def _handing_out(method, lazy: list):
-    @functools.wraps(method)
-    def handed_out(*args, **kwargs):
+def _handing_out(function, lazy: list):
+    @functools.wraps(function)
+    def handed_out(self, *args, **kwargs):
         for z in lazy:
             z.stale = True
-        return method(*args, **kwargs)
+        return function(self, *args, **kwargs)
 
     handed_out._espert_watch = True
     return handed_out
