@@ -1129,6 +1129,8 @@ def main(argv=None) -> int:
     d.add_argument("out", help="the .json file, or a directory (then <label>.json in it)")
     d.add_argument("--root", default=".", help="the espert checkout whose uses are derived (default: .)")
     args = ap.parse_args(argv)
+    from espert.vllm import patches
+
     uses = derive_uses(args.root)
     if args.cmd == "digest":
         tree = SourceTree(args.source)
@@ -1140,7 +1142,11 @@ def main(argv=None) -> int:
     for path in args.releases:
         tree = open_release(path)
         results = check_release(tree, uses, beyond=True)
-        print(f"{tree.label}: {summary(results)}")
+        beyond = release(tree.label) > release(patches.NEWEST)
+        print(
+            f"{tree.label}: {summary(results)}"
+            + (f" [newer than {patches.NEWEST}: outside the range]" if beyond else "")
+        )
         for r in results if args.verbose else []:
             if r.status in ("missing", "incompatible"):
                 print(f"  {r.status}: {r.use.ref} ({r.use.where}): {r.reason}")

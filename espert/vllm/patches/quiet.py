@@ -15,6 +15,7 @@ says each kind in one line, on the ``espert.vllm`` logger, e.g. ``espert: 24 of 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import warnings
@@ -132,4 +133,7 @@ def install() -> bool:
     """Count the warnings (idempotent; the handlers are looked up again at every install)."""
     _attach()
     on_model_loaded(say)
-    return wrap_once(warnings, "showwarning", _deprecation)
+    if wrap_once(warnings, "showwarning", _deprecation):
+        atexit.register(say)  # what was counted after the last es_setup is said as the process ends
+        return True
+    return False
