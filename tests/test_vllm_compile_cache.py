@@ -3,7 +3,8 @@
 vLLM names its compile-cache directory after ``VllmConfig.compute_hash()`` (with its env and traced sources).
 Each case computes that hash in a fresh process, as an engine's worker does after importing the worker
 extension: two espert builds give two keys, one build gives one, and no espert build gives plain vLLM's.
-About 15 s (five processes importing vLLM); ESPERT_SLOW=1 adds two compiled engine starts (~1.5 min).
+About 15 s at load 2, over 2 min at load 10 (four processes importing vLLM); ESPERT_SLOW=1 adds two compiled
+engine starts (~1.5 min).
 """
 
 from __future__ import annotations

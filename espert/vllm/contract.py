@@ -1,8 +1,8 @@
 """The vLLM contract: every vLLM symbol espert's code uses, derived from that code, checked against the
 sources of a vLLM release (read with ``ast``, never imported) or against their committed digest.
 
-    python -m espert.vllm.contract check SOURCES_OR_DIGEST...   # one line per problem, a table per version
-    python -m espert.vllm.contract digest SOURCES OUT.json      # the surfaces espert touches, as JSON
+    python -m espert.vllm.contract check SOURCES_OR_DIGEST...   # one line per release (--verbose: each problem)
+    python -m espert.vllm.contract digest SOURCES OUT            # what a check reads of SOURCES, as JSON
 
 **What espert uses** (:func:`derive_uses`) is read from espert's own modules, so a new use is covered
 without editing a list:
@@ -23,14 +23,16 @@ without editing a list:
 
 **Where it must hold**: each use is expected from the first release of the patch its module belongs to
 (:data:`espert.vllm.patches.PATCHES`: ``patches/<name>.py`` and the patch's ``modules``) or from
-:data:`~espert.vllm.patches.OLDEST`, up to the patch's ``last`` release if it has one.
+:data:`~espert.vllm.patches.OLDEST`, up to the patch's ``last`` release if it has one, and within the
+releases of the function it is in when that is marked ``@releases(first, last)``.
 
 **What a vLLM release offers** (:class:`SourceTree`) is the surface of each module espert's uses reach:
 top-level names (definitions, imports, submodules), classes with their bases, methods (signatures,
 abstract or not) and attributes (class-level, and ``self.x`` assigned in any method, with the class
-they are built from when the code says so).  :func:`digest` writes the modules one check touched, so a
-check can run from the digest alone (:class:`Digest`); a use that needs a module the digest lacks is
-reported as a stale digest, never passed.
+they hold when every assignment says the same one).  :func:`digest` keeps what one check looked at: the
+entries it read and the names it looked for and did not find, per module (tens of KB per release, where a
+wheel is hundreds of MB), so a check runs from the digest alone (:class:`Digest`); a lookup the digest did
+not record raises :class:`Stale` (regenerate it), never passes.
 
 Limits (what is reported as unverifiable, not as passed or failed): attributes of classes that derive
 from a class outside vLLM (``torch.nn.Module`` layers get parameters at run time), and chains past an
