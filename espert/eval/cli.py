@@ -18,7 +18,6 @@ import sys
 from typing import Optional, Sequence
 
 from espert.config import Renamed, smoke_caps, smoke_line
-from espert.extras import require
 
 #: eval's generation budget when no run gives one
 MAX_NEW_TOKENS = 512
@@ -180,7 +179,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     if len(tasks) > 1 and args.data:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":
-        require("vllm", "--evaluator vllm")
+        from ..vllm.patches import require_vllm
+
+        require_vllm("--evaluator vllm")
     models = _resolve_models(args.models)
     named = [spec.partition("=")[::2] for spec in tasks]  # (task, its own problems file or "")
     if len({name for name, _ in named}) < len(named):

@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 
-from espert.extras import require
+from espert.extras import require_extra
 from espert.progress import ticking
 from espert.runs.files import fsync_dir, sha256_file
 
@@ -85,7 +85,7 @@ def gguf_path(model: str, gguf_file: str | None = None) -> str | None:
 
 def check_gguf(path: str) -> None:
     """Raise ValueError naming the architecture unless transformers can read the GGUF file (metadata only)."""
-    require("gguf", "a GGUF model")  # one line naming espert[gguf] (espert/extras.py)
+    require_extra("gguf", "a GGUF model")  # gguf and accelerate: one line naming espert[gguf] (espert/extras.py)
     try:
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
     except ImportError as e:

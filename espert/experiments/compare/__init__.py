@@ -181,7 +181,9 @@ def _check(cc: CompareConfig):
     for module in ("trl", "accelerate", "datasets", "matplotlib"):
         require(module, "espert compare")
     if cc.evaluator == "vllm":
-        require("vllm", "espert compare --evaluator vllm")
+        from espert.vllm.patches import require_vllm
+
+        require_vllm("espert compare --evaluator vllm")
     elif cc.evaluator != "torch":
         raise ValueError(f"evaluator {cc.evaluator!r}: use torch or vllm")
     for spec in cc.schedules:

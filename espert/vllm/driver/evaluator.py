@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -43,6 +43,9 @@ from espert.evaluators.base import (
 from espert.tasks.base import chat_prompt
 from espert.tensorfile import CHUNK_BYTES
 from espert.vllm import patches
+
+if TYPE_CHECKING:  # what espert calls on it is checked in every vLLM release (espert.vllm.contract)
+    from vllm import LLM
 
 log = logging.getLogger("espert.vllm")
 
@@ -101,7 +104,9 @@ def make_llm(
         import vllm.envs
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-        vllm.envs.disable_envs_cache()
+        reset = getattr(vllm.envs, "disable_envs_cache", None)  # vLLM >= 0.13; 0.11 and 0.12 cache nothing
+        if reset is not None:
+            reset()
 
     kw = dict(
         model=model,
@@ -190,6 +195,8 @@ class VLLMEvaluator(Evaluator):
 
     ``timings`` accumulates seconds spent in perturb (batched: filling the slots) / generate / restore / update.
     """
+
+    llm: LLM
 
     def __init__(
         self,

@@ -27,7 +27,12 @@ Under tensor parallelism every rank runs the same sequence (the forwards are col
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # the runner espert drives (espert.vllm.contract checks its members in every vLLM release)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 #: σ of the probe perturbation: large enough to move a bf16 weight of any usual scale (norm weights ≈ 1).
 SIGMA = 0.05
@@ -70,14 +75,25 @@ def probe_views(views) -> list:
     return [chosen[k] for k in KINDS if k in chosen]
 
 
-def _logits(runner, hidden):
+def _logits(runner: GPUModelRunner, hidden):
     """Logits of ``hidden``, or None on the TP ranks that vLLM does not gather them to."""
     out = runner.model.compute_logits(hidden)
     return None if out is None else out.clone()
 
 
-def _forward(runner):
-    """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not)."""
+def _forward(runner: GPUModelRunner):
+    """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not).
+
+    Drives vLLM's V1 model runner (0.11 to 0.33); one without its probe inputs (vLLM 0.34's V2 runner) is
+    refused with :class:`EditsNotVisible`, since nothing then proves that edits reach its forward pass."""
+    if not hasattr(runner, "input_ids") or not hasattr(runner, "_dummy_run"):
+        from espert.vllm.patches import NEWEST, OLDEST, installed_version
+
+        raise EditsNotVisible(
+            f"espert self-test: cannot run a probe forward pass through {type(runner).__name__} (vLLM "
+            f"{installed_version()}), so nothing proves that weight edits reach this engine; espert is checked "
+            f"on vLLM {OLDEST} to {NEWEST} (docs/vllm.md, 'vLLM versions')"
+        )
     ids = runner.input_ids.gpu[:PROBE_TOKENS]
     vocab = runner.model_config.get_vocab_size()
     ids.copy_(torch.arange(1, PROBE_TOKENS + 1, device=ids.device) % vocab)
@@ -139,7 +155,7 @@ def _tied_embedding(model: torch.nn.Module) -> bool:
     )
 
 
-def check_edits_reach_forward(runner, model: torch.nn.Module, views, wrap) -> list[str]:
+def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, views, wrap) -> list[str]:
     """Run the self-test (module docstring) over ``views``; returns the probed logical names.
 
     runner: the vLLM model runner (``_dummy_run``, ``input_ids``, ``model``); model: the live model;

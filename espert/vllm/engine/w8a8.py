@@ -125,10 +125,13 @@ def has_w8a8(model: torch.nn.Module) -> bool:
 @torch.no_grad()
 def repack(layer: torch.nn.Module) -> None:
     """Rebuild ``layer``'s oneDNN handler from ``layer._espert_codes`` (vLLM's own call, same scales)."""
-    from vllm import _custom_ops as ops
+    try:  # vLLM >= 0.34 keeps the CPU ops apart
+        from vllm import _cpu_ops as ops
+    except ImportError:
+        from vllm import _custom_ops as ops
 
     kernel = layer._espert_kernel
-    _, w_s, i_s, _, azp_name = kernel.layer_param_names
+    _, w_s, i_s, _, azp_name = layer._espert_param_names
     codes = layer._espert_codes
     scale = getattr(layer, w_s)
     adj = getattr(layer, azp_name, None)
@@ -189,7 +192,7 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
         if kind in ("merged", "qkv") and names is None:
             raise LayoutError(f"{prefix}.weight: fused layer not in packed_modules_mapping")
         codes = m._espert_codes
-        scales = getattr(m, m._espert_kernel.layer_param_names[1]).data
+        scales = getattr(m, m._espert_param_names[1]).data
         if scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:
             raise LayoutError(
                 f"{prefix}.weight_scale: expected float32 per-channel [{codes.shape[0]}, 1], got "

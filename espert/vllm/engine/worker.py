@@ -25,15 +25,19 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from espert.vllm import patches
 from espert.vllm.engine import w8a8
 from espert.vllm.engine.repack import RepackingCenter
-from espert.vllm.patches import cpu_prepack
+from espert.vllm.patches import cpu_prepack, say_counted_warnings
 from espert.vllm.wire import EXACT_FIELDS  # noqa: F401 - its former home: compat.py and tests import it from here
+
+if TYPE_CHECKING:  # what vLLM's worker gives its extension (espert.vllm.contract checks their members)
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 patches.install()  # before the worker loads the model: every patch this vLLM gets (espert/vllm/patches/)
 
@@ -102,6 +106,15 @@ def _check_w8a8_loop(optimizer, sigma_scales, no_decay, members: str) -> None:
         )
 
 
+def _check_setup(model, members: str, master: str) -> None:
+    """Before es_setup maps anything: vLLM's repeated warnings since the load said once each
+    (espert/vllm/patches/quiet.py), the CPU prepack patch in effect, and the two choices valid."""
+    say_counted_warnings()
+    cpu_prepack.check_model(model)
+    _check_choice("members", members, ("serial", "batched"))
+    _check_choice("master", master, ("float32", "weights"))
+
+
 def _check_choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
@@ -119,6 +132,10 @@ def _scales_for(views, sigma_scales: dict[str, float] | None) -> list[float] | N
 
 class ESWorkerExtension:
     """Mixed into vLLM's worker class; see the module docstring.  State lives in ``self._es_*``."""
+
+    #: the host worker's attributes this extension uses (annotations only: vLLM's worker sets them)
+    model_runner: GPUModelRunner
+    vllm_config: VllmConfig
 
     # -- helpers ---------------------------------------------------------------------------------
     def _es_model(self) -> torch.nn.Module:
@@ -186,9 +203,7 @@ class ESWorkerExtension:
         from espert.vllm.engine.params import vllm_param_views
 
         model = self._es_model()
-        cpu_prepack.check_model(model)
-        _check_choice("members", members, ("serial", "batched"))
-        _check_choice("master", master, ("float32", "weights"))
+        _check_setup(model, members, master)
         select = dict(include=include, exclude=exclude, rename=(lambda n: rename.get(n, n)) if rename else None)
         slots = None
         if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, espert/vllm/engine/w8a8.py

@@ -19,14 +19,21 @@ import importlib
 import logging
 from dataclasses import dataclass
 
+from espert.extras import MissingExtra, require
+
 log = logging.getLogger("espert.vllm")
 
+_WARNED: set[str] = set()
+#: The patches installed in this process, in order (espert.vllm.patches.compile_key keys vLLM's compile cache by them).
+INSTALLED: list[str] = []
+
 #: The oldest and newest vLLM release espert is written for (docs/vllm.md, "vLLM versions").
-OLDEST, NEWEST = "0.11", "0.34"
+OLDEST, NEWEST = "0.11", "0.33"
 
 
-class VLLMVersionError(RuntimeError):
-    """The installed vLLM is older than :data:`OLDEST`: espert's patches and RPCs do not fit it."""
+class VLLMVersionError(MissingExtra):
+    """The installed vLLM is older than :data:`OLDEST`: espert's patches and RPCs do not fit it.  A
+    :class:`~espert.extras.MissingExtra`, so a command says it in one line and exits 2."""
 
 
 @dataclass(frozen=True)
@@ -36,15 +43,39 @@ class Patch:
     name: str
     first: str  # the oldest vLLM release it is written for
     what: str
+    modules: tuple[str, ...] = ()  # espert modules that exist for this patch (checked from `first` on too)
+    last: str | None = None  # the newest release it is written for (None: NEWEST, and any newer one)
 
 
-#: Every patch, with the oldest release it is written for; each is written up to :data:`NEWEST`.
+#: Every patch, with the releases it is written for (checked by espert.vllm.contract, tests/test_vllm_contract.py).
 PATCHES = (
     Patch("cpu_prepack", OLDEST, "vLLM-CPU's prepacked Linear weights keep their plain copy and repack after edits"),
-    Patch("w8a8", OLDEST, "vLLM-CPU's W8A8 int8 layers keep their codes and take the rebuildable oneDNN path"),
-    Patch("seeded", OLDEST, "seeded sampling on CPU survives chunked prefill (the generator is rewound exactly)"),
+    Patch(
+        "w8a8",
+        OLDEST,
+        "vLLM-CPU's W8A8 int8 layers keep their codes and take the rebuildable oneDNN path",
+        modules=("espert.vllm.engine.w8a8",),
+    ),
+    Patch(
+        "seeded",
+        OLDEST,
+        "seeded sampling on CPU survives chunked prefill (the generator is rewound exactly)",
+        last="0.33",  # vLLM 0.34's model runner samples from a hash of (seed, position): nothing to rewind
+    ),
     Patch("lora_cpu", OLDEST, "vLLM-CPU's LoRA ops as GEMMs over espert's slots, without a per-token gather"),
-    Patch("weight_transfer", "0.32", "the 'espert' backend of vLLM's weight-transfer API"),
+    Patch(
+        "weight_transfer",
+        "0.28",  # 0.16 to 0.27 have the API in other shapes (an abstract trainer_send_weights, another __init__)
+        "the 'espert' backend of vLLM's weight-transfer API",
+        modules=("espert.vllm.engine.transfer",),
+    ),
+    Patch("quiet", OLDEST, "vLLM's per-layer warnings at load are counted into one line per engine; errors in full"),
+    Patch(
+        "compile_key",
+        OLDEST,
+        "vLLM's compile-cache key includes espert's version, commit and patch set",
+        last="0.33",  # 0.34 hashes its config elsewhere (compute_env_and_config_hashes); 0.34 is refused anyway
+    ),
 )
 
 
@@ -57,14 +88,40 @@ def _release(version: str) -> tuple[int, int]:
     return (parts + [0, 0])[0], (parts + [0, 0])[1]
 
 
-def patches_for(version: str) -> list[Patch]:
-    """The patches a vLLM ``version`` gets; :class:`VLLMVersionError` (one line) if it is older than OLDEST."""
+def check_version(version: str) -> None:
+    """Refuse a vLLM older than :data:`OLDEST` (:class:`VLLMVersionError`, one line); warn once, in one line,
+    about one newer than :data:`NEWEST` (it runs: every engine's self-test must then prove that edits reach
+    its forward pass, and refuses it otherwise)."""
     if _release(version) < _release(OLDEST):
         raise VLLMVersionError(
-            f"vLLM {version} is older than {OLDEST}, the oldest release espert supports; "
-            f"install vllm>={OLDEST} (docs/vllm.md, 'vLLM versions')"
+            f"vLLM {version} is older than {OLDEST}, the oldest release espert supports: "
+            f"pip install 'vllm>={OLDEST}' (docs/vllm.md, 'vLLM versions')"
         )
-    return [p for p in PATCHES if _release(version) >= _release(p.first)]
+    if _release(version) > _release(NEWEST) and version not in _WARNED:
+        _WARNED.add(version)
+        log.warning(
+            "espert: vLLM %s is newer than %s, the newest release espert is checked on; each engine's "
+            "self-test decides whether espert's edits reach it (docs/vllm.md, 'vLLM versions')",
+            version,
+            NEWEST,
+        )
+
+
+def patches_for(version: str) -> list[Patch]:
+    """The patches a vLLM ``version`` gets (:func:`check_version` first)."""
+    check_version(version)
+    now = _release(version)
+    return [p for p in PATCHES if _release(p.first) <= now <= _release(p.last or "9999.9999")]
+
+
+def require_vllm(purpose: str) -> str:
+    """What a command that starts vLLM engines checks before it writes anything: vLLM is installed
+    (:func:`espert.extras.require`) and :func:`check_version` passes.  Returns the installed version."""
+    require("vllm", purpose)
+    version = installed_version()
+    if version is not None:
+        check_version(version)
+    return version or ""
 
 
 def installed_version() -> str | None:
@@ -81,24 +138,77 @@ def installed_version() -> str | None:
     return None
 
 
-_WARNED: set[str] = set()
-
-
 def install(version: str | None = None, only: tuple[str, ...] | None = None) -> list[str]:
     """Apply the patches vLLM ``version`` (default: the installed one) gets, or those of them named in
-    ``only``; idempotent.  Returns the names applied.  A version newer than :data:`NEWEST` gets them with
-    a one-line warning (the engine's self-test then proves that edits are seen); one older than
-    :data:`OLDEST` raises :class:`VLLMVersionError`."""
+    ``only``; idempotent.  Returns the names applied.  :func:`check_version` first: a version newer than
+    :data:`NEWEST` gets them with a one-line warning (the engine's self-test then proves that edits are
+    seen); one older than :data:`OLDEST` raises :class:`VLLMVersionError`."""
     version = version or installed_version()
     if version is None:
         return []
-    if _release(version) > _release(NEWEST) and version not in _WARNED:
-        _WARNED.add(version)
-        log.warning("espert: vLLM %s is newer than %s, the newest release espert was checked on", version, NEWEST)
     names = [p.name for p in patches_for(version) if only is None or p.name in only]
+    INSTALLED.extend(n for n in names if n not in INSTALLED)  # before compile_key's first hash
     for name in names:
         importlib.import_module(f"{__name__}.{name}").install()
     return names
+
+
+#: What runs each time vLLM has loaded a model in this process (:func:`on_model_loaded`).
+_LOADED: list = []
+
+
+def on_model_loaded(hook) -> None:
+    """Call ``hook(model)`` each time vLLM has loaded a model in this process and post-processed its weights
+    (after ``process_weights_after_loading`` of vLLM's model loader, wrapped once); idempotent per hook."""
+    from vllm.model_executor.model_loader import base_loader
+
+    if hook not in _LOADED:
+        _LOADED.append(hook)
+    wrap_once(base_loader, "process_weights_after_loading", _after_load)
+
+
+def _after_load(original, model, model_config, target_device):
+    out = original(model, model_config, target_device)
+    for hook in _LOADED:
+        hook(model)
+    return out
+
+
+def say_counted_warnings() -> None:
+    """One line per kind of vLLM warning :mod:`espert.vllm.patches.quiet` counted since the last call."""
+    if "quiet" in INSTALLED:
+        importlib.import_module(f"{__name__}.quiet").say()
+
+
+def releases(first: str, last: str | None = None):
+    """Mark a function as written for the vLLM releases ``first`` to ``last`` (default: the newest), where
+    vLLM's internals differ between releases; :func:`for_release` picks the one for the installed vLLM, and
+    :mod:`espert.vllm.contract` checks the function's uses of vLLM in exactly those releases."""
+
+    def mark(fn):
+        fn.vllm_releases = (first, last)
+        return fn
+
+    return mark
+
+
+def for_release(*fns, version: str | None = None):
+    """The one of ``fns`` (each marked with :func:`releases`) written for vLLM ``version`` (default: installed)."""
+    now = _release(version or installed_version() or NEWEST)
+    for fn in fns:
+        first, last = fn.vllm_releases
+        if _release(first) <= now <= _release(last or NEWEST) or (last is None and now > _release(NEWEST)):
+            return fn
+    raise VLLMVersionError(f"espert has no {fns[0].__name__} for vLLM {version or installed_version()}")
+
+
+def replace_once(owner, attr: str, replacement) -> bool:
+    """Make ``replacement`` ``owner.attr`` (it takes vLLM's arguments; :mod:`espert.vllm.contract` checks
+    that by name and position in every release); returns True if installed now."""
+    if getattr(owner, attr) is replacement:
+        return False
+    setattr(owner, attr, replacement)
+    return True
 
 
 def wrap_once(owner, attr: str, replacement) -> bool:

@@ -38,11 +38,12 @@ import contextlib
 import functools
 import logging
 import time
+import types
 import weakref
 
 import torch
 
-from espert.vllm.patches import wrap_once
+from espert.vllm.patches import on_model_loaded, wrap_once
 
 log = logging.getLogger("espert.vllm")
 
@@ -161,7 +162,39 @@ def install() -> bool:
         return False
     if wrap_once(vutils, "dispatch_cpu_unquantized_gemm", _dispatch):
         log.info("espert: vLLM-CPU prepacked weights keep their plain copy and are repacked after edits")
+    on_model_loaded(watch)
     return True
+
+
+#: The methods that hand a model's parameters out (to a loader that may write them through ``p.data``, which
+#: bumps no version counter espert could read): each call marks every repacking layer of the model stale.
+HANDED_OUT = ("named_parameters", "parameters", "state_dict", "load_state_dict")
+
+
+def watch(model: torch.nn.Module) -> None:
+    """Mark ``model``'s repacking layers stale whenever the model hands its parameters out (:data:`HANDED_OUT`),
+    so the next forward repacks them from what was written: ES-at-Scale's ``load_weights_from_disk``
+    (``p.data.copy_`` over ``model.named_parameters()``), espert's drop-in loading their ``.pth``.  Only the
+    top-level model is watched, with bound methods: the modules vLLM compiles are left as they are (Dynamo
+    reads their ``named_parameters``).  A write through a parameter reached another way (``model.lm_head.weight``,
+    a submodule's ``named_parameters()``) is not seen: edit through espert's RPCs.  Cost: one repack of every
+    layer after such a call (espert's own calls included)."""
+    lazy = [m.cpu_linear for _, m in packed_layers(model)]
+    for name in HANDED_OUT if lazy else ():
+        method = getattr(model, name, None)
+        if method is not None and not getattr(method, "_espert_watch", False):
+            setattr(model, name, types.MethodType(_handing_out(getattr(type(model), name), lazy), model))
+
+
+def _handing_out(function, lazy: list):
+    @functools.wraps(function)
+    def handed_out(self, *args, **kwargs):
+        for z in lazy:
+            z.stale = True
+        return function(self, *args, **kwargs)
+
+    handed_out._espert_watch = True
+    return handed_out
 
 
 def installed() -> bool:

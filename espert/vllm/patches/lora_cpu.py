@@ -15,6 +15,8 @@ import weakref
 
 import torch
 
+from espert.vllm.patches import replace_once
+
 #: id of a LoRA layer's stacked buffer -> (a weak reference to it, the rank espert's slots use in it: the
 #: columns past it stay zero, :class:`LoraSlots` resets every slot and writes only r), so a lowrank:4
 #: population does not pay for vLLM's smallest allowed max_lora_rank of 8.  Other buffers are used whole;
@@ -75,10 +77,13 @@ def _run_gemms(x: torch.Tensor, w: torch.Tensor, runs) -> torch.Tensor:
     return out
 
 
-def cpu_shrink(inputs, lora_a, output, indices, scaling: float = 1.0) -> None:
+def cpu_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0) -> None:
     """``output[t] = scaling · lora_a[indices[t]] @ inputs[t]``: inputs [T, in], lora_a [K, (1,) r, in],
     output [T, ≥r].  Replaces vLLM's ``bgmv_shrink``: tokens in runs per slot go through per-run GEMMs on
-    views (:func:`_run_gemms`); scattered tokens through one GEMM against all K slots at once."""
+    views (:func:`_run_gemms`); scattered tokens through one GEMM against all K slots at once.  The
+    arguments are named as vLLM names them (its shrink calls lora_a ``lora_b_weights``), so a call by
+    keyword reaches the same one."""
+    lora_a, output, indices = lora_b_weights, output_tensor, lora_indices_tensor
     w = _slot_weights(lora_a, 1, output.dtype)
     k, r, _ = w.shape
     t = inputs.shape[0]
@@ -126,10 +131,11 @@ def _expand(inputs, lora_b, indices, dtype) -> torch.Tensor:
     return spread.view(t, k * r) @ w.t()
 
 
-def cpu_expand(inputs, lora_b, output, indices, add_inputs: bool = True) -> None:
+def cpu_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs: bool = True) -> None:
     """``output[t] (+)= lora_b[indices[t]] @ inputs[t]``: inputs [T, r], lora_b [K, (1,) out, r], with the GEMMs
-    of :func:`cpu_shrink`.  Replaces vLLM's ``bgmv_expand`` (same padding and broadcast rules)."""
-    outputs = _expand(inputs, lora_b, indices, output.dtype)
+    of :func:`cpu_shrink`.  Replaces vLLM's ``bgmv_expand`` (same padding and broadcast rules, same names)."""
+    output = output_tensor
+    outputs = _expand(inputs, lora_b_weights, lora_indices_tensor, output.dtype)
     limit = 1 if outputs.shape[0] == 1 and output.shape[0] != 1 else output.shape[0]
     n = min(outputs.shape[1], output.shape[1])
     if add_inputs:
@@ -138,9 +144,12 @@ def cpu_expand(inputs, lora_b, output, indices, add_inputs: bool = True) -> None
         output[:, :n] = outputs[:limit, :n]
 
 
-def cpu_expand_slice(inputs, lora_b, output, indices, slice_offset: int, slice_size: int, add_inputs=True) -> None:
+def cpu_expand_slice(
+    inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset: int, slice_size: int, add_inputs=True
+) -> None:
     """:func:`cpu_expand` into ``output[:, slice_offset : slice_offset + slice_size]``."""
-    outputs = _expand(inputs, lora_b, indices, output.dtype)
+    output = output_tensor
+    outputs = _expand(inputs, lora_b_weights, lora_indices_tensor, output.dtype)
     if add_inputs:
         output[:, slice_offset : slice_offset + slice_size] += outputs
     else:
@@ -163,9 +172,11 @@ def install() -> None:
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:  # a vLLM without these modules: its own kernels stay
         return
-    ours = {"bgmv_shrink": cpu_shrink, "bgmv_expand": cpu_expand, "bgmv_expand_slice": cpu_expand_slice}
-    VLLM_OPS.update({name: getattr(lora_ops, name) for name in ours})
-    for mod in (lora_ops, punica_cpu):
-        for name, fn in ours.items():
-            setattr(mod, name, fn)
+    VLLM_OPS.update({name: getattr(lora_ops, name) for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")})
+    replace_once(lora_ops, "bgmv_shrink", cpu_shrink)
+    replace_once(lora_ops, "bgmv_expand", cpu_expand)
+    replace_once(lora_ops, "bgmv_expand_slice", cpu_expand_slice)
+    replace_once(punica_cpu, "bgmv_shrink", cpu_shrink)  # punica_cpu imported vLLM's by name
+    replace_once(punica_cpu, "bgmv_expand", cpu_expand)
+    replace_once(punica_cpu, "bgmv_expand_slice", cpu_expand_slice)
     _INSTALLED = True

