@@ -100,13 +100,19 @@ def iter_jsonl(path: str, kind: str = "JSONL file") -> Iterator[tuple[str, Any]]
     """Yield ``("path:line", value)`` for each non-blank line of a JSONL file.
 
     Raises FileNotFoundError naming ``kind`` and the path, and ValueError naming the line for
-    invalid JSON.
+    invalid JSON or bytes that are not UTF-8 (each line is decoded on its own, so the error names it).
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{kind} not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    f"a {kind} must be UTF-8 JSON lines"
+                ) from None
             if not line:
                 continue
             try:
