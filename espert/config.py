@@ -48,6 +48,15 @@ NOISE_MAX_RANK = 1024
 TASK_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 #: Default weight-decay exclusions: norm gains and biases (AdamW practice).
 NO_DECAY_DEFAULT = ("*norm*", "*.bias")
+#: What a run's size costs, for the limits of ``ESConfig._check_sizes``: an iteration's log line holds every
+#: member's seed, sign, reward and coefficient, 66-87 bytes per member (measured: antithetic or not;
+#: tests/test_refusals.py keeps this above the real lines), and is built in memory and written whole.
+LOG_BYTES_PER_MEMBER = 88
+#: The largest population: one log line of about 1.4 GiB per iteration.
+MAX_POPULATION = 1 << 24
+#: The most member evaluations (iterations x population) a run may ask for: 2^40 is 35 years at 1 ms per member
+#: (a generate of a few tokens takes longer), and 88 TiB of log.
+MAX_MEMBER_EVALUATIONS = 1 << 40
 
 
 def opt(default, help: str, **kw):
@@ -234,6 +243,19 @@ class ESConfig:
         )
         need(0 <= self.seed < U64 and 0 <= self.tiny_seed < U64, "seed and tiny_seed must be in [0, 2^64)")
         need(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
+        need(
+            self.population <= MAX_POPULATION,
+            f"population {self.population} cannot fit: each iteration's log line would hold about "
+            f"{self.population * LOG_BYTES_PER_MEMBER / 2**30:.3g} GiB ({LOG_BYTES_PER_MEMBER} bytes per member), "
+            f"built in memory and written whole; the most is {MAX_POPULATION:,}",
+        )
+        need(
+            self.iterations * self.population <= MAX_MEMBER_EVALUATIONS,
+            f"iterations {self.iterations} x population {self.population} = {self.iterations * self.population:.3g} "
+            f"member evaluations cannot finish (about {self.iterations * self.population / 3.15e10:.3g} years at "
+            f"1 ms each) and their log would take about "
+            f"{self.iterations * self.population * LOG_BYTES_PER_MEMBER / 2**40:.3g} TiB; the most is 2^40",
+        )
         need(
             self.tiny_hidden_size >= 32 and self.tiny_hidden_size % 32 == 0,
             f"tiny_hidden_size must be a positive multiple of 32, got {self.tiny_hidden_size}",
