@@ -148,9 +148,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from ..runs import resolve_model_dir
-    from ..runs.gguf import gguf_path
-    from .runner import load_sample_files, parse_model_specs
+    from .runner import load_sample_files
 
     if bool(args.models) == bool(args.samples):
         raise ValueError("give exactly one of --models (generate) or --samples (re-score)")
@@ -170,19 +168,11 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":
         require("vllm", "--evaluator vllm")
-    models = parse_model_specs(args.models)
-    for label, path in models.items():
-        gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
-        if gguf is not None:
-            models[label] = path = resolve_model_dir(gguf, lambda s: print(s, file=sys.stderr))
-        # "org/name" may be a Hub id; anything else that looks like a path must exist.
-        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-        if looks_local and not os.path.exists(os.path.expanduser(path)):
-            raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
     named = [spec.partition("=")[::2] for spec in tasks]  # (task, its own problems file or "")
     if len({name for name, _ in named}) < len(named):
         raise ValueError(f"a task is given twice: {' '.join(tasks)}")
     loaded = [(name, _load(args, name, path)) for name, path in named]  # every task's problems before sampling
+    models = _resolve_models(args.models)  # after the tasks: a bad task name needs no Hub request
     _quiet_transformers()
     from ..vllm import quiet_logging
 
@@ -202,6 +192,28 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(text)
         print(f"[espert eval] forgetting table: {os.path.join(args.out, 'forgetting.md')}", file=sys.stderr)
     return 0
+
+
+def _resolve_models(specs: Sequence[str]) -> dict[str, str]:
+    """``{label: local model directory}`` of ``--models``, resolved before anything is written, as ``espert
+    train`` resolves ``--model``: a directory, a GGUF file or named model (converted once, cached), or a Hub
+    id (the local cache, else one short request: an unknown or unreachable one fails in seconds).  A spec
+    without ``LABEL=`` must name a local model or an ``org/name`` Hub id: a bare word ('base') is a missing
+    label far more often than a Hub model."""
+    from ..runs import resolve_model_dir
+    from ..runs.gguf import gguf_path
+    from .runner import parse_model_specs
+
+    models = parse_model_specs(specs)
+    for spec, (label, path) in zip(specs, models.items()):
+        gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
+        if gguf is None and "=" not in spec and "/" not in spec and not os.path.exists(path):
+            raise ValueError(
+                f"--models {spec!r} is no directory, GGUF file or known model here; give each model as "
+                f"LABEL=MODEL (a directory, a Hub id, a GGUF file or smollm2-135m-instruct), e.g. base=Qwen/Qwen2.5-0.5B"
+            )
+        models[label] = resolve_model_dir(gguf or os.path.expanduser(path), lambda s: print(s, file=sys.stderr))
+    return models
 
 
 def _dir_name(spec: str) -> str:
@@ -227,7 +239,6 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
     from .samples import save_samples
 
     groups = {}
-    os.makedirs(out, exist_ok=True)
     for label, path in models.items():
         print(f"[espert eval] sampling {label} ({path}): {len(task)} {task.name} problems x {args.n}", file=sys.stderr)
         kwargs = dict(chat_template=args.chat_template, dtype=args.dtype)
@@ -252,6 +263,7 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
             if close:
                 close()
         out_path = os.path.join(out, f"samples_{label}.jsonl")
+        os.makedirs(out, exist_ok=True)  # once a model has loaded and sampled: a refusal writes nothing
         save_samples(out_path, recs)
         print(f"[espert eval] wrote {out_path}", file=sys.stderr)
         groups[label] = recs
