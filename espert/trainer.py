@@ -362,21 +362,13 @@ class TrainingLoop:
 
 def _build_evaluator(run, train_task, resume: bool):
     """The config's evaluator over the run's base model; a model it cannot load is one ValueError."""
-    from espert.evaluators import build_evaluator
+    from espert.evaluators import build_evaluator, loading_model
 
     cfg = run.cfg
-    try:
+    what = cfg.model if cfg.model != "tiny" else run.base_path
+    note = "" if resume else "; nothing was written, so the same command works once it is fixed"
+    with loading_model(what, cfg.evaluator, note):
         return build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
-    except Exception as e:  # noqa: BLE001 - transformers, tokenizers, safetensors: each its own type
-        if isinstance(e, OSError) and e.errno is not None:
-            raise  # an environment failure (a full disk, ...): reported as such by the CLI
-        what = cfg.model if cfg.model != "tiny" else run.base_path
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(
-            f"the model at {what} could not be loaded by evaluator {cfg.evaluator!r} "
-            f"({type(e).__name__}: {first})"
-            + ("" if resume else "; nothing was written, so the same command works once it is fixed")
-        ) from e
 
 
 def bar_postfix(rec: dict, heldout: float | None) -> dict[str, str]:

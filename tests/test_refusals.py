@@ -27,9 +27,9 @@ QUICK += ["--train-size", "4", "--eval-size", "2", "--max-new-tokens", "2", "--n
 
 
 def one_line(err: str, *needles: str) -> str:
-    """stderr is exactly one line (no traceback) besides ``[espert]`` status lines (``espert train`` names
-    its run directory first), and it names every needle; returns it."""
-    lines = [ln for ln in err.strip().splitlines() if ln.strip() and not ln.startswith("[espert] ")]
+    """stderr is exactly one line (no traceback) besides status lines (``[espert] run directory: ...``,
+    ``[espert eval] sampling ...``), and it names every needle; returns it."""
+    lines = [ln for ln in err.strip().splitlines() if ln.strip() and not ln.startswith("[espert")]
     assert len(lines) == 1 and "Traceback" not in err, err
     assert all(n in lines[0] for n in needles), (needles, lines[0])
     return lines[0]

@@ -234,6 +234,7 @@ def _load(args: argparse.Namespace, spec: str, path: str = ""):
 
 def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) -> dict[str, list[dict]]:
     """Sample every model on ``task``; saves ``out/samples_LABEL.jsonl`` and returns the records by label."""
+    from ..evaluators import loading_model
     from .runner import generate_samples
     from .samplers import make_sampler
     from .samples import save_samples
@@ -244,7 +245,8 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
         kwargs = dict(chat_template=args.chat_template, dtype=args.dtype)
         if args.evaluator == "torch":
             kwargs.update(batch_size=args.batch_size, device=args.device)
-        sampler = make_sampler(args.evaluator, path, **kwargs)
+        with loading_model(path, args.evaluator):  # the check espert train makes of its base model
+            sampler = make_sampler(args.evaluator, path, **kwargs)
         try:
             recs = generate_samples(
                 task,
