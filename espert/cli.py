@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -268,13 +269,16 @@ class Preemption:
 
     def _on_signal(self, signum, frame) -> None:
         if self.signum is not None:  # a second signal: do not wait
-            self._abandon()
+            self._abandon(f"a second {signal.Signals(signum).name} abandoned iteration {{next}} at once")
         self.signum = signum
-        self._timer = threading.Timer(self.grace, self._abandon)
-        self._timer.daemon = True
-        self._timer.start()
+        if math.isfinite(self.grace):  # inf: wait for the iteration however long it takes
+            reason = f"iteration {{next}} did not end within the {self.grace:g} s grace period and was abandoned"
+            self._timer = threading.Timer(self.grace, self._abandon, (reason,))
+            self._timer.daemon = True
+            self._timer.start()
 
-    def _abandon(self) -> None:
+    def _abandon(self, reason: str) -> None:
+        """Print the stop line (``reason`` with ``{next}``, the iteration abandoned) and exit at once."""
         from espert.runs import LOG, iteration_records, read_log
 
         try:  # what the log holds now (a reader: a line still being written is not counted)
@@ -282,8 +286,8 @@ class Preemption:
         except Exception:  # noqa: BLE001 - the line below must come whatever the log holds
             n = 0
         print(
-            f"espert: stopped at iteration {n} ({self.name}); iteration {n + 1} did not end within the "
-            f"{self.grace:g} s grace period and was abandoned; continue with: {self.again}",
+            f"espert: stopped at iteration {n} ({self.name}); {reason.format(next=n + 1)} (the log keeps the run "
+            f"exact); continue with: {self.again}",
             file=sys.stderr,
         )
         sys.stderr.flush()

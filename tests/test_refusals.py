@@ -116,12 +116,13 @@ def test_a_second_sigterm_says_it_abandoned_the_iteration(tmp_path):
     """Today: two SIGTERMs 0.05 s apart end with "iteration 5 did not end within the 30 s grace period", which is
     false: the second signal abandoned it at once."""
     d = tmp_path / "run"
-    slow = ["--population", "16", "--prompts-per-iteration", "16", "--max-new-tokens", "6", "--iterations", "40"]
+    slow = ["--population", "32", "--prompts-per-iteration", "32", "--max-new-tokens", "8", "--iterations", "40"]
     p = spawn(d, *QUICK, *slow)
     deadline = time.time() + 180
     while iterations_logged(d) < 1:
         assert p.poll() is None and time.time() < deadline
         time.sleep(0.01)
+    time.sleep(0.3)  # into iteration 2 (seconds long), past iteration 1's bookkeeping
     p.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     t0 = time.time()
