@@ -435,7 +435,7 @@ def test_ctrl_c_during_startup_is_one_line(tmp_path, delay):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == "espert: interrupted", err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "espert: interrupted; nothing was written", err
 
 
 # ---- 17: byte-identical checkpoint files -------------------------------------------------------------------------
