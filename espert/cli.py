@@ -423,7 +423,13 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
+    from espert.config import U64
+    from espert.runs.files import check_output_path
     from espert.tiny import build_tiny_model
+
+    if not 0 <= args.seed < U64:
+        raise ValueError(f"--seed must be in [0, 2^64), got {args.seed}")
+    check_output_path(args.out_dir, "OUT_DIR")
 
     build_tiny_model(args.out_dir, seed=args.seed)
     print(args.out_dir)

@@ -280,6 +280,10 @@ class ESConfig:
         )
         need(self.vllm_max_loras >= 1, f"vllm_max_loras must be >= 1, got {self.vllm_max_loras}")
         need(
+            self.vllm_max_model_len is None or self.vllm_max_model_len >= 1,
+            f"vllm_max_model_len must be >= 1, got {self.vllm_max_model_len}",
+        )
+        need(
             self.vllm_members == "serial" or (self.evaluator == "vllm" and self.noise.startswith("lowrank:")),
             f"vllm_members: batched serves members as rank-R LoRA adapters in vLLM: it needs evaluator: vllm and "
             f"noise: lowrank:R (got evaluator {self.evaluator!r}, noise {self.noise!r})",
@@ -327,6 +331,8 @@ class ESConfig:
             need(0 <= getattr(self, k) < 1, f"{k} must be in [0, 1), got {getattr(self, k)}")
         need(math.isfinite(self.optimizer_eps) and self.optimizer_eps > 0, "optimizer_eps must be > 0")
         need(math.isfinite(self.reward_std_floor) and self.reward_std_floor >= 0, "reward_std_floor must be >= 0")
+        u = self.vllm_gpu_memory_utilization
+        need(u is None or 0 < u <= 1, f"vllm_gpu_memory_utilization must be in (0, 1], got {u}")
         bad = sorted(set(self.trackers) - set(typing.get_args(Tracker)))
         need(not bad, f"unknown tracker(s) {bad}; use {typing.get_args(Tracker)}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -152,6 +153,11 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     if bool(args.models) == bool(args.samples):
         raise ValueError("give exactly one of --models (generate) or --samples (re-score)")
+    if args.threshold is not None and not math.isfinite(args.threshold):
+        raise ValueError(f"--threshold must be a finite number, got {args.threshold}")
+    from ..runs.files import check_output_path
+
+    check_output_path(args.out, "--out")
     tasks = args.task or []
     if args.samples:
         if len(tasks) > 1:
@@ -164,6 +170,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         return 0
     if not tasks:
         raise ValueError("--task is required when generating")
+    _check_sampling(args)
     if len(tasks) > 1 and args.data:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":
@@ -192,6 +199,24 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(text)
         print(f"[espert eval] forgetting table: {os.path.join(args.out, 'forgetting.md')}", file=sys.stderr)
     return 0
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling arguments, checked before a model loads or a file is written."""
+    import torch
+
+    from ..runs import check_device
+    from .samplers import check_sampling_args
+
+    check_sampling_args([], args.n, args.temperature, args.top_p, args.max_new_tokens)
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise ValueError(f"--batch-size and --limit must be >= 1, got {args.batch_size} and {args.limit}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2^63), got {args.seed}")
+    if args.dtype != "auto" and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        raise ValueError(f"--dtype must be auto or a torch dtype (float32, bfloat16, ...), got {args.dtype!r}")
+    if args.device is not None:
+        check_device(args.device)
 
 
 def _resolve_models(specs: Sequence[str]) -> dict[str, str]:

@@ -31,6 +31,7 @@ from espert.runs.files import (
     LOG,
     RunError,
     atomic_write_text,
+    check_output_path,
     fsync_dir,
     kill_point,
     lock_run,
@@ -220,6 +221,7 @@ def _refuse_occupied(run_dir: str) -> None:
     older espert left (:func:`espert.runs.legacy.abandoned_setup`)."""
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise FileExistsError(f"{run_dir} exists and is not a directory")
+    check_output_path(run_dir, "run directory", spare=24)  # room for its setup's sibling .NAME.tmp-PID
     if not os.path.isdir(run_dir) or abandoned_setup(run_dir):
         return
     if _holds_run(run_dir):

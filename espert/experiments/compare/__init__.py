@@ -39,10 +39,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from espert.experiments.compare.arms import Probe, run_es, run_grpo
+from espert.experiments.compare.arms import Probe, es_config, run_es, run_grpo
 from espert.experiments.compare.config import (
     _HELP,
     CompareConfig,
+    check_numbers,
     load_tasks,
     parse_schedule,
     phase_budget,
@@ -144,7 +145,9 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
     schedule and the task's problems are checked before anything is trained or written."""
     from espert.eval.analyze import compute_drift, plot_drift
     from espert.eval.report import format_summary
+    from espert.runs.files import check_output_path
 
+    check_output_path(out_dir, "--out")
     heldout = _check(cc)
     os.makedirs(out_dir, exist_ok=True)
     base, described = base_model(out_dir, cc, echo)
@@ -177,6 +180,16 @@ def _check(cc: CompareConfig):
         raise ValueError(f"evaluator {cc.evaluator!r}: use torch or vllm")
     for spec in cc.schedules:
         parse_schedule(spec)
+    check_numbers(cc)
+    es_config(cc, cc.model)  # the ES arm's settings, checked by ESConfig (sizes that cannot fit, ...)
+    if cc.model != "tiny":  # a directory, a Hub id (cache, else one short request) or a GGUF file: found
+        from espert.runs import resolve_model_dir
+        from espert.runs.gguf import gguf_path
+
+        if gguf_path(cc.model) is None:
+            found = resolve_model_dir(cc.model)
+            if not os.path.isfile(os.path.join(found, "config.json")):
+                raise ValueError(f"--model {cc.model}: {found} holds no config.json (no Hugging Face model)")
     return load_tasks(cc)[1]
 
 
