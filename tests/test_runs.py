@@ -582,7 +582,7 @@ def test_a_failed_start_leaves_nothing_and_the_retry_works(tiny_dir, tmp_path, c
         assert not os.path.exists(d), args
         assert os.listdir(tmp_path / "runs") == [], args  # no temporary sibling, no lock file
     assert main(["train", "--run-dir", d, *small, "--model", good]) == 0  # the same command, fixed
-    assert [r["kind"] for r in runs.read_log(os.path.join(d, runs.LOG))][:2] == ["task", "iter"]
+    assert [r["kind"] for r in runs.read_log(os.path.join(d, runs.LOG))][:3] == ["config", "task", "iter"]
 
 
 def fork_log(run_dir, from_iteration):
