@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -263,17 +264,31 @@ def _given_config(args: argparse.Namespace) -> tuple[ESConfig, dict]:
     return ESConfig.from_dict(overrides), overrides
 
 
+class Stop(BaseException):
+    """SIGTERM or SIGINT before the first iteration (or before a command began): raised in the main thread, so
+    every ``finally`` runs (a new run's uncommitted directory is removed, the writer lock released)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class Preemption:
-    """SIGTERM and SIGINT while ``espert train`` trains: the run stops between iterations (every finished one
-    logged, its checkpoint written when one was due), with exit code 143 (SIGINT: 130).  An iteration that does
-    not end within ``grace`` seconds (or a second signal) is abandoned: the process prints the stop line and
-    exits at once, which the write-ahead log makes as safe as a kill (resume redoes that iteration exactly)."""
+    """SIGTERM and SIGINT during ``espert train``.
+
+    Before the first iteration (imports, config, setup) there is nothing to finish: the signal raises
+    :class:`Stop` at once.  From the first iteration on the run stops between iterations (every finished
+    one logged, its checkpoint written when one was due), with exit code 143 (SIGINT: 130).  An iteration
+    that does not end within ``grace`` seconds, or a second signal, is abandoned: the process prints the
+    stop line and exits at once, which the write-ahead log makes as safe as a kill (resume redoes that
+    iteration exactly)."""
 
     CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
 
     def __init__(self, run_dir: str, grace: float, again: str):
         self.run_dir, self.grace, self.again = run_dir, grace, again
         self.signum: int | None = None
+        self.iterating = False  # set by the loop's first stop() question: setup is over
         self._timer: threading.Timer | None = None
         self._previous: dict = {}
 
@@ -286,6 +301,8 @@ class Preemption:
         return self.CODES[self.signum]
 
     def requested(self) -> bool:
+        """The loop's ``stop()``: asked before each iteration."""
+        self.iterating = True
         return self.signum is not None
 
     def __enter__(self) -> "Preemption":
@@ -300,14 +317,19 @@ class Preemption:
             signal.signal(s, h)
 
     def _on_signal(self, signum, frame) -> None:
+        if not self.iterating:
+            raise Stop(signum)
         if self.signum is not None:  # a second signal: do not wait
-            self._abandon()
+            self._abandon(f"a second {signal.Signals(signum).name} abandoned iteration {{next}} at once")
         self.signum = signum
-        self._timer = threading.Timer(self.grace, self._abandon)
-        self._timer.daemon = True
-        self._timer.start()
+        if math.isfinite(self.grace):  # inf: wait for the iteration however long it takes
+            reason = f"iteration {{next}} did not end within the {self.grace:g} s grace period and was abandoned"
+            self._timer = threading.Timer(self.grace, self._abandon, (reason,))
+            self._timer.daemon = True
+            self._timer.start()
 
-    def _abandon(self) -> None:
+    def _abandon(self, reason: str) -> None:
+        """Print the stop line (``reason`` with ``{next}``, the iteration abandoned) and exit at once."""
         from espert.runs import LOG, iteration_records, read_log
 
         try:  # what the log holds now (a reader: a line still being written is not counted)
@@ -315,8 +337,8 @@ class Preemption:
         except Exception:  # noqa: BLE001 - the line below must come whatever the log holds
             n = 0
         print(
-            f"espert: stopped at iteration {n} ({self.name}); iteration {n + 1} did not end within the "
-            f"{self.grace:g} s grace period and was abandoned; continue with: {self.again}",
+            f"espert: stopped at iteration {n} ({self.name}); {reason.format(next=n + 1)} (the log keeps the run "
+            f"exact); continue with: {self.again}",
             file=sys.stderr,
         )
         sys.stderr.flush()
@@ -324,53 +346,76 @@ class Preemption:
         os._exit(self.code)
 
 
+def stopped_before_training(run_dir: str, stop: Stop, again: str) -> str:
+    """The line for a signal before the first iteration: what the run directory holds, and how to go on."""
+    name = signal.Signals(stop.signum).name
+    state = None
+    if "espert.runs" in sys.modules:  # else never opened (and importing it now could meet a half-done import)
+        from espert.runs import intact_state
+
+        state = intact_state(run_dir)
+    if state is None or state.startswith("nothing"):
+        return f"espert: stopped by {name} before the first iteration; nothing was written, so the same command starts again"
+    held = state.split("(", 1)[1].rstrip(")")
+    return (
+        f"espert: stopped by {name} before the next iteration; the run directory holds {held}; continue with: {again}"
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from espert.trainer import train
-
-    cfg, lowered = smoke_capped(_given_config(args)[0])
-    if lowered:
-        print(smoke_line(lowered), file=sys.stderr)
-    if args.no_progress:
-        os.environ["ESPERT_PROGRESS"] = "0"  # every bar of the run: pretraining, loading, export, the report
     run_dir = args.run_dir or os.path.join("runs", time.strftime("es-%Y%m%d-%H%M%S"))
-    echo = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    echo(f"[espert] run directory: {run_dir}")
-    from espert import runs
-
     again = f"espert train --run-dir {run_dir} --resume"
     if not args.stop_grace >= 0:
         raise ValueError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
-    try:
-        with Preemption(run_dir, args.stop_grace, again) as pre:
-            try:
-                summary = train(
-                    cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=echo, stop=pre.requested
-                )
-            finally:
-                if not args.run_dir:
-                    _point_latest(run_dir)
-    except OSError as e:
-        if not runs.is_write_error(e):
-            raise
-        state = runs.intact_state(run_dir)
-        fix = "run the same command again" if state.startswith("nothing") else f"continue with: {again}"
-        return _write_failed(echo, e, f"{state}; once space is freed (or the filesystem writable), {fix}")
+    if args.no_progress:
+        os.environ["ESPERT_PROGRESS"] = "0"  # every bar of the run: pretraining, loading, export, the report
+    with Preemption(run_dir, args.stop_grace, again) as pre:
+        try:
+            cfg, summary = _train(args, run_dir, pre)
+        except Stop as stop:
+            print(stopped_before_training(run_dir, stop, again), file=sys.stderr)
+            return Preemption.CODES[stop.signum]
+        except OSError as e:
+            from espert import runs
+
+            if not runs.is_write_error(e):
+                raise
+            state = runs.intact_state(run_dir)
+            fix = "run the same command again" if state.startswith("nothing") else f"continue with: {again}"
+            return _write_failed(e, f"{state}; once space is freed (or the filesystem writable), {fix}")
+        finally:
+            if not args.run_dir:
+                _point_latest(run_dir)
     if pre.requested():  # also when the last iteration ended meanwhile: the report is left to the resume
         n = summary["iterations"] if summary["stopped"] is None else summary["stopped"]
         print(f"espert: stopped at iteration {n} ({pre.name}); continue with: {again}", file=sys.stderr)
         return pre.code
-    return _after_training(args, cfg, run_dir, summary, echo, again)
+    return _after_training(args, cfg, run_dir, summary, again)
 
 
-def _write_failed(echo, e: OSError, what: str) -> int:
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _train(args: argparse.Namespace, run_dir: str, pre: Preemption) -> tuple[ESConfig, dict]:
+    from espert.trainer import train
+
+    cfg, lowered = smoke_capped(_given_config(args)[0])
+    if lowered:
+        _say(smoke_line(lowered))
+    _say(f"[espert] run directory: {run_dir}")
+    return cfg, train(cfg, run_dir, resume=args.resume, progress=not args.no_progress, echo=_say, stop=pre.requested)
+
+
+def _write_failed(e: OSError, what: str) -> int:
     """One line for a failed write: the file, the errno and what is intact; exit code 1."""
     from espert import runs
 
-    echo(f"espert train: error: {runs.write_error_line(e)}; {what}")
+    _say(f"espert train: error: {runs.write_error_line(e)}; {what}")
     return 1
 
 
-def _after_training(args, cfg, run_dir: str, summary: dict, echo, again: str) -> int:
+def _after_training(args, cfg, run_dir: str, summary: dict, again: str) -> int:
     """What a finished ``espert train`` says: the held-out curve, the export, the training picture and,
     for the main job, the closing base-vs-ES report."""
     from espert import runs
@@ -378,10 +423,10 @@ def _after_training(args, cfg, run_dir: str, summary: dict, echo, again: str) ->
     held = summary["heldout"]
     if held:
         curve = "  ".join(f"it {t}: {m:.3f}" for t, m in held)
-        echo(f"[espert] held-out mean reward: {curve}")
+        _say(f"[espert] held-out mean reward: {curve}")
     if summary["export"]:
-        echo(f"[espert] final weights (HF format): {summary['export']}")
-    _training_curve(run_dir, echo)
+        _say(f"[espert] final weights (HF format): {summary['export']}")
+    _training_curve(run_dir, _say)
     if not (summary["export"] and cfg.model == "tiny" and ":" not in cfg.task and not args.no_report):
         return 0  # only the main job closes with a report
     from espert.eval.runner import evaluate_run
@@ -389,21 +434,20 @@ def _after_training(args, cfg, run_dir: str, summary: dict, echo, again: str) ->
     size = {"n": 16, "limit": 64}
     lowered = smoke_caps(size, {"n": 2, "limit": 8})
     if lowered:
-        echo(smoke_line(lowered))
+        _say(smoke_line(lowered))
     size.update({k: new for k, (_, new) in lowered.items()})
-    echo(f"[espert] base vs ES, {size['n']} samples (temperature 1) on {size['limit']} held-out problems:")
+    _say(f"[espert] base vs ES, {size['n']} samples (temperature 1) on {size['limit']} held-out problems:")
     try:
-        evaluate_run(run_dir, **size, echo=echo)
+        evaluate_run(run_dir, **size, echo=_say)
     except OSError as e:
         if not runs.is_write_error(e):
             raise
         return _write_failed(
-            echo,
             e,
             f"training is complete and intact ({runs.intact_state(run_dir).split('(', 1)[1]}, and its "
             f"export; only the report is missing: once space is freed, write it with: {again}",
         )
-    echo(f"[espert] report: {os.path.join(run_dir, 'eval')}")
+    _say(f"[espert] report: {os.path.join(run_dir, 'eval')}")
     return 0
 
 
@@ -455,7 +499,13 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
+    from espert.config import U64
+    from espert.runs.files import check_output_path
     from espert.tiny import build_tiny_model
+
+    if not 0 <= args.seed < U64:
+        raise ValueError(f"--seed must be in [0, 2^64), got {args.seed}")
+    check_output_path(args.out_dir, "OUT_DIR")
 
     build_tiny_model(args.out_dir, seed=args.seed)
     print(args.out_dir)
@@ -479,31 +529,37 @@ def run() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Ctrl-C at any moment, imports included: one line, exit code 130.
+    """Ctrl-C at any moment, imports included: one line, exit code 130; SIGTERM: one line, 143.
 
-    The interrupt is also noted by the handler: one that lands inside a C extension's import (numpy's,
+    The signal is also noted by the handler: one that lands inside a C extension's import (numpy's,
     under torch's) can come back as another error ("CPU dispatcher tracer already initialized" when the
-    half-imported module is imported again), and that is still the user's Ctrl-C, not a crash.
+    half-imported module is imported again), and that is still the user's signal, not a crash.  Before
+    the command's own code runs nothing has been written, and the line says so (``espert train`` says
+    what its run directory holds itself: :class:`Preemption`).
     """
-    interrupted = []
+    signals, started = [], []
 
-    def on_sigint(signum, frame):
-        interrupted.append(signum)
-        raise KeyboardInterrupt
+    def on_signal(signum, frame):
+        signals.append(signum)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Stop(signum)
 
     previous = (
-        signal.signal(signal.SIGINT, on_sigint) if threading.current_thread() is threading.main_thread() else None
+        {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
     )
     try:
-        return _main(argv)
+        return _main(argv, started)
     except BaseException as e:
-        if not (isinstance(e, KeyboardInterrupt) or interrupted):
+        if not (isinstance(e, (KeyboardInterrupt, Stop)) or signals):
             raise
-        print("espert: interrupted", file=sys.stderr)
-        return 130
+        signum = signals[-1] if signals else signal.SIGINT
+        said = "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
+        print(f"espert: {said}" + ("" if started else "; nothing was written"), file=sys.stderr)
+        return 128 + signum
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -538,7 +594,8 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     return args
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, started: list) -> int:
+    """Parse, then run the command (``started`` gets an entry once its own code runs)."""
     parser = build_parser()
     args = parse(parser, argv)
     if not getattr(args, "func", None):
@@ -552,6 +609,7 @@ def _main(argv: Sequence[str] | None) -> int:
         from espert.vllm import quiet_logging
 
         quiet_logging(getattr(args, "verbose", False))
+        started.append(args.command)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError, MissingExtra) as e:
         print(f"espert {args.command}: error: {e}", file=sys.stderr)

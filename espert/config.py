@@ -50,6 +50,15 @@ NOISE_MAX_RANK = 1024
 TASK_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 #: Default weight-decay exclusions: norm gains and biases (AdamW practice).
 NO_DECAY_DEFAULT = ("*norm*", "*.bias")
+#: What a run's size costs, for the limits of ``ESConfig._check_sizes``: an iteration's log line holds every
+#: member's seed, sign, reward and coefficient, 66-87 bytes per member (measured: antithetic or not;
+#: tests/test_refusals.py keeps this above the real lines), and is built in memory and written whole.
+LOG_BYTES_PER_MEMBER = 88
+#: The largest population: one log line of about 1.4 GiB per iteration.
+MAX_POPULATION = 1 << 24
+#: The most member evaluations (iterations x population) a run may ask for: 2^40 is 35 years at 1 ms per member
+#: (a generate of a few tokens takes longer), and 88 TiB of log.
+MAX_MEMBER_EVALUATIONS = 1 << 40
 
 
 def opt(default, help: str, **kw):
@@ -256,6 +265,7 @@ class ESConfig:
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
 
         self._check_sizes()
+        self._check_vllm()
         self._check_combinations()
         self._check_numbers()
         return self
@@ -272,6 +282,19 @@ class ESConfig:
         )
         need(0 <= self.seed < U64 and 0 <= self.tiny_seed < U64, "seed and tiny_seed must be in [0, 2^64)")
         need(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
+        need(
+            self.population <= MAX_POPULATION,
+            f"population {self.population} cannot fit: each iteration's log line would hold about "
+            f"{self.population * LOG_BYTES_PER_MEMBER / 2**30:.3g} GiB ({LOG_BYTES_PER_MEMBER} bytes per member), "
+            f"built in memory and written whole; the most is {MAX_POPULATION:,}",
+        )
+        need(
+            self.iterations * self.population <= MAX_MEMBER_EVALUATIONS,
+            f"iterations {self.iterations} x population {self.population} = {self.iterations * self.population:.3g} "
+            f"member evaluations cannot finish (about {self.iterations * self.population / 3.15e10:.3g} years at "
+            f"1 ms each) and their log would take about "
+            f"{self.iterations * self.population * LOG_BYTES_PER_MEMBER / 2**40:.3g} TiB; the most is 2^40",
+        )
         need(
             self.tiny_hidden_size >= 32 and self.tiny_hidden_size % 32 == 0,
             f"tiny_hidden_size must be a positive multiple of 32, got {self.tiny_hidden_size}",
@@ -290,6 +313,10 @@ class ESConfig:
             self.max_new_tokens >= 1 and self.generation_batch_size >= 1,
             "max_new_tokens and generation_batch_size must be >= 1",
         )
+        need(self.cpu_threads >= 0, f"cpu_threads must be >= 0, got {self.cpu_threads}")
+        need(self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every and checkpoint_every must be >= 0")
+
+    def _check_vllm(self) -> None:
         need(
             self.vllm_engines >= 1 and self.vllm_tensor_parallel_size >= 1,
             "vllm_engines and vllm_tensor_parallel_size must be >= 1",
@@ -300,12 +327,14 @@ class ESConfig:
             f"vllm_deadline_floor must be a number of seconds > 0, got {self.vllm_deadline_floor}",
         )
         need(
+            self.vllm_max_model_len is None or self.vllm_max_model_len >= 1,
+            f"vllm_max_model_len must be >= 1, got {self.vllm_max_model_len}",
+        )
+        need(
             self.vllm_members == "serial" or (self.evaluator == "vllm" and self.noise.startswith("lowrank:")),
             f"vllm_members: batched serves members as rank-R LoRA adapters in vLLM: it needs evaluator: vllm and "
             f"noise: lowrank:R (got evaluator {self.evaluator!r}, noise {self.noise!r})",
         )
-        need(self.cpu_threads >= 0, f"cpu_threads must be >= 0, got {self.cpu_threads}")
-        need(self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every and checkpoint_every must be >= 0")
 
     def _check_combinations(self) -> None:
         need(
@@ -356,6 +385,8 @@ class ESConfig:
             need(0 <= getattr(self, k) < 1, f"{k} must be in [0, 1), got {getattr(self, k)}")
         need(math.isfinite(self.optimizer_eps) and self.optimizer_eps > 0, "optimizer_eps must be > 0")
         need(math.isfinite(self.reward_std_floor) and self.reward_std_floor >= 0, "reward_std_floor must be >= 0")
+        u = self.vllm_gpu_memory_utilization
+        need(u is None or 0 < u <= 1, f"vllm_gpu_memory_utilization must be in (0, 1], got {u}")
         bad = sorted(set(self.trackers) - set(typing.get_args(Tracker)))
         need(not bad, f"unknown tracker(s) {bad}; use {typing.get_args(Tracker)}")
 

@@ -402,23 +402,14 @@ def train_randopt(run, train_task, evaluator, echo=print, stop: Callable[[], boo
 
 def _build_evaluator(run, train_task, resume: bool):
     """The config's evaluator over the run's base model; a model it cannot load is one ValueError."""
-    from espert.evaluators import build_evaluator
+    from espert.evaluators import build_evaluator, loading_model
     from espert.progress import ticking
 
     cfg = run.cfg
-    try:
-        with ticking(f"[espert] loading the model ({cfg.evaluator} evaluator)"):
-            return build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
-    except Exception as e:  # noqa: BLE001 - transformers, tokenizers, safetensors: each its own type
-        if isinstance(e, OSError) and e.errno is not None:
-            raise  # an environment failure (a full disk, ...): reported as such by the CLI
-        what = cfg.model if cfg.model != "tiny" else run.base_path
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(
-            f"the model at {what} could not be loaded by evaluator {cfg.evaluator!r} "
-            f"({type(e).__name__}: {first})"
-            + ("" if resume else "; nothing was written, so the same command works once it is fixed")
-        ) from e
+    what = cfg.model if cfg.model != "tiny" else run.base_path
+    note = "" if resume else "; nothing was written, so the same command works once it is fixed"
+    with loading_model(what, cfg.evaluator, note), ticking(f"[espert] loading the model ({cfg.evaluator} evaluator)"):
+        return build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
 
 
 def bar_postfix(rec: dict, heldout: float | None) -> dict[str, str]:

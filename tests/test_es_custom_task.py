@@ -45,6 +45,10 @@ def log(d):
     return runs.read_log(os.path.join(d, runs.LOG))
 
 
+def task_record(d):
+    return next(r for r in log(d) if r["kind"] == "task")
+
+
 def stored(d):
     return runs.read_run_config(d)
 
@@ -92,7 +96,7 @@ def test_reward_fn_from_python_records_its_path_and_scores_heldout_with_it(tmp_p
         eval_prompts=LETTERS[200:],
     )
     assert stored(d)["task"] == "custom_rewards:first_letter"  # the reward's import path, not "copy"
-    rec = log(d)[0]  # but its problems were a Python list: the run resumes from Python only
+    rec = task_record(d)  # but its problems were a Python list: the run resumes from Python only
     assert rec["kind"] == "task" and rec["source"] == "python" and rec["n_train"] == 100
     # held-out reward = the custom reward of the center on the held-out prompts, recomputed here
     from espert.evaluators.torch_model import TorchEvaluator, load_model
@@ -129,7 +133,7 @@ def test_task_objects_and_loaders(tmp_path):
     d = str(tmp_path / "loader")
     espert.train(ESConfig(**SMALL), d, progress=False, echo=None, task=custom_rewards.letters)
     assert stored(d)["task"] == "custom_rewards:letters"  # re-importable: the config alone rebuilds it
-    assert log(d)[0]["source"] == "import" and log(d)[0]["n_eval"] == 4
+    assert task_record(d)["source"] == "import" and task_record(d)["n_eval"] == 4
     espert.train(None, d, resume=True, progress=False, echo=None)  # no object needed
 
 

@@ -515,6 +515,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     try:
         if args.plot_dir:
             require("matplotlib", "--plot-dir")
+        _check_outputs(args)
         if not args.base or not args.ckpt:
             raise ValueError(
                 "give a run directory (espert analyze RUN_DIR), or --base and --ckpt (drift), or a "
@@ -675,6 +676,7 @@ def run_run(args: argparse.Namespace) -> int:
     try:
         if args.plot_dir:
             require("matplotlib", "--plot-dir")
+        _check_outputs(args)
         res = run_diagnostics(args.run_dir)
         print(format_run_diagnostics(res))
         if args.json:
@@ -700,6 +702,8 @@ def run_estimator(args: argparse.Namespace) -> int:
 
         if not os.path.isdir(args.model):
             raise FileNotFoundError(f"model directory not found: {args.model}")
+        _check_outputs(args)
+        _check_estimator_args(args)
         task = load_task(args.task, args.split, n=args.pool, path=args.data)
         model, tok = load_model(args.model)
         ev = TorchEvaluator(model, tok, task.score, max_new_tokens=args.max_new_tokens)
@@ -720,6 +724,33 @@ def run_estimator(args: argparse.Namespace) -> int:
         print(f"espert analyze estimator: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_estimator_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first of ``analyze estimator``'s numbers out of range, before a model loads."""
+    import math
+
+    for flag, least in (("pool", 1), ("pairs", 2), ("per_member", 1), ("max_new_tokens", 1)):
+        if getattr(args, flag) < least:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
+    if args.per_member > args.pool:
+        raise ValueError(f"--per-member {args.per_member} is more than the --pool of {args.pool} prompts")
+    if not (math.isfinite(args.sigma) and args.sigma > 0):
+        raise ValueError(f"--sigma must be a finite number > 0, got {args.sigma}")
+    if not 0 <= args.seed < 2**64:
+        raise ValueError(f"--seed must be in [0, 2^64), got {args.seed}")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """The --json file, --plot-dir and --export paths a command was given, checked before anything is computed
+    or written (a directory as --json, a file among the parents, a name too long)."""
+    from espert.runs.files import check_output_path
+
+    if getattr(args, "json", None):
+        check_output_path(args.json, "--json", kind="file", spare=16)
+    for flag in ("plot_dir", "export"):
+        if getattr(args, flag, None):
+            check_output_path(getattr(args, flag), "--" + flag.replace("_", "-"))
 
 
 def _write_json(path: str, obj) -> None:

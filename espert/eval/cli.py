@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -158,6 +159,11 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     if bool(args.models) == bool(args.samples):
         raise ValueError("give exactly one of --models (generate) or --samples (re-score)")
+    if args.threshold is not None and not math.isfinite(args.threshold):
+        raise ValueError(f"--threshold must be a finite number, got {args.threshold}")
+    from ..runs.files import check_output_path
+
+    check_output_path(args.out, "--out")
     tasks = args.task or []
     if args.samples:
         if len(tasks) > 1:
@@ -176,17 +182,18 @@ def _run_eval(args: argparse.Namespace) -> int:
     if lowered:
         print(smoke_line(lowered), file=sys.stderr)
         vars(args).update({k: new for k, (_, new) in lowered.items()})
+    _check_sampling(args)
     if len(tasks) > 1 and args.data:
         raise ValueError("--data goes with one --task; several tasks each load their own problems")
     if args.evaluator == "vllm":
         from ..vllm.patches import require_vllm
 
         require_vllm("--evaluator vllm")
-    models = _resolve_models(args.models)
     named = [spec.partition("=")[::2] for spec in tasks]  # (task, its own problems file or "")
     if len({name for name, _ in named}) < len(named):
         raise ValueError(f"a task is given twice: {' '.join(tasks)}")
     loaded = [(name, _load(args, name, path)) for name, path in named]  # every task's problems before sampling
+    models = _resolve_models(args.models)  # after the tasks: a bad task name needs no Hub request
     _quiet_transformers()
     from ..vllm import quiet_logging
 
@@ -208,21 +215,43 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve_models(specs: list[str]) -> dict[str, str]:
-    """``--models LABEL=PATH ...`` as {label: model directory}: a GGUF file or a named model becomes its
-    converted directory; a path that looks local must exist ("org/name" may be a Hub id)."""
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling arguments, checked before a model loads or a file is written."""
+    import torch
+
+    from ..runs import check_device
+    from .samplers import check_sampling_args
+
+    check_sampling_args([], args.n, args.temperature, args.top_p, args.max_new_tokens)
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise ValueError(f"--batch-size and --limit must be >= 1, got {args.batch_size} and {args.limit}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2^63), got {args.seed}")
+    if args.dtype != "auto" and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        raise ValueError(f"--dtype must be auto or a torch dtype (float32, bfloat16, ...), got {args.dtype!r}")
+    if args.device is not None:
+        check_device(args.device)
+
+
+def _resolve_models(specs: Sequence[str]) -> dict[str, str]:
+    """``{label: local model directory}`` of ``--models``, resolved before anything is written, as ``espert
+    train`` resolves ``--model``: a directory, a GGUF file or named model (converted once, cached), or a Hub
+    id (the local cache, else one short request: an unknown or unreachable one fails in seconds).  A spec
+    without ``LABEL=`` must name a local model or an ``org/name`` Hub id: a bare word ('base') is a missing
+    label far more often than a Hub model."""
     from ..runs import resolve_model_dir
     from ..runs.gguf import gguf_path
     from .runner import parse_model_specs
 
     models = parse_model_specs(specs)
-    for label, path in models.items():
+    for spec, (label, path) in zip(specs, models.items()):
         gguf = gguf_path(path)  # a GGUF file or a named model: its converted directory (espert/runs/gguf.py)
-        if gguf is not None:
-            models[label] = path = resolve_model_dir(gguf, lambda s: print(s, file=sys.stderr))
-        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-        if looks_local and not os.path.exists(os.path.expanduser(path)):
-            raise FileNotFoundError(f"model directory not found for {label!r}: {path}")
+        if gguf is None and "=" not in spec and "/" not in spec and not os.path.exists(path):
+            raise ValueError(
+                f"--models {spec!r} is no directory, GGUF file or known model here; give each model as "
+                f"LABEL=MODEL (a directory, a Hub id, a GGUF file or smollm2-135m-instruct), e.g. base=Qwen/Qwen2.5-0.5B"
+            )
+        models[label] = resolve_model_dir(gguf or os.path.expanduser(path), lambda s: print(s, file=sys.stderr))
     return models
 
 
@@ -286,18 +315,19 @@ def _load(args: argparse.Namespace, spec: str, path: str = ""):
 
 def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) -> dict[str, list[dict]]:
     """Sample every model on ``task``; saves ``out/samples_LABEL.jsonl`` and returns the records by label."""
+    from ..evaluators import loading_model
     from .runner import generate_samples
     from .samplers import make_sampler
     from .samples import save_samples
 
     groups = {}
-    os.makedirs(out, exist_ok=True)
     for label, path in models.items():
         print(f"[espert eval] sampling {label} ({path}): {len(task)} {task.name} problems x {args.n}", file=sys.stderr)
         kwargs = dict(chat_template=args.chat_template, dtype=args.dtype)
         if args.evaluator == "torch":
             kwargs.update(batch_size=args.batch_size, device=args.device)
-        sampler = make_sampler(args.evaluator, path, **kwargs)
+        with loading_model(path, args.evaluator):  # the check espert train makes of its base model
+            sampler = make_sampler(args.evaluator, path, **kwargs)
         try:
             recs = generate_samples(
                 task,
@@ -316,6 +346,7 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
             if close:
                 close()
         out_path = os.path.join(out, f"samples_{label}.jsonl")
+        os.makedirs(out, exist_ok=True)  # once a model has loaded and sampled: a refusal writes nothing
         save_samples(out_path, recs)
         print(f"[espert eval] wrote {out_path}", file=sys.stderr)
         groups[label] = recs

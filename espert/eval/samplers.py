@@ -32,13 +32,14 @@ class Sampler(Protocol):
         ...
 
 
-def _check_sampling_args(prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int) -> None:
+def check_sampling_args(prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int) -> None:
+    """ValueError naming the first sampling argument out of range (TypeError for a single string as prompts)."""
     if isinstance(prompts, str):
         raise TypeError("prompts must be a list of strings, not a single string")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < float("inf"):  # NaN too
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if max_tokens < 1:
@@ -119,7 +120,7 @@ class TransformersSampler:
         with the number of prompts done after each ``generate`` call."""
         import torch
 
-        _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
+        check_sampling_args(prompts, n, temperature, top_p, max_tokens)
         per_call = max(1, self.batch_size // n)
         eos = self.tokenizer.eos_token_id
         out: list[list[str]] = []
@@ -199,7 +200,7 @@ class VLLMSampler:
         seed: int = 0,
     ) -> list[list[str]]:
         """Draw ``n`` completions per prompt with one vLLM ``generate`` call."""
-        _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
+        check_sampling_args(prompts, n, temperature, top_p, max_tokens)
         # greedy samples are all the same, and vLLM refuses n > 1 with temperature 0: draw one, repeat it
         draws = n if temperature > 0 else 1
         # one seed per prompt (vLLM gives the j-th sample seed + j): problems do not share random streams
@@ -268,7 +269,7 @@ class EnsembleSampler:
 
     def sample(self, prompts, n, temperature=0.0, top_p=1.0, max_tokens=512, seed=0, **_) -> list[list[str]]:
         """n completions per prompt: the K members' greedy answers, each repeated n/K times."""
-        _check_sampling_args(prompts, n, temperature, top_p, max_tokens)
+        check_sampling_args(prompts, n, temperature, top_p, max_tokens)
         K = len(self.members)
         if n % K:
             raise ValueError(f"an ensemble of {K} members gives a multiple of {K} samples per problem, not n={n}")

@@ -13,9 +13,11 @@ Names below (``Evaluator``, ``ModelEvaluator``, ``TorchEvaluator``, ...) are loa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from typing import TYPE_CHECKING, Callable, Union
+import pickle
+from typing import TYPE_CHECKING, Callable, Iterator, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from espert.config import ESConfig
@@ -59,6 +61,29 @@ def build_evaluator(cfg: "ESConfig", model_path: str, score: Callable, extract: 
     return builder(cfg, model_path, score)
 
 
+@contextlib.contextmanager
+def loading_model(what: str, evaluator: str, note: str = "") -> Iterator[None]:
+    """Any failure to load the model at ``what`` inside the block becomes one ValueError line naming it, the
+    evaluator and the first line of the cause, then ``note``: the one check that ``espert train`` (the
+    evaluator) and ``espert eval`` (the sampler) share.  An environment failure (an OSError with an errno:
+    a full disk, ...) passes unchanged.  A weights pickle that torch's safe loader (``weights_only``)
+    refuses is named as such, with the fix: it is never loaded unsafely."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - transformers, tokenizers, safetensors, torch: each its own type
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if isinstance(e, pickle.UnpicklingError):
+            first = (
+                "torch's safe loader (weights_only) refuses a weights pickle: it holds more than tensors, or is "
+                "damaged; espert never loads it unsafely, which could run code; use safetensors weights"
+            )
+        raise ValueError(
+            f"the model at {what} could not be loaded by evaluator {evaluator!r} ({type(e).__name__}: {first}){note}"
+        ) from e
+
+
 _LAZY = {
     "Evaluator": ".base",
     "ModelEvaluator": ".base",
@@ -84,6 +109,7 @@ __all__ = [
     "Member",
     "TorchEvaluator",
     "build_evaluator",
+    "loading_model",
     "register_evaluator",
     "get_builder",
     "EVALUATORS",

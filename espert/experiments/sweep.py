@@ -397,6 +397,9 @@ def run_cli(args: argparse.Namespace) -> int:
     args.out = args.out or default_out(grid)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    from espert.runs.files import check_output_path
+
+    check_output_path(args.out, "--out")
     if args.ray is not None:
         require("ray", "--ray")
     doc = run_sweep(

@@ -278,3 +278,21 @@ def from_op_args(ws, keys, blocks) -> list:
         )
         out.append((w, from_int64(keys[i]), block))
     return out
+
+
+def check_meta_mix(op: str, tensors: Sequence[torch.Tensor]) -> None:
+    """ValueError when one ``torch.ops.espert`` call mixes meta tensors with real ones.
+
+    Such a call is dispatched to the operator's fake kernel, which writes nothing: refusing it keeps a
+    meta argument from passing as a completed op.  Calls whose tensors are all meta (shape propagation)
+    or fake (torch.compile tracing) are what the fake kernels are for."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    real = [t for t in tensors if not is_fake(t)]
+    meta = sum(t.device.type == "meta" for t in real)
+    if 0 < meta < len(real):
+        devices = sorted({str(t.device) for t in real})
+        raise ValueError(
+            f"torch.ops.espert.{op}: {meta} of its {len(real)} tensors are on the meta device (they hold no "
+            f"data) and the rest on {', '.join(d for d in devices if d != 'meta')}; every tensor must hold data"
+        )

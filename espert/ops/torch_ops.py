@@ -4,7 +4,9 @@ torch.compile (fullgraph), CUDA graphs and the profiler see these; the torch-fre
 stays underneath.  The schemas mark the mutated weights (``Tensor(a!)[]``), as vLLM's op schemas do,
 so functionalization knows the weights change in place.  Arguments travel flattened
 (:func:`espert.ops.checks.op_args`: uint64 seeds and keys as their int64 bits, four ints per block).
-Each operator runs the eager op, which validates everything before any write.  Inside
+Each operator runs the eager op, which validates everything before any write.  A meta tensor among real
+ones sends a call to the fake kernel (the dispatcher picks the Meta key), which then refuses it
+(:func:`espert.ops.checks.check_meta_mix`) instead of returning without writing.  Inside
 ``torch.compile`` ``espert.ops.perturb_ / es_update_ / restore_`` record these operators themselves.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import from_int64, from_op_args
+from .checks import check_meta_mix, from_int64, from_op_args
 from .core import es_update_many_, perturb_many_, restore_
 
 
@@ -52,6 +54,7 @@ def _es_update_op(
 
 @_es_update_op.register_fake
 def _(ws, keys, blocks, seeds, coeffs, scales=None, noise="gaussian", backend=None) -> None:
+    check_meta_mix("es_update_", [*ws, seeds, coeffs])
     return None
 
 
@@ -75,6 +78,7 @@ def _perturb_op(
 
 @_perturb_op.register_fake
 def _(ws, keys, blocks, seed, sigma, sign=1, scales=None, noise="gaussian", backend=None) -> None:
+    check_meta_mix("perturb_", ws)
     return None
 
 
@@ -86,4 +90,5 @@ def _restore_op(w: torch.Tensor, center: torch.Tensor, non_blocking: bool = Fals
 
 @_restore_op.register_fake
 def _(w, center, non_blocking=False) -> None:
+    check_meta_mix("restore_", [w, center])
     return None

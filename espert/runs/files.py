@@ -225,6 +225,31 @@ def write_error_line(e: OSError) -> str:
     return f"cannot write {target or 'a file'}: {name} ({os.strerror(e.errno)})"
 
 
+def check_output_path(path: str, what: str, kind: str = "directory", spare: int = 0) -> None:
+    """ValueError, before anything is written, when ``path`` cannot become the output ``kind`` ("directory" or
+    "file") that ``what`` names: a NUL byte, an existing entry of the other kind, a regular file among its
+    parents, or a name longer than the filesystem takes (``spare``: bytes its last name must leave for the
+    temporary sibling an atomic write adds)."""
+    if "\0" in path:
+        raise ValueError(f"{what} {path!r} holds a NUL byte")
+    full = os.path.abspath(path)
+    if os.path.isdir(full) if kind == "file" else (os.path.exists(full) and not os.path.isdir(full)):
+        raise ValueError(f"{what} {path} exists and is {'a directory' if kind == 'file' else 'not a directory'}")
+    parent = full
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if parent != full and not os.path.isdir(parent):
+        raise ValueError(f"{what} {path}: {parent} is a file, not a directory")
+    try:
+        limit = os.pathconf(parent if os.path.isdir(parent) else os.path.dirname(parent), "PC_NAME_MAX")
+    except (OSError, ValueError):  # pragma: no cover - a filesystem that does not say
+        limit = 255
+    names = full[len(parent) :].split(os.sep)
+    for i, name in enumerate(names):
+        if len(os.fsencode(name)) + (spare if i == len(names) - 1 else 0) > limit:
+            raise ValueError(f"{what} {path}: the name {name[:16]}... is longer than the filesystem's {limit} bytes")
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory (makes renames in it durable); a no-op where directories cannot be opened."""
     try:

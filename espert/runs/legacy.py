@@ -25,6 +25,10 @@ where each difference is handled:
 7. a config of a version-1 run (rule 1a) samples prompts with ``prompt_sampler: python_random``, which
    ``espert.es.prompt_indices`` keeps as a sampler (the ES layer sits below the run files, so the rule
    selects it here and the derivation stays there).
+8. a log whose first line is not a ``config`` record (written before runs recorded their fixed settings
+   there): ``config.yaml`` is read as it is, unverified, since there is nothing to check it against
+   (``run.check_fixed_settings``); such a run resumes and replays as before.  Both sides of that check go
+   through :func:`upgrade_config`, so a field added later compares by the behaviour it stands for.
 """
 
 from __future__ import annotations

@@ -132,6 +132,22 @@ def single_history(path: str, n: int) -> tuple[int, list[dict]]:
     return pos, recs
 
 
+def first_record(path: str) -> dict | None:
+    """The log's first record, read alone (a run's ``config`` record: the settings it started with); None when
+    the log is missing or empty.  RunError naming the file when that line is damaged."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline()
+    except FileNotFoundError:
+        return None
+    if not line.endswith(b"\n"):
+        return None  # empty, or a torn tail: no record yet
+    rec, problem = _parse_line(line[:-1])
+    if rec is None:
+        raise RunError(f"{path}: line 1 is damaged: {problem}; refusing to guess")
+    return rec
+
+
 def checkpoint_hashes(records: list[dict]) -> dict[str, int]:
     """sha256 -> iteration of every checkpoint the log recorded."""
     return {r["sha256"]: r["iteration"] for r in records if r.get("kind") == "checkpoint" and "sha256" in r}

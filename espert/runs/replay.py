@@ -13,7 +13,7 @@ from espert.es import apply_record
 from espert.progress import bar, ticking
 from espert.runs.checkpoint import load_center, save_center
 from espert.runs.export import base_identity, export_iteration, export_model, resolve_model_dir
-from espert.runs.files import BASE, CENTER, EXPORT, LOG, RunError, writing_into
+from espert.runs.files import BASE, CENTER, EXPORT, LOG, RunError, check_output_path, writing_into
 from espert.runs.fingerprint import check_base
 from espert.runs.log import checkpoint_hashes, iteration_records, read_log
 from espert.runs.run import read_run_config
@@ -44,6 +44,7 @@ def replay(
     """
     echo = echo or (lambda s: None)
     out_dir = out_dir or os.path.join(run_dir, "replay")
+    check_output_path(out_dir, "replay output directory")
     with writing_into(out_dir):  # into a run (the default: RUN/replay): one writer at a time
         doc = read_run_config(run_dir)
         if ESConfig.from_dict(doc["config"]).method == "randopt":

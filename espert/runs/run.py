@@ -31,6 +31,7 @@ from espert.runs.files import (
     LOG,
     RunError,
     atomic_write_text,
+    check_output_path,
     fsync_dir,
     kill_point,
     lock_run,
@@ -41,8 +42,14 @@ from espert.runs.files import (
 )
 from espert.runs.fingerprint import base_fingerprint, check_base
 from espert.runs.gguf import gguf_path, is_gguf
-from espert.runs.legacy import abandoned_setup, clear_abandoned_setup, note_unverified_checkpoint, upgrade
-from espert.runs.log import checkpoint_hashes, iteration_records, log_line, read_log
+from espert.runs.legacy import (
+    abandoned_setup,
+    clear_abandoned_setup,
+    note_unverified_checkpoint,
+    upgrade,
+    upgrade_config,
+)
+from espert.runs.log import checkpoint_hashes, first_record, iteration_records, log_line, read_log
 from espert.tensorfile import FileChunks
 
 #: ESConfig fields that may change when a run is resumed (they do not change any weight or reward).
@@ -130,7 +137,8 @@ def build_tiny_base(path: str, cfg: ESConfig) -> None:
 
 
 def read_run_config(run_dir: str) -> dict:
-    """The parsed ``config.yaml`` of a run directory (clear errors when it is not one)."""
+    """The parsed ``config.yaml`` of a run directory (clear errors when it is not one), its fixed settings
+    verified against the log (:func:`check_fixed_settings`)."""
     path = os.path.join(run_dir, CONFIG)
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"run directory not found: {run_dir}")
@@ -139,7 +147,43 @@ def read_run_config(run_dir: str) -> dict:
     doc = read_config_file(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("config"), dict):
         raise RunError(f"{path}: not an espert run config (format {FORMAT})")
+    check_fixed_settings(run_dir, doc["config"])
     return upgrade(doc)  # earlier versions of the format: espert.runs.legacy
+
+
+def fixed_settings(config: dict) -> dict:
+    """The settings of a run's config a resume may not change: all but :data:`RESUMABLE_CHANGES`, and
+    ``iterations`` too when a schedule depends on it (what :func:`resume_changes` enforces)."""
+    scheduled = any(config.get(f"{k}_schedule", "constant") != "constant" for k in ("sigma", "alpha"))
+    return {k: v for k, v in config.items() if k not in RESUMABLE_CHANGES or (k == "iterations" and scheduled)}
+
+
+def config_record(config: dict) -> dict:
+    """The first record of a new run's log: its fixed settings, which ``config.yaml`` is checked against
+    whenever it is read, as each log line is by its crc32."""
+    return {"kind": "config", "fixed": fixed_settings(config)}
+
+
+def check_fixed_settings(run_dir: str, config: dict) -> None:
+    """RunError naming every fixed setting that ``RUN/config.yaml`` holds with another value than the log's
+    config record (a hand edit), with the two ways on.  A log without that record (older espert) has
+    nothing to check against: legacy rule 8."""
+    rec = first_record(os.path.join(run_dir, LOG))
+    if rec is None or rec.get("kind") != "config":
+        return
+    logged, have, missing = upgrade_config(rec["fixed"]), upgrade_config(config), object()
+    changed = {k: (v, have.get(k, missing)) for k, v in logged.items() if have.get(k, missing) != v}
+    if changed:
+        path = os.path.join(run_dir, CONFIG)
+        said = "; ".join(
+            f"{k}: the run has {a!r}, the file {'nothing' if b is missing else repr(b)}"
+            for k, (a, b) in changed.items()
+        )
+        raise RunError(
+            f"{path} was edited after the run wrote it ({said}), and these settings are fixed for the life of a run "
+            f"(its log records them). Put them back to continue it (espert train --run-dir {run_dir} --resume), or "
+            f"start a new run from the edited file: espert train --config {path} --run-dir NEW_DIR"
+        )
 
 
 def _holds_run(run_dir: str) -> bool:
@@ -181,6 +225,7 @@ def _refuse_occupied(run_dir: str) -> None:
     older espert left (:func:`espert.runs.legacy.abandoned_setup`)."""
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise FileExistsError(f"{run_dir} exists and is not a directory")
+    check_output_path(run_dir, "run directory", spare=24)  # room for its setup's sibling .NAME.tmp-PID
     if not os.path.isdir(run_dir) or abandoned_setup(run_dir):
         return
     if _holds_run(run_dir):
@@ -325,7 +370,7 @@ class Run:
                 kill_point("setup-base")
             doc["base_fingerprint"] = base_fingerprint(os.path.join(tmp, BASE) if ref == BASE else base_identity(ref))
             atomic_write_text(os.path.join(tmp, CONFIG), _dump_config(doc))
-            open(os.path.join(tmp, LOG), "wb").close()
+            atomic_write_text(os.path.join(tmp, LOG), log_line(config_record(doc["config"])).decode())
             return cls(tmp, cfg, doc, echo, final=run_dir, lock=lock)
         except BaseException as e:
             if isinstance(e, OSError) and str(e.filename).startswith(tmp):  # named as the user knows it

@@ -100,13 +100,19 @@ def iter_jsonl(path: str, kind: str = "JSONL file") -> Iterator[tuple[str, Any]]
     """Yield ``("path:line", value)`` for each non-blank line of a JSONL file.
 
     Raises FileNotFoundError naming ``kind`` and the path, and ValueError naming the line for
-    invalid JSON.
+    invalid JSON or bytes that are not UTF-8 (each line is decoded on its own, so the error names it).
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{kind} not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    f"a {kind} must be UTF-8 JSON lines"
+                ) from None
             if not line:
                 continue
             try:
@@ -277,6 +283,32 @@ def _positional_arity(fn: Callable) -> int:
     return n
 
 
+def _call_loader(obj: Callable, split: str, name: Optional[str]) -> Any:
+    """``obj(split)`` for a task loader; ValueError naming the task when ``obj``'s signature takes no single
+    argument (``os:getcwd`` takes none): it is then neither a loader nor a reward nor a Task."""
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # no signature to read (some builtins): calling it is the only test
+        return obj(split)
+    try:
+        sig.bind(split)
+    except TypeError as e:
+        raise ValueError(
+            f"task {name!r} is {_qualified(obj)}{sig}, which cannot be called as a loader ({e}); expected a "
+            f"Task, a reward fn(prompts, completions, answers) or a loader fn(split) -> Task"
+        ) from None
+    return obj(split)
+
+
+def _qualified(obj: Any) -> str:
+    """``module.qualname`` of a function or class (``posix.getcwd``), else its type's name."""
+    qual = getattr(obj, "__qualname__", None) or type(obj).__name__
+    mod = getattr(obj, "__module__", None)
+    return f"{mod}.{qual}" if mod else qual
+
+
 def problems(source: Any, n: Optional[int] = None) -> tuple[list[str], list[str]]:
     """``(prompts, answers)`` from a prompt source, keeping the first ``n`` (None: all).
 
@@ -363,7 +395,7 @@ def custom_task(
         if arity >= 3:
             return reward_fn_task(name, obj, ps, ans)
         return Task(name=name, prompts=ps, answers=ans, reward_fn=obj)
-    task = obj(split)
+    task = _call_loader(obj, split, name)
     if task is None:
         return None
     if not isinstance(task, Task):

@@ -44,12 +44,13 @@ import time
 from typing import Optional, Sequence
 
 from espert.config import SMOKE_CAPS, smoke_caps, smoke_line
-from espert.experiments.compare.arms import Probe, run_es, run_grpo, run_randopt
+from espert.experiments.compare.arms import Probe, es_config, run_es, run_grpo, run_randopt
 from espert.experiments.compare.config import (
     _HELP,
     ARMS,
     Budget,
     CompareConfig,
+    check_numbers,
     load_tasks,
     parse_schedule,
     phase_budget,
@@ -152,7 +153,9 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
     schedule and the task's problems are checked before anything is trained or written."""
     from espert.eval.analyze import compute_drift, plot_drift
     from espert.eval.report import format_summary
+    from espert.runs.files import check_output_path
 
+    check_output_path(out_dir, "--out")
     heldout = _check(cc)
     os.makedirs(out_dir, exist_ok=True)
     base, described = base_model(out_dir, cc, echo)
@@ -193,6 +196,16 @@ def _check(cc: CompareConfig):
     if "randopt" in cc.arms() and cc.n % cc.randopt_top_k:
         raise ValueError(f"RandOpt's ensemble of {cc.randopt_top_k} gives a multiple of K samples: -n {cc.n}")
     Budget.of(cc)
+    check_numbers(cc)
+    es_config(cc, cc.model)  # the ES arm's settings, checked by ESConfig (sizes that cannot fit, ...)
+    if cc.model != "tiny":  # a directory, a Hub id (cache, else one short request) or a GGUF file: found
+        from espert.runs import resolve_model_dir
+        from espert.runs.gguf import gguf_path
+
+        if gguf_path(cc.model) is None:
+            found = resolve_model_dir(cc.model)
+            if not os.path.isfile(os.path.join(found, "config.json")):
+                raise ValueError(f"--model {cc.model}: {found} holds no config.json (no Hugging Face model)")
     return load_tasks(cc)[1]
 
 

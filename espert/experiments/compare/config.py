@@ -123,6 +123,26 @@ class Budget:
         return math.ceil(self.value / per_step) if self.kind == "rollouts" else None
 
 
+#: fields that may be 0 (every other number must be >= 1, a float > 0)
+MAY_BE_ZERO = ("tiny_seed", "pretrain_steps", "seed", "probe_points", "temperature")
+
+
+def check_numbers(cc: CompareConfig) -> None:
+    """ValueError naming the first number of ``cc`` out of range (NaN and infinities too), before anything
+    is built or written."""
+    import math
+
+    for name, value in vars(cc).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        least = 0 if name in MAY_BE_ZERO else 1
+        if isinstance(value, float) and not (math.isfinite(value) and (value > 0 or (least == 0 and value == 0))):
+            bound = ">= 0" if least == 0 else "> 0"
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number {bound}, got {value}")
+        if isinstance(value, int) and not least <= value < 2**63:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [{least}, 2^63), got {value}")
+
+
 #: the methods a schedule's phases may name
 METHODS = ("es", "grpo")
 
