@@ -762,7 +762,7 @@ def _write_json(path: str, obj) -> None:
 
 def add_subcommands(p: argparse.ArgumentParser) -> None:
     """``espert analyze run`` and ``espert analyze estimator`` (drift stays the flag-only default)."""
-    sub = p.add_subparsers(dest="analyze_command", metavar="SUBCOMMAND")
+    sub = p.add_subparsers(dest="analyze_command", metavar="SUBCOMMAND", prog="espert analyze")  # not the usage block
     r = sub.add_parser(
         "run", help="estimator diagnostics of a training run (Corr(X+,X-), kappa, spread, answer JS, FLOPs)"
     )
