@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_eval_parser(sub)
         add_analyze_parser(sub)
+        from espert.eval.calibrate import add_calibrate_parser
+
+        add_calibrate_parser(sub)
         from espert.experiments.compare import add_compare_parser
         from espert.experiments.sweep import add_sweep_parser
 
@@ -454,7 +457,7 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command in ("train", "replay", "tiny", "compare"):
+        if args.command in ("train", "replay", "tiny", "compare", "calibrate"):
             from espert.evaluators.torch_model import quiet_transformers
 
             quiet_transformers()

@@ -85,8 +85,9 @@ class ESConfig:
     )
     task: str = opt(
         "copy",
-        "copy | arithmetic | countdown | countdown_format | gsm8k | gsm8k_strict | math500 | humaneval | mbpp, "
-        "or an import path "
+        "copy | arithmetic | countdown | countdown_format | gsm8k | gsm8k_strict | math500 | humaneval | mbpp "
+        "(arithmetic and countdown at a difficulty level: arithmetic@1..6, countdown@1..6; espert calibrate "
+        "picks one), or an import path "
         "'package.module:name' of a Task, a reward fn(prompts, completions, answers) "
         "(problems from train_data/eval_data) or a loader fn(split) -> Task",
     )
