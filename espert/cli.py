@@ -183,12 +183,20 @@ def _replay_parser(sub) -> None:
         "replay",
         help="rebuild a run's weights from its base model and log alone",
         description="Apply every logged update to the base model's float32 center on the CPU, "
-        "write OUT/center.safetensors and OUT/export/ (HF format), and compare with "
+        "write OUT/center.safetensors and OUT/export/ (HF format; --write picks), and compare with "
         "the run's checkpoint.",
     )
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/replay)")
     rp.add_argument("--upto", type=int, metavar="T", help="stop after iteration T (default: the last logged)")
+    rp.add_argument(
+        "--write",
+        default="center,export",
+        metavar="WHAT",
+        help="what to write into --out: center (the float32 checkpoint), export (the HF model, in the run's "
+        "export_dtype), both comma-separated, or none (only the comparison with the run's checkpoint); "
+        "default: center,export",
+    )
     rp.set_defaults(func=cmd_replay)
 
 
@@ -362,7 +370,8 @@ def cmd_env(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from espert.runs import replay
 
-    res = replay(args.run_dir, args.out, upto=args.upto, echo=lambda s: print(s, file=sys.stderr))
+    write = () if args.write.strip() == "none" else tuple(w.strip() for w in args.write.split(",") if w.strip())
+    res = replay(args.run_dir, args.out, upto=args.upto, echo=lambda s: print(s, file=sys.stderr), write=write)
     return 1 if res["matches_checkpoint"] is False else 0
 
 
