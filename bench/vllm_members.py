@@ -3,6 +3,8 @@
     python bench/vllm_members.py                          # ~4 M and ~46 M parameters, one run
     python bench/vllm_members.py --sizes 4m --members 8   # quicker
     python bench/vllm_members.py --engines 2              # also: bytes an EnginePool iteration moves
+    python bench/vllm_members.py --sizes 05b --members 2 --prompts 4 --max-new-tokens 16 64 256
+                                                          # the random 0.5 B Qwen2 (bench/population.py builds it)
 
 For every size, two fresh processes load the same model with the same environment:
 
@@ -15,9 +17,14 @@ For every size, two fresh processes load the same model with the same environmen
   generates with no edit (vLLM's packed kernels alone), so ``ratio_to_no_edit`` (median over members
   of total / that generation) compares two timings taken under the same background load.
 
-Reported: medians and minima over members (the minimum is the cost on an idle machine, the median
-includes whatever else runs on it), the per-member total, ``ratio`` = total / plain generation
-(medians) and ``ratio_min`` (minima).  Generation ignores EOS so both processes produce exactly the same number of tokens.
+- **ES-at-Scale pattern** (the espert process, same engine): per member a seeded ``torch.randn`` per tensor
+  added in place, generate, the same noise regenerated and subtracted (bench/population.py's
+  ``_esatscale_edit``, on every tensor espert moves).
+
+Reported per generation length: medians and minima over members (the minimum is the cost on an idle
+machine, the median includes whatever else runs on it), the per-member total, ``ratio`` = total / plain
+generation (medians) and ``ratio_min`` (minima), with the CPU seconds of the espert process per member and
+the load average.  Generation ignores EOS so both processes produce exactly the same number of tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import sys
 import tempfile
 import time
 
-#: Model shapes (espert.tiny.TinySpec fields): about 4.2 M and 46 M parameters.
+#: Model shapes (espert.tiny.TinySpec fields): about 4.2 M and 46 M parameters; "05b" is bench/population.py's
+#: random Qwen2 of Qwen2.5-0.5B's shapes (630 M parameters, float32, built once and kept).
 SIZES = {
     "4m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, head_dim=64),
     "46m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=6, num_attention_heads=12, head_dim=64),
@@ -72,14 +80,17 @@ def _child_plain(args) -> dict:
         enable_prefix_caching=False,
     )
     _, prompts = _prompts(args.model, args.prompts)
-    sp = _sampling(args.max_new_tokens)
-    llm.generate(prompts, sp, use_tqdm=False)  # warm-up
-    ts = []
-    for _ in range(args.members):
-        t0 = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
-        ts.append(time.perf_counter() - t0)
-    return {"generate": _stats(ts)}
+    out = {}
+    for T in args.max_new_tokens:
+        sp = _sampling(T)
+        llm.generate(prompts, _sampling(2), use_tqdm=False)  # warm-up
+        ts = []
+        for _ in range(args.members):
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            ts.append(time.perf_counter() - t0)
+        out[str(T)] = {"generate": _stats(ts)}
+    return out
 
 
 def _child_espert(args) -> dict:
@@ -89,10 +100,30 @@ def _child_espert(args) -> dict:
     ev = VLLMEvaluator(
         make_llm(args.model, max_model_len=args.max_model_len, multiprocess=False),
         task.score,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=max(args.max_new_tokens),
     )
-    sp = _sampling(args.max_new_tokens)
     numel = sum(r["numel"] for r in ev.info)
+    ev.llm.generate(prompts, _sampling(2), use_tqdm=False)  # warm-up
+    out = {"numel": numel, "lengths": {}}
+    for T in args.max_new_tokens:
+        out["lengths"][str(T)] = _members(ev, prompts, _sampling(T), args)
+    upd = []
+    start = ev.center_state()
+    for k in range(2):
+        seeds = list(range(100 * k, 100 * k + 8))
+        t0 = time.perf_counter()
+        ev.update(seeds, [1e-5] * len(seeds))
+        upd.append(time.perf_counter() - t0)
+    ev.load_center(start)
+    out["update_8_seeds"] = _stats(upd)
+    ev.close()
+    return out
+
+
+def _members(ev, prompts, sp, args) -> dict:
+    """One generation length: per member, the engine's no-edit generation, espert's perturb / generate (with the
+    repack) / restore, and the ES-at-Scale pattern's edit / generate / subtract, interleaved."""
+    from population import _esatscale_edit
 
     def gen():
         ev.llm.generate(prompts, sp, use_tqdm=False)
@@ -100,21 +131,15 @@ def _child_espert(args) -> dict:
     def repack_s():
         return ev.rpc("es_stats")[0]["repack_seconds"]
 
-    gen()
-    t = {
-        "generate_no_edit": [],
-        "perturb": [],
-        "generate": [],
-        "repack": [],
-        "restore": [],
-        "total": [],
-        "total_over_no_edit": [],
-    }
+    keys = ("generate_no_edit", "perturb", "generate", "repack", "restore", "total", "cpu_total")
+    keys += ("esatscale_edit", "esatscale_generate", "esatscale_subtract", "esatscale_total")
+    t = {k: [] for k in keys}
+    ratio = []
     for k in range(args.members):
         t0 = time.perf_counter()  # the same engine with no edit: vLLM's packed kernels alone, interleaved with
         gen()  # the members so both see the same background load
         t["generate_no_edit"].append(time.perf_counter() - t0)
-        r0 = repack_s()
+        r0, c0 = repack_s(), time.process_time()
         t0 = time.perf_counter()
         ev.perturb(k, 0.02, 1 if k % 2 == 0 else -1)
         t1 = time.perf_counter()
@@ -124,25 +149,25 @@ def _child_espert(args) -> dict:
         t3 = time.perf_counter()
         for key, dt in zip(("perturb", "generate", "restore", "total"), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
             t[key].append(dt)
+        t["cpu_total"].append(time.process_time() - c0)
         t["repack"].append(repack_s() - r0)
-        t["total_over_no_edit"].append(t["total"][-1] / t["generate_no_edit"][-1])
-    upd = []
-    start = ev.center_state()
-    for k in range(3):
-        seeds = list(range(100 * k, 100 * k + 8))
-        t0 = time.perf_counter()
-        ev.update(seeds, [1e-5] * len(seeds))
-        upd.append(time.perf_counter() - t0)
-    ev.load_center(start)
-    ratio = t.pop("total_over_no_edit")
-    out = {
-        "numel": numel,
-        **{k: _stats(v) for k, v in t.items()},
-        "update_8_seeds": _stats(upd),
-        "ratio_to_no_edit": round(statistics.median(ratio), 3),
-    }
-    ev.close()
-    return out
+        ratio.append(t["total"][-1] / t["generate_no_edit"][-1])
+        if args.esatscale:
+            seed, sign = 1000 + k // 2, 1 if k % 2 == 0 else -1
+            e0 = time.perf_counter()
+            ev.llm.collective_rpc(_esatscale_edit, args=(seed, 0.02, sign))
+            e1 = time.perf_counter()
+            gen()
+            e2 = time.perf_counter()
+            ev.llm.collective_rpc(_esatscale_edit, args=(seed, 0.02, -sign))
+            e3 = time.perf_counter()
+            for key, dt in zip(("edit", "generate", "subtract", "total"), (e1 - e0, e2 - e1, e3 - e2, e3 - e0)):
+                t[f"esatscale_{key}"].append(dt)
+            ev.restore()  # their subtraction leaves rounding drift: the next member starts from the exact center
+    res = {k: _stats(v) for k, v in t.items() if v}
+    res["ratio_to_no_edit"] = round(statistics.median(ratio), 3)
+    res["load"] = [round(x, 1) for x in os.getloadavg()]
+    return res
 
 
 def _run_child(kind: str, model: str, args) -> dict:
@@ -158,13 +183,15 @@ def _run_child(kind: str, model: str, args) -> dict:
         "--prompts",
         str(args.prompts),
         "--max-new-tokens",
-        str(args.max_new_tokens),
+        *[str(T) for T in args.max_new_tokens],
         "--max-model-len",
         str(args.max_model_len),
     ]
+    if not args.esatscale:
+        cmd.append("--no-esatscale")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=4 * 3600)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if p.returncode or line is None:
         raise RuntimeError(f"bench child {kind} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
@@ -203,21 +230,30 @@ def _pool(model: str, args) -> dict:
 
 
 def table(results: dict) -> str:
-    """A markdown table of :func:`main`'s results (medians, ms)."""
+    """A markdown table of :func:`main`'s results (medians, ms), one row per model size and generation length."""
     rows = [
-        "| model | plain vLLM generate | espert perturb | generate (incl. repack) | repack | restore | "
-        "per-member total | total / plain (medians) | (minima) | total / no-edit generate (paired) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | new tokens | plain vLLM generate | espert perturb | generate (incl. repack) | repack | restore | "
+        "per-member total | total / plain (medians) | (minima) | total / no-edit generate (paired) | "
+        "ES-at-Scale pattern total (edit, subtract) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, r in results["sizes"].items():
         e = r["espert"]
-        rows.append(
-            f"| {size} ({e['numel'] / 1e6:.1f} M) | {r['plain']['generate']['median_ms']:.1f} | "
-            f"{e['perturb']['median_ms']:.1f} | {e['generate']['median_ms']:.1f} | "
-            f"{e['repack']['median_ms']:.1f} | {e['restore']['median_ms']:.1f} | "
-            f"{e['total']['median_ms']:.1f} | {r['ratio']:.2f}× | {r['ratio_min']:.2f}× | "
-            f"{e['ratio_to_no_edit']:.2f}× |"
-        )
+        for T, m in e["lengths"].items():
+            plain = r["plain"][T]["generate"]["median_ms"] if r.get("plain") else float("nan")
+            esc = (
+                f"{m['esatscale_total']['median_ms']:.0f} ({m['esatscale_edit']['median_ms']:.0f}, "
+                f"{m['esatscale_subtract']['median_ms']:.0f})"
+                if "esatscale_total" in m
+                else ""
+            )
+            rows.append(
+                f"| {size} ({e['numel'] / 1e6:.1f} M) | {T} | {plain:.1f} | {m['perturb']['median_ms']:.1f} | "
+                f"{m['generate']['median_ms']:.1f} | {m['repack']['median_ms']:.1f} | "
+                f"{m['restore']['median_ms']:.1f} | {m['total']['median_ms']:.1f} | "
+                f"{r['ratio'].get(T, float('nan')):.2f}× | {r['ratio_min'].get(T, float('nan')):.2f}× | "
+                f"{m['ratio_to_no_edit']:.2f}× | {esc} |"
+            )
     return "\n".join(rows)
 
 
@@ -227,12 +263,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None, help="measure this model directory instead of the built ones")
     ap.add_argument("--members", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--max-model-len", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[32], help="one or more generation lengths")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: longest length + 64")
     ap.add_argument("--engines", type=int, default=1)
+    ap.add_argument("--no-plain", action="store_true", help="skip the unpatched vLLM process (saves a model load)")
+    ap.add_argument("--no-esatscale", dest="esatscale", action="store_false", help="skip the ES-at-Scale rows")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--child", choices=("plain", "espert"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.max_model_len = args.max_model_len or max(args.max_new_tokens) + 64
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.child:
         res = (_child_plain if args.child == "plain" else _child_espert)(args)
@@ -246,8 +285,13 @@ def main(argv=None) -> dict:
 
         models = {}
         for size in args.sizes.split(","):
+            if size == "05b":
+                from population import QWEN2_05B, QWEN2_05B_DIR, build_qwen2
+
+                models[size] = build_qwen2(QWEN2_05B_DIR, QWEN2_05B)
+                continue
             if size not in SIZES:
-                ap.error(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+                ap.error(f"unknown size {size!r}; choose from {sorted(SIZES) + ['05b']}")
             models[size] = tempfile.mkdtemp(prefix=f"espert_bench_{size}_")
             build_tiny_model(
                 models[size], seed=0, spec=TinySpec(max_position_embeddings=args.max_model_len, **SIZES[size])
@@ -257,17 +301,18 @@ def main(argv=None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "members": args.members,
         "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
+        "load_start": [round(x, 1) for x in os.getloadavg()],
         "sizes": {},
     }
     for size, model in models.items():
-        plain = _run_child("plain", model, args)
+        plain = None if args.no_plain else _run_child("plain", model, args)
         esp = _run_child("espert", model, args)
-        res["sizes"][size] = {
-            "plain": plain,
-            "espert": esp,
-            "ratio": round(esp["total"]["median_ms"] / plain["generate"]["median_ms"], 3),
-            "ratio_min": round(esp["total"]["min_ms"] / plain["generate"]["min_ms"], 3),
-        }
+        res["sizes"][size] = {"plain": plain, "espert": esp, "ratio": {}, "ratio_min": {}}
+        for T, m in esp["lengths"].items():
+            if plain is not None:
+                res["sizes"][size]["ratio"][T] = round(m["total"]["median_ms"] / plain[T]["generate"]["median_ms"], 3)
+                res["sizes"][size]["ratio_min"][T] = round(m["total"]["min_ms"] / plain[T]["generate"]["min_ms"], 3)
+    res["load_end"] = [round(x, 1) for x in os.getloadavg()]
     if args.engines > 1:
         res["pool"] = _pool(next(iter(models.values())), args)
     print(json.dumps(res, indent=2))

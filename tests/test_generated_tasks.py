@@ -94,3 +94,80 @@ def test_espert_train_on_arithmetic(tmp_path, capsys):
     expected = task_fingerprint(load_task("arithmetic", "train", n=16), load_task("arithmetic", "test", n=3))
     assert rec["fingerprint"] == expected
     assert main(["train", "--run-dir", d, "--resume", "--iterations", "3", "--no-progress"]) == 0
+
+
+# ---- the task ladder: NAME@LEVEL, and espert calibrate ----------------------------------------------------
+
+
+def test_levels_turn_the_generators_knobs():
+    """``arithmetic@L`` and ``countdown@L``: the digits and operation mix, the size of the Countdown pool;
+    ``arithmetic`` is ``arithmetic@1`` and ``countdown`` is ``countdown@4``, problem for problem."""
+    from espert.tasks.generated import ARITHMETIC_LEVELS, COUNTDOWN_LEVELS
+
+    assert load_task("arithmetic@1", "test", n=32).prompts == load_task("arithmetic", "test", n=32).prompts
+    assert load_task("countdown@4", "train", n=32).prompts == load_task("countdown", "train", n=32).prompts
+    for level in range(1, len(ARITHMETIC_LEVELS) + 1):
+        t = load_task(f"arithmetic@{level}", "test", n=64)
+        knobs = ARITHMETIC_LEVELS[level - 1]
+        assert t.name == "arithmetic" and t.meta["level"] == level and t.meta["ops"] == knobs["ops"]
+        ops_seen = {tok for p in t.prompts for tok in p.split() if tok in "+-*"}
+        assert ops_seen == set(knobs["ops"]), (level, ops_seen)
+        assert all(len(p.split()) == 2 * knobs["terms"] for p in t.prompts)  # terms, operators and "="
+    assert len(COUNTDOWN_LEVELS) >= 5
+    for level in range(1, len(COUNTDOWN_LEVELS) + 1):
+        t = load_task(f"countdown@{level}", "train", n=64)
+        knobs = COUNTDOWN_LEVELS[level - 1]
+        probs = generate_countdown(64, 0, False, **knobs)
+        assert t.meta["level"] == level and len(t) == 64
+        assert all(knobs["min_numbers"] <= len(n) <= knobs["max_numbers"] for n, _, _ in probs)
+        assert all(max(n) <= knobs["max_number"] for n, _, _ in probs)
+    assert len(load_task("countdown_format@2", "test", n=8)) == 8
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("arithmetic@0", "arithmetic has levels 1 to"),
+        ("arithmetic@99", "arithmetic has levels 1 to"),
+        ("arithmetic@x", "level must be a whole number"),
+        ("gsm8k@2", "gsm8k has no difficulty levels"),
+    ],
+)
+def test_bad_levels_are_refused_in_one_line(spec, message, tmp_path, capsys):
+    with pytest.raises(ValueError, match=message):
+        load_task(spec, "test", n=4)
+    assert main(["train", "--task", spec, "--run-dir", str(tmp_path / "r"), "--iterations", "1"]) == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]  # after "run directory: ..."
+    assert line.startswith("espert train: error:") and message in line
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_calibrate_picks_the_first_level_in_range():
+    from espert.eval.calibrate import pick_level
+
+    assert pick_level({1: 1.0, 2: 0.8, 3: 0.5, 4: 0.2}) == 3
+    assert pick_level({1: 0.05, 2: 0.3}) == 2  # too hard first, then in range: the first in range
+    assert pick_level({1: 0.9, 2: 0.75}) is None
+    assert pick_level({1: 0.7, 2: 0.1}) == 1  # the bounds are inside
+    assert pick_level({1: 0.5}, low=0.6, high=0.9) is None
+
+
+def test_calibrate_reports_the_base_reward_per_level(tiny_dir, tmp_path, capsys):
+    """``espert calibrate`` on the tiny model: one row per level (problems, reward, seconds), the pick (none: the
+    tiny copy model solves no sum), and a JSON report; a task without levels is one line, exit 2."""
+    import json
+
+    out = tmp_path / "cal.json"
+    code = main(
+        ["calibrate", "--model", tiny_dir, "--task", "arithmetic", "--levels", "1,3", "--limit", "4"]
+        + ["--max-new-tokens", "4", "--json", str(out)]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "arithmetic@1" in text and "arithmetic@3" in text and "no level" in text
+    doc = json.loads(out.read_text())
+    assert [r["level"] for r in doc["levels"]] == [1, 3] and doc["pick"] is None
+    assert all(r["problems"] == 4 and 0.0 <= r["reward"] <= 1.0 for r in doc["levels"])
+    assert main(["calibrate", "--model", tiny_dir, "--task", "gsm8k"]) == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert line.startswith("espert calibrate: error:") and "gsm8k has no difficulty levels" in line

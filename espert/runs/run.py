@@ -59,6 +59,7 @@ RESUMABLE_CHANGES = (
     "checkpoint_every",
     "device",
     "restore",
+    "export_dtype",
     "trackers",
     "tracker_project",
     "unsafe_code_reward",
@@ -520,6 +521,7 @@ class Run:
             self.file(EXPORT),
             iteration=t,
             note={"run": os.path.abspath(self.path)},
+            dtype=self.cfg.export_dtype,
         )
 
     def summary(self) -> dict:

@@ -3,6 +3,11 @@
 Both are deterministic in their seed (``random.Random``), and their splits are disjoint the way the
 ``copy`` task's are: a problem belongs to the held-out pool iff ``crc32(key) % 5 == 0``; ``train``
 draws only from the rest (seed 0), ``test`` only from the pool (seed 1).
+
+Both have a difficulty ladder, named ``NAME@LEVEL`` (``arithmetic@4``, ``countdown@2``):
+:data:`ARITHMETIC_LEVELS` turns the digits, the operation mix and the terms, :data:`COUNTDOWN_LEVELS` the
+numbers in the pool and their range.  ``arithmetic`` is ``arithmetic@1`` and ``countdown`` is
+``countdown@4``, problem for problem.  ``espert calibrate`` finds the level a base model can learn.
 """
 
 from __future__ import annotations
@@ -59,6 +64,43 @@ def _draw(n: int, seed: int, heldout: bool, make, task: str, max_tries: int = 20
     return out
 
 
+# --------------------------------------------------------------------------- the ladder
+
+#: arithmetic@L: the knobs of level L (1-based), easiest first.  Level 1 is the plain ``arithmetic`` task;
+#: a 0.5 B instruct model solves it (reward 1.0), so the ladder climbs from there.
+ARITHMETIC_LEVELS = (
+    dict(digits=2, ops="+", terms=2),  # 47 + 38
+    dict(digits=2, ops="+-", terms=2),  # 47 - 38
+    dict(digits=3, ops="+-", terms=2),  # 471 - 389
+    dict(digits=2, ops="*", terms=2),  # 47 * 38
+    dict(digits=2, ops="+-*", terms=3),  # 47 - 38 * 12
+    dict(digits=3, ops="*", terms=2),  # 471 * 389
+)
+#: countdown@L: the knobs of level L (1-based), easiest first: how many numbers, how large, how large the
+#: target.  Level 4 is the plain ``countdown`` task (ES-at-Scale's 3-4 numbers).
+COUNTDOWN_LEVELS = (
+    dict(min_numbers=3, max_numbers=3, max_number=10, max_target=100),
+    dict(min_numbers=3, max_numbers=3, max_number=30, max_target=200),
+    dict(min_numbers=3, max_numbers=3, max_number=99, max_target=999),
+    dict(min_numbers=3, max_numbers=4, max_number=99, max_target=999),
+    dict(min_numbers=4, max_numbers=4, max_number=99, max_target=999),
+    dict(min_numbers=5, max_numbers=5, max_number=99, max_target=999),
+)
+#: Task name -> its ladder.
+LEVELS = {"arithmetic": ARITHMETIC_LEVELS, "countdown": COUNTDOWN_LEVELS, "countdown_format": COUNTDOWN_LEVELS}
+
+
+def level_knobs(task: str, level: int) -> dict:
+    """The generator's keyword arguments of ``task`` (a canonical name) at ``level`` (1-based); ValueError in
+    one line for a task without a ladder or a level outside it."""
+    if task not in LEVELS:
+        raise ValueError(f"task {task} has no difficulty levels (these have: {', '.join(LEVELS)})")
+    ladder = LEVELS[task]
+    if not 1 <= level <= len(ladder):
+        raise ValueError(f"task {task} has levels 1 to {len(ladder)}, got {level}")
+    return dict(ladder[level - 1])
+
+
 # --------------------------------------------------------------------------- countdown
 
 COUNTDOWN_MIN_NUMBERS, COUNTDOWN_MAX_NUMBERS = 3, 4
@@ -110,17 +152,26 @@ def generate_countdown(
 
 
 def make_countdown_task(
-    n: Optional[int] = None, split: str = "train", seed: Optional[int] = None, name: str = "countdown", **kw
+    n: Optional[int] = None,
+    split: str = "train",
+    seed: Optional[int] = None,
+    name: str = "countdown",
+    level: Optional[int] = None,
+    **kw,
 ) -> Task:
     """The generated ``countdown`` task (3-4 numbers in 1..99, a target in 1..999; ``**kw``: see
-    :func:`generate_countdown`).  ``name`` picks the reward: ``countdown`` (0/1) or ``countdown_format``."""
+    :func:`generate_countdown`; ``level``: the knobs of :data:`COUNTDOWN_LEVELS`).  ``name`` picks the
+    reward: ``countdown`` (0/1) or ``countdown_format``."""
     split = _split("countdown", split)
     n = DEFAULT_SIZES[split] if n is None else n
     s = SPLIT_SEEDS[split] if seed is None else seed
+    if level is not None:
+        kw = {**level_knobs("countdown", level), **kw}
     probs = generate_countdown(n, s, heldout=(split == "test"), **kw)
     prompts = [COUNTDOWN_PROMPT.format(numbers=nums, target=t) for nums, t, _ in probs]
     answers = [countdown_answer(t, nums) for nums, t, _ in probs]
-    return builtin_task(name, prompts, answers, {"source": "generated", "split": split, "seed": s, **kw})
+    meta = {"source": "generated", "split": split, "seed": s, **kw}
+    return builtin_task(name, prompts, answers, meta if level is None else {**meta, "level": level})
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -181,14 +232,20 @@ def make_arithmetic_task(
     digits: int = ARITHMETIC_DIGITS,
     ops: str = ARITHMETIC_OPS,
     terms: int = 2,
+    level: Optional[int] = None,
 ) -> Task:
     """The generated ``arithmetic`` task: prompt ``"47 + 38 ="``, answer ``"85"``.  The difficulty knobs
-    are ``digits`` (per operand), ``ops`` (``"+"``, ``"+-"``, ``"+-*"``...) and ``terms`` (operands)."""
+    are ``digits`` (per operand), ``ops`` (``"+"``, ``"+-"``, ``"+-*"``...) and ``terms`` (operands), or
+    ``level``, which sets all three from :data:`ARITHMETIC_LEVELS`."""
     split = _split("arithmetic", split)
     n = DEFAULT_SIZES[split] if n is None else n
     s = SPLIT_SEEDS[split] if seed is None else seed
+    if level is not None:
+        digits, ops, terms = (level_knobs("arithmetic", level)[k] for k in ("digits", "ops", "terms"))
     probs = generate_arithmetic(n, s, heldout=(split == "test"), digits=digits, ops=ops, terms=terms)
     meta = {"source": "generated", "split": split, "seed": s, "digits": digits, "ops": ops, "terms": terms}
+    if level is not None:
+        meta["level"] = level
     return builtin_task(
         "arithmetic", [ARITHMETIC_PROMPT.format(expr=e) for e, _ in probs], [str(v) for _, v in probs], meta
     )

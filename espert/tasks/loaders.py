@@ -11,13 +11,14 @@ from espert.extras import require
 from .base import PromptReward, Task, reward_fn_task
 from .code import HUMANEVAL_SPLITS, humaneval_problem, humaneval_rows, mbpp_problem
 from .copy_task import make_copy_task
-from .generated import COUNTDOWN_PROMPT, make_arithmetic_task, make_countdown_task
+from .generated import COUNTDOWN_PROMPT, level_knobs, make_arithmetic_task, make_countdown_task
 from .rewards import (
     SAME_PROBLEMS,
     builtin_task,
     canonical_task_name,
     countdown_answer,
     known_tasks,
+    split_level,
 )
 
 GSM8K_PROMPT = '{question}\nLet\'s think step by step and output the final answer after "####".'
@@ -194,7 +195,8 @@ def load_task(
     Args:
         name: ``gsm8k`` (``gsm8k_strict``: no last-number fallback), ``math500`` (alias
             ``math``), ``countdown`` (``countdown_format``: ES-at-Scale's reward), ``arithmetic``,
-            ``humaneval``, ``mbpp`` or ``copy``.
+            ``humaneval``, ``mbpp`` or ``copy``; a generated task at a difficulty level as
+            ``NAME@LEVEL`` (``arithmetic@4``, ``countdown@2``: :mod:`espert.tasks.generated`'s ladders).
         split: dataset split (``train``/``test``; humaneval also ``all``). Ignored when ``path`` is given.
         n: keep only the first ``n`` problems (``None``: all; for generated tasks: 1024 train /
             256 test).
@@ -206,10 +208,14 @@ def load_task(
         ValueError: unknown task name (the message lists the known ones) or malformed data.
         FileNotFoundError: ``path`` does not exist.
     """
-    key = canonical_task_name(name)
+    key, level = canonical_task_name(name), split_level(name)[1]
     check_task_needs(key)
     if n is not None and n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if level is not None:
+        level_knobs(key, level)  # a task without a ladder, or a level outside it: one line, before any data
+        if path is not None:
+            raise ValueError(f"task {name!r}: a level generates its problems; it takes no data file ({path})")
     if path == HUB_PATH:
         return _load_hub_task(key, split, n)
     if path is not None:
@@ -219,9 +225,9 @@ def load_task(
     if key == "copy":
         return make_copy_task(n=n, split=split, seed=seed)
     if key in ("countdown", "countdown_format"):
-        return make_countdown_task(n=n, split=split, seed=seed, name=key)
+        return make_countdown_task(n=n, split=split, seed=seed, name=key, level=level)
     if key == "arithmetic":
-        return make_arithmetic_task(n=n, split=split, seed=seed)
+        return make_arithmetic_task(n=n, split=split, seed=seed, level=level)
     if key == "humaneval":
         return load_humaneval(split, n)
     return _load_hub_task(key, split, n)

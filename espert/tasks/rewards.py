@@ -589,8 +589,21 @@ def builtin_task(name: str, prompts: Sequence[str], answers: Sequence[str], meta
     )
 
 
+def split_level(name: str) -> tuple[str, int | None]:
+    """``"arithmetic@3"`` -> ``("arithmetic", 3)``; a name without ``@`` -> ``(name, None)``.  ValueError in one
+    line when the level is not a whole number (the range is the generator's: ``generated.level_knobs``)."""
+    base, sep, level = name.partition("@")
+    if not sep:
+        return name, None
+    if not level.strip().isdigit():
+        raise ValueError(f"task {name!r}: the level must be a whole number (e.g. {base}@2), got {level!r}")
+    return base, int(level)
+
+
 def canonical_task_name(name: str) -> str:
-    """Resolve aliases (``math`` -> ``math500``); raise ``ValueError`` for unknown names."""
+    """Resolve aliases (``math`` -> ``math500``) and drop a level (``arithmetic@3`` -> ``arithmetic``); raise
+    ``ValueError`` for unknown names."""
+    name = split_level(name)[0]
     key = ALIASES.get(name.lower(), name.lower())
     if key not in REWARDS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known_tasks())}")

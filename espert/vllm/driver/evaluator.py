@@ -76,6 +76,81 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+#: dtype names vLLM takes, as torch dtypes
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: (model, dtype) pairs whose ``auto`` choice was already said in this process
+_SAID: set[tuple[str, str]] = set()
+
+
+def checkpoint_dtype(model: str) -> torch.dtype | None:
+    """The dtype a checkpoint declares in its config (``dtype`` or the older ``torch_dtype``); None when it
+    declares none or its config cannot be read."""
+    try:
+        from transformers import AutoConfig
+
+        declared = getattr(AutoConfig.from_pretrained(model), "dtype", None)
+    except (OSError, ValueError):
+        return None
+    if isinstance(declared, str):
+        declared = _DTYPES.get(declared)
+    return declared if isinstance(declared, torch.dtype) else None
+
+
+def cpu_packs(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether vLLM-CPU's packed GEMMs (oneDNN) take Linear weights of ``dtype`` on this CPU, and why not.
+
+    float32 always; bfloat16 with AVX512-BF16 or AMX, float16 with AMX-FP16 (x86).  Without them oneDNN
+    refuses every layer ("Failed to create oneDNN linear") and vLLM computes with torch matmuls.  Read
+    from the CPU's features, not by packing a probe weight: this process's first oneDNN pack fixes the
+    thread count later packs must use (:mod:`espert.vllm.patches.cpu_prepack`)."""
+    import platform
+
+    if dtype == torch.float32 or platform.machine().lower() not in ("x86_64", "amd64"):
+        return True, ""
+    cpu = torch.cpu
+    if dtype == torch.bfloat16 and (cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()):
+        return True, ""
+    if dtype == torch.float16 and cpu._is_amx_fp16_supported():
+        return True, ""
+    need = "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AMX-FP16"
+    return False, f"this CPU has no {str(dtype).removeprefix('torch.')} matmul for vLLM's packed GEMMs (needs {need})"
+
+
+def resolve_dtype(model: str, dtype: str) -> tuple[str, str]:
+    """``(dtype for vLLM, why)``: a dtype given by name is passed through; ``"auto"`` is the checkpoint's own
+    dtype where vLLM runs it at full speed, chosen here instead of by vLLM.
+
+    vLLM's ``auto`` downcasts a float32 checkpoint to bfloat16 (or float16), also on a CPU: every tensor is
+    converted at load, and on a CPU without bf16 matmuls oneDNN refuses every layer and generation falls
+    back to torch matmuls (0 of 32 HumanEval samples in 40 minutes for a 0.5 B model).  On a CPU espert
+    keeps the checkpoint's dtype when vLLM-CPU packs it (:func:`cpu_packs`), else float32, which it always
+    packs (exact for either half-precision format); on a GPU a float32 checkpoint is left to vLLM's ``auto``
+    (bfloat16, or float16 where the GPU has no bf16: its fast path), a half-precision one runs in its
+    dtype.  A checkpoint that declares no dtype is taken as float32."""
+    if dtype != "auto":
+        return dtype, "as given"
+    declared = checkpoint_dtype(model) or torch.float32
+    name = str(declared).removeprefix("torch.")
+    if _on_cpu():
+        ok, why = cpu_packs(declared)
+        return (name, "the checkpoint's own") if ok else ("float32", f"the checkpoint's {name}: {why}")
+    if declared == torch.float32:  # vLLM's rule (asking the GPU here would create a CUDA context before vLLM forks)
+        return "auto", "a float32 checkpoint on a GPU: vLLM's half-precision choice, bfloat16 where the GPU has it"
+    return name, "the checkpoint's own"
+
+
+def vllm_dtype(model: str, dtype: str, say=None) -> str:
+    """:func:`resolve_dtype`'s dtype; an ``auto`` choice is said once per model and process (``say``:
+    default a line on stderr)."""
+    chosen, why = resolve_dtype(model, dtype)
+    if dtype == "auto" and (model, chosen) not in _SAID:
+        _SAID.add((model, chosen))
+        import sys
+
+        (say or (lambda s: print(s, file=sys.stderr, flush=True)))(f"[espert] vLLM dtype: {chosen} (auto: {why})")
+    return chosen
+
+
 def make_llm(
     model: str,
     *,
@@ -92,6 +167,8 @@ def make_llm(
     multiprocess: run the V1 engine core in its own process (True) or in this one (False); None
     leaves ``VLLM_ENABLE_V1_MULTIPROCESSING`` as it is.  (vLLM caches its environment once an
     engine has started; this resets that cache so the choice takes effect.)
+
+    dtype: a name, or ``"auto"`` (:func:`resolve_dtype`: the checkpoint's own where vLLM runs it at full speed).
 
     On CPU: ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB; vLLM otherwise reserves most of RAM),
     ``enforce_eager=True``, and the prepack patch is installed before the model loads.  Extra
@@ -110,7 +187,7 @@ def make_llm(
 
     kw = dict(
         model=model,
-        dtype=dtype,
+        dtype=vllm_dtype(model, dtype),
         tensor_parallel_size=tensor_parallel_size,
         seed=seed,
         worker_extension_cls=WORKER_EXTENSION,
