@@ -97,6 +97,19 @@ def _cast(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 EXPORT_DTYPES = {"base": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _write_note(tmp: str, note: dict) -> None:
+    """espert_export.json beside the weights, then every file of the export and its folder synced."""
+    with (
+        naming(os.path.join(tmp, "espert_export.json")),
+        open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh,
+    ):
+        json.dump(note, fh, indent=2)
+    for f in os.listdir(tmp):
+        with open(os.path.join(tmp, f), "rb+") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+
+
 def export_model(
     state,
     base_ref: str,
@@ -135,15 +148,7 @@ def export_model(
     os.makedirs(tmp)
     try:
         _write_export(tmp, base, heads, where, source, EXPORT_DTYPES[dtype])
-        with (
-            naming(os.path.join(tmp, "espert_export.json")),
-            open(os.path.join(tmp, "espert_export.json"), "w", encoding="utf-8") as fh,
-        ):
-            json.dump({"iteration": iteration, "base_model": base_ref, **(note or {})}, fh, indent=2)
-        for f in os.listdir(tmp):
-            with open(os.path.join(tmp, f), "rb+") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
+        _write_note(tmp, {"iteration": iteration, "base_model": base_ref, **(note or {})})
         if os.path.exists(out_dir):
             os.replace(out_dir, old)
             kill_point("export-swap", iteration)
