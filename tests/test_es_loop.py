@@ -138,8 +138,10 @@ def test_every_iteration_logs_reward_std_and_step_norm(ref_run):
     for r in its(ref_run):
         assert r["reward"]["std"] is not None and r["step_norm"] is not None
         assert r["step_norm"] == pytest.approx(math.sqrt(83_000 * sum(c * c for c in r["coeffs"])), rel=0.05)
-    task = log(ref_run)[0]
-    assert task["kind"] == "task" and task["spec"] == "copy" and task["source"] == "builtin"
+    config, task = log(ref_run)[:2]  # the log opens with the settings that cannot change, then the task
+    assert (
+        config["kind"] == "config" and task["kind"] == "task" and task["spec"] == "copy" and task["source"] == "builtin"
+    )
 
 
 def test_resume_on_another_device_string(ref_run, tmp_path):

@@ -91,7 +91,9 @@ def test_a_sweep_on_ray_gives_the_runs_of_the_process_sweep(tmp_path, capsys):
     ray = pytest.importorskip("ray")
     argv = ["--grid", "sigma=0.02", *SMALL, "--set", "iterations=1"]
     try:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local", num_cpus=1, include_dashboard=False, log_to_driver=False
+        )  # not another test's cluster
         assert main(["sweep", "--out", str(tmp_path / "ray"), "--ray", *argv]) == 0
     finally:
         ray.shutdown()

@@ -72,7 +72,7 @@ def pool(tiny_dir, crash_file):
         max_new_tokens=6,
         extract=TASK.extract,
         llm_kwargs=dict(max_model_len=64),
-        ray_init=dict(num_cpus=2, object_store_memory=128 << 20),
+        ray_init=dict(address="local", num_cpus=2, object_store_memory=128 << 20),
     )
     yield p
     p.close()
@@ -166,7 +166,7 @@ def test_two_batched_engines_equal_one_batched_engine(tiny_dir):
         TASK.score,
         engines=2,
         llm_kwargs=dict(max_model_len=64),
-        ray_init=dict(num_cpus=2, object_store_memory=128 << 20),
+        ray_init=dict(address="local", num_cpus=2, object_store_memory=128 << 20),
         **kw,
     )
     try:

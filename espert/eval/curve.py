@@ -22,12 +22,13 @@ def training_curve(run_dir: str) -> dict:
     ``reward_mean`` / ``reward_std`` / ``reward_min`` / ``reward_max`` (the members' rewards per
     iteration, floats or None), ``heldout`` [(t, mean)], ``checkpoints`` [t] and ``resumes`` [t] (the
     iteration a resumed process continued from), ``task`` and ``population``."""
-    from espert.runs import LOG, iteration_records, read_log, read_run_config
+    from espert.runs import CONFIG, LOG, iteration_records, read_log, read_run_config
 
     path = os.path.join(run_dir, LOG)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no run log at {path}")
-    cfg = read_run_config(run_dir)["config"]
+    # a log alone (copied out of its run) still draws; only the title's task and population are missing
+    cfg = read_run_config(run_dir)["config"] if os.path.exists(os.path.join(run_dir, CONFIG)) else {}
     records = read_log(path)
     its = iteration_records(records, path)
     reward = {k: [r["reward"].get(k) for r in its] for k in ("mean", "std", "min", "max")}

@@ -397,7 +397,7 @@ def add_forgetting_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
     p.add_argument("--max-new-tokens", type=int, default=32, help="generation budget (default 32)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--evaluator", choices=["torch", "vllm"], default="torch", help="generation engine")
+    p.add_argument("--evaluator", choices=["torch", "vllm"], default="torch", help="generation engine (default: torch)")
     p.add_argument(
         "--chat-template", action="store_true", help="wrap generation and probe prompts in the chat template"
     )
@@ -405,6 +405,6 @@ def add_forgetting_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--probe-tokens", type=int, default=32, help="the base's greedy continuation per probe (default 32)")
     p.add_argument("--threshold", type=float, default=1e-5, help="|Δθ| that counts as moved (default 1e-5)")
     p.add_argument("--rank-matrices", type=int, default=4, help="matrices whose update's rank is measured (default 4)")
-    p.add_argument("--out", default="forgetting_out", metavar="DIR", help="output directory")
+    p.add_argument("--out", default="forgetting_out", metavar="DIR", help="output directory (default: forgetting_out)")
     p.set_defaults(func=lambda a: run_forgetting(a) and 0)
     return p

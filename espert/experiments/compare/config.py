@@ -124,7 +124,7 @@ class Budget:
 
 
 #: fields that may be 0 (every other number must be >= 1, a float > 0)
-MAY_BE_ZERO = ("tiny_seed", "pretrain_steps", "seed", "probe_points", "temperature")
+MAY_BE_ZERO = ("tiny_seed", "pretrain_steps", "seed", "probe_points", "temperature", "budget_value", "anchor_decay")
 
 
 def check_numbers(cc: CompareConfig) -> None:
