@@ -366,3 +366,19 @@ def test_eval_refuses_a_malicious_pickle_as_train_does(tiny_dir, tmp_path, capsy
     assert os.listdir(work) == [] and not marker.exists()
     # one check, one message: the same words after each command's prefix
     assert eval_line.split(": error: ", 1)[1].split(";")[0] == train_line.split(": error: ", 1)[1].split(";")[0]
+
+
+def test_a_hub_task_without_the_hub_is_one_line(tmp_path):
+    """Found by CI's install check on an offline machine: `espert train --task math500 --train-data F` with
+    held-out problems to load from the Hub printed a 40-line ConnectionError traceback."""
+    pytest.importorskip("datasets")
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"problem": "1/2?", "answer": "\\\\frac{1}{2}"}\n')
+    d = tmp_path / "run"
+    # offline before datasets is imported (it reads these once); an empty cache
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    argv = ["train", "--task", "math500", "--train-data", str(data), "--eval-size", "2", "--run-dir", str(d), *QUICK]
+    p = subprocess.run([sys.executable, "-m", "espert", *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    one_line(p.stderr, "math500", "--eval-data")
+    assert not d.exists()
