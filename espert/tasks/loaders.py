@@ -143,12 +143,26 @@ def load_jsonl_task(name: str, path: str, n: Optional[int] = None) -> Task:
     return builtin_task(key, prompts, answers, {"source": os.path.abspath(path)})
 
 
+def _hub_dataset(key: str, repo: str, config: str | None, split: str):
+    """``datasets.load_dataset`` of a Hub task; a Hub that cannot be reached (offline, no cache) is one
+    ValueError naming the task and the local-file way out, not datasets' traceback."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(repo, *([config] if config else []), split=split)
+    except (ConnectionError, OSError) as e:
+        flag = "--train-data" if split == "train" else "--eval-data (or --eval-size 0)"
+        raise ValueError(
+            f"task {key}: its {split} problems come from the Hub ({repo}), which cannot be reached here "
+            f"({type(e).__name__}); give them as a local JSONL with {flag}"
+        ) from None
+
+
 def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: no cover - needs network
     source = SAME_PROBLEMS.get(key, key)
     if source not in HUB_SOURCES:
         raise ValueError(f"task {key!r} has no Hub source (those with one: {', '.join(sorted(HUB_SOURCES))})")
     require("datasets", f"--task {key} from the Hub", "or give the problems as a JSONL file (--train-data/--eval-data)")
-    import datasets
 
     repo, config = HUB_SOURCES[source]
     if source == "math500" and split != "test":
@@ -156,14 +170,14 @@ def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: n
     if source == "countdown":
         if split not in ("train", "test"):
             raise ValueError("countdown splits are 'train' and 'test' (last 1024 Hub rows)")
-        ds = datasets.load_dataset(repo, split="train")
+        ds = _hub_dataset(key, repo, None, "train")
         total = len(ds)
         lo, hi = (0, total - COUNTDOWN_TEST_SIZE) if split == "train" else (total - COUNTDOWN_TEST_SIZE, total)
         if n is not None:
             hi = min(hi, lo + n)
         ds = ds.select(range(lo, hi))
     else:
-        ds = datasets.load_dataset(repo, config, split=split) if config else datasets.load_dataset(repo, split=split)
+        ds = _hub_dataset(key, repo, config, split)
         if n is not None:
             ds = ds.select(range(min(n, len(ds))))
     prompts, answers = [], []
