@@ -257,3 +257,14 @@ def test_eval_shows_sampling_progress(tiny_models, tmp_path, capsys, monkeypatch
     monkeypatch.setenv("ESPERT_PROGRESS", "0")
     assert main(args + ["--batch-size", "4", "--no-plots", "--out", str(tmp_path / "p")]) == 0
     assert "[espert eval] sampling m: " not in capsys.readouterr().err
+
+
+def test_a_run_without_held_out_problems_has_no_closing_report(tmp_path, capsys):
+    """Found by CI's install check: a tiny-model run with --eval-size 0 on a Hub task (math500 with local
+    training data) trained, then its closing report asked the Hub for held-out problems and failed."""
+    from espert.cli import main
+
+    d = str(tmp_path / "run")
+    argv = ["train", "--iterations", "1", "--population", "2", "--prompts-per-iteration", "2", "--eval-size", "0"]
+    assert main([*argv, "--pretrain-steps", "0", "--run-dir", d, "--no-progress"]) == 0
+    assert "base vs ES" not in capsys.readouterr().err and not os.path.exists(os.path.join(d, "eval", "report.json"))
