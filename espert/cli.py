@@ -438,8 +438,8 @@ def _after_training(args, cfg, run_dir: str, summary: dict, again: str) -> int:
     if summary["export"]:
         _say(f"[espert] final weights (HF format): {summary['export']}")
     _training_curve(run_dir, _say)
-    if not (summary["export"] and cfg.model == "tiny" and ":" not in cfg.task and not args.no_report):
-        return 0  # only the main job closes with a report
+    if not (summary["export"] and cfg.model == "tiny" and ":" not in cfg.task and cfg.eval_size and not args.no_report):
+        return 0  # only the main job closes with a report (on its held-out problems: none with eval_size 0)
     from espert.eval.runner import evaluate_run
 
     size = {"n": 16, "limit": 64}
