@@ -405,6 +405,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _say(line: str) -> None:
+    """A status line of a command: on stderr, so that stdout holds only results."""
     print(line, file=sys.stderr)
 
 
@@ -499,15 +500,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from espert.runs import replay
 
     write = () if args.write.strip() == "none" else tuple(w.strip() for w in args.write.split(",") if w.strip())
-    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    res = replay(args.run_dir, args.out, upto=args.upto, echo=say, write=write, member=args.member)
+    res = replay(args.run_dir, args.out, upto=args.upto, echo=_say, write=write, member=args.member)
     return 1 if res["matches_checkpoint"] is False else 0
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
     from espert.runs.repair import repair
 
-    repair(args.run_dir, args.truncate_after, echo=lambda s: print(s, file=sys.stderr))
+    repair(args.run_dir, args.truncate_after, echo=_say)
     return 0
 
 
