@@ -3,6 +3,8 @@
     python bench/population.py                        # 46 M Qwen2-shaped model, N = 8, 16, 32
     python bench/population.py --model smollm2-135m-instruct --members 8 16 32
     python bench/population.py --out population.json
+    python bench/population.py --model 05b --members 8 --prompts 4 --max-new-tokens 64 --rows ceiling,batched
+                                                      # the random 0.5 B Qwen2, only the two rows the LoRA goal compares
 
 One engine (LoRA enabled, ``max_loras`` slots), the same N·P prompts and token budget (greedy,
 EOS ignored, so every row generates exactly N·P·T tokens), ``noise: lowrank:r``.  Per N, side by side:
@@ -132,6 +134,7 @@ def run(
     rank: int,
     task_name: str = "copy",
     sigma: float = 1e-3,
+    only: list[str] | None = None,
 ):
     from vllm import SamplingParams
 
@@ -147,7 +150,7 @@ def run(
         members="batched",
         max_loras=max_loras,
         max_new_tokens=max_new_tokens,
-        llm_kwargs=dict(max_model_len=256, multiprocess=False),
+        llm_kwargs=dict(max_model_len=max(256, max_new_tokens + 128), multiprocess=False),
     )
     ev.sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
     tokens = ev._token_prompts(task.prompts)
@@ -178,6 +181,7 @@ def run(
         return [(1000 + k // 2, 1 if k % 2 == 0 else -1) for k in range(n)]
 
     rows = {"ceiling": ceiling, "in place, serial": serial, "batched LoRA": batched, "ES-at-Scale pattern": esatscale}
+    rows = {k: f for k, f in rows.items() if only is None or ROW_KEYS[k] in only or k == "ceiling"}
     for f in rows.values():  # warm-up: compiles nothing on CPU, but fills allocator pools and slots
         f(2)
     results = []
@@ -202,6 +206,9 @@ def run(
                     "runs": [round(t, 3) for t in ts],
                 }
             )
+        if ("serial", n) not in rewards or ("batched", n) not in rewards:
+            print(table([r for r in results if r["N"] == n]), flush=True)
+            continue
         (a, texts_a), (b, texts_b) = rewards["serial", n], rewards["batched", n]
         same = sum(x == y for ma, mb in zip(texts_a, texts_b) for x, y in zip(ma, mb))
         results.append(
@@ -231,6 +238,15 @@ def run(
     }
 
 
+#: ``--rows`` names of the timed rows (the ceiling is always timed: every ratio is to it).
+ROW_KEYS = {
+    "ceiling": "ceiling",
+    "in place, serial": "serial",
+    "batched LoRA": "batched",
+    "ES-at-Scale pattern": "esatscale",
+}
+
+
 def table(rows) -> str:
     out = ["| N | row | s | tokens/s | of ceiling |", "|---|---|---|---|---|"]
     for r in rows:
@@ -240,7 +256,9 @@ def table(rows) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="model directory or smollm2-135m-instruct (default: the 46 M Qwen2)")
+    p.add_argument(
+        "--model", default=None, help="model directory, smollm2-135m-instruct or 05b (default: the 46 M Qwen2)"
+    )
     p.add_argument("--members", type=int, nargs="+", default=[8, 16, 32], help="population sizes N")
     p.add_argument("--prompts", type=int, default=8, help="prompts per member P")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt T")
@@ -249,8 +267,14 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=2, help="timed rounds per N (median)")
     p.add_argument("--task", default="copy", help="task whose prompts and reward are used (e.g. arithmetic)")
     p.add_argument("--sigma", type=float, default=1e-3, help="perturbation scale")
+    p.add_argument(
+        "--rows", default=None, help=f"comma-separated rows to time, of {sorted(ROW_KEYS.values())} (default: all)"
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    only = None if a.rows is None else [x.strip() for x in a.rows.split(",") if x.strip()]
+    if only is not None and not set(only) <= set(ROW_KEYS.values()):
+        p.error(f"--rows takes {sorted(ROW_KEYS.values())}, got {a.rows!r}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from espert.vllm import quiet_logging
 
@@ -259,11 +283,13 @@ def main(argv=None) -> dict:
         model = a.model
         if model is None:
             model = build_qwen2(os.path.join(tmp, "qwen2-46m"))
+        elif model == "05b":
+            model = build_qwen2(QWEN2_05B_DIR, QWEN2_05B)
         elif model == "smollm2-135m-instruct":
             from espert.runs.gguf import gguf_model_dir, named_model_file
 
             model = gguf_model_dir(named_model_file(model))
-        out = run(model, a.members, a.prompts, a.max_new_tokens, a.max_loras, a.repeats, a.rank, a.task, a.sigma)
+        out = run(model, a.members, a.prompts, a.max_new_tokens, a.max_loras, a.repeats, a.rank, a.task, a.sigma, only)
     out["model"] = a.model or "qwen2-46m (random)"
     if a.out:
         with open(a.out, "w") as f:
