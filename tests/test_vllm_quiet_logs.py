@@ -34,6 +34,7 @@ print("STARTED", flush=True)
 @pytest.fixture(scope="module")
 def start_log(tiny_dir):
     env = dict(os.environ, PYTHONPATH=REPO, VLLM_LOGGING_LEVEL="WARNING")  # as espert's commands set it
+    env.pop("VLLM_DIST_IDENT", None)  # set by an earlier in-process engine of this worker; vLLM warns it is unknown
     p = subprocess.run([sys.executable, "-c", START, tiny_dir], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and "STARTED" in p.stdout, p.stderr[-4000:]
     return (p.stdout + p.stderr).splitlines()  # vLLM logs to stdout
