@@ -531,9 +531,22 @@ def run() -> None:
     After a Ctrl-C the process ends with ``os._exit(130)``: a KeyboardInterrupt that arrived while C
     code ran Python (pybind11's ``py::exec`` in an import) leaves CPython's "unhandled Ctrl-C" flag set
     although main() caught it, and CPython would then end the process by SIGINT instead of code 130.
-    Nothing is left to clean up: run directories are crash-safe (write-ahead log, atomic files).
+    Nothing is left to clean up: run directories are crash-safe (write-ahead log, atomic files).  A signal
+    after main() has returned ends the process with main()'s code at once.
     """
-    code = main()
+    codes = []
+
+    def exiting(signum, frame):  # outside main()'s own handlers: before it installs them, or while the process
+        if not codes:  # exits (a second SIGTERM right after the first, atexit hooks), after main() said its line
+            print(_stopped_line(signum, []), file=sys.stderr)
+        sys.stderr.flush()  # run directories are crash-safe: end with main()'s code, not killed by the signal
+        os._exit(codes[0] if codes else 128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, exiting)  # main() restores these when it returns
+    code = main(owns_process=True)
+    codes.append(code)
     if code == 130:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -541,19 +554,25 @@ def run() -> None:
     sys.exit(code)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, owns_process: bool = False) -> int:
     """Ctrl-C at any moment, imports included: one line, exit code 130; SIGTERM: one line, 143.
 
     The signal is also noted by the handler: one that lands inside a C extension's import (numpy's,
     under torch's) can come back as another error ("CPU dispatcher tracer already initialized" when the
     half-imported module is imported again), and that is still the user's signal, not a crash.  Before
     the command's own code runs nothing has been written, and the line says so (``espert train`` says
-    what its run directory holds itself: :class:`Preemption`).
+    what its run directory holds itself: :class:`Preemption`).  ``owns_process`` (the console script): a
+    signal before the command starts exits the process at once with that line, since one that lands inside a
+    C++ callback of an import (torch.distributed's) cannot be raised through it.
     """
     signals, started = [], []
 
     def on_signal(signum, frame):
         signals.append(signum)
+        if owns_process and not started:  # raised inside an import's C++ callback, pybind11 would terminate
+            print(_stopped_line(signum, started), file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(128 + signum)
         raise KeyboardInterrupt if signum == signal.SIGINT else Stop(signum)
 
     previous = (
@@ -567,8 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (isinstance(e, (KeyboardInterrupt, Stop)) or signals):
             raise
         signum = signals[-1] if signals else signal.SIGINT
-        said = "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
-        print(f"espert: {said}" + ("" if started else "; nothing was written"), file=sys.stderr)
+        print(_stopped_line(signum, started), file=sys.stderr)
         return 128 + signum
     finally:
         for s, h in previous.items():
@@ -605,6 +623,11 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
             said.append(f"{r} (did you mean {close[0]}?)" if close else r)
         sub.error("unrecognized arguments: " + " ".join(said))
     return args
+
+
+def _stopped_line(signum: int, started: list) -> str:
+    said = "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
+    return f"espert: {said}" + ("" if started else "; nothing was written")
 
 
 def _main(argv: Sequence[str] | None, started: list) -> int:

@@ -116,7 +116,7 @@ def test_a_second_sigterm_says_it_abandoned_the_iteration(tmp_path):
     """Today: two SIGTERMs 0.05 s apart end with "iteration 5 did not end within the 30 s grace period", which is
     false: the second signal abandoned it at once."""
     d = tmp_path / "run"
-    slow = ["--population", "32", "--prompts-per-iteration", "32", "--max-new-tokens", "8", "--iterations", "40"]
+    slow = ["--population", "64", "--prompts-per-iteration", "64", "--max-new-tokens", "16", "--iterations", "40"]
     p = spawn(d, *QUICK, *slow)
     deadline = time.time() + 180
     while iterations_logged(d) < 1:

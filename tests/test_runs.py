@@ -422,9 +422,11 @@ def test_hub_ids_are_not_paths():
 # ---- 16: Ctrl-C during startup ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("delay", [0.4, 1.5])
+@pytest.mark.parametrize("delay", [0.4, 0.8, 1.2, 1.5, 2.0])
 def test_ctrl_c_during_startup_is_one_line(tmp_path, delay):
-    """Today: SIGINT while espert imports prints a KeyboardInterrupt traceback."""
+    """Today: SIGINT while espert imports prints a KeyboardInterrupt traceback; one that lands inside a C++
+    callback of torch's import (torch.distributed's) printed pybind11's "terminate called after throwing" and a
+    stack (1 of about 10 runs at 1.5 s on an idle machine)."""
     p = subprocess.Popen(
         [sys.executable, "-m", "espert", "train", "--run-dir", str(tmp_path / "run"), *FLAGS],
         stdout=subprocess.PIPE,
@@ -437,7 +439,14 @@ def test_ctrl_c_during_startup_is_one_line(tmp_path, delay):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == "espert: interrupted; nothing was written", err
+    # while espert imports (__main__) or once the command's handlers are up (how far 1.5 s gets depends on the
+    # machine's speed): one line either way, and nothing of the run written
+    lines = (
+        "espert: interrupted; nothing was written",
+        "espert: stopped by SIGINT before the first iteration; nothing was written, so the same command starts again",
+    )
+    assert "Traceback" not in err and err.strip().splitlines()[-1] in lines, err
+    assert not (tmp_path / "run" / "center.safetensors").exists() and not (tmp_path / "run" / "log.jsonl").exists()
 
 
 # ---- 17: byte-identical checkpoint files -------------------------------------------------------------------------
