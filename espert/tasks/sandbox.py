@@ -60,7 +60,9 @@ class JailUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Limits of one check.  cpu_s None: ``ceil(timeout_s)``.  memory_mb: address space of each process;
+    """Limits of one check.  cpu_s None: ``ceil(timeout_s) + 1`` (a second past the wall clock, so that a busy
+    loop meets the deadline and reads ``timeout``: the callee starts before the checker's clock, and on an idle
+    core its CPU time keeps pace with the wall clock).  memory_mb: address space of each process;
     output_bytes: stdout+stderr kept (more kills the check); file_bytes: largest file; tmp_bytes: the jail's
     writable tmpfs; procs: processes the candidate may start (0: none, not even a thread; above 0, as root,
     the jails of one process share the count: they share a user namespace); open_files:
@@ -169,7 +171,7 @@ def _jailed_code() -> str:
 
 
 def _rlimits(limits: Limits, candidate: bool) -> dict:
-    cpu = limits.cpu_s if limits.cpu_s is not None else max(1, math.ceil(limits.timeout_s))
+    cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
     mem = limits.memory_mb << 20
     return {
         "RLIMIT_CPU": [cpu, cpu + 1],
