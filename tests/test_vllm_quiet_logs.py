@@ -2,8 +2,10 @@
 
 vLLM logs "Attempted to load weight ... with dtype torch.float32 into parameter with dtype ..." once per weight,
 "Failed to create oneDNN linear, fallback to torch linear" for the layers oneDNN refuses, and torch/vLLM
-deprecation warnings.  A float16 engine of the tiny float32 model has all three on this CPU (oneDNN has no
-float16 matmul here): its start must print one counted line per kind instead.  Errors pass in full.
+deprecation warnings.  A float16 engine of the tiny float32 model has all three where oneDNN has no float16
+matmul (AVX-512 without FP16 or AMX, an AMD EPYC's); on a CPU with them (a Xeon with AMX) oneDNN packs
+float16 too, so the engine runs with oneDNN's own ISA cap at AVX512_CORE_BF16.  Its start must print one
+counted line per kind instead.  Errors pass in full.
 About 25 s (one eager in-process engine in a fresh process).
 """
 
@@ -34,6 +36,7 @@ print("STARTED", flush=True)
 @pytest.fixture(scope="module")
 def start_log(tiny_dir):
     env = dict(os.environ, PYTHONPATH=REPO, VLLM_LOGGING_LEVEL="WARNING")  # as espert's commands set it
+    env["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"  # no float16 matmul in oneDNN, on any CPU: the fallback happens
     env.pop("VLLM_DIST_IDENT", None)  # set by an earlier in-process engine of this worker; vLLM warns it is unknown
     p = subprocess.run([sys.executable, "-c", START, tiny_dir], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and "STARTED" in p.stdout, p.stderr[-4000:]
