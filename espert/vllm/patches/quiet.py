@@ -45,6 +45,8 @@ EXPECTED = {
     "tcmalloc/iomp not in LD_PRELOAD": re.compile(r"is not found in LD_PRELOAD"),
     "an in-process engine seeds this process": re.compile(r"The global random seed is set to"),
     "SSM cache type (unused by attention models)": re.compile(r"Reset SSM cache type"),
+    # at the first LoRA request: espert's batched members are noise on the base weights, with no tokenizer
+    "batched LoRA members use the base model's tokenizer": re.compile(r"different tokenizers for different LoRAs"),
 }
 
 
@@ -128,7 +130,7 @@ def say(model: torch.nn.Module | None = None) -> None:
             "espert: vLLM-CPU skipped torch.set_num_threads %d times (its threads are bound)", counts["threads"]
         )
     if counts.get("expected"):
-        log.warning("espert: %d expected vLLM-CPU start-up warnings: %s", counts["expected"], "; ".join(reasons))
+        log.warning("espert: %d expected vLLM-CPU warnings: %s", counts["expected"], "; ".join(reasons))
     if counts.get("deprecation"):
         log.warning(
             "espert: %d deprecation warnings from vLLM/torch, e.g. %s", counts["deprecation"], detail["deprecation"]
@@ -147,6 +149,7 @@ LOGGERS = (
     "vllm.model_executor.models.utils",
     "vllm.model_executor.layers.utils",
     "vllm.v1.worker.cpu_worker",
+    "vllm.v1.engine.input_processor",
 )
 
 
