@@ -47,8 +47,11 @@ class Patch:
     last: str | None = None  # the newest release it is written for (None: NEWEST, and any newer one)
 
 
-#: Every patch, with the releases it is written for (checked by espert.vllm.contract, tests/test_vllm_contract.py).
+#: Every patch, with the releases it is written for (checked by espert.vllm.contract, tests/test_vllm_contract.py),
+#: in the order :func:`install` applies them: quiet first, so that its filters are on vLLM's loggers before
+#: vLLM's import-time warnings.
 PATCHES = (
+    Patch("quiet", OLDEST, "vLLM's per-layer warnings at load are counted into one line per engine; errors in full"),
     Patch("cpu_prepack", OLDEST, "vLLM-CPU's prepacked Linear weights keep their plain copy and repack after edits"),
     Patch(
         "w8a8",
@@ -69,7 +72,6 @@ PATCHES = (
         "the 'espert' backend of vLLM's weight-transfer API",
         modules=("espert.vllm.engine.transfer",),
     ),
-    Patch("quiet", OLDEST, "vLLM's per-layer warnings at load are counted into one line per engine; errors in full"),
     Patch(
         "compile_key",
         OLDEST,
@@ -148,8 +150,8 @@ def install(version: str | None = None, only: tuple[str, ...] | None = None) -> 
         return []
     names = [p.name for p in patches_for(version) if only is None or p.name in only]
     INSTALLED.extend(n for n in names if n not in INSTALLED)  # before compile_key's first hash
-    for name in sorted(names, key=lambda n: n != "quiet"):  # quiet first: its filters must be on vLLM's loggers
-        importlib.import_module(f"{__name__}.{name}").install()  # before vLLM's import-time warnings
+    for name in names:
+        importlib.import_module(f"{__name__}.{name}").install()
     return names
 
 
