@@ -33,18 +33,28 @@ print("STARTED", flush=True)
 """
 
 
+def _engine_log(script: str, model: str, done: str, **env) -> list[str]:
+    """The lines ``script`` (run on ``model`` in a fresh process) printed, once it printed ``done``."""
+    env = dict(os.environ, PYTHONPATH=REPO, VLLM_LOGGING_LEVEL="WARNING", **env)  # as espert's commands set it
+    env.pop("VLLM_DIST_IDENT", None)  # set by an earlier in-process engine of this worker; vLLM warns it is unknown
+    p = subprocess.run([sys.executable, "-c", script, model], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and done in p.stdout, p.stderr[-4000:]
+    return (p.stdout + p.stderr).splitlines()  # vLLM logs to stdout
+
+
 @pytest.fixture(scope="module")
 def start_log(tiny_dir):
-    env = dict(os.environ, PYTHONPATH=REPO, VLLM_LOGGING_LEVEL="WARNING")  # as espert's commands set it
-    env["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"  # no float16 matmul in oneDNN, on any CPU: the fallback happens
-    env.pop("VLLM_DIST_IDENT", None)  # set by an earlier in-process engine of this worker; vLLM warns it is unknown
-    p = subprocess.run([sys.executable, "-c", START, tiny_dir], env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0 and "STARTED" in p.stdout, p.stderr[-4000:]
-    return (p.stdout + p.stderr).splitlines()  # vLLM logs to stdout
+    # no float16 matmul in oneDNN, on any CPU: the fallback happens
+    return _engine_log(START, tiny_dir, "STARTED", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
 
 
 def _lines(log, text):
     return [line for line in log if text in line]
+
+
+def _raw_warnings(log):
+    """vLLM's WARNING lines that reached the output as they are (espert's own lines say 'espert')."""
+    return [line for line in log if " WARNING " in line and "espert" not in line]
 
 
 def test_weights_loaded_into_another_dtype_are_one_line(start_log):
@@ -83,7 +93,7 @@ def test_expected_start_up_warnings_are_one_line_that_explains_them(start_log):
     assert len(said) == 1, text
     assert int(said[0].split("espert: ")[1].split()[0]) >= 5
     assert "no CPU backend" in said[0] and "V1 model runner" in said[0]  # the two Triton lines, explained once
-    assert not [line for line in start_log if " WARNING " in line and "espert" not in line], text
+    assert not _raw_warnings(start_log), text
 
 
 def test_errors_pass_in_full():
@@ -129,12 +139,8 @@ ev.close()
 def test_batched_lora_members_add_no_raw_warning(tiny_dir):
     """vLLM warns at the first LoRA request that LoRAs with tokenizers of their own are deprecated; espert's
     members are noise on the base model's weights, with its tokenizer: counted with the expected warnings."""
-    env = dict(os.environ, PYTHONPATH=REPO, VLLM_LOGGING_LEVEL="WARNING")
-    env.pop("VLLM_DIST_IDENT", None)
-    p = subprocess.run([sys.executable, "-c", BATCHED, tiny_dir], env=env, capture_output=True, text=True, timeout=900)
-    log = (p.stdout + p.stderr).splitlines()
+    log = _engine_log(BATCHED, tiny_dir, "REWARDS")
     text = "\n".join(log[-40:])
-    assert p.returncode == 0 and _lines(log, "REWARDS"), p.stderr[-4000:]
     assert not _lines(log, "different tokenizers for different LoRAs"), text
     assert _lines(log, "LoRA members use the base model's tokenizer"), text
-    assert not [line for line in log if " WARNING " in line and "espert" not in line], text
+    assert not _raw_warnings(log), text

@@ -2,7 +2,7 @@
 
 vLLM-CPU's packed copy of a layer is rebuilt after every edit while the old one is freed.  Under glibc's default
 malloc a block over the mmap threshold (at most 32 MiB) is a new mapping each time, and its pages are faulted in
-and zeroed again: at 0.5 B that was 666 ms of a member's repack, 236 ms with the freed blocks kept.  Here the same
+and zeroed again: at 0.5 B that was two thirds of a member's repack (docs/vllm.md).  Here the same
 kind of churn (``malloc``, written, freed), 64 MiB at a time, in a fresh process (the setting is process-wide); no
 vLLM.
 """

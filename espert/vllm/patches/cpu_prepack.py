@@ -86,8 +86,8 @@ def keep_freed_memory() -> bool:
 
     A repack builds a new packed copy of every edited layer while the old one is freed.  With glibc's defaults
     a block over the (dynamic, at most 32 MiB) mmap threshold is a fresh mapping whose pages are faulted in and
-    zeroed at every repack: at 0.5 B, 666 ms of repack per member, 236 ms with the freed blocks kept and reused
-    (bench/vllm_members.py).  The engine's memory then stays at its high-water mark instead of returning freed
+    zeroed at every repack; kept and reused, they cut a 0.5 B member's repack by two thirds (measured in
+    docs/vllm.md, "vLLM-CPU prepacks Linear weights").  The engine's memory then stays at its high-water mark instead of returning freed
     blocks to the system.  Left alone when ``GLIBC_TUNABLES`` or an ``LD_PRELOAD`` allocator (tcmalloc,
     jemalloc, as vLLM's CPU guide advises) already decides, or without glibc."""
     import ctypes
