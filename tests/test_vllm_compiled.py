@@ -27,6 +27,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from fixtures.v2_runner import expected  # noqa: E402 - the model runner this session's engines run
+
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from vllm import LLM, SamplingParams
@@ -37,7 +39,8 @@ SCRIPT = textwrap.dedent("""
     def gen():
         outs = llm.generate(prompts, sp, use_tqdm=False)
         return [o.outputs[0].cumulative_logprob for o in outs], [list(o.outputs[0].token_ids) for o in outs]
-    res = {"self_test": llm.collective_rpc("es_setup")[0]["self_test"]}
+    setup = llm.collective_rpc("es_setup")[0]
+    res = {"self_test": setup["self_test"], "runner": setup["runner"]}
     base = gen()
     for group, pattern in (("attention", "*self_attn*"), ("mlp", "*mlp*")):
         llm.collective_rpc("es_setup", kwargs=dict(include=[pattern]))
@@ -110,6 +113,7 @@ def eager(tiny_dir, tmp_path_factory):
 )
 def test_edits_reach_generation(config, eager, tiny_dir, tmp_path):
     res = eager if config == "eager" else run(tiny_dir, tmp_path, config)
+    assert res["runner"].startswith(expected()), res["runner"]
     assert res["self_test"] == [
         "model.embed_tokens.weight",
         "model.layers.0.mlp.gate_proj.weight",

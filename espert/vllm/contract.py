@@ -665,14 +665,15 @@ def _bound(node) -> dict[str, str]:
 class _Scope:
     """What names mean inside one espert function: vLLM refs (modules, classes, instances by annotation)."""
 
-    def __init__(self, names: dict[str, str], self_attrs: dict[str, str], bases: list[str]):
+    def __init__(self, names: dict[str, str], self_attrs: dict[str, str], bases: list[str], self_unions=None):
         self.names = dict(names)
         self.unions: dict[str, tuple[str, ...]] = {}  # a name annotated `A | B`: the other classes it may be
         self.self_attrs = self_attrs  # annotated attributes of the enclosing class (a mixin's host)
+        self.self_unions: dict[str, tuple[str, ...]] = self_unions or {}  # their other classes, as `unions`
         self.bases = bases  # the enclosing class's vLLM bases (for super())
 
     def child(self, **extra) -> _Scope:
-        s = _Scope(self.names, self.self_attrs, self.bases)
+        s = _Scope(self.names, self.self_attrs, self.bases, self.self_unions)
         s.unions = dict(self.unions)
         s.names.update(extra)
         for k in extra:
@@ -726,6 +727,11 @@ class _Walker:
         ref ``root`` may be (tried imports, union annotations, isinstance with a tuple)."""
         base = scope.names.get(root)
         others = (*self.alts.get(root, ()), *scope.unions.get(root, ()))
+        if root == "self":  # an annotated attribute of the class (`model_runner: A`, A a tried import or `A | B`)
+            for attr, b in scope.self_attrs.items():
+                if ref == b or ref.startswith(b + "."):
+                    base, others = b, scope.self_unions.get(attr, ())
+                    break
         return [ref, *(o + ref[len(base) :] for o in others if base and ref.startswith(base) and o != base)]
 
     def use(self, ref: str, node, scope: _Scope, root: str, kind: str = "exists", **kw) -> None:
@@ -820,12 +826,13 @@ class _Walker:
 
     def klass(self, node: ast.ClassDef, scope: _Scope) -> None:
         bases = [r for r in (scope.chain(b.value if isinstance(b, ast.Subscript) else b) for b in node.bases) if r]
-        attrs = {}
+        attrs, unions = {}, {}
         for stmt in node.body:
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                 refs = self.typed(scope, stmt.annotation)
                 if refs:
                     attrs[stmt.target.id] = refs[0]
+                    unions[stmt.target.id] = tuple(refs[1:])
         methods = tuple(
             (s.name, tuple(map(tuple, signature(s.args))))
             for s in node.body
@@ -833,7 +840,8 @@ class _Walker:
         )
         for base in bases:
             self.uses.append(Use(base, self.where(node), self.module, "subclass", sig=methods))
-        self.block(node.body, _Scope(scope.names, {**scope.self_attrs, **attrs}, bases))
+        inner = _Scope(scope.names, {**scope.self_attrs, **attrs}, bases, {**scope.self_unions, **unions})
+        self.block(node.body, inner)
 
     def expr(self, node, scope: _Scope) -> None:
         if isinstance(node, ast.Call):

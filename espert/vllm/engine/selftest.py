@@ -31,8 +31,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from espert.vllm.patches import releases
+
 if TYPE_CHECKING:  # the runner espert drives (espert.vllm.contract checks its members in every vLLM release)
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    try:  # vLLM's V1 model runner (0.11 to 0.33), or its V2 runner (0.12 on; the only one in 0.34)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 #: σ of the probe perturbation: large enough to move a bf16 weight of any usual scale (norm weights ≈ 1).
 SIGMA = 0.05
@@ -81,23 +86,42 @@ def _logits(runner: GPUModelRunner, hidden):
     return None if out is None else out.clone()
 
 
+def _probe_ids(runner) -> torch.Tensor:
+    """The probe's token ids: 1..N modulo the vocabulary (int64 [PROBE_TOKENS])."""
+    return torch.arange(1, PROBE_TOKENS + 1) % runner.model_config.get_vocab_size()
+
+
+@releases("0.11", "0.33")
+def _forward_v1(runner: GPUModelRunner):
+    """The probe through vLLM's V1 model runner: ids in its ``input_ids`` buffer, then a dummy run that
+    builds attention metadata."""
+    ids = runner.input_ids.gpu[:PROBE_TOKENS]
+    ids.copy_(_probe_ids(runner).to(ids.device))
+    hidden, _ = runner._dummy_run(PROBE_TOKENS, force_attention=True)
+    return hidden
+
+
 def _forward(runner: GPUModelRunner):
     """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not).
 
-    Drives vLLM's V1 model runner (0.11 to 0.33); one without its probe inputs (vLLM 0.34's V2 runner) is
-    refused with :class:`EditsNotVisible`, since nothing then proves that edits reach its forward pass."""
-    if not hasattr(runner, "input_ids") or not hasattr(runner, "_dummy_run"):
-        from espert.vllm.patches import NEWEST, OLDEST, installed_version
+    Drives vLLM's V1 model runner (0.11 to 0.33) or its V2 runner (0.12 on; the only one in 0.34); a
+    runner that is neither is refused with :class:`EditsNotVisible`, since nothing then proves that edits
+    reach its forward pass."""
+    from espert.vllm.patches import INSTALLED, NEWEST, OLDEST, installed_version, runner_name
 
+    kind = runner_name(runner)
+    if kind.startswith("V2") and "probe_ids" in INSTALLED:
+        from espert.vllm.patches.probe_ids import probe_forward
+
+        hidden = probe_forward(runner, _probe_ids(runner))
+    elif kind.startswith("V1") and hasattr(runner, "input_ids") and hasattr(runner, "_dummy_run"):
+        hidden = _forward_v1(runner)
+    else:
         raise EditsNotVisible(
-            f"espert self-test: cannot run a probe forward pass through {type(runner).__name__} (vLLM "
-            f"{installed_version()}), so nothing proves that weight edits reach this engine; espert is checked "
-            f"on vLLM {OLDEST} to {NEWEST} (docs/vllm.md, 'vLLM versions')"
+            f"espert self-test: cannot run a probe forward pass through {kind} (vLLM {installed_version()}), "
+            f"so nothing proves that weight edits reach this engine; espert is checked on vLLM {OLDEST} to "
+            f"{NEWEST}, V1 and V2 model runners (docs/vllm.md, 'vLLM versions')"
         )
-    ids = runner.input_ids.gpu[:PROBE_TOKENS]
-    vocab = runner.model_config.get_vocab_size()
-    ids.copy_(torch.arange(1, PROBE_TOKENS + 1, device=ids.device) % vocab)
-    hidden, _ = runner._dummy_run(PROBE_TOKENS, force_attention=True)
     hidden = hidden[:PROBE_TOKENS].clone()
     return hidden, _logits(runner, hidden)
 
@@ -158,7 +182,7 @@ def _tied_embedding(model: torch.nn.Module) -> bool:
 def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, views, wrap) -> list[str]:
     """Run the self-test (module docstring) over ``views``; returns the probed logical names.
 
-    runner: the vLLM model runner (``_dummy_run``, ``input_ids``, ``model``); model: the live model;
+    runner: the vLLM model runner, V1 or V2 (``_dummy_run``, ``model``); model: the live model;
     wrap: ``fn(center, model) -> center`` that makes a center's edits visible to the engine (e.g.
     :class:`espert.vllm.engine.repack.RepackingCenter`).  Views that are not float tensors (W8A8 codes)
     are not probed.
@@ -170,6 +194,9 @@ def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, vi
     if not names:
         return []
     tied = _tied_embedding(model)
+    from espert.vllm.patches import installed_version, runner_name
+
+    engine = f"{runner_name(runner)} model runner, vLLM {installed_version()}"
     with torch.inference_mode():
         base_h, base_logits = _forward(runner)
         for name in names:
@@ -193,7 +220,7 @@ def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, vi
             if not _all_ranks(moved):
                 raise EditsNotVisible(
                     f"espert self-test: perturbing {name} ({kind_of(name)}) did not change the engine's "
-                    f"forward pass, so ES would train on rewards that ignore the perturbation.  A compiled or "
+                    f"forward pass ({engine}), so ES would train on rewards that ignore the perturbation.  A compiled or "
                     f"graph-captured engine is running from a copy of the weights espert cannot refresh: "
                     f"create the LLM with enforce_eager=True"
                 )
@@ -201,8 +228,8 @@ def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, vi
             back = torch.equal(h, base_h) and _same(logits, base_logits)
             if not _all_ranks(back):
                 raise EditsNotVisible(
-                    f"espert self-test: after restoring {name} exactly, the engine's forward pass differs "
-                    f"from before the edit (the engine computes from a stale or non-deterministic copy of "
+                    f"espert self-test: after restoring {name} exactly, the engine's forward pass ({engine}) "
+                    f"differs from before the edit (the engine computes from a stale or non-deterministic copy of "
                     f"the weights); create the LLM with enforce_eager=True"
                 )
     return names

@@ -37,7 +37,11 @@ from espert.vllm.wire import EXACT_FIELDS  # noqa: F401 - its former home: compa
 
 if TYPE_CHECKING:  # what vLLM's worker gives its extension (espert.vllm.contract checks their members)
     from vllm.config import VllmConfig
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    try:  # vLLM's V1 model runner (0.11 to 0.33), or its V2 runner (0.12 on; the only one in 0.34)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 patches.install()  # before the worker loads the model: every patch this vLLM gets (espert/vllm/patches/)
 
@@ -196,7 +200,8 @@ class ESWorkerExtension:
         ``"unmoved"``).  anchor: keep the base for es_update's anchor step.  Then the self-test (``EditsNotVisible``).
 
         Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device",
-        "self_test": [probed logical names], "members", "unmoved": [logical names]}``.  Raises (naming the
+        "self_test": [probed logical names], "runner": "V1 (...)" or "V2 (...)" (vLLM's model runner), "members",
+        "unmoved": [logical names]}``.  Raises (naming the
         parameter) for layouts it cannot map, and RuntimeError when the CPU prepack patch did not take effect.
         """
         from espert.center import CenterStore
@@ -252,6 +257,7 @@ class ESWorkerExtension:
             "center_bytes": center.nbytes,
             "device": device,
             "self_test": probed,
+            "runner": patches.runner_name(self.model_runner),
         }
 
     def _es_check_names(self, views) -> None:

@@ -28,7 +28,7 @@ _WARNED: set[str] = set()
 INSTALLED: list[str] = []
 
 #: The oldest and newest vLLM release espert is written for (docs/vllm.md, "vLLM versions").
-OLDEST, NEWEST = "0.11", "0.33"
+OLDEST, NEWEST = "0.11", "0.34"
 
 
 class VLLMVersionError(MissingExtra):
@@ -65,6 +65,11 @@ PATCHES = (
         "seeded sampling on CPU survives chunked prefill (the generator is rewound exactly)",
         last="0.33",  # vLLM 0.34's model runner samples from a hash of (seed, position): nothing to rewind
     ),
+    Patch(
+        "probe_ids",
+        "0.12",  # the first release with the V2 model runner (vllm/v1/worker/gpu/), opt-in until 0.25
+        "the self-test's probe tokens reach the V2 model runner's dummy batch (zeroed by vLLM)",
+    ),
     Patch("lora_cpu", OLDEST, "vLLM-CPU's LoRA ops as GEMMs over espert's slots, without a per-token gather"),
     Patch(
         "weight_transfer",
@@ -76,7 +81,6 @@ PATCHES = (
         "compile_key",
         OLDEST,
         "vLLM's compile-cache key includes espert's version, commit and patch set",
-        last="0.33",  # 0.34 hashes its config elsewhere (compute_env_and_config_hashes); 0.34 is refused anyway
     ),
 )
 
@@ -88,6 +92,33 @@ def _release(version: str) -> tuple[int, int]:
         digits = "".join(c for c in p if c.isdigit()) or "0"
         parts.append(int(digits[:4]))
     return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def runner_name(runner) -> str:
+    """Which of vLLM's model runners ``runner`` is, for messages and es_setup's result: ``"V2 (CPUModelRunner)"``
+    for the V2 runner (``vllm/v1/worker/gpu/``, 0.12 on: the default of GPU builds from 0.29 and the only one
+    in 0.34), ``"V1 (GPUModelRunner)"`` for the V1 runner (``vllm/v1/worker/gpu_model_runner.py`` and its
+    subclasses, 0.11 to 0.33)."""
+    v2 = any(c.__module__.startswith("vllm.v1.worker.gpu.") for c in type(runner).__mro__)
+    return f"{'V2' if v2 else 'V1'} ({type(runner).__name__})"
+
+
+def expected_runner(version: str, cpu_build: bool, triton: bool, triton_cpu: bool, env: str | None) -> str:
+    """The model runner vLLM ``version`` picks for a dense model (``VllmConfig.use_v2_model_runner``), with why,
+    as ``espert env`` says it; vLLM is not imported.  cpu_build: a vllm-cpu build; triton: Triton is installed;
+    triton_cpu: it has a ``"cpu"`` backend; env: ``VLLM_USE_V2_MODEL_RUNNER`` (None when unset)."""
+    now = _release(version)
+    if now >= (0, 34):
+        return "V2 (the only runner of vLLM 0.34)"
+    if env is not None and env.strip().lower() in ("0", "false", "1", "true"):
+        return f"{'V2' if env.strip().lower() in ('1', 'true') else 'V1'} (VLLM_USE_V2_MODEL_RUNNER={env})"
+    if now < (0, 25):
+        return "V1 (vLLM's default before 0.25; VLLM_USE_V2_MODEL_RUNNER=1 picks V2 from 0.12)"
+    if not triton or (cpu_build and not triton_cpu):
+        return "V1 (vLLM runs V2 only where Triton has a backend for the device; " + (
+            "Triton is not installed)" if not triton else "this Triton has no CPU backend)"
+        )
+    return "V2 (vLLM's default " + ("since 0.29)" if now >= (0, 29) else "for dense models since 0.25)")
 
 
 def check_version(version: str) -> None:

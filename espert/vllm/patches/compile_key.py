@@ -8,7 +8,8 @@ builds, one with the packed-linear operator bypassed.  Had a reload succeeded, a
 espert (or without espert, with vLLM's oneDNN handlers baked in as constants) would have been served, and only
 the self-test would have stood between it and ES training on rewards that ignore the perturbations.
 
-:func:`install` wraps ``VllmConfig.compute_hash`` to mix in :func:`espert_key`: espert's version, its commit
+:func:`install` wraps ``VllmConfig.compute_hash`` (0.11 to 0.33; ``VllmConfig.compile_factors`` from 0.34,
+whose ``compute_env_and_config_hashes`` hashes those factors) to mix in :func:`espert_key`: espert's version, its commit
 and the patch set (the names of the patches installed in this process and the SHA-256 of each one's source,
 so an uncommitted edit of a patch is a new key).  Every cache vLLM keys by that hash follows.
 
@@ -27,7 +28,7 @@ import inspect
 
 from vllm.config import VllmConfig
 
-from espert.vllm.patches import INSTALLED, wrap_once
+from espert.vllm.patches import INSTALLED, for_release, releases, wrap_once
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,6 +60,24 @@ def _compute_hash(original, config: VllmConfig, *args, **kwargs) -> str:
     return hashlib.sha256(f"{theirs}:{espert_key()}".encode()).hexdigest()[: len(theirs)]
 
 
-def install() -> bool:
-    """Wrap ``VllmConfig.compute_hash`` (idempotent; before any engine of this process compiles)."""
+def _compile_factors(original, config: VllmConfig, *args, **kwargs) -> dict:
+    return {**original(config, *args, **kwargs), "espert": espert_key()}
+
+
+@releases("0.11", "0.33")
+def _key_compute_hash() -> bool:
+    """vLLM 0.11 to 0.33 key the compile cache by ``VllmConfig.compute_hash()``."""
     return wrap_once(VllmConfig, "compute_hash", _compute_hash)
+
+
+@releases("0.34")
+def _key_compile_factors() -> bool:
+    """vLLM 0.34 keys it by the factors ``VllmConfig.compile_factors()`` returns
+    (``vllm.compilation.caching.compute_env_and_config_hashes`` hashes them)."""
+    return wrap_once(VllmConfig, "compile_factors", _compile_factors)
+
+
+def install() -> bool:
+    """Put espert's key into what the installed vLLM keys its compile cache by (idempotent; before any engine
+    of this process compiles)."""
+    return for_release(_key_compute_hash, _key_compile_factors)()
