@@ -49,7 +49,6 @@ def _requests(kind: str, args: list) -> list:
     return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
 
 
-@pytest.mark.xfail(strict=True, reason="espert scores without the BOS its tokenizer adds (fixed next)")
 @pytest.mark.parametrize("kind", ["bos", pytest.param("no_bos", marks=pytest.mark.extended)])
 def test_espert_lm_matches_lm_evals_hf_backend(kind, tmp_path):
     path = _model(kind, tmp_path)

@@ -75,40 +75,50 @@ class EspertLM(LM):
         return loglikelihoods(self.model, self.tok, [r.args[:2] for r in requests], self.batch_size)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Σ log p of every token of the string, the first conditioned on the end-of-text token."""
-        import torch
+        """Σ log p of every token of the string (:func:`espert.eval.mc.encode`, BOS included where the
+        tokenizer adds it), in lm-eval's windows of the model's context length, the first conditioned on the
+        prefix token."""
+        from .mc import rolling_windows, token_loglikelihoods
 
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         out = []
-        first = self.tok.eos_token_id if self.tok.bos_token_id is None else self.tok.bos_token_id
         for r in requests:
-            ids = [first] + self.tok(r.args[0], add_special_tokens=False)["input_ids"]
-            with torch.inference_mode():
-                logp = (
-                    self.model(input_ids=torch.tensor([ids], device=self.model.device))
-                    .logits[0]
-                    .double()
-                    .log_softmax(-1)
-                )
-            out.append(float(logp[:-1].gather(1, torch.tensor(ids[1:], device=logp.device)[:, None]).sum()))
+            windows = rolling_windows(self.tok, r.args[0], self.max_length)
+            out.append(sum(ll for ll, _ in token_loglikelihoods(self.model, windows, pad, self.batch_size)))
         return out
 
+    @property
+    def max_length(self) -> int:
+        """The model's context length, as lm-eval's HF backend reads it (its config, else 2048)."""
+        cfg = getattr(self.model, "config", None)
+        for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+            if getattr(cfg, attr, None):
+                return int(getattr(cfg, attr))
+        return 2048
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy completions, cut at the first of the request's ``until`` strings."""
+        """Greedy completions of the context as :func:`espert.eval.mc.encode` tokenizes it, cut at the first
+        of the request's ``until`` strings and the end-of-text token's (lm-eval's HF backend)."""
         import torch
 
+        from .mc import encode
+
+        eos = self.tok.decode(self.tok.eos_token_id, skip_special_tokens=False)
         out = []
         for r in requests:
             context, kw = r.args[0], dict(r.args[1]) if len(r.args) > 1 else {}
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            ids = self.tok(context, return_tensors="pt").to(self.model.device)
+            until += [eos] if eos not in until else []
+            ids = torch.tensor([encode(self.tok, context)], device=self.model.device)
             with torch.inference_mode():
                 seq = self.model.generate(
-                    **ids, max_new_tokens=int(kw.get("max_gen_toks", self.max_gen_toks)), do_sample=False,
-                    pad_token_id=self.tok.pad_token_id,
+                    input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                    max_new_tokens=int(kw.get("max_gen_toks", self.max_gen_toks)), pad_token_id=self.tok.pad_token_id,
                 )  # fmt: skip
-            text = self.tok.decode(seq[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+            text = self.tok.decode(seq[0, ids.shape[1] :], skip_special_tokens=True)
             for stop in until:
-                text = text.split(stop)[0]
+                if stop:
+                    text = text.split(stop)[0]
             out.append(text)
         return out

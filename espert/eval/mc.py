@@ -101,15 +101,49 @@ def load_mc(path: str, limit: int | None = None) -> list[MCItem]:
     return items
 
 
+def prefix_token_id(tokenizer) -> int:
+    """The token an empty context and a rolling window start from: BOS, else EOS (lm-eval's ``prefix_token_id``)."""
+    return tokenizer.eos_token_id if tokenizer.bos_token_id is None else tokenizer.bos_token_id
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """``text`` as the model was trained on it: the tokenizer's own special tokens (BOS for Llama-family
+    tokenizers, none for Qwen's), as espert's evaluators tokenize prompts, unless ``text`` already starts
+    with the BOS string (lm-eval's ``tok_encode`` with ``add_bos_token`` unset)."""
+    bos = tokenizer.decode(prefix_token_id(tokenizer))
+    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-eval's split: trailing spaces of the context move to the continuation; the whole string is encoded
-    and the continuation is the tokens after the context's."""
+    """lm-eval's split of a request: trailing spaces of the context move to the continuation; the whole string
+    is encoded (:func:`encode`, BOS included where the tokenizer adds it) and the continuation is the tokens
+    after the context's.  An empty context is the prefix token (:func:`prefix_token_id`), or the
+    continuation's first token when that is the prefix token already."""
+    if context == "":
+        cont = tokenizer.encode(continuation, add_special_tokens=False)
+        first = prefix_token_id(tokenizer)
+        return ([first], cont) if cont[:1] != [first] else (cont[:1], cont[1:])
     n_space = len(context) - len(context.rstrip())
     if n_space:
         context, continuation = context[:-n_space], context[-n_space:] + continuation
-    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
-    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
-    return whole[: len(ctx)], whole[len(ctx) :]
+    whole = encode(tokenizer, context + continuation)
+    return whole[: len(encode(tokenizer, context))], whole[len(encode(tokenizer, context)) :]
+
+
+def rolling_windows(tokenizer, text: str, max_length: int) -> list[tuple[list[int], list[int]]]:
+    """lm-eval's ``loglikelihood_rolling`` windows of ``text``: (context, continuation) pairs whose continuations
+    cover :func:`encode` of it once, the first conditioned on the prefix token, each at most ``max_length``
+    tokens long with the tokens before it as context."""
+    tokens, out, done = encode(tokenizer, text), [], 0
+    while done < len(tokens):
+        n = min(max_length, len(tokens) - done)
+        if done == 0:
+            ctx = [prefix_token_id(tokenizer)] + tokens[: n - 1]
+        else:
+            ctx = tokens[done + n - max_length - 1 : done + n - 1]
+        out.append((ctx[: len(ctx) - (n - 1)], tokens[done : done + n]))
+        done += n
+    return out
 
 
 def loglikelihoods(
@@ -117,17 +151,23 @@ def loglikelihoods(
 ) -> list[tuple[float, bool]]:
     """lm-eval's ``loglikelihood``: for each (context, continuation), the sum of log p of the continuation's
     tokens given everything before them (float64 log-softmax of the model's logits) and whether each of
-    them is the greedy token.  Right-padded batches; one forward per batch."""
+    them is the greedy token; the tokens as :func:`encode_pair` splits them."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return token_loglikelihoods(model, [encode_pair(tokenizer, c, x) for c, x in requests], pad, batch_size)
+
+
+def token_loglikelihoods(
+    model, pairs: Sequence[tuple[list[int], list[int]]], pad: int, batch_size: int = 16
+) -> list[tuple[float, bool]]:
+    """(Σ log p, all greedy) of each (context ids, continuation ids): right-padded batches, one forward each."""
     import torch
 
-    pairs = [encode_pair(tokenizer, c, x) for c, x in requests]
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i : i + batch_size]
         seqs = [c + x for c, x in chunk]
         width = max(len(s) for s in seqs)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
         with torch.inference_mode():
