@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 from espert.extras import require
@@ -63,10 +64,21 @@ def humaneval_problem(row: dict[str, Any]) -> tuple[str, str]:
 
 
 def mbpp_problem(row: dict[str, Any]) -> tuple[str, str]:
-    """``(prompt, answer)`` of one MBPP row (``text``, ``test_list``, optional ``test_setup_code``)."""
+    """``(prompt, answer)`` of one MBPP row (``text``, ``test_list``, optional ``test_setup_code`` and, in
+    sanitized MBPP, ``test_imports``).  Raises ValueError (one line) for a row whose tests read a name that
+    nothing trusted provides (:func:`_mbpp_names`)."""
     tests = [str(t) for t in row["test_list"]]
     prompt = MBPP_PROMPT.format(text=str(row["text"]).strip(), tests="\n".join(tests))
-    return prompt, json.dumps({"tests": tests, "setup": str(row.get("test_setup_code") or "")})
+    answer = {
+        "tests": tests,
+        "setup": str(row.get("test_setup_code") or ""),
+        "imports": list(row.get("test_imports") or []),
+    }
+    try:
+        _mbpp_names("\n".join(tests), _mbpp_trusted(answer))
+    except ValueError as e:
+        raise ValueError(f"MBPP row {row.get('task_id', '?')}: {e}") from None
+    return prompt, json.dumps(answer)
 
 
 def _fenced_blocks(text: str) -> list[str]:
@@ -143,10 +155,18 @@ def humaneval_program(completion: str, answer: str) -> str:
     return f"{c.candidate}\n\n{c.tests}"
 
 
-def _called_names(tests: str, setup: str) -> tuple[str, ...]:
-    """The names the tests read that neither they, the setup nor the builtins define: the candidate's."""
-    read, bound = set(), set(dir(builtins))
-    for tree in (ast.parse(setup), ast.parse(tests)):
+def _mbpp_trusted(answer: dict) -> str:
+    """The trusted code of an MBPP check: the row's ``test_imports``, then its setup code."""
+    return "\n".join([*answer.get("imports", []), answer.get("setup", "")])
+
+
+def _mbpp_names(tests: str, trusted: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(calls, modules)`` of an MBPP row's tests: the names they call that neither they, the trusted code nor
+    the builtins define (the functions the prompt asks for: the candidate's), and the standard-library modules
+    they read without importing them (the checker imports them).  Any other name they read, or a module they
+    only call, nothing trusted provides: ValueError naming it."""
+    read, bound, called = set(), set(dir(builtins)), set()
+    for tree in (ast.parse(trusted), ast.parse(tests)):
         for node in ast.walk(tree):
             if isinstance(node, ast.Name):
                 (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
@@ -156,16 +176,30 @@ def _called_names(tests: str, setup: str) -> tuple[str, ...]:
                 bound.update((a.asname or a.name).split(".")[0] for a in node.names)
             elif isinstance(node, ast.arg):
                 bound.add(node.arg)
-    return tuple(sorted(read - bound))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                called.add(node.func.id)
+    free = read - bound
+    modules = {n for n in free - called if n in sys.stdlib_module_names}
+    unknown = sorted(free - called - modules)
+    if unknown:
+        raise ValueError(
+            f"its tests read {', '.join(unknown)}, which neither the tests, the setup code, test_imports nor the "
+            f"standard library define; only the functions the tests call may come from the candidate"
+        )
+    return tuple(sorted(free & called)), tuple(sorted(modules))
 
 
 def mbpp_check(completion: str, answer: str) -> Check:
     """The check of one MBPP completion: its code, then the problem's setup code, run jailed (as MBPP's harness
-    runs them, one after the other); the ``assert`` lines run in the checker after the setup code, calling the
-    candidate's functions (every name they read that the setup and the builtins do not define)."""
+    runs them, one after the other); the ``assert`` lines run in the checker after the trusted code (the row's
+    ``test_imports``, the standard-library modules the tests read, the setup code), calling the candidate's
+    functions: the names the tests call that nothing trusted defines.  Modules and every other name the tests
+    read come from the checker, never from the candidate (a candidate's ``class math`` stays its own)."""
     a = json.loads(answer)
     code, setup, tests = code_extract(completion) or "", a.get("setup", ""), "\n".join(a["tests"])
-    return Check(f"{code}\n\n{setup}\n", tests + "\n", _called_names(tests, setup), trusted=setup)
+    calls, modules = _mbpp_names(tests, _mbpp_trusted(a))
+    trusted = "\n".join([*(f"import {m}" for m in modules), _mbpp_trusted(a)])
+    return Check(f"{code}\n\n{setup}\n", tests + "\n", calls, trusted=trusted)
 
 
 def mbpp_program(completion: str, answer: str) -> str:

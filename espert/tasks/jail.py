@@ -6,13 +6,16 @@
   other process, no network interface but a loopback that is down, no socket file of the host (the
   filesystem view is its own), no host IPC object;
 * an unprivileged uid and gid, 65534, also when espert runs as root.  As root, bwrap joins a user namespace
-  that maps uid/gid 0 and 65534 to themselves (:func:`_root_userns`, made once per process); bwrap does the
+  that maps uid/gid 0 and 65534 to themselves (:func:`_make_root_userns`, a new one for every jail, so no
+  keyring or other state of a user namespace outlives a check); bwrap does the
   mounts as 0 there, and the program's first act (``jailed.confine``) is to become 65534, a real
   unprivileged user to the kernel, so ``RLIMIT_NPROC`` holds (the kernel exempts uid 0) and only
   world-readable files can be read.  Not as root, bwrap makes the user namespace itself and maps the user
   to 65534.  Either way the namespace cannot make further user namespaces, and no capability is left;
 * a read-only view of only what the interpreter needs: ``/usr``, ``/bin``, ``/lib*`` (their symlinks where
-  they are links), ``/etc/ld.so.cache``, the interpreter's prefix; ``_ctypes`` is masked;
+  they are links), ``/etc/ld.so.cache``, the interpreter's prefix, with every site- and dist-packages
+  directory in that view hidden (the standard library and lib-dynload only) and the foreign-function and
+  test extensions (``_ctypes``, ``_testcapi``, ...) masked;
   ``/dev/null``, ``/dev/zero``, ``/dev/random``, ``/dev/urandom``; its own ``/proc`` (of its PID namespace);
   no ``/dev/shm``; and one writable place, a private tmpfs of ``tmp_bytes`` at ``/tmp``, its working
   directory.  The root is a read-only tmpfs;
@@ -75,19 +78,8 @@ class JailStatus:
         return f"{self.tool} ({self.how})" if self.available else f"unavailable: {self.reason}"
 
 
-_LOCK = threading.Lock()
 _STATUS_LOCK = threading.Lock()
 _STATUS: JailStatus | None = None
-_USERNS: int | None = None
-
-
-def _root_userns() -> int:
-    """A descriptor of the user namespace root's jails join (made once per process, kept open)."""
-    global _USERNS
-    with _LOCK:
-        if _USERNS is None:
-            _USERNS = _make_root_userns()
-        return _USERNS
 
 
 def _make_root_userns() -> int:
@@ -100,6 +92,7 @@ def _make_root_userns() -> int:
     script = 'read _ && exec sh -c "echo 0 > /proc/sys/user/max_user_namespaces && echo ready && exec cat"'
     p = subprocess.Popen(
         [unshare, "--user", "--", "sh", "-c", script],
+        env=ENVIRONMENT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -147,13 +140,37 @@ def _ancestors(path: str) -> list[str]:
 
 
 def _masked() -> list[str]:
-    """Files hidden in the jail (``/dev/null`` bound over them): ``_ctypes``, so that no foreign call can be
-    made even past the Python-level guard."""
+    """Files hidden in the jail (``/dev/null`` bound over them): the standard library's foreign-function and
+    test extensions (``_ctypes``, ``_ctypes_test``, ``_testcapi`` and the other ``_test*``), so that no foreign
+    call or raw memory access can be made even past the Python-level guard."""
+    import glob
     import importlib.util
 
+    found = set()
     spec = importlib.util.find_spec("_ctypes")
     origin = getattr(spec, "origin", None) if spec else None
-    return [os.path.realpath(origin)] if origin and os.path.isfile(origin) else []
+    if origin and os.path.isfile(origin):
+        found.add(os.path.realpath(origin))
+        dynload = os.path.dirname(origin)
+        for pattern in ("_ctypes*", "_test*", "_xxtest*"):
+            found.update(os.path.realpath(f) for f in glob.glob(os.path.join(dynload, pattern)) if os.path.isfile(f))
+    return sorted(found)
+
+
+def _package_dirs() -> list[str]:
+    """Directories of installed packages inside the jail's view, hidden under an empty read-only tmpfs: the
+    interpreter's own site-packages and Python's site- and dist-packages under ``/usr``.  Only the standard
+    library and lib-dynload stay: a package such as cffi (on ``sys.path`` by hand) would make foreign calls."""
+    import glob
+    import sysconfig
+
+    paths = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
+    found = {paths["purelib"], paths["platlib"]}
+    for root in ("/usr/lib", "/usr/local/lib", "/usr/lib64"):
+        found.update(glob.glob(os.path.join(root, "python3*", "*-packages")))
+    views = ["/usr", *_python_dirs()]
+    real = {os.path.realpath(d) for d in found if os.path.isdir(d)}
+    return sorted(d for d in real if any(d == v or d.startswith(v + "/") for v in views))
 
 
 def _filesystem(tmp_bytes: int) -> list[str]:
@@ -178,19 +195,20 @@ def _filesystem(tmp_bytes: int) -> list[str]:
     )
     ops = [x for p in parents if p != "/" for x in ("--perms", "0755", "--dir", p)] + links
     ops += [x for bind in binds for x in bind]
+    ops += [x for d in _package_dirs() for x in ("--perms", "0755", "--tmpfs", d, "--remount-ro", d)]
     ops += ["--proc", "/proc", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp", "--remount-ro", "/"]
     return ops
 
 
 def command(args: list[str], tmp_bytes: int) -> tuple[list[str], tuple[int, ...]]:
     """``(argv, fds)``: ``args`` (an interpreter command line) run in the jail, and the descriptors the
-    launcher must inherit (``pass_fds``).  The program learns from ``jailed.confine(drop=...)`` whether it
+    launcher must inherit (``pass_fds``), which the caller closes once bwrap has started (:func:`launch`).  The program learns from ``jailed.confine(drop=...)`` whether it
     starts as root and must drop to 65534 (``os.geteuid() == 0`` here).  Raises :class:`JailError`."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise JailError(f"bwrap not found: {INSTALL_HINT}")
     if os.geteuid() == 0:
-        fd = _root_userns()
+        fd = _make_root_userns()  # one per jail: no keyring or other per-namespace state is shared
         who = ["--userns", str(fd), "--uid", "0", "--gid", "0", "--cap-drop", "ALL"]
         who += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]  # to drop to 65534, then gone
         fds: tuple[int, ...] = (fd,)
@@ -200,6 +218,22 @@ def command(args: list[str], tmp_bytes: int) -> tuple[list[str], tuple[int, ...]
     spaces += ["--die-with-parent", "--new-session", "--hostname", "jail"]
     env = ["--clearenv"] + [x for k, v in ENVIRONMENT.items() for x in ("--setenv", k, v)]
     return [bwrap, *who, *spaces, *_filesystem(tmp_bytes), *env, "--chdir", "/tmp", "--", *args], fds
+
+
+def launch(args: list[str], tmp_bytes: int, info_fd: int | None = None, pass_fds=(), **popen) -> subprocess.Popen:
+    """Start ``args`` in a jail (:func:`command`; ``info_fd``: bwrap's ``--info-fd``).  bwrap itself starts with
+    the jail's environment: not as root, the jail's process 1 is bwrap, running as the candidate's uid, so
+    whatever environment bwrap had would be readable in ``/proc/1/environ`` (``--clearenv`` clears only the
+    program's)."""
+    argv, fds = command(args, tmp_bytes)
+    if info_fd is not None:
+        argv = [argv[0], "--info-fd", str(info_fd), *argv[1:]]
+        pass_fds = (*pass_fds, info_fd)
+    try:
+        return subprocess.Popen(argv, pass_fds=(*pass_fds, *fds), env=ENVIRONMENT, **popen)
+    finally:
+        for fd in fds:  # the jail holds its user namespace now
+            os.close(fd)
 
 
 def python_args(source: str, *argv: str) -> list[str]:
@@ -224,8 +258,9 @@ def _probe() -> JailStatus:
     try:
         v = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30).stdout.split()
         tool = " ".join(v[:2]) if v else "bubblewrap"
-        argv, fds = command(python_args(PROBE), 1 << 20)
-        p = subprocess.run(argv, pass_fds=fds, capture_output=True, text=True, timeout=60)
+        p = launch(python_args(PROBE), 1 << 20, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=60)
+        p = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     except (JailError, OSError, subprocess.SubprocessError) as e:
         return JailStatus(False, reason=str(e))
     said = (p.stdout + p.stderr).strip().splitlines()

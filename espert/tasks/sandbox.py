@@ -228,11 +228,9 @@ class _Process:
                 cwd=cwd, env=env, start_new_session=True,
             )  # fmt: skip
             return
-        argv, jail_fds = jail.command(args, tmp_bytes)
         r, w = os.pipe()
         try:
-            argv = [argv[0], "--info-fd", str(w), *argv[1:]]
-            self.proc = subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=(*fds, *jail_fds, w))
+            self.proc = jail.launch(args, tmp_bytes, info_fd=w, pass_fds=fds, stdin=stdin, stdout=stdout, stderr=stderr)
         finally:
             os.close(w)
         try:
