@@ -139,3 +139,23 @@ def test_mbpp_row_whose_tests_read_an_untrusted_name_is_refused_at_load(tmp_path
         _mbpp(tmp_path, [row])
     msg = str(e.value)
     assert "\n" not in msg and "EXPECTED" in msg and "7" in msg
+
+
+# ---- a reward independent of the rest of its batch (finding 5) --------------------------------------------
+
+SLEEPER = "def f():\n    import time\n    time.sleep(60)\n"
+
+
+def test_a_correct_completion_scores_1_whatever_its_batch_holds(monkeypatch):
+    """Each check has its own budget: a correct completion after checks that use up theirs still runs.  Measured
+    before: with the batch's budget scaled down (900 s for 8 workers' worth of 10 s checks, here 2.5 s), the
+    correct completion after 6 sleeping ones was 'skipped' and scored 0.0."""
+    from espert.tasks import code
+    from espert.tasks.sandbox import Check, Limits
+
+    monkeypatch.setattr(code, "CODE_LIMITS", Limits(timeout_s=1.0, memory_mb=512))
+    monkeypatch.setattr(code, "CODE_BATCH_TIMEOUT_S", 2.5, raising=False)  # the former batch budget, scaled
+    checks = [Check(SLEEPER, "assert f() == 1", ("f",))] * 6 + [
+        Check("def f():\n    return 1\n", "assert f() == 1", ("f",))
+    ]
+    assert code.run_code_checks(checks) == [0.0] * 6 + [1.0]
