@@ -31,9 +31,10 @@ HUMANEVAL_SPLITS = {"train": (0, 124), "test": (124, 164), "all": (0, 164)}
 #: Codex's stop sequences: a continuation ends where a new top-level statement starts.
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 MBPP_PROMPT = "{text}\nYour code should pass these tests:\n{tests}\nWrite the Python code in a ```python block."
-#: Limits of one completion's program, and of one reward batch (programs not started by then score 0).
+#: Limits of one completion's program.  Each check has its own budget: a batch has none, so no check is left
+#: unrun (and scored 0) because others used up the time; a batch of B checks on W workers takes at most about
+#: ceil(B / W) times the budget, plus the jails' start.
 CODE_LIMITS = Limits(timeout_s=10.0, memory_mb=1024)
-CODE_BATCH_TIMEOUT_S = 900.0
 
 _CODE_START_RE = re.compile(r"^(?:from |import |def |async def |class |@)", re.MULTILINE)
 
@@ -209,9 +210,9 @@ def mbpp_program(completion: str, answer: str) -> str:
 
 
 def run_code_checks(checks: Sequence[Check]) -> list[float]:
-    """1.0 for each check that passes (in input order), else 0.0; :data:`CODE_LIMITS` per check, at most
-    :data:`CODE_BATCH_TIMEOUT_S` for the batch."""
-    results = run_checks(checks, CODE_LIMITS, total_timeout_s=CODE_BATCH_TIMEOUT_S)
+    """1.0 for each check that passes (in input order), else 0.0; :data:`CODE_LIMITS` for each check, whatever
+    the rest of the batch does."""
+    results = run_checks(checks, CODE_LIMITS)
     return [1.0 if r.passed else 0.0 for r in results]
 
 
