@@ -19,14 +19,13 @@ Each configuration runs in a fresh process with an empty vLLM compile cache (an 
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from fixtures.engine_script import run_engine_script  # noqa: E402
 from fixtures.v2_runner import expected  # noqa: E402 - the model runner this session's engines run
 
 SCRIPT = textwrap.dedent("""
@@ -82,22 +81,8 @@ CONFIGS = {
 
 
 def run(tiny_dir, tmp_path, config: str, extra: str = "-"):
-    env = dict(
-        os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),  # no compiled graph from another run is reused
-    )
-    p = subprocess.run(
-        [sys.executable, "-c", SCRIPT, tiny_dir, json.dumps(CONFIGS[config]), extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
-    assert line, p.stderr[-4000:]
-    return json.loads(line[len("RESULT") :])
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))  # no compiled graph of another run
+    return run_engine_script(SCRIPT, tiny_dir, json.dumps(CONFIGS[config]), extra, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from fixtures.engine_script import run_engine_script  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 DROP_IN = textwrap.dedent("""
@@ -48,20 +50,11 @@ DROP_IN = textwrap.dedent("""
 
 def _drop_in(tiny_dir, tmp_path, runner: str, config: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_USE_V2_MODEL_RUNNER", "ESPERT_VLLM_RUNNER")}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp_path / runner))
+    env["VLLM_CACHE_ROOT"] = str(tmp_path / runner)
     prelude = ""
     if runner == "v2":
         prelude = f"import sys; sys.path.insert(0, {os.path.join(HERE, 'fixtures')!r}); import v2_runner; v2_runner.enable()\n"
-    p = subprocess.run(
-        [sys.executable, "-c", prelude + DROP_IN, tiny_dir, json.dumps(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
-    assert line, p.stderr[-4000:]
-    return json.loads(line[len("RESULT") :])
+    return run_engine_script(prelude + DROP_IN, tiny_dir, json.dumps(config), env=env, timeout=500)
 
 
 @pytest.mark.parametrize("config", ["eager", pytest.param("compiled", marks=pytest.mark.extended)])

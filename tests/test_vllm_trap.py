@@ -8,15 +8,13 @@ packed kernels).  If this test fails because the logprobs *do* change, vLLM stop
 the repack hook may be unnecessary.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("vllm")
+
+from fixtures.engine_script import run_engine_script  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
@@ -45,12 +43,6 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.extended  # ESPERT_SLOW=1 (a canary for vLLM upgrades, ~3 min under load): by default
 # tests/test_vllm_engine.py checks that every edit reaches the packed kernels with espert's patch
 def test_without_patch_edits_are_silently_ignored(tmp_path):
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    p = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "tiny")], env=env, capture_output=True, text=True, timeout=300
-    )
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
-    assert line, p.stderr[-3000:]
-    res = json.loads(line[len("RESULT") :])
+    res = run_engine_script(SCRIPT, str(tmp_path / "tiny"), timeout=300)
     assert res["qkv_shape"] == [0], res  # prepacked: the Parameter is empty
     assert res["unchanged"], "editing lm_head.weight changed the logprobs: vLLM no longer prepacks it"
