@@ -159,3 +159,29 @@ def test_a_correct_completion_scores_1_whatever_its_batch_holds(monkeypatch):
         Check("def f():\n    return 1\n", "assert f() == 1", ("f",))
     ]
     assert code.run_code_checks(checks) == [0.0] * 6 + [1.0]
+
+
+# ---- a reward independent of the machine's load (finding 6) -----------------------------------------------
+
+BURN = "import time\ndef f():\n    t = time.process_time()\n    while time.process_time() - t < 0.6:\n        pass\n    return 1\n"
+
+
+def test_the_budget_is_cpu_time_not_the_machines_load():
+    """A solution that needs 0.6 s of CPU passes a 1 s budget next to 3 CPU hogs on this machine's cores (its
+    wall time is then well past 1 s).  Measured before, scaled from the issue: 7.5 s of CPU passed a 10 s
+    budget alone (9.9 s) and timed out next to 2 hogs; the budget was wall time."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        r = run_check(Check(BURN, "assert f() == 1", ("f",)), Limits(timeout_s=1.0, memory_mb=512))
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert r.passed, (r.status, r.error, r.seconds)
+
+
+def test_a_busy_loop_is_a_timeout_by_its_cpu_time_and_a_sleeper_by_the_wall_clock_cap():
+    busy = run_check(Check("def f():\n    while True:\n        pass\n", "f()", ("f",)), Limits(timeout_s=1.0))
+    assert busy.status == "timeout" and busy.seconds < 3.5, (busy.status, busy.error, busy.seconds)
+    sleeper = run_check(Check(SLEEPER, "f()", ("f",)), Limits(timeout_s=1.0))
+    assert sleeper.status == "timeout" and 2.5 < sleeper.seconds < 4.5, (sleeper.status, sleeper.seconds)
