@@ -33,7 +33,7 @@ HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 MBPP_PROMPT = "{text}\nYour code should pass these tests:\n{tests}\nWrite the Python code in a ```python block."
 #: Limits of one completion's program.  Each check has its own budget: a batch has none, so no check is left
 #: unrun (and scored 0) because others used up the time; a batch of B checks on W workers takes at most about
-#: ceil(B / W) times the budget, plus the jails' start.
+#: ceil(B / W) times the wall-clock cap (Limits.wall_s), plus the jails' start.
 CODE_LIMITS = Limits(timeout_s=10.0, memory_mb=1024)
 
 _CODE_START_RE = re.compile(r"^(?:from |import |def |async def |class |@)", re.MULTILINE)

@@ -60,9 +60,10 @@ class JailUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Limits of one check.  cpu_s None: ``ceil(timeout_s) + 1`` (a second past the wall clock, so that a busy
-    loop meets the deadline and reads ``timeout``: the callee starts before the checker's clock, and on an idle
-    core its CPU time keeps pace with the wall clock).  memory_mb: address space of each process;
+    """Limits of one check.  timeout_s: the budget, in CPU seconds of each process (``RLIMIT_CPU``; cpu_s, when
+    given, sets it in whole seconds instead), so a check's verdict does not depend on the machine's load: a
+    process the CPU limit ends reads ``timeout``.  wall_s: the wall-clock cap, for code that waits without
+    computing (None: ``2·timeout_s + 1``).  memory_mb: address space of each process;
     output_bytes: stdout+stderr kept (more kills the check); file_bytes: largest file; tmp_bytes: the jail's
     writable tmpfs; procs: processes the candidate may start (0: none, not even a thread; above 0, as root,
     the jails of one process share the count: they share a user namespace); open_files:
@@ -70,6 +71,7 @@ class Limits:
     largest call or answer."""
 
     timeout_s: float = 10.0
+    wall_s: Optional[float] = None
     cpu_s: Optional[int] = None
     memory_mb: int = 1024
     output_bytes: int = 1 << 16
@@ -171,7 +173,7 @@ def _jailed_code() -> str:
 
 
 def _rlimits(limits: Limits, candidate: bool) -> dict:
-    cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
+    cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s)
     mem = limits.memory_mb << 20
     return {
         "RLIMIT_CPU": [cpu, cpu + 1],
@@ -280,6 +282,7 @@ class _Run:
         self.fds: list[int] = []  # this process's ends of the pipes
         self.pending: dict[int, bytes] = {}  # stdin still to write: the candidate, the checker's spec
         self.output, self.verdict_data = bytearray(), bytearray()
+        self.returncodes: list[Optional[int]] = []  # the callee's, then the checker's (bwrap's: 128 + signal)
         self.workdir = None if jailed else tempfile.mkdtemp(prefix="espert-sandbox-")
 
     def _pipe(self, mine: int) -> tuple[int, int]:
@@ -361,8 +364,7 @@ class _Run:
         """Kill both jails whole, wait for them, keep what output is left, close everything."""
         for p in self.procs:
             p.kill()
-        for p in self.procs:
-            p.reap()
+        self.returncodes = [p.reap() for p in self.procs]
         os.set_blocking(self.out, False)
         try:  # every writer is gone (jailed); unjailed, an escaped process may still hold the pipe
             while len(self.output) <= self.limits.output_bytes and (data := os.read(self.out, 1 << 16)):
@@ -387,8 +389,10 @@ class _Run:
         if verdict.get("started") is not True and verdict.get("status") != "timeout":
             raise jail.JailError(f"the candidate's process did not start; its output: {out[-500:]!r}")
         passed = verdict.get("passed") is True
-        status = "passed" if passed else str(verdict.get("status") or "failed")
-        return Result(passed, status, seconds, out, str(verdict.get("error") or ""))
+        status, error = "passed" if passed else str(verdict.get("status") or "failed"), str(verdict.get("error") or "")
+        if status == "failed" and self.returncodes and self.returncodes[0] in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+            status, error = "timeout", f"the candidate's process used its CPU time ({error})"
+        return Result(passed, status, seconds, out, error)
 
 
 def _compiles(source: str, name: str) -> Optional[str]:
@@ -409,7 +413,8 @@ def run_check(check: Check, limits: Limits = Limits(), deadline: Optional[float]
     for source, name in ((check.trusted, "trusted code"), (check.tests, "tests")):
         if (err := _compiles(source, name)) is not None:
             raise ValueError(f"the {name} of a code check do not compile: {err}")
-    end = t0 + limits.timeout_s if deadline is None else min(t0 + limits.timeout_s, deadline)
+    wall = limits.wall_s if limits.wall_s is not None else 2 * limits.timeout_s + 1
+    end = t0 + wall if deadline is None else min(t0 + wall, deadline)
     if end <= t0:
         return Result(False, "skipped")
     jailed = code_jail()
