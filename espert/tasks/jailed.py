@@ -198,7 +198,7 @@ class Link:
     """The checker's side of the conversation with the callee."""
 
     def __init__(self, channel: Channel):
-        self.channel, self.started, self.calls = channel, False, 0
+        self.channel, self.started, self.calls, self.ended = channel, False, 0, False
         self.remotes: dict = {}  # one stand-in per object of the candidate: it is itself, and only itself
 
     def remote(self, ref: dict) -> Remote:
@@ -212,6 +212,7 @@ class Link:
     def expect(self):
         doc = self.channel.receive()
         if doc is None:
+            self.ended = True
             raise CandidateError("the candidate's process ended")
         if not isinstance(doc, dict):
             raise CandidateError("the candidate sent something that is not a message")
@@ -383,7 +384,7 @@ def checker(cfg: dict) -> None:
         verdict.update(status="timeout", error=str(e))
     except BaseException as e:  # noqa: BLE001 - a failed test, a failed candidate: the verdict says which
         verdict["error"] = failure(e, sources)
-    verdict.update(started=link.started, calls=link.calls)
+    verdict.update(started=link.started, calls=link.calls, ended=link.ended)
     try:
         sys.stdout.flush()
         sys.stderr.flush()

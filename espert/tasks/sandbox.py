@@ -362,6 +362,15 @@ class _Run:
 
     def finish(self) -> None:
         """Kill both jails whole, wait for them, keep what output is left, close everything."""
+        try:
+            ended = json.loads(bytes(self.verdict_data)).get("ended") is True
+        except (ValueError, AttributeError):
+            ended = False
+        if ended and self.procs:
+            try:  # the callee ended by itself: let its launcher report how (a CPU limit reads 'timeout')
+                self.procs[0].proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
         for p in self.procs:
             p.kill()
         self.returncodes = [p.reap() for p in self.procs]
