@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from espert.vllm.patches import releases
+from espert.vllm.patches import INSTALLED, NEWEST, OLDEST, installed_version, releases, runner_name
 
 if TYPE_CHECKING:  # the runner espert drives (espert.vllm.contract checks its members in every vLLM release)
     try:  # vLLM's V1 model runner (0.11 to 0.33), or its V2 runner (0.12 on; the only one in 0.34)
@@ -107,8 +107,6 @@ def _forward(runner: GPUModelRunner):
     Drives vLLM's V1 model runner (0.11 to 0.33) or its V2 runner (0.12 on; the only one in 0.34); a
     runner that is neither is refused with :class:`EditsNotVisible`, since nothing then proves that edits
     reach its forward pass."""
-    from espert.vllm.patches import INSTALLED, NEWEST, OLDEST, installed_version, runner_name
-
     kind = runner_name(runner)
     if kind.startswith("V2") and "probe_ids" in INSTALLED:
         from espert.vllm.patches.probe_ids import probe_forward
@@ -194,8 +192,6 @@ def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, vi
     if not names:
         return []
     tied = _tied_embedding(model)
-    from espert.vllm.patches import installed_version, runner_name
-
     engine = f"{runner_name(runner)} model runner, vLLM {installed_version()}"
     with torch.inference_mode():
         base_h, base_logits = _forward(runner)
