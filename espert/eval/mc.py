@@ -126,8 +126,8 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     n_space = len(context) - len(context.rstrip())
     if n_space:
         context, continuation = context[:-n_space], context[-n_space:] + continuation
-    whole = encode(tokenizer, context + continuation)
-    return whole[: len(encode(tokenizer, context))], whole[len(encode(tokenizer, context)) :]
+    whole, n_ctx = encode(tokenizer, context + continuation), len(encode(tokenizer, context))
+    return whole[:n_ctx], whole[n_ctx:]
 
 
 def rolling_windows(tokenizer, text: str, max_length: int) -> list[tuple[list[int], list[int]]]:

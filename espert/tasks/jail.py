@@ -202,8 +202,9 @@ def _filesystem(tmp_bytes: int) -> list[str]:
 
 def command(args: list[str], tmp_bytes: int) -> tuple[list[str], tuple[int, ...]]:
     """``(argv, fds)``: ``args`` (an interpreter command line) run in the jail, and the descriptors the
-    launcher must inherit (``pass_fds``), which the caller closes once bwrap has started (:func:`launch`).  The program learns from ``jailed.confine(drop=...)`` whether it
-    starts as root and must drop to 65534 (``os.geteuid() == 0`` here).  Raises :class:`JailError`."""
+    launcher must inherit (``pass_fds``), which the caller closes once bwrap has started (:func:`launch`).  The
+    program learns from ``jailed.confine(drop=...)`` whether it starts as root and must drop to 65534
+    (``os.geteuid() == 0`` here).  Raises :class:`JailError`."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise JailError(f"bwrap not found: {INSTALL_HINT}")
@@ -258,13 +259,16 @@ def _probe() -> JailStatus:
     try:
         v = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30).stdout.split()
         tool = " ".join(v[:2]) if v else "bubblewrap"
-        p = launch(python_args(PROBE), 1 << 20, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = p.communicate(timeout=60)
-        p = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        with launch(python_args(PROBE), 1 << 20, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+            try:
+                out, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()  # as subprocess.run does: no probe outlives its time
+                raise
     except (JailError, OSError, subprocess.SubprocessError) as e:
         return JailStatus(False, reason=str(e))
-    said = (p.stdout + p.stderr).strip().splitlines()
-    if p.returncode != 0 or p.stdout.strip() != f"jailed as {NOBODY}":
+    said = (out + err).strip().splitlines()
+    if p.returncode != 0 or out.strip() != f"jailed as {NOBODY}":
         return JailStatus(False, reason=f"{tool} cannot make a jail here: {said[-1] if said else p.returncode}")
     how = "root: joins a user namespace mapping 0 and 65534, then drops to 65534" if os.geteuid() == 0 else ""
     return JailStatus(True, tool, how or f"uid {os.geteuid()} mapped to {NOBODY} in its own user namespace")

@@ -65,8 +65,8 @@ class Limits:
     process the CPU limit ends reads ``timeout``.  wall_s: the wall-clock cap, for code that waits without
     computing (None: ``2·timeout_s + 1``).  memory_mb: address space of each process;
     output_bytes: stdout+stderr kept (more kills the check); file_bytes: largest file; tmp_bytes: the jail's
-    writable tmpfs; procs: processes the candidate may start (0: none, not even a thread; above 0, as root,
-    the jails of one process share the count: they share a user namespace); open_files:
+    writable tmpfs; procs: processes the candidate may start (0: none, not even a thread; counted per jail: each has a
+    user namespace of its own); open_files:
     descriptors of each process (with file_bytes it bounds what memfds can hold); message_bytes: the
     largest call or answer."""
 
@@ -283,6 +283,7 @@ class _Run:
         self.pending: dict[int, bytes] = {}  # stdin still to write: the candidate, the checker's spec
         self.output, self.verdict_data = bytearray(), bytearray()
         self.returncodes: list[Optional[int]] = []  # the callee's, then the checker's (bwrap's: 128 + signal)
+        self.verdict: Optional[dict] = None  # the checker's verdict, parsed once the jails are gone (finish)
         self.workdir = None if jailed else tempfile.mkdtemp(prefix="espert-sandbox-")
 
     def _pipe(self, mine: int) -> tuple[int, int]:
@@ -362,11 +363,8 @@ class _Run:
 
     def finish(self) -> None:
         """Kill both jails whole, wait for them, keep what output is left, close everything."""
-        try:
-            ended = json.loads(bytes(self.verdict_data)).get("ended") is True
-        except (ValueError, AttributeError):
-            ended = False
-        if ended and self.procs:
+        self.verdict = _parse_verdict(self.verdict_data)
+        if self.verdict is not None and self.verdict.get("ended") is True and self.procs:
             try:  # the callee ended by itself: let its launcher report how (a CPU limit reads 'timeout')
                 self.procs[0].proc.wait(timeout=GRACE_S)
             except subprocess.TimeoutExpired:
@@ -391,10 +389,9 @@ class _Run:
         seconds = time.monotonic() - t0
         if status is not None:
             return Result(False, status, seconds, out)
-        try:
-            verdict = json.loads(bytes(self.verdict_data))
-        except ValueError:
-            raise jail.JailError(f"the checker ended without a verdict; its output: {out[-500:]!r}") from None
+        verdict = self.verdict
+        if verdict is None:
+            raise jail.JailError(f"the checker ended without a verdict; its output: {out[-500:]!r}")
         if verdict.get("started") is not True and verdict.get("status") != "timeout":
             raise jail.JailError(f"the candidate's process did not start; its output: {out[-500:]!r}")
         passed = verdict.get("passed") is True
@@ -402,6 +399,15 @@ class _Run:
         if status == "failed" and self.returncodes and self.returncodes[0] in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
             status, error = "timeout", f"the candidate's process used its CPU time ({error})"
         return Result(passed, status, seconds, out, error)
+
+
+def _parse_verdict(data: bytes) -> Optional[dict]:
+    """The checker's verdict line as a dict, or None when it wrote none (or not a JSON object)."""
+    try:
+        verdict = json.loads(bytes(data))
+    except ValueError:
+        return None
+    return verdict if isinstance(verdict, dict) else None
 
 
 def _compiles(source: str, name: str) -> Optional[str]:
