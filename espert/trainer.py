@@ -254,6 +254,7 @@ class TrainingLoop:
             _check_prompt_log(self.cfg, run, len(tasks.train))
         self._record_task()
         self.evaluator = _build_evaluator(run, tasks.train, resume)
+        _check_exportable(run, self.evaluator, resume)
         run.commit()  # everything loaded: only now does the run directory appear
         self.evaluator.base_moved(run.base_path)
         self._say_unmoved()
@@ -410,6 +411,16 @@ def _build_evaluator(run, train_task, resume: bool):
     note = "" if resume else "; nothing was written, so the same command works once it is fixed"
     with loading_model(what, cfg.evaluator, note), ticking(f"[espert] loading the model ({cfg.evaluator} evaluator)"):
         return build_evaluator(cfg, run.base_path, train_task.score, train_task.extract)
+
+
+def _check_exportable(run, evaluator, resume: bool) -> None:
+    """Refuse, before the first iteration, a run whose export in the base's format could not be written."""
+    from espert.runs.export import check_exportable
+
+    try:
+        check_exportable(evaluator.export_layout(), run.base_path)
+    except ValueError as e:
+        raise ValueError(f"{e}{'' if resume else '; the run was not started and nothing was written'}") from None
 
 
 def bar_postfix(rec: dict, heldout: float | None) -> dict[str, str]:

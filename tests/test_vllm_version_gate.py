@@ -47,12 +47,14 @@ def test_each_release_gets_the_patches_written_for_it():
     assert names("0.11.0") == ["quiet", "cpu_prepack", "w8a8", "seeded", "lora_cpu", "compile_key"]
     assert names("0.25.0") == ["quiet", "cpu_prepack", "w8a8", "seeded", "probe_ids", "lora_cpu", "compile_key"]
     assert names("0.28.0") == [
-        "quiet", "cpu_prepack", "w8a8", "seeded", "probe_ids", "lora_cpu", "weight_transfer", "compile_key"
+        "quiet", "cpu_prepack", "moe_prepack", "w8a8", "seeded", "probe_ids", "lora_cpu", "weight_transfer",
+        "compile_key",
     ]  # fmt: skip
     assert "seeded" not in names("0.34.0")  # the V2 model runner samples without a generator to rewind
     assert names("0.99.0+cpu") == [
         "quiet",
         "cpu_prepack",
+        "moe_prepack",
         "w8a8",
         "probe_ids",
         "lora_cpu",

@@ -116,6 +116,14 @@ class Evaluator(abc.ABC):
         (the default) when the backend has it in memory anyway: checkpoints then use the dicts."""
         return None
 
+    def export_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{logical name: (shape, dtype)}`` of what :meth:`export_state` holds, from the chunk source's layout
+        where there is one (nothing is pulled)."""
+        stream = self.center_stream()
+        if stream is not None:
+            return dict(stream.layout)
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.export_state().items()}
+
     def noise_energy(self) -> float | None:
         """Σ_t n_t·s_t² over the moved tensors (see the module docstring); None when unknown."""
         return center_energy(self)

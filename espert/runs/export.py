@@ -169,6 +169,17 @@ def export_model(
     return out_dir
 
 
+def check_exportable(layout: dict, base_ref: str) -> None:
+    """Refuse (ValueError, one line) a center that :func:`export_model` could not write in the base's format:
+    a name missing from the base checkpoint or of another shape there, or a base without safetensors weights.
+    layout: ``{name: (shape, dtype)}`` (a chunk source's ``layout``).  A run calls it before its first
+    iteration, so an export that cannot be written never costs a finished run."""
+    from espert.center import OPTIM_PREFIX
+
+    names = {n: shape for n, (shape, _) in layout.items() if not n.startswith(OPTIM_PREFIX)}
+    _base_shards(resolve_model_dir(base_ref), names)
+
+
 def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, str]]:
     """``(headers by shard, {center name: its shard})`` of the base's safetensors files; ValueError (before
     anything is written) when a center name is missing there, has another shape, or a dtype cannot be stored."""

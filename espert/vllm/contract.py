@@ -633,6 +633,10 @@ def _alternatives(tree: ast.Module) -> tuple[dict[int, tuple], dict[str, tuple]]
 def _import_uses(tree: ast.Module, where, module: str) -> list[Use]:
     """An ``exists`` use per vLLM import; imports tried in turn are alternatives (:func:`_alternatives`)."""
     grouped, _ = _alternatives(tree)
+    gated = {}  # an import inside a function marked @releases holds in those releases only
+    for fn in ast.walk(tree):  # breadth first: an inner function's mark replaces its outer one's
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and _releases_of(fn):
+            gated.update({id(n): _releases_of(fn) for n in ast.walk(fn)})
     uses, done = [], set()
     for node in ast.walk(tree):
         for local, ref in _bound(node).items():
@@ -640,7 +644,9 @@ def _import_uses(tree: ast.Module, where, module: str) -> list[Use]:
             if alts and alts in done:
                 continue
             done.add(alts)
-            uses.append(Use(alts[0] if alts else ref, where(node), module, alts=alts[1:]))
+            uses.append(
+                Use(alts[0] if alts else ref, where(node), module, alts=alts[1:], releases=gated.get(id(node), ()))
+            )
     return uses
 
 

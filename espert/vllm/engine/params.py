@@ -21,8 +21,14 @@ The layout rules (vllm 0.32 ``layers/linear.py`` and ``vocab_parallel_embedding.
     ParallelLMHead               padding rows (to a multiple of 64, and per rank) are not parameters
     tied lm_head                 the same Parameter as embed_tokens: one logical param, as in the checkpoint
 
+    RoutedExperts w13_weight     expert e, rows [0, I/tp) -> experts.{e}.gate_proj (w1) rows from tp_rank·I/tp,
+      [E, 2·I/tp, H]             rows [I/tp, 2·I/tp) -> experts.{e}.up_proj (w3); e is the expert's global id
+    RoutedExperts w2_weight      expert e -> experts.{e}.down_proj (w2) columns from tp_rank·I/tp
+      [E, H, I/tp]               (the checkpoint names come from vLLM's own expert mapping of the model)
+    ReplicatedLinear subclasses  whole (a MoE router, GateLinear)
+
 Anything else that holds a parameter we cannot map (a quantization method other than the
-unquantized one, an unknown fused linear subclass, MoE experts, added LoRA vocabulary, a
+unquantized one, an unknown fused linear subclass, other expert layers, added LoRA vocabulary, a
 prepacked (empty) weight) raises :class:`LayoutError` naming the parameter.  Nothing is
 silently skipped.
 
@@ -42,6 +48,7 @@ import torch
 from espert.ops import DTYPE_CODES, Block
 from espert.params import ParamView, matches
 from espert.tensorfile import read_header
+from espert.vllm.patches import releases
 
 
 class LayoutError(ValueError):
@@ -174,6 +181,98 @@ def layer_pieces(module, kind: str, vllm_name: str, local_shape: Sequence[int], 
     return linear_pieces(kind, vllm_name, local_shape, logical_names, **vars(LinearLayout.of(module)))
 
 
+def expert_pieces(
+    vllm_name: str,
+    local_shape: Sequence[int],
+    names: dict[tuple[int, str], str],
+    *,
+    local_experts: Sequence[int],
+    intermediate: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> list[Piece]:
+    """Pieces of a fused expert weight of vLLM's ``RoutedExperts``, over its rows ``[E·R, C]`` (the 3-D
+    tensor seen as 2-D).
+
+    ``w13_weight [E, 2·I/tp, H]``: expert e's rows ``[0, I/tp)`` are a row block of its ``w1`` (gate) checkpoint
+    tensor ``[I, H]`` from row ``tp_rank·I/tp``, rows ``[I/tp, 2·I/tp)`` of its ``w3`` (up); a non-gated MoE's
+    ``w13`` holds ``w1`` alone.  ``w2_weight [E, H, I/tp]``: a column block of ``w2`` (down) ``[H, I]`` from column
+    ``tp_rank·I/tp``.  names: ``{(global expert id, "w1" | "w2" | "w3"): checkpoint name}`` (vLLM's expert
+    mapping); local_experts: the global id of each local expert (expert parallelism places them);
+    intermediate: ``I``, the checkpoint's intermediate size.
+    """
+    e_local, rows, cols = (int(x) for x in local_shape)
+    if len(local_experts) != e_local or intermediate % tp_size:
+        raise LayoutError(
+            f"{vllm_name}: {e_local} local experts, {len(local_experts)} placed; I={intermediate}, tp={tp_size}"
+        )
+    part = intermediate // tp_size
+    down = vllm_name.endswith("w2_weight")
+    shards = ["w2"] if down else [s for s in ("w1", "w3") if (local_experts[0], s) in names]
+    if (cols if down else rows) != part * len(shards):
+        raise LayoutError(
+            f"{vllm_name}: shape {tuple(local_shape)} is not {len(shards)}×{part} rows or columns per expert "
+            f"(vLLM padded or repacked it in a layout espert does not map)"
+        )
+    out = []
+    for e, g in enumerate(local_experts):
+        for k, shard in enumerate(shards):
+            if down:
+                block = Block(0, tp_rank * part, rows, intermediate)
+                out.append(Piece(names[g, shard], e * rows, (e + 1) * rows, block))
+            else:
+                start = e * rows + k * part
+                out.append(Piece(names[g, shard], start, start + part, Block(tp_rank * part, 0, intermediate, cols)))
+    return out
+
+
+def _expert_names(prefix: str, module) -> dict[tuple[int, str], str]:
+    """``{(global expert, shard): checkpoint name}`` of a RoutedExperts module at ``prefix``, from vLLM's own
+    expert mapping (its ``(param, "experts.{e}.gate_proj.", e, "w1")`` rows name tensors of the MoE block)."""
+    block = prefix.removesuffix(".routed_experts").removesuffix("experts")
+    return {(e, shard): f"{block}{weight}weight" for _, weight, e, shard in module.get_expert_mapping()}
+
+
+def _routed_experts(module) -> bool:
+    return type(module).__name__ == "RoutedExperts" and hasattr(module, "get_expert_mapping")
+
+
+@releases("0.25")  # RoutedExperts and its expert mapping; before, MoE layers are refused
+def _expert_param_pieces(pname: str, p: torch.Tensor, module, prefix: str, leaf: str) -> list[Piece]:
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    if not isinstance(module, RoutedExperts):
+        raise LayoutError(f"{pname}: MoE expert layer {type(module).__name__} has a layout espert does not map")
+    qm = getattr(module, "quant_method", None)
+    if not isinstance(qm, UnquantizedFusedMoEMethod):
+        raise LayoutError(
+            f"{pname}: experts quantized by {type(qm).__name__} have a runtime layout espert does not map through "
+            f"vLLM; exclude them"
+        )
+    if leaf not in ("w13_weight", "w2_weight") or p.dim() != 3:
+        raise LayoutError(f"{pname}: expert parameter {leaf!r} of shape {tuple(p.shape)} is not mapped")
+    cfg = module.moe_config
+    par = cfg.moe_parallel_config
+    emap = module.expert_map
+    local = list(range(module.global_num_experts)) if emap is None else _local_to_global(emap)
+    return expert_pieces(
+        pname,
+        tuple(p.shape),
+        _expert_names(prefix, module),
+        local_experts=local,
+        intermediate=cfg.intermediate_size_per_partition * par.tp_size,
+        tp_rank=par.tp_rank,
+        tp_size=par.tp_size,
+    )
+
+
+def _local_to_global(expert_map: torch.Tensor) -> list[int]:
+    """vLLM's expert map (global id -> local slot, -1 elsewhere) as the global id of each local slot."""
+    pairs = sorted((int(slot), g) for g, slot in enumerate(expert_map.tolist()) if slot >= 0)
+    return [g for _, g in pairs]
+
+
 def vocab_pieces(
     vllm_name: str,
     local_shape: Sequence[int],
@@ -223,6 +322,8 @@ def _linear_kind(module) -> str | None:
         L.QKVParallelLinear: "qkv",
         L.RowParallelLinear: "row",
     }
+    if type(module) not in exact and isinstance(module, L.ReplicatedLinear):
+        return "replicated"  # a MoE router (GateLinear): whole on every rank, one output, nothing to fuse
     return exact.get(type(module))
 
 
@@ -278,11 +379,17 @@ def vllm_param_views(
         pname, prefix = pname.replace(".base_layer.", "."), prefix.removesuffix(".base_layer")
         if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.engine.w8a8
             continue
+        live = p.data
+        if _routed_experts(module):  # pieces are rows of [E·R, C]; on vLLM-CPU, of the plain (unpacked) copy
+            from espert.vllm.patches.moe_prepack import expert_plain
+
+            live = expert_plain(p.data)
+            live = (p.data if live is None else live).reshape(-1, p.shape[-1])
         for pc in _param_pieces(pname, p, module, prefix, leaf, packed):
             lname = rename(pc.name) if rename else pc.name
             if (include and not matches(lname, include)) or (exclude and matches(lname, exclude)):
                 continue
-            t = p.data[pc.start : pc.stop]
+            t = live[pc.start : pc.stop]
             views.append(ParamView(lname, t, pc.block if pc.block != Block(0, 0, None, None) else None))
     if not views:
         raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
@@ -293,6 +400,8 @@ def _param_pieces(pname: str, p: torch.Tensor, module, prefix: str, leaf: str, p
     """The pieces of one live parameter ``pname`` of ``module`` (after the checks of :func:`_check_param`)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    if _routed_experts(module) and p.dtype in DTYPE_CODES:
+        return _expert_param_pieces(pname, p, module, prefix, leaf)
     kind = _check_param(pname, p, module, prefix, leaf)
     if kind is not None:
         names = _logical_names(prefix, leaf, packed) if kind in ("merged", "qkv") else None
@@ -341,7 +450,7 @@ def _check_param(pname: str, p: torch.Tensor, module, prefix: str, leaf: str) ->
             f"map (known: Replicated/Column/MergedColumn/QKV/RowParallelLinear)"
         )
     if kind is None and (type(module).__name__ in ("FusedMoE", "SharedFusedMoE") or "experts" in prefix.split(".")):
-        raise LayoutError(f"{pname}: MoE expert weights are not mapped to checkpoint names")
+        raise LayoutError(f"{pname}: MoE expert layer {type(module).__name__} has a layout espert does not map")
     mapped = kind is not None or isinstance(module, VocabParallelEmbedding)
     if mapped:
         _check_quant(pname, module)

@@ -3,17 +3,20 @@
 The prepack patch (:mod:`espert.vllm.patches.cpu_prepack`) keeps each Linear's plain weight beside
 vLLM's packed copy and repacks a layer marked stale at its next forward.  :class:`RepackingCenter` is the
 center the worker extension holds: every method that changes the live weights marks the layers whose
-plain weight shares storage with a selected view.  On GPU there are no packed layers and it only forwards.
+plain weight shares storage with a selected view, and packs the edited experts of a mixture of experts again.
+On GPU there are no packed layers and it only forwards.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
 
 from espert.params import ParamView
 from espert.vllm.patches.cpu_prepack import packed_layers
+from espert.vllm.patches.moe_prepack import expert_plain, repack_experts
 
 
 class RepackingCenter:
@@ -27,6 +30,13 @@ class RepackingCenter:
             v.tensor.untyped_storage().data_ptr() for v in inner.views if getattr(v, "qv", None) is None
         }  # W8A8 views repack themselves (espert/vllm/engine/w8a8.py)
         self.lazy = [m.cpu_linear for _, m in packed_layers(model) if m.weight.untyped_storage().data_ptr() in storages]
+        # experts are packed again at once, not at the next forward: their kernel reads the packed tensor directly
+        self.experts = [
+            p
+            for p in model.parameters()
+            if (plain := expert_plain(p.data)) is not None and plain.untyped_storage().data_ptr() in storages
+        ]
+        self.expert_seconds, self.expert_repacks = 0.0, 0
 
     # -- what the worker reads -------------------------------------------------------------------
     @property
@@ -50,16 +60,21 @@ class RepackingCenter:
 
     @property
     def repack_seconds(self) -> float:
-        return sum(z.seconds for z in self.lazy) + getattr(self.inner, "repack_seconds", 0.0)
+        return sum(z.seconds for z in self.lazy) + self.expert_seconds + getattr(self.inner, "repack_seconds", 0.0)
 
     @property
     def repacks(self) -> int:
-        return sum(z.repacks for z in self.lazy) + getattr(self.inner, "repacks", 0)
+        return sum(z.repacks for z in self.lazy) + self.expert_repacks + getattr(self.inner, "repacks", 0)
 
     # -- edits: each marks the packed copies stale, also when it raised half way -------------------
     def _stale(self) -> None:
         for z in self.lazy:
             z.stale = True
+        t0 = time.perf_counter()
+        for p in self.experts:
+            repack_experts(p.data)
+        self.expert_seconds += time.perf_counter() - t0
+        self.expert_repacks += len(self.experts)
 
     def restore(self) -> None:
         try:

@@ -4,7 +4,8 @@ An engine can run from copies of its weights that in-place edits never touch: vL
 prepacks (:mod:`espert.vllm.patches.cpu_prepack`), a compiled graph that baked a handler in as a constant,
 a CUDA graph over reallocated tensors.  Nothing errors then: rewards just stop depending on the
 perturbation.  So ``es_setup`` ends with :func:`check_edits_reach_forward`: for one tensor of each
-module kind in :data:`KINDS` (embedding, MLP, norm, lm_head) among the selected parameters it
+module kind in :data:`KINDS` (embedding, MLP, experts, norm, lm_head) among the selected parameters (for
+experts: every expert of one fused tensor, since a probe token reaches only the experts it is routed to) it
 
 1. perturbs that tensor alone (σ = :data:`SIGMA`, espert's own kernel, from an exact copy);
 2. runs the engine's own forward pass on :data:`PROBE_TOKENS` tokens (vLLM's ``_dummy_run`` with
@@ -45,7 +46,7 @@ SIGMA = 0.05
 PROBE_TOKENS = 4
 SEED = 20261201
 
-KINDS = ("embedding", "mlp", "norm", "lm_head")
+KINDS = ("embedding", "mlp", "experts", "norm", "lm_head")
 
 
 class EditsNotVisible(RuntimeError):
@@ -63,6 +64,8 @@ def kind_of(name: str) -> str | None:
         return "norm"
     if any("attn" in p or "attention" in p for p in parts):
         return "attention"
+    if "experts" in parts:
+        return "experts"
     if any("mlp" in p or "ffn" in p or "expert" in p for p in parts):
         return "mlp"
     return None
@@ -78,6 +81,15 @@ def probe_views(views) -> list:
         if k in KINDS and (k not in chosen or k == "norm"):
             chosen[k] = v
     return [chosen[k] for k in KINDS if k in chosen]
+
+
+def _probed_with(v, views) -> list:
+    """The views one probe perturbs: ``v``, or for an expert every expert of its live tensor (a probe token is
+    routed to a few experts, which need not include ``v``'s)."""
+    if kind_of(v.name) != "experts":
+        return [v]
+    ptr = v.tensor.untyped_storage().data_ptr()
+    return [u for u in views if kind_of(u.name) == "experts" and u.tensor.untyped_storage().data_ptr() == ptr]
 
 
 def _logits(runner: GPUModelRunner, hidden):
@@ -197,7 +209,7 @@ def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, vi
         base_h, base_logits = _forward(runner)
         for name in names:
             v = local.get(name)  # None: this rank holds no piece of it, and only joins the forwards
-            one = wrap(CenterStore([v]), model) if v is not None else None
+            one = wrap(CenterStore(_probed_with(v, views)), model) if v is not None else None
             head = kind_of(name) == "lm_head" or (kind_of(name) == "embedding" and tied)
             try:
                 if one is not None:

@@ -117,6 +117,12 @@ def _check_setup(model, members: str, master: str) -> None:
     cpu_prepack.check_model(model)
     _check_choice("members", members, ("serial", "batched"))
     _check_choice("master", master, ("float32", "weights"))
+    experts = next((n for n, m in model.named_modules() if type(m).__name__ == "RoutedExperts"), None)
+    if members == "batched" and experts is not None:
+        raise ValueError(
+            f"{experts}: batched members fill vLLM LoRA slots of Linear layers only, so a mixture of experts' "
+            f"experts would not move; use vllm_members: serial"
+        )
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:

@@ -54,6 +54,11 @@ PATCHES = (
     Patch("quiet", OLDEST, "vLLM's per-layer warnings at load are counted into one line per engine; errors in full"),
     Patch("cpu_prepack", OLDEST, "vLLM-CPU's prepacked Linear weights keep their plain copy and repack after edits"),
     Patch(
+        "moe_prepack",
+        "0.28",  # the first release whose vLLM-CPU experts (fused_moe/experts/cpu_moe.py) prepack unquantized weights
+        "vLLM-CPU's prepacked expert weights keep their plain copy and are packed again after edits",
+    ),
+    Patch(
         "w8a8",
         OLDEST,
         "vLLM-CPU's W8A8 int8 layers keep their codes and take the rebuildable oneDNN path",
