@@ -73,10 +73,12 @@ def gpus() -> list[str]:
 
 
 def jail_facts() -> dict:
-    """Whether code rewards can run jailed here (espert.tasks.jail; probed once per process)."""
+    """Whether code rewards can run jailed here (espert.tasks.jail; probed once per process), and which memory
+    bound holds for a check."""
     from espert.tasks import jail
 
-    return dataclasses.asdict(jail.status())
+    st = jail.status()
+    return {**dataclasses.asdict(st), **({"memory": jail.memory_bound()} if st.available else {})}
 
 
 def describe(with_gpus: bool = True) -> dict:
@@ -137,6 +139,8 @@ def format_environment(facts: dict) -> str:
     if jail is not None:
         if jail["available"]:
             lines.append(f"jail:    {jail['tool']} ({jail['how']})")
+            if jail.get("memory"):
+                lines.append(f"jail:    memory: {jail['memory']}")
         else:
             lines.append(f"jail:    unavailable: {jail['reason']}; code rewards need --unsafe-code-reward")
     return "\n".join(lines)

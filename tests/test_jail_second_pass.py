@@ -192,3 +192,43 @@ def test_a_busy_loop_is_a_timeout_by_its_cpu_time_and_a_sleeper_by_the_wall_cloc
     assert busy.status == "timeout" and busy.seconds < 3.5, (busy.status, busy.error, busy.seconds)
     sleeper = run_check(Check(SLEEPER, "f()", ("f",)), Limits(timeout_s=1.0))
     assert sleeper.status == "timeout" and 2.5 < sleeper.seconds < 4.5, (sleeper.status, sleeper.seconds)
+
+
+def test_the_samples_file_tells_a_timeout_from_a_failure(monkeypatch, tmp_path):
+    """``espert eval``'s samples hold each code check's status beside its reward: ``passed``, ``failed`` (a wrong
+    answer) and ``timeout`` (a loop) all score 0 or 1 as before, and the file says which.  Before, it held the
+    rewards alone, so a timeout read as a wrong answer."""
+    from espert.eval.samples import load_samples, make_records, save_samples
+    from espert.tasks import code, load_task
+
+    monkeypatch.setattr(code, "CODE_LIMITS", Limits(timeout_s=1.0, memory_mb=512))
+    task = load_task("humaneval", n=1)
+    prompt = json.loads(task.answers[0])["prompt"]
+    solution = next(r["canonical_solution"] for r in code.humaneval_rows() if r["prompt"] == prompt)
+    loop = "    while True:\n        pass\n"
+    recs = make_records("m", task, [[solution, "    return True\n", loop]])
+    save_samples(str(tmp_path / "s.jsonl"), recs)
+    (back,) = load_samples(str(tmp_path / "s.jsonl"))
+    assert back["rewards"] == [1.0, 0.0, 0.0] and back["statuses"] == ["passed", "failed", "timeout"], back
+
+
+# ---- a memory bound for all checks together (finding 7) -----------------------------------------------------
+
+#: Holds ``n`` memfds of 16 MiB each, written through (memfd pages count in no process's address space).
+MEMFDS = "import os\nfds = []\nfor i in range({n}):\n    fd = os.memfd_create('m')\n    os.write(fd, b'x' * (16 << 20))\n    fds.append(fd)\n"
+
+
+def test_a_checks_memfds_count_against_its_memory_bound():
+    """A candidate's memory as a whole, memfds included, is bounded by ``memory_mb`` where the machine has a memory
+    cgroup (``jail.memory_bound()`` says which bound holds).  Before, RLIMIT_AS bounded each process's address space
+    only: 24 memfds of 16 MiB (384 MiB) passed under a 256 MiB limit, and one check held 1.2-1.45 GiB."""
+    from espert.tasks.sandbox import run_program
+
+    bound = jail.memory_bound()
+    limits = Limits(timeout_s=5.0, memory_mb=256, open_files=64)
+    small, big = (run_program(MEMFDS.format(n=n), limits) for n in (4, 24))
+    assert small.passed, (small.status, small.error)
+    if bound.startswith("cgroup"):
+        assert not big.passed, (big.status, big.error)
+    else:  # no memory cgroup here: the stated bound, per process, is what holds
+        assert "open_files × file_bytes" in bound and big.passed

@@ -11,7 +11,7 @@ from ..tasks import Task, reward_task
 from ..tasks.loaders import iter_jsonl
 
 #: Keys of one JSONL line.
-RECORD_KEYS = ("model", "task", "index", "prompt", "answer", "completions", "rewards", "extracted", "meta")
+RECORD_KEYS = ("model", "task", "index", "prompt", "answer", "completions", "rewards", "statuses", "extracted", "meta")
 
 
 def make_records(
@@ -24,7 +24,8 @@ def make_records(
     """Score completions (``completions[i]`` = the n samples of problem i) into records.
 
     Each record holds the model label, task name, problem index, prompt, answer, the
-    completions, per-sample rewards and extracted answers, and ``meta`` (sampling settings).
+    completions, per-sample rewards, for code tasks each check's status (``statuses``: passed, failed,
+    timeout, output_limit), extracted answers, and ``meta`` (sampling settings).
     """
     if len(completions) != len(task.prompts):
         raise ValueError(f"got completions for {len(completions)} problems, task has {len(task.prompts)}")
@@ -57,11 +58,15 @@ def score_records(records: list[dict], task: Task) -> list[dict]:
             raise ValueError(f"model {r['model']!r} problem {r['index']}: empty completion list")
         flat_c.extend(r["completions"])
         flat_a.extend([r["answer"]] * len(r["completions"]))
-    rewards = task.score(flat_c, flat_a)
+    rewards, statuses = task.score_with_status(flat_c, flat_a)
     pos = 0
     for r in records:
         m = len(r["completions"])
         r["rewards"] = rewards[pos : pos + m]
+        if statuses is not None:  # a code task: a timeout is told apart from a wrong answer
+            r["statuses"] = statuses[pos : pos + m]
+        else:
+            r.pop("statuses", None)
         r["extracted"] = [task.extract(c, r["answer"]) for c in r["completions"]]
         r["task"] = task.name
         pos += m
@@ -103,6 +108,11 @@ def validate_record(r: Any, where: str) -> dict:
     for j, x in enumerate(ext):
         if x is not None and not isinstance(x, str):
             raise ValueError(f"{where}: extracted answer {j} must be a string or null")
+    st = r.get("statuses")
+    if st is not None and (
+        not isinstance(st, list) or len(st) != len(comps) or not all(isinstance(x, str) for x in st)
+    ):
+        raise ValueError(f"{where}: 'statuses' must be one string per completion")
     r.setdefault("task", None)
     r.setdefault("meta", {})
     return r

@@ -129,6 +129,15 @@ class Task:
             return []
         return check_rewards(self.reward_fn(completions, answers), len(completions), f"reward of task {self.name!r}")
 
+    def score_with_status(self, completions: Sequence[str], answers: Sequence[str]) -> tuple[list[float], list | None]:
+        """:meth:`score` and, for a code task, each check's status (``passed``, ``failed``, ``timeout``,
+        ``output_limit``), from the same run of the checks; None for tasks whose reward has no status."""
+        checked = getattr(self.reward_fn, "checked", None)
+        if checked is None or not completions:
+            return self.score(completions, answers), None
+        results = checked(list(completions), list(answers))
+        return [1.0 if r.passed else 0.0 for r in results], [r.status for r in results]
+
     def extract(self, completion: str, answer: Optional[str] = None) -> Optional[str]:
         """Normalized final answer of ``completion`` (``None`` = extraction failed / abstain).
 

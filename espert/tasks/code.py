@@ -212,8 +212,7 @@ def mbpp_program(completion: str, answer: str) -> str:
 def run_code_checks(checks: Sequence[Check]) -> list[float]:
     """1.0 for each check that passes (in input order), else 0.0; :data:`CODE_LIMITS` for each check, whatever
     the rest of the batch does."""
-    results = run_checks(checks, CODE_LIMITS)
-    return [1.0 if r.passed else 0.0 for r in results]
+    return [1.0 if r.passed else 0.0 for r in run_checks(checks, CODE_LIMITS)]
 
 
 def code_reward(make_check: Callable[[str, str], Check], name: Optional[str] = None) -> Callable:
@@ -222,13 +221,18 @@ def code_reward(make_check: Callable[[str, str], Check], name: Optional[str] = N
     ``runs_code``: a run that uses it is refused before it starts where no jail can be made (unless
     ``--unsafe-code-reward``)."""
 
+    def checked(completions: Sequence[str], answers: Sequence[str]) -> list:
+        """Each check's :class:`~espert.tasks.sandbox.Result` (its status: passed, failed, timeout, ...)."""
+        return run_checks([make_check(c, a) for c, a in zip(completions, answers)], CODE_LIMITS)
+
     def reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-        return run_code_checks([make_check(c, a) for c, a in zip(completions, answers)])
+        return [1.0 if r.passed else 0.0 for r in checked(completions, answers)]
 
     reward.__name__ = reward.__qualname__ = name or f"{getattr(make_check, '__name__', 'code')}_reward"
     reward.__module__ = getattr(make_check, "__module__", __name__)
     reward.__doc__ = f"Batched code reward: 1.0 when a completion passes its check ({reward.__name__[:-7]})."
     reward.runs_code = True
+    reward.checked = checked
     return reward
 
 

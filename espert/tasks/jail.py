@@ -22,11 +22,15 @@
 * ``--die-with-parent``: if the process that launched it dies, the jail's init is killed, and with it every
   process of its PID namespace.  :mod:`espert.tasks.sandbox` kills that init itself at the deadline.
 
-:func:`status` probes once per process whether a jail can be made here, and says why not.
+:func:`status` probes once per process whether a jail can be made here, and says why not.  Where a memory cgroup
+can be made (v2, else v1), each check's candidate runs in one of its own, bounded as a whole
+(:func:`memory_cgroup`, :func:`memory_bound`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -221,15 +225,119 @@ def command(args: list[str], tmp_bytes: int) -> tuple[list[str], tuple[int, ...]
     return [bwrap, *who, *spaces, *_filesystem(tmp_bytes), *env, "--chdir", "/tmp", "--", *args], fds
 
 
-def launch(args: list[str], tmp_bytes: int, info_fd: int | None = None, pass_fds=(), **popen) -> subprocess.Popen:
-    """Start ``args`` in a jail (:func:`command`; ``info_fd``: bwrap's ``--info-fd``).  bwrap itself starts with
-    the jail's environment: not as root, the jail's process 1 is bwrap, running as the candidate's uid, so
+def _memory_root() -> tuple[str, str] | None:
+    """``(version, directory)`` of this process's own memory cgroup where a child cgroup can be made in it
+    (cgroup v2 with the memory controller, else v1's memory hierarchy), or None."""
+    try:
+        lines = open("/proc/self/cgroup", encoding="utf-8").read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and "memory" in _read("/sys/fs/cgroup/cgroup.controllers"):
+            found.append(("v2", f"/sys/fs/cgroup{path.rstrip('/')}"))
+        elif "memory" in controllers.split(","):
+            found.append(("v1", f"/sys/fs/cgroup/memory{path.rstrip('/')}"))
+    for version, d in sorted(found):  # v2 first
+        try:
+            os.rmdir(_new_cgroup(d, 1 << 30))
+            return version, d
+        except OSError:
+            continue
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        return open(path, encoding="utf-8").read()
+    except OSError:
+        return ""
+
+
+def _new_cgroup(parent: str, limit_bytes: int) -> str:
+    """A new memory cgroup under ``parent`` holding at most ``limit_bytes`` of memory and no swap."""
+    d = os.path.join(parent, f"espert-check-{os.getpid()}-{next(_CGROUP_IDS)}")
+    os.mkdir(d)
+    v2 = os.path.exists(os.path.join(d, "memory.max"))
+    limits = [("memory.max", limit_bytes), ("memory.swap.max", 0)] if v2 else [("memory.limit_in_bytes", limit_bytes)]
+    if not v2 and os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
+        limits.append(("memory.memsw.limit_in_bytes", limit_bytes))
+    try:
+        for name, value in limits:
+            with open(os.path.join(d, name), "w") as f:
+                f.write(str(value))
+    except OSError:
+        os.rmdir(d)
+        raise
+    return d
+
+
+_CGROUP_IDS = itertools.count()
+_MEMORY: list = []  # [(version, directory) or None], probed once
+
+
+def memory_bound() -> str:
+    """Which memory bound holds for a check's candidate, in one line (``espert env`` prints it)."""
+    root = _memory_root_once()
+    if root is not None:
+        return (
+            f"cgroup {root[0]} memory: each check's candidate ≤ memory_mb as a whole (memfds and /tmp included), "
+            f"a cgroup of its own under {root[1]}"
+        )
+    return (
+        "no memory cgroup can be made here: each candidate process ≤ memory_mb of address space + "
+        "open_files × file_bytes of memfds, + tmp_bytes in /tmp; all checks: workers × that"
+    )
+
+
+def _memory_root_once() -> tuple[str, str] | None:
+    with _STATUS_LOCK:
+        if not _MEMORY:
+            _MEMORY.append(_memory_root())
+        return _MEMORY[0]
+
+
+def oom_killed(cgroup: str) -> bool:
+    """Whether the kernel killed a process of ``cgroup`` (a :func:`memory_cgroup` directory) for its memory."""
+    for name in ("memory.events", "memory.oom_control"):  # v2, v1: an "oom_kill N" line
+        for line in _read(os.path.join(cgroup, name)).splitlines():
+            if line.startswith("oom_kill ") and line.split()[1] != "0":
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A memory cgroup of ``limit_bytes`` for one jail (its directory, for :func:`launch` and :func:`oom_killed`),
+    removed once the jail is gone; None where no memory cgroup can be made (:func:`memory_bound` says so)."""
+    root = _memory_root_once()
+    d = _new_cgroup(root[1], limit_bytes) if root is not None else None
+    try:
+        yield d
+    finally:
+        for _ in range(100) if d is not None else ():
+            try:  # a killed jail's processes may take a moment to leave it
+                os.rmdir(d)
+                break
+            except OSError:
+                time.sleep(0.01)
+
+
+def launch(
+    args: list[str], tmp_bytes: int, info_fd: int | None = None, pass_fds=(), cgroup: str | None = None, **popen
+) -> subprocess.Popen:
+    """Start ``args`` in a jail (:func:`command`; ``info_fd``: bwrap's ``--info-fd``; ``cgroup``: a
+    :func:`memory_cgroup` the jail joins before bwrap starts, so all of it is charged there).  bwrap itself starts
+    with the jail's environment: not as root, the jail's process 1 is bwrap, running as the candidate's uid, so
     whatever environment bwrap had would be readable in ``/proc/1/environ`` (``--clearenv`` clears only the
     program's)."""
     argv, fds = command(args, tmp_bytes)
     if info_fd is not None:
         argv = [argv[0], "--info-fd", str(info_fd), *argv[1:]]
         pass_fds = (*pass_fds, info_fd)
+    if cgroup is not None:  # the shell joins the cgroup, then becomes bwrap (same process): nothing runs outside it
+        argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cgroup, "cgroup.procs"), *argv]
     try:
         return subprocess.Popen(argv, pass_fds=(*pass_fds, *fds), env=ENVIRONMENT, **popen)
     finally:

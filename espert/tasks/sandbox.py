@@ -27,6 +27,7 @@ Python-level guards only (and an empty network namespace where ``unshare --net``
 from __future__ import annotations
 
 import binascii
+import contextlib
 import json
 import marshal
 import math
@@ -219,7 +220,9 @@ class _Process:
     """One process of a check.  Jailed: killed by killing its jail's init (the whole PID namespace dies).
     Unjailed: in a session of its own, killed by its process group."""
 
-    def __init__(self, args: list[str], io: tuple, fds: tuple, jailed: bool, tmp_bytes: int, cwd: Optional[str]):
+    def __init__(
+        self, args: list[str], io: tuple, fds: tuple, jailed: bool, tmp_bytes: int, cwd: Optional[str], cgroup=None
+    ):
         stdin, stdout, stderr = io
         self.pidfd: Optional[int] = None
         self.jailed = jailed
@@ -232,7 +235,9 @@ class _Process:
             return
         r, w = os.pipe()
         try:
-            self.proc = jail.launch(args, tmp_bytes, info_fd=w, pass_fds=fds, stdin=stdin, stdout=stdout, stderr=stderr)
+            self.proc = jail.launch(
+                args, tmp_bytes, info_fd=w, pass_fds=fds, cgroup=cgroup, stdin=stdin, stdout=stdout, stderr=stderr
+            )
         finally:
             os.close(w)
         try:
@@ -285,6 +290,8 @@ class _Run:
         self.returncodes: list[Optional[int]] = []  # the callee's, then the checker's (bwrap's: 128 + signal)
         self.verdict: Optional[dict] = None  # the checker's verdict, parsed once the jails are gone (finish)
         self.workdir = None if jailed else tempfile.mkdtemp(prefix="espert-sandbox-")
+        self.cleanup = contextlib.ExitStack()  # the candidate's memory cgroup, once its jail is gone
+        self.cgroup, self.over_memory = None, False
 
     def _pipe(self, mine: int) -> tuple[int, int]:
         r, w = os.pipe()
@@ -301,18 +308,20 @@ class _Run:
         callee = {**common, "in": req_r, "out": resp_w, "rlimits": _rlimits(lim, True)}
         checker = {**common, "in": resp_r, "out": req_w, "rlimits": _rlimits(lim, False)}
         checker["seconds"] = max(0.0, self.end - time.monotonic())
+        if self.jailed:  # the candidate's jail as a whole (memfds, /tmp) within memory_mb, where cgroups allow
+            self.cgroup = self.cleanup.enter_context(jail.memory_cgroup(lim.memory_mb << 20))
         c = self.check
         self.pending = {
             c_src: c.candidate.encode("utf-8", "surrogatepass"),
             k_src: json.dumps({"trusted": c.trusted, "tests": c.tests, "calls": list(c.calls)}).encode(),
         }
         try:
-            for role, cfg, io, fds in (
-                ("callee", callee, (c_in, out_w, out_w), (req_r, resp_w)),
-                ("checker", checker, (k_in, verdict_w, out_w), (resp_r, req_w)),
+            for role, cfg, io, fds, cgroup in (
+                ("callee", callee, (c_in, out_w, out_w), (req_r, resp_w), self.cgroup),
+                ("checker", checker, (k_in, verdict_w, out_w), (resp_r, req_w), None),
             ):
                 args = jail.python_args(LOADER, program, role, json.dumps(cfg))
-                self.procs.append(_Process(args, io, fds, self.jailed, lim.tmp_bytes, self.workdir))
+                self.procs.append(_Process(args, io, fds, self.jailed, lim.tmp_bytes, self.workdir, cgroup))
         finally:
             for fd in theirs:
                 os.close(fd)
@@ -383,6 +392,8 @@ class _Run:
         self.fds = []
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        self.over_memory = self.cgroup is not None and jail.oom_killed(self.cgroup)
+        self.cleanup.close()
 
     def result(self, status: Optional[str], t0: float) -> Result:
         out = bytes(self.output[: self.limits.output_bytes]).decode("utf-8", "replace")
@@ -398,6 +409,8 @@ class _Run:
         status, error = "passed" if passed else str(verdict.get("status") or "failed"), str(verdict.get("error") or "")
         if status == "failed" and self.returncodes and self.returncodes[0] in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
             status, error = "timeout", f"the candidate's process used its CPU time ({error})"
+        elif not passed and self.over_memory:
+            error = f"the candidate went over its memory bound ({self.limits.memory_mb} MiB, memfds and /tmp included)"
         return Result(passed, status, seconds, out, error)
 
 
