@@ -267,3 +267,15 @@ def test_batched_members_are_refused_on_experts_in_one_line(tmp_path):
     res = run_engine_script(BATCHED, build_tiny_moe("qwen3_moe", str(tmp_path / "m")))
     assert res["refused"] and "model.layers.0.mlp.experts" in res["refused"], res
     assert "vllm_members: serial" in res["refused"]
+
+
+@pytest.mark.parametrize("runner", ["v1", pytest.param("v2", marks=pytest.mark.extended)])
+def test_the_drop_in_sequence_on_a_mixture_of_experts(runner, tmp_path):
+    """ES-at-Scale's calls through espert's drop-in (``save_self_initial_weights``, ``perturb_self_weights``,
+    ``restore_self_weights``) on a Qwen3-MoE: the tokens change, and the restore gives the base's tokens back.
+    Before, the first call raised LayoutError on the router (GateLinear)."""
+    pytest.importorskip("vllm")
+    from test_vllm_runners import _drop_in
+
+    res = _drop_in(build_tiny_moe("qwen3_moe", str(tmp_path / "m")), tmp_path, runner, {"enforce_eager": True})
+    assert res["perturbed"] != res["base"] and res["restored"] == res["base"], res
