@@ -232,3 +232,15 @@ def test_a_checks_memfds_count_against_its_memory_bound():
         assert not big.passed, (big.status, big.error)
     else:  # no memory cgroup here: the stated bound, per process, is what holds
         assert "open_files × file_bytes" in bound and big.passed
+
+
+def test_the_candidate_sees_every_call_whatever_its_earlier_answers():
+    """The checker runs the whole test before it decides: a failed ``assert`` is recorded and the test goes on, so
+    the candidate receives the same calls whether its earlier answers passed or not, and cannot learn which
+    assertion passed from the next call arriving.  Before, the check ended at the first failed assertion: a
+    candidate answering the first call wrong saw 1 call of 3."""
+    counter = "import sys\nn = 0\ndef f(x):\n    global n\n    n += 1\n    print('call', n, file=sys.stderr, flush=True)\n    return -1 if n == 1 else x\n"
+    tests = "assert f(1) == 1\nassert f(2) == 2\nassert f(3) == 3\n"
+    r = run_check(Check(counter, tests, ("f",)), Limits(timeout_s=5.0))
+    assert not r.passed and r.status == "failed" and "line 1" in r.error, (r.status, r.error)
+    assert r.output.count("call ") == 3, r.output

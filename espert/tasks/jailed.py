@@ -363,6 +363,20 @@ def callee(cfg: dict) -> None:
     linger()
 
 
+def _recording_asserts(tests: str):
+    """The tests' syntax tree with every ``assert COND`` made ``__espert_assert__(COND, line)``: a failed assertion
+    is recorded and the test goes on, so the candidate gets the same calls whatever its earlier answers were and
+    cannot tell from the next call arriving which assertion passed.  The verdict is decided once the test ends."""
+    import ast
+
+    class Recording(ast.NodeTransformer):
+        def visit_Assert(self, node):
+            call = ast.Call(ast.Name("__espert_assert__", ast.Load()), [node.test, ast.Constant(node.lineno)], [])
+            return ast.copy_location(ast.Expr(call), node)
+
+    return ast.fix_missing_locations(Recording().visit(ast.parse(tests, "tests.py")))
+
+
 def checker(cfg: dict) -> None:
     """Run the trusted code and the tests (stdin: ``{"trusted", "tests", "calls"}``) against the candidate;
     write the verdict to stdout (the tests' own prints go to stderr)."""
@@ -373,17 +387,22 @@ def checker(cfg: dict) -> None:
     link = Link(Channel(cfg["in"], cfg["out"], cfg["message_bytes"], time.monotonic() + cfg["seconds"]))
     verdict = {"passed": False, "status": "failed", "error": ""}
     sources = {"trusted.py": spec["trusted"], "tests.py": spec["tests"]}
+    failed: list[int] = []  # the lines of the tests' failed assertions, in order
     try:
         link.wait_loaded()
         namespace = {"__name__": "__main__"}
         exec(compile(spec["trusted"], "trusted.py", "exec"), namespace)
         link.bind(namespace, spec["calls"])
-        exec(compile(spec["tests"], "tests.py", "exec"), namespace)
-        verdict.update(passed=True, status="passed")
+        namespace["__espert_assert__"] = lambda ok, line: ok or failed.append(line)
+        exec(compile(_recording_asserts(spec["tests"]), "tests.py", "exec"), namespace)
+        verdict.update(passed=not failed, status="failed" if failed else "passed")
     except CheckTimeout as e:
         verdict.update(status="timeout", error=str(e))
     except BaseException as e:  # noqa: BLE001 - a failed test, a failed candidate: the verdict says which
         verdict["error"] = failure(e, sources)
+    if failed:  # the first failed assertion is the verdict, whatever the test did after it
+        line = spec["tests"].splitlines()[failed[0] - 1].strip()[:200]
+        verdict.update(passed=False, status="failed", error=f"AssertionError (tests.py line {failed[0]}: {line})")
     verdict.update(started=link.started, calls=link.calls, ended=link.ended)
     try:
         sys.stdout.flush()
