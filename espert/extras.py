@@ -108,3 +108,12 @@ def present() -> dict[str, dict[str, bool]]:
     for module, (extra, _) in EXTRAS.items():
         out.setdefault(extra, {})[module] = have(module)
     return out
+
+
+def release(version: str) -> tuple[int, int]:
+    """``"0.32.0+cpu"`` -> (0, 32): the release a version string belongs to (its first two numbers)."""
+    parts = []
+    for p in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit()) or "0"
+        parts.append(int(digits[:4]))
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]

