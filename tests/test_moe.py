@@ -1,7 +1,8 @@
 """Mixtures of experts (issue 51): every expert and the router keyed by its checkpoint name, in transformers' fused
 layout and in vLLM's, exported and replayed in the checkpoint's own format.
 
-The models are built by transformers (tests/fixtures/tiny_moe.py: Qwen3-MoE and Mixtral, 8 experts, top-2) and
+The models are built by transformers (tests/fixtures/tiny_model.py: Qwen3-MoE, Mixtral and Qwen2-MoE, 8 experts,
+top-2) and
 written by its ``save_pretrained``; transformers 5 fuses their experts at load (``experts.gate_up_proj
 [E, 2I, H]``), vLLM fuses them its own way (``w13_weight``, ``w2_weight``, prepacked on vLLM-CPU).  Before this:
 
@@ -17,7 +18,8 @@ import textwrap
 
 import pytest
 import torch
-from fixtures.tiny_moe import FAMILIES, build_tiny_moe
+from fixtures.tiny_model import MOE_ARCHS as FAMILIES
+from fixtures.tiny_model import build_tiny_model
 from safetensors import safe_open
 
 from espert import runs
@@ -31,7 +33,7 @@ TRAIN = [
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def moe_dir(request, tmp_path_factory):
-    return build_tiny_moe(request.param, str(tmp_path_factory.mktemp(request.param) / "model"))
+    return build_tiny_model(arch=request.param, save_dir=str(tmp_path_factory.mktemp(request.param) / "model"))
 
 
 def checkpoint(d: str) -> dict[str, torch.Tensor]:
@@ -100,7 +102,9 @@ def test_vllm_evaluator_trains_exports_and_replays(tmp_path, capsys):
     """``espert train --evaluator vllm`` on a Qwen3-MoE: the export in the checkpoint's names, and a replay (torch,
     from the base) bit-identical to the center the vLLM workers kept."""
     pytest.importorskip("vllm")
-    _train_export_replay(build_tiny_moe("qwen3_moe", str(tmp_path / "m")), tmp_path, capsys, "--evaluator", "vllm")
+    _train_export_replay(
+        build_tiny_model(arch="qwen3_moe", save_dir=str(tmp_path / "m")), tmp_path, capsys, "--evaluator", "vllm"
+    )
 
 
 def test_a_run_that_cannot_export_is_refused_before_its_first_iteration(tmp_path, capsys):
@@ -108,7 +112,7 @@ def test_a_run_that_cannot_export_is_refused_before_its_first_iteration(tmp_path
     setup, with nothing written; before, it trained every iteration and failed at the export."""
     from safetensors.torch import load_file
 
-    d = build_tiny_moe("qwen3_moe", str(tmp_path / "bin"))
+    d = build_tiny_model(arch="qwen3_moe", save_dir=str(tmp_path / "bin"))
     torch.save(load_file(os.path.join(d, "model.safetensors")), os.path.join(d, "pytorch_model.bin"))
     os.remove(os.path.join(d, "model.safetensors"))
     run = str(tmp_path / "run")
@@ -168,7 +172,7 @@ def test_vllm_perturbs_every_expert_as_torch_does(family, runner, mode, tmp_path
     from espert.center import CenterStore
     from espert.params import torch_param_views
 
-    d = build_tiny_moe(family, str(tmp_path / family))
+    d = build_tiny_model(arch=family, save_dir=str(tmp_path / family))
     out = str(tmp_path / "live.pt")
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_USE_V2_MODEL_RUNNER", "ESPERT_VLLM_RUNNER")}
     env["VLLM_CACHE_ROOT"] = str(tmp_path / "cache")
@@ -264,7 +268,7 @@ def test_batched_members_are_refused_on_experts_in_one_line(tmp_path):
     pytest.importorskip("vllm")
     from fixtures.engine_script import run_engine_script
 
-    res = run_engine_script(BATCHED, build_tiny_moe("qwen3_moe", str(tmp_path / "m")))
+    res = run_engine_script(BATCHED, build_tiny_model(arch="qwen3_moe", save_dir=str(tmp_path / "m")))
     assert res["refused"] and "model.layers.0.mlp.experts" in res["refused"], res
     assert "vllm_members: serial" in res["refused"]
 
@@ -277,5 +281,7 @@ def test_the_drop_in_sequence_on_a_mixture_of_experts(runner, tmp_path):
     pytest.importorskip("vllm")
     from test_vllm_runners import _drop_in
 
-    res = _drop_in(build_tiny_moe("qwen3_moe", str(tmp_path / "m")), tmp_path, runner, {"enforce_eager": True})
+    res = _drop_in(
+        build_tiny_model(arch="qwen3_moe", save_dir=str(tmp_path / "m")), tmp_path, runner, {"enforce_eager": True}
+    )
     assert res["perturbed"] != res["base"] and res["restored"] == res["base"], res
