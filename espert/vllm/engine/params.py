@@ -247,7 +247,7 @@ def _expert_param_pieces(pname: str, p: torch.Tensor, module, prefix: str, leaf:
     qm = getattr(module, "quant_method", None)
     if not isinstance(qm, UnquantizedFusedMoEMethod):
         raise LayoutError(
-            f"{pname}: experts quantized by {type(qm).__name__} have a runtime layout espert does not map through "
+            f"{pname}: experts run by {type(qm).__name__} (not vLLM's unquantized method) have a layout espert does not map through "
             f"vLLM; exclude them"
         )
     if leaf not in ("w13_weight", "w2_weight") or p.dim() != 3:
