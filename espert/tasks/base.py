@@ -135,8 +135,7 @@ class Task:
         checked = getattr(self.reward_fn, "checked", None)
         if checked is None or not completions:
             return self.score(completions, answers), None
-        results = checked(list(completions), list(answers))
-        return [1.0 if r.passed else 0.0 for r in results], [r.status for r in results]
+        return checked(list(completions), list(answers))
 
     def extract(self, completion: str, answer: Optional[str] = None) -> Optional[str]:
         """Normalized final answer of ``completion`` (``None`` = extraction failed / abstain).

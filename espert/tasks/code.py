@@ -212,7 +212,13 @@ def mbpp_program(completion: str, answer: str) -> str:
 def run_code_checks(checks: Sequence[Check]) -> list[float]:
     """1.0 for each check that passes (in input order), else 0.0; :data:`CODE_LIMITS` for each check, whatever
     the rest of the batch does."""
-    return [1.0 if r.passed else 0.0 for r in run_checks(checks, CODE_LIMITS)]
+    return scored_code_checks(checks)[0]
+
+
+def scored_code_checks(checks: Sequence[Check]) -> tuple[list[float], list[str]]:
+    """:func:`run_code_checks`'s rewards and each check's status (passed, failed, timeout, output_limit)."""
+    results = run_checks(checks, CODE_LIMITS)
+    return [1.0 if r.passed else 0.0 for r in results], [r.status for r in results]
 
 
 def code_reward(make_check: Callable[[str, str], Check], name: Optional[str] = None) -> Callable:
@@ -221,12 +227,12 @@ def code_reward(make_check: Callable[[str, str], Check], name: Optional[str] = N
     ``runs_code``: a run that uses it is refused before it starts where no jail can be made (unless
     ``--unsafe-code-reward``)."""
 
-    def checked(completions: Sequence[str], answers: Sequence[str]) -> list:
-        """Each check's :class:`~espert.tasks.sandbox.Result` (its status: passed, failed, timeout, ...)."""
-        return run_checks([make_check(c, a) for c, a in zip(completions, answers)], CODE_LIMITS)
+    def checked(completions: Sequence[str], answers: Sequence[str]) -> tuple[list[float], list[str]]:
+        """The rewards and each check's status (:func:`scored_code_checks`)."""
+        return scored_code_checks([make_check(c, a) for c, a in zip(completions, answers)])
 
     def reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-        return [1.0 if r.passed else 0.0 for r in checked(completions, answers)]
+        return checked(completions, answers)[0]
 
     reward.__name__ = reward.__qualname__ = name or f"{getattr(make_check, '__name__', 'code')}_reward"
     reward.__module__ = getattr(make_check, "__module__", __name__)
