@@ -233,7 +233,8 @@ def _expert_names(prefix: str, module) -> dict[tuple[int, str], str]:
     return {(e, shard): f"{block}{weight}weight" for _, weight, e, shard in module.get_expert_mapping()}
 
 
-def _routed_experts(module) -> bool:
+def routed_experts(module) -> bool:
+    """Whether ``module`` is vLLM's ``RoutedExperts`` (0.25 on), the holder of a mixture of experts' fused weights."""
     return type(module).__name__ == "RoutedExperts" and hasattr(module, "get_expert_mapping")
 
 
@@ -380,7 +381,7 @@ def vllm_param_views(
         if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.engine.w8a8
             continue
         live = p.data
-        if _routed_experts(module):  # pieces are rows of [E·R, C]; on vLLM-CPU, of the plain (unpacked) copy
+        if routed_experts(module):  # pieces are rows of [E·R, C]; on vLLM-CPU, of the plain (unpacked) copy
             from espert.vllm.patches.moe_prepack import expert_plain
 
             live = expert_plain(p.data)
@@ -400,7 +401,7 @@ def _param_pieces(pname: str, p: torch.Tensor, module, prefix: str, leaf: str, p
     """The pieces of one live parameter ``pname`` of ``module`` (after the checks of :func:`_check_param`)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    if _routed_experts(module) and p.dtype in DTYPE_CODES:
+    if routed_experts(module) and p.dtype in DTYPE_CODES:
         return _expert_param_pieces(pname, p, module, prefix, leaf)
     kind = _check_param(pname, p, module, prefix, leaf)
     if kind is not None:

@@ -31,6 +31,7 @@ import torch
 
 from espert.vllm import patches
 from espert.vllm.engine import w8a8
+from espert.vllm.engine.params import routed_experts
 from espert.vllm.engine.repack import RepackingCenter
 from espert.vllm.patches import cpu_prepack, say_counted_warnings
 from espert.vllm.wire import EXACT_FIELDS  # noqa: F401 - its former home: compat.py and tests import it from here
@@ -117,8 +118,8 @@ def _check_setup(model, members: str, master: str) -> None:
     cpu_prepack.check_model(model)
     _check_choice("members", members, ("serial", "batched"))
     _check_choice("master", master, ("float32", "weights"))
-    experts = next((n for n, m in model.named_modules() if type(m).__name__ == "RoutedExperts"), None)
-    if members == "batched" and experts is not None:
+    experts = next((n for n, m in model.named_modules() if routed_experts(m)), None) if members == "batched" else None
+    if experts is not None:
         raise ValueError(
             f"{experts}: batched members fill vLLM LoRA slots of Linear layers only, so a mixture of experts' "
             f"experts would not move; use vllm_members: serial"
