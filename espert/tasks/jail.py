@@ -30,6 +30,7 @@ can be made (v2, else v1), each check's candidate runs in one of its own, bounde
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import shutil
@@ -225,9 +226,10 @@ def command(args: list[str], tmp_bytes: int) -> tuple[list[str], tuple[int, ...]
     return [bwrap, *who, *spaces, *_filesystem(tmp_bytes), *env, "--chdir", "/tmp", "--", *args], fds
 
 
+@functools.cache
 def _memory_root() -> tuple[str, str] | None:
     """``(version, directory)`` of this process's own memory cgroup where a child cgroup can be made in it
-    (cgroup v2 with the memory controller, else v1's memory hierarchy), or None."""
+    (cgroup v2 with the memory controller, else v1's memory hierarchy), or None; probed once per process."""
     try:
         lines = open("/proc/self/cgroup", encoding="utf-8").read().splitlines()
     except OSError:
@@ -274,12 +276,11 @@ def _new_cgroup(parent: str, limit_bytes: int) -> str:
 
 
 _CGROUP_IDS = itertools.count()
-_MEMORY: list = []  # [(version, directory) or None], probed once
 
 
 def memory_bound() -> str:
     """Which memory bound holds for a check's candidate, in one line (``espert env`` prints it)."""
-    root = _memory_root_once()
+    root = _memory_root()
     if root is not None:
         return (
             f"cgroup {root[0]} memory: each check's candidate ≤ memory_mb as a whole (memfds and /tmp included), "
@@ -289,13 +290,6 @@ def memory_bound() -> str:
         "no memory cgroup can be made here: each candidate process ≤ memory_mb of address space + "
         "open_files × file_bytes of memfds, + tmp_bytes in /tmp; all checks: workers × that"
     )
-
-
-def _memory_root_once() -> tuple[str, str] | None:
-    with _STATUS_LOCK:
-        if not _MEMORY:
-            _MEMORY.append(_memory_root())
-        return _MEMORY[0]
 
 
 def oom_killed(cgroup: str) -> bool:
@@ -311,7 +305,7 @@ def oom_killed(cgroup: str) -> bool:
 def memory_cgroup(limit_bytes: int):
     """A memory cgroup of ``limit_bytes`` for one jail (its directory, for :func:`launch` and :func:`oom_killed`),
     removed once the jail is gone; None where no memory cgroup can be made (:func:`memory_bound` says so)."""
-    root = _memory_root_once()
+    root = _memory_root()
     d = _new_cgroup(root[1], limit_bytes) if root is not None else None
     try:
         yield d
