@@ -38,3 +38,13 @@ def test_es_on_a_quantized_tiny_model_improves_heldout_copy(fmt, noise, tmp_path
         assert (v.qw.qweight == c).all()
     print(f"\nheld-out {before:.3f} -> {after:.3f}")
     assert after > before + 0.04, (before, after)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "gptq", "awq"])
+def test_the_export_layout_is_the_export_states_without_dequantizing(fmt, tmp_path):
+    """A run checks that its export can be written before its first iteration; a quantized center says the
+    layout of its float export without dequantizing the model (a transient float32 copy of every weight)."""
+    build_tiny_model(str(tmp_path))
+    model, _ = load_model(str(tmp_path))
+    center = model_quant_center(quantize_model(model, fmt, group_size=32))
+    assert center.export_layout() == {n: (tuple(t.shape), t.dtype) for n, t in center.export_state().items()}

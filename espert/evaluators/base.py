@@ -281,6 +281,11 @@ class ModelEvaluator(Evaluator):
     def export_state(self):
         return self.center.export_state()
 
+    def export_layout(self):
+        # a quantized center says its layout without dequantizing the model (export_state would)
+        layout = getattr(self.center, "export_layout", None)
+        return layout() if layout is not None else super().export_layout()
+
     def noise_energy(self):
         return self.center.noise_energy()
 

@@ -213,6 +213,10 @@ class QuantCenterStore:
             for v, h in zip(self.views, self.host)
         }
 
+    def export_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` of :meth:`export_state`, without dequantizing anything."""
+        return {v.name: ((v.qw.out_features, v.qw.in_features), torch.float32) for v in self.views}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Logical name -> float32 master (or the exact codes when there is no master)."""
         src = self.masters if self.masters is not None else self.codes
