@@ -12,6 +12,7 @@ import shutil
 import torch
 
 from espert.progress import bar
+from espert.quant.checkpoint import encode, quantization_config
 from espert.runs.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
 from espert.runs.gguf import gguf_model_dir, is_gguf
 from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
@@ -180,20 +181,26 @@ def check_exportable(layout: dict, base_ref: str) -> None:
     _base_shards(resolve_model_dir(base_ref), names)
 
 
-def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, str]]:
-    """``(headers by shard, {center name: its shard})`` of the base's safetensors files; ValueError (before
-    anything is written) when a center name is missing there, has another shape, or a dtype cannot be stored."""
+def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, tuple[str, str]]]:
+    """``(headers by shard, {center name: (its shard, the base tensor it replaces)})`` of the base's safetensors
+    files; ValueError (before anything is written) when a center name is missing there, has another shape, or a
+    dtype cannot be stored.  A compressed-tensors int4 weight ``X.weight`` [N, K] replaces ``X.weight_packed``
+    [N, K/8] (its codes are packed on the way: :func:`espert.quant.checkpoint.encode`)."""
+    from espert.quant.checkpoint import PACKED, logical_shapes, weight_scheme
+
     shards = sorted(f for f in os.listdir(base) if f.endswith(".safetensors"))
     if not shards:
         raise ValueError(f"{base} has no *.safetensors weights; export needs a safetensors checkpoint")
     heads = {shard: read_header(os.path.join(base, shard)) for shard in shards}
-    where: dict[str, str] = {}
+    where: dict[str, tuple[str, str]] = {}
     for shard, (_, entries, _) in heads.items():
         for k, e in entries.items():
-            if k in names:
-                if tuple(names[k]) != tuple(e["shape"]):
-                    raise ValueError(f"center {k} has shape {tuple(names[k])}, base has {tuple(e['shape'])}")
-                where[k] = shard
+            name = k.removesuffix(PACKED) if k.endswith(".weight" + PACKED) else k
+            if name in names:
+                shape = logical_shapes({k: tuple(e["shape"])})[name]
+                if tuple(names[name]) != shape:
+                    raise ValueError(f"center {name} has shape {tuple(names[name])}, base has {shape}")
+                where[name] = (shard, k)
             if e["dtype"] not in ST_TORCH:
                 raise ValueError(f"{os.path.join(base, shard)}: cannot store {k} of dtype {e['dtype']} in safetensors")
     missing = sorted(set(names) - set(where))
@@ -202,11 +209,13 @@ def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, str]]:
             f"the base checkpoint {base} has no tensors named {missing[:3]}"
             f"{' ...' if len(missing) > 3 else ''}; cannot export in its format"
         )
+    if any(k != n for n, (_, k) in where.items()):
+        weight_scheme(quantization_config(base))  # packed codes are written only in a scheme espert knows
     return heads, where
 
 
 def _write_export(
-    tmp: str, base: str, heads: dict, where: dict[str, str], source, dtype: torch.dtype | None = None
+    tmp: str, base: str, heads: dict, where: dict[str, tuple[str, str]], source, dtype: torch.dtype | None = None
 ) -> None:
     """The base's non-weight files, then each shard with the center's tensors (cast to the base's dtypes, or
     every floating tensor to ``dtype``) in place of the base's; the other tensors are copied (cast alike)."""
@@ -224,7 +233,8 @@ def _write_export(
     ):
         writers: dict[str, TensorFileWriter] = {}
         for shard, (meta, _, _) in heads.items():
-            others = FileChunks(os.path.join(base, shard), piece, skip=where)  # the base's other tensors
+            replaced = {k for s_, k in where.values() if s_ == shard}
+            others = FileChunks(os.path.join(base, shard), piece, skip=replaced)  # the base's other tensors
             layout = {
                 k: (shape, dtype if dtype is not None and dt.is_floating_point else dt)
                 for k, (shape, dt) in others.layout.items()
@@ -235,8 +245,12 @@ def _write_export(
                 w.write(k, offset, _cast(flat, layout[k][1]))
         for k, offset, flat in source:
             if k in where:
-                w = writers[where[k]]
-                w.write(k, offset, _cast(flat, w.layout[k][1]))
+                shard, stored = where[k]
+                w = writers[shard]
+                if stored != k:  # int4 codes into compressed-tensors words, 8 per word
+                    w.write(stored, offset // 8, encode(k, flat))
+                else:
+                    w.write(k, offset, _cast(flat, w.layout[k][1]))
             shown.update(flat.numel() * flat.element_size())
             del flat  # a streamed chunk is freed before the next one arrives
 

