@@ -27,7 +27,9 @@ def torch_dtype(name: str) -> torch.dtype:
 def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
     """Load ``(model, tokenizer)`` from a local model directory or Hub id, in eval mode on ``device``.
 
-    The tokenizer is set to left padding; a missing pad token falls back to the eos token.
+    The tokenizer is set to left padding; a missing pad token falls back to the eos token.  A compressed-tensors
+    checkpoint (llm-compressor's W8A8 / W4A16) keeps its codes: its layers become QuantLinear
+    (:func:`espert.quant.checkpoint.adopt_compressed`) before transformers would decompress them.
     """
     import os
 
@@ -41,7 +43,11 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
         if tok.eos_token is None:
             raise ValueError(f"tokenizer of {path} has neither a pad nor an eos token")
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    from espert.quant.checkpoint import adopt_compressed
+
+    adopt_compressed(model)
+    model = model.to(device).eval()
     model.requires_grad_(False)
     return model, tok
 
@@ -94,7 +100,14 @@ def optimizer_spec(cfg) -> dict:
 def config_center(model: torch.nn.Module, cfg, pin: bool = False):
     """The center a run's config asks for: float (include/exclude, noise, optimizer, σ mode, decay
     exclusions) or, with ``cfg.quant``, the quantized codes (quantizing ``model`` in place).  Training
-    and replay both build it here, so they move the same tensors the same way."""
+    and replay both build it here, so they move the same tensors the same way.  A model loaded from a quantized
+    checkpoint (QuantLinear layers already) trains its codes and exports them in the checkpoint's format."""
+    from espert.quant import QuantLinear
+
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        if cfg.quant != "none":
+            raise ValueError(f"quant={cfg.quant!r}: the checkpoint is quantized already; leave --quant out")
+        return checkpoint_quant_center(model, cfg, pin)
     if cfg.quant != "none":
         from espert.quant import model_quant_center, quantize_model
 
@@ -118,6 +131,37 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
         no_decay=cfg.weight_decay_exclude,
         restore=cfg.restore,
         anchor=cfg.anchor_decay > 0,
+    )
+
+
+def checkpoint_quant_center(model: torch.nn.Module, cfg, pin: bool = False):
+    """The center of a model loaded from a quantized checkpoint, as the vLLM evaluator builds it: the float tensors
+    (embeddings, norms, lm_head) and the codes, both selected by ``cfg.include`` / ``cfg.exclude``; the codes are
+    exported as codes, in the checkpoint's format.  Plain sgd with absolute σ (the noise is in code units)."""
+    from espert.params import matches
+    from espert.quant import QuantCenterStore, quant_param_views
+    from espert.quant.center import QuantModelCenter
+
+    if (cfg.optimizer, cfg.sigma_mode) != ("sgd", "absolute"):
+        raise ValueError(
+            f"a quantized checkpoint trains with optimizer=sgd and sigma_mode=absolute "
+            f"(got {cfg.optimizer}, {cfg.sigma_mode})"
+        )
+    inc, exc, anchor = cfg.include, cfg.exclude, cfg.anchor_decay > 0
+    qviews = [
+        v for v in quant_param_views(model) if (not inc or matches(v.name, inc)) and not (exc and matches(v.name, exc))
+    ]
+    try:
+        fviews = torch_param_views(model, include=inc, exclude=exc)
+    except ValueError as e:
+        if "no parameters selected" not in str(e):
+            raise
+        fviews = []
+    if not fviews and not qviews:
+        raise ValueError(f"no parameters selected (include={inc}, exclude={exc})")
+    return QuantModelCenter(
+        CenterStore(fviews, master_dtype=torch.float32, pin=pin, noise=cfg.noise, anchor=anchor) if fviews else None,
+        QuantCenterStore(qviews, pin=pin, noise=cfg.noise, anchor=anchor, export="codes") if qviews else None,
     )
 
 

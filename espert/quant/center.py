@@ -69,7 +69,9 @@ class QuantCenterStore:
     views: QuantParamViews (weights on any device).  master: keep the float32 master (default).
     pin: page-lock the host code copies (faster GPU restores).  noise: the noise family
     (``"gaussian"``, ``"gaussian-icdf"``, ``"rademacher"``, ``"lowrank:R"``; docs/noise.md §5).  anchor:
-    keep the base codes for anchored weight decay (module doc; needs the master).  Validates every view up front.
+    keep the base codes for anchored weight decay (module doc; needs the master).  export: ``"values"`` (a float
+    export: each weight dequantized) or ``"codes"`` (a quantized checkpoint's export: the int codes, written back
+    in its format by :func:`espert.runs.export_model`).  Validates every view up front.
     """
 
     def __init__(
@@ -79,7 +81,11 @@ class QuantCenterStore:
         pin: bool = False,
         noise: str = "gaussian",
         anchor: bool = False,
+        export: str = "values",
     ):
+        if export not in ("values", "codes"):
+            raise ValueError(f"export must be 'values' or 'codes', got {export!r}")
+        self.export = export
         if anchor and not master:
             raise ValueError("anchor (anchored weight decay) needs the float32 code-domain master (master=True)")
         self.noise = str(NoiseFamily.parse(noise))
@@ -206,8 +212,11 @@ class QuantCenterStore:
         self.restore()
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """The center as float checkpoint values: each weight dequantized from its exact center codes,
-        float32 [out_features, in_features] by logical name (what a float export of the model holds)."""
+        """The center as checkpoint values by logical name, [out_features, in_features]: each weight dequantized
+        from its exact center codes (float32, what a float export holds), or with ``export="codes"`` the codes
+        themselves (int32; int4: 0..15, the stored nibble)."""
+        if self.export == "codes":
+            return {v.name: unpack_codes(h) for v, h in zip(self.views, self.host)}
         return {
             v.name: dequantize(replace(h, zeros=None if v.qw.zeros is None else v.qw.zeros.cpu()))
             for v, h in zip(self.views, self.host)
@@ -215,7 +224,8 @@ class QuantCenterStore:
 
     def export_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """``{name: (shape, dtype)}`` of :meth:`export_state`, without dequantizing anything."""
-        return {v.name: ((v.qw.out_features, v.qw.in_features), torch.float32) for v in self.views}
+        dtype = torch.int32 if self.export == "codes" else torch.float32
+        return {v.name: ((v.qw.out_features, v.qw.in_features), dtype) for v in self.views}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Logical name -> float32 master (or the exact codes when there is no master)."""
@@ -236,3 +246,91 @@ class QuantCenterStore:
             if self.masters is not None:
                 requantize_(self.host[i], self.masters[i], backend="cpu")
         self.restore()
+
+
+class QuantModelCenter:
+    """The center of a quantized model: its float tensors (embeddings, norms, lm_head: a
+    :class:`~espert.center.CenterStore`, or None) and its quantized codes (a :class:`QuantCenterStore`, or None),
+    with CenterStore's API.  Every call goes to both, in that order; :meth:`_after_edit` runs after each change
+    of the live weights (a subclass rebuilds what an engine packed from them).  Plain sgd with absolute σ:
+    no optimizer state, no σ scales.
+
+    ``views``: the float views, then the quantized ones."""
+
+    #: σ is absolute (the quantized noise is in code units)
+    sigma_scales = None
+
+    def __init__(self, float_store, quant_store):
+        self.float, self.quant = float_store, quant_store
+        self.views = [v for s in self._stores() for v in s.views]
+
+    def _stores(self) -> list:
+        return [s for s in (self.float, self.quant) if s is not None]
+
+    def _after_edit(self) -> None:
+        """Called after every perturb, restore, update and load (nothing to rebuild here)."""
+
+    @property
+    def centers(self) -> list[torch.Tensor]:
+        return [c for s in self._stores() for c in s.centers]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._stores())
+
+    def noise_energy(self) -> float:
+        return float(sum(s.noise_energy() for s in self._stores()))
+
+    def state_views(self) -> list:
+        """Each view's center as a ParamView (no optimizer state: sgd only)."""
+        from espert.params import ParamView
+
+        return [ParamView(v.name, t, v.block) for v, t in zip(self.views, self.centers)]
+
+    def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
+        for s in self._stores():
+            s.perturb(seed, sigma, sign, backend=backend)
+        self._after_edit()
+
+    def restore(self) -> None:
+        for s in self._stores():
+            s.restore()
+        self._after_edit()
+
+    def update(
+        self,
+        seeds: Sequence[int],
+        coeffs: Sequence[float],
+        decay: float = 1.0,
+        lr: float | None = None,
+        anchor: dict | None = None,
+    ) -> None:
+        seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)  # before either store moves
+        for s in self._stores():
+            check_anchor(anchor, s.anchors)
+        for s in self._stores():
+            s.update(seeds, coeffs, decay, lr, anchor=anchor)
+        self._after_edit()
+
+    def scale(self, factor: float) -> None:
+        for s in self._stores():
+            s.scale(factor)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: t for s in self._stores() for k, t in s.state_dict().items()}
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        return {k: t for s in self._stores() for k, t in s.export_state().items()}
+
+    def export_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` of :meth:`export_state`, without dequantizing anything."""
+        out = {}
+        for s in self._stores():
+            layout = getattr(s, "export_layout", None)
+            out.update(layout() if layout else {k: (tuple(t.shape), t.dtype) for k, t in s.export_state().items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for s in self._stores():  # each validates its own names, shapes and dtypes
+            s.load_state_dict(state)
+        self._after_edit()

@@ -49,7 +49,7 @@ def weight_scheme(qc: dict | None) -> dict | None:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise UnsupportedScheme(f"compressed-tensors config_groups {groups!r}: espert takes exactly one group")
-    (gname, group), = groups.items()
+    ((gname, group),) = groups.items()
     w = group.get("weights") if isinstance(group, dict) else None
     fmt = (group.get("format") if isinstance(group, dict) else None) or qc.get("format")
     if not isinstance(w, dict):
@@ -70,7 +70,9 @@ def weight_scheme(qc: dict | None) -> dict | None:
         ok = ok and scheme["bits"] == 8 and scheme["strategy"] == "channel" and scheme["symmetric"]
     elif fmt == "pack-quantized":
         ok = ok and scheme["bits"] == 4 and scheme["strategy"] in ("group", "channel")
-        ok = ok and (scheme["strategy"] == "channel" or (isinstance(scheme["group_size"], int) and scheme["group_size"] > 0))
+        ok = ok and (
+            scheme["strategy"] == "channel" or (isinstance(scheme["group_size"], int) and scheme["group_size"] > 0)
+        )
     else:
         ok = False
     if not ok:
@@ -111,3 +113,71 @@ def encode(name: str, values: torch.Tensor) -> torch.Tensor:
         raise UnsupportedScheme(f"{name}: a chunk of {values.numel()} codes does not fill whole int4 words")
     codes = values.round().clamp(0, 15) if values.is_floating_point() else values.clamp(0, 15)
     return pack_int4(codes.reshape(-1, 8)).reshape(-1)
+
+
+def _zero_points(zp: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """compressed-tensors' packed zero points ``[N/8, K/g]`` (nibbles along N) -> espert's ``[K/g, N]`` int32."""
+    if zp is None:
+        return None
+    return unpack_int4(zp.detach().t().contiguous().to(torch.int32))[:, :n].contiguous()
+
+
+def compressed_weight(module: torch.nn.Module, name: str):
+    """The :class:`~espert.quant.QuantWeight` of one compressed-tensors Linear as transformers loads it (before its
+    first forward, which would decompress it): int8 ``weight`` as is, or the int4 ``weight_packed`` words seen in
+    GPTQ's layout (``[K/8, N]``: the same words, transposed), with the scales ``[K/g, N]`` and zero points.
+    Raises :class:`UnsupportedScheme` naming the layer for anything else."""
+    from .formats import QuantWeight
+
+    scheme = getattr(module, "quantization_scheme", None)
+    w = getattr(scheme, "weights", None)
+    desc = f"{getattr(w, 'type', None)}{getattr(w, 'num_bits', None)} {getattr(w, 'strategy', None)}"
+    scale = getattr(module, "weight_scale", None)
+    packed = getattr(module, "weight" + PACKED, None)
+    if scale is None or (packed is None and getattr(module, "weight", None) is None):
+        raise UnsupportedScheme(f"{name}: compressed-tensors layer {desc} without weight and weight_scale")
+    if getattr(module, "weight_g_idx", None) is not None:
+        raise UnsupportedScheme(f"{name}: compressed-tensors {desc} with activation reordering (g_idx)")
+    if packed is not None and getattr(w, "num_bits", None) == 4 and packed.dtype == torch.int32:
+        n, k = packed.shape[0], packed.shape[1] * 8
+        groups = scale.shape[1]
+        return QuantWeight(
+            "gptq", packed.detach().t().contiguous(), scale.detach().t().contiguous(), n, k,
+            -1 if groups == 1 else k // groups, _zero_points(getattr(module, "weight" + ZERO, None), n),
+        )  # fmt: skip
+    weight = module.weight
+    if packed is None and weight.dtype == torch.int8 and getattr(w, "strategy", None) == "channel":
+        if getattr(module, "weight" + ZERO, None) is not None and bool(module.weight_zero_point.detach().any()):
+            raise UnsupportedScheme(f"{name}: compressed-tensors int8 with zero points (espert takes symmetric int8)")
+        return QuantWeight("int8", weight.detach(), scale.detach().reshape(-1).contiguous(), *weight.shape)
+    raise UnsupportedScheme(
+        f"{name}: compressed-tensors scheme {desc} ({(packed if packed is not None else weight).dtype}): espert "
+        f"edits int8 per channel and int4 by group or channel"
+    )
+
+
+@torch.no_grad()
+def adopt_compressed(model: torch.nn.Module) -> int:
+    """Replace every compressed-tensors Linear of a model transformers just loaded by a
+    :class:`~espert.quant.QuantLinear` holding its codes (edited in place by espert's ops), and drop the hook that
+    would decompress the model to float at its first forward.  Returns the number of layers (0: none).
+
+    transformers (5.x) keeps a compressed-tensors checkpoint's ``weight_packed`` / int8 ``weight`` only until the
+    first forward, then decompresses every layer to float: there is no quantized module left to edit.  So espert
+    takes the codes transformers loaded, exactly; the names stay ``<module>.weight`` (the noise key of the float
+    model and of vLLM).  QuantLinear computes ``x @ dequantize(codes)ᵀ``; W8A8's int8 activations are not
+    emulated (vLLM runs them)."""
+    from .model import QuantLinear
+
+    layers = [(n, m) for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None]
+    if not layers:
+        return 0
+    adopted = [(n, compressed_weight(m, n), m) for n, m in layers]  # every layer checked before one changes
+    for name, qw, mod in adopted:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear(qw, getattr(mod, "bias", None)))
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if "decompress" in getattr(hook, "__name__", ""):
+            del model._forward_pre_hooks[key]
+    return len(adopted)

@@ -113,8 +113,14 @@ def quant_param_views(model: torch.nn.Module) -> list[QuantParamView]:
 
 
 def model_quant_center(
-    model: torch.nn.Module, master: bool = True, pin: bool = False, noise: str = "gaussian", anchor: bool = False
+    model: torch.nn.Module,
+    master: bool = True,
+    pin: bool = False,
+    noise: str = "gaussian",
+    anchor: bool = False,
+    export: str = "values",
 ) -> QuantCenterStore:
     """The host center of a quantized model's QuantLinear weights (noise: the noise family, docs/noise.md §5;
-    anchor: keep the base codes for anchored weight decay)."""
-    return QuantCenterStore(quant_param_views(model), master=master, pin=pin, noise=noise, anchor=anchor)
+    anchor: keep the base codes for anchored weight decay; export: what ``export_state`` gives, see
+    :class:`QuantCenterStore`)."""
+    return QuantCenterStore(quant_param_views(model), master=master, pin=pin, noise=noise, anchor=anchor, export=export)

