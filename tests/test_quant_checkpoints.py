@@ -213,3 +213,31 @@ def test_torch_trains_the_codes_exports_in_the_checkpoint_format_and_resumes(che
     assert main(["train", "--run-dir", half, "--resume", "--iterations", "2", "--no-progress"]) == 0
     a, b = (runs.load_center(os.path.join(r, runs.CENTER))[0] for r in (run, half))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("evaluator", ["torch", "vllm"])
+@pytest.mark.parametrize("case", ["int3 (a malformed config)", "FP8_DYNAMIC"])
+def test_a_scheme_espert_cannot_edit_is_refused_in_one_line_with_nothing_written(
+    checkpoint_of, case, evaluator, tmp_path, capsys
+):
+    if evaluator == "vllm":
+        pytest.importorskip("vllm")
+    if case == "FP8_DYNAMIC":
+        d = checkpoint_of(case)
+    else:  # llm-compressor's W4A16 with num_bits edited to 3
+        import shutil
+
+        d = str(tmp_path / "int3")
+        shutil.copytree(checkpoint_of("W4A16"), d)
+        with open(os.path.join(d, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 3
+        with open(os.path.join(d, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg, f)
+    run = str(tmp_path / "run")
+    assert main(["train", "--run-dir", run, "--model", d, "--evaluator", evaluator, *TRAIN]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "compressed-tensors scheme" in errors[0], errors
+    assert ("int3" if case.startswith("int3") else "float-quantized float8 channel") in errors[0], errors[0]
+    assert "group_0" in errors[0] and "['Linear']" in errors[0]  # the scheme's group and the layers it covers
+    assert not os.path.exists(run)

@@ -54,8 +54,12 @@ def get_builder(name: str) -> Builder:
 
 def build_evaluator(cfg: "ESConfig", model_path: str, score: Callable, extract: Callable | None = None) -> "Evaluator":
     """The evaluator named by ``cfg.evaluator`` for the model at ``model_path`` and reward ``score``;
-    ``extract`` (a Task's ``extract``) goes to builders that take it (module docstring)."""
+    ``extract`` (a Task's ``extract``) goes to builders that take it (module docstring).  A quantized checkpoint
+    in a scheme espert cannot edit is refused first (:class:`espert.quant.checkpoint.UnsupportedScheme`)."""
+    from espert.quant.checkpoint import quantization_config, weight_scheme
+
     builder = get_builder(cfg.evaluator)
+    weight_scheme(quantization_config(model_path))
     if extract is not None and "extract" in inspect.signature(builder).parameters:
         return builder(cfg, model_path, score, extract=extract)
     return builder(cfg, model_path, score)

@@ -28,7 +28,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
     """Load ``(model, tokenizer)`` from a local model directory or Hub id, in eval mode on ``device``.
 
     The tokenizer is set to left padding; a missing pad token falls back to the eos token.  A compressed-tensors
-    checkpoint (llm-compressor's W8A8 / W4A16) keeps its codes: its layers become QuantLinear
+    checkpoint in a scheme espert edits (llm-compressor's W8A8 / W4A16) keeps its codes: its layers become QuantLinear
     (:func:`espert.quant.checkpoint.adopt_compressed`) before transformers would decompress them.
     """
     import os
@@ -44,9 +44,14 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
             raise ValueError(f"tokenizer of {path} has neither a pad nor an eos token")
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
-    from espert.quant.checkpoint import adopt_compressed
+    from espert.quant.checkpoint import UnsupportedScheme, adopt_compressed, quantization_config, weight_scheme
 
-    adopt_compressed(model)
+    try:
+        editable = weight_scheme(quantization_config(path)) is not None
+    except UnsupportedScheme:  # another scheme: transformers runs it its own way (training refuses it earlier)
+        editable = False
+    if editable:
+        adopt_compressed(model)
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model, tok

@@ -77,8 +77,9 @@ def weight_scheme(qc: dict | None) -> dict | None:
         ok = False
     if not ok:
         raise UnsupportedScheme(
-            f"compressed-tensors scheme {desc} (group {gname!r}, actorder {w.get('actorder')!r}): espert edits "
-            f"int-quantized int8 per channel (symmetric) and pack-quantized int4 by group or channel"
+            f"compressed-tensors scheme {desc} (group {gname!r} on {group.get('targets')}, actorder "
+            f"{w.get('actorder')!r}): espert edits int-quantized int8 per channel (symmetric) and pack-quantized "
+            f"int4 by group or channel"
         )
     return scheme
 
@@ -138,7 +139,9 @@ def compressed_weight(module: torch.nn.Module, name: str):
         raise UnsupportedScheme(f"{name}: compressed-tensors layer {desc} without weight and weight_scale")
     if getattr(module, "weight_g_idx", None) is not None:
         raise UnsupportedScheme(f"{name}: compressed-tensors {desc} with activation reordering (g_idx)")
-    if packed is not None and getattr(w, "num_bits", None) == 4 and packed.dtype == torch.int32:
+    if packed is not None and getattr(w, "num_bits", None) != 4:
+        raise UnsupportedScheme(f"{name}: compressed-tensors packed {desc}: espert edits 4-bit codes")
+    if packed is not None and packed.dtype == torch.int32:
         n, k = packed.shape[0], packed.shape[1] * 8
         groups = scale.shape[1]
         return QuantWeight(
@@ -146,7 +149,12 @@ def compressed_weight(module: torch.nn.Module, name: str):
             -1 if groups == 1 else k // groups, _zero_points(getattr(module, "weight" + ZERO, None), n),
         )  # fmt: skip
     weight = module.weight
-    if packed is None and weight.dtype == torch.int8 and getattr(w, "strategy", None) == "channel":
+    if (
+        packed is None
+        and weight is not None
+        and weight.dtype == torch.int8
+        and getattr(w, "strategy", None) == "channel"
+    ):
         if getattr(module, "weight" + ZERO, None) is not None and bool(module.weight_zero_point.detach().any()):
             raise UnsupportedScheme(f"{name}: compressed-tensors int8 with zero points (espert takes symmetric int8)")
         return QuantWeight("int8", weight.detach(), scale.detach().reshape(-1).contiguous(), *weight.shape)
