@@ -31,6 +31,7 @@ Schedule = Literal["constant", "linear", "cosine"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 ExportDtype = Literal["base", "float32", "bfloat16", "float16"]
 Quant = Literal["none", "int8", "fp8", "gptq", "awq", "cpu_w4a16", "marlin"]
+QuantMaster = Literal["residual8", "float16", "float32"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 SigmaMode = Literal["absolute", "rms"]
 PromptSampler = Literal["sha256", "python_random"]
@@ -178,6 +179,12 @@ class ESConfig:
         "quantized codes in place (torch evaluator); exports hold dequantized weights",
     )
     quant_group_size: int = opt(128, "int4 group size along the input dimension (-1: one group per row)")
+    quant_master: QuantMaster = opt(
+        "residual8",
+        "how a quantized center keeps its code-domain master on the host: residual8 (1 B/weight: the residual "
+        "to the code in 1/256 steps), float16 (2 B) or float32 (4 B); fp8 weights take float16 or float32 "
+        "(docs/quantized.md, compact center)",
+    )
     include: list[str] | None = opt(
         None, "only perturb parameters matching these patterns (glob or name component; default: all)"
     )

@@ -1,6 +1,7 @@
 """Quantized weights: layouts, bitwise agreement of every backend with the numpy reference, exact
 restore, SR statistics, update fidelity, memory, errors, the CUDA compile check and QuantLinear."""
 
+import os
 import re
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from espert.quant.reference import e4m3_to_f32, f32_to_e4m3
 ROOT = Path(__file__).resolve().parents[1]
 KEY = noise.param_key("model.layers.1.mlp.down_proj.weight")
 FAMILIES = ["gaussian", "gaussian-icdf", "rademacher", "lowrank:3"]  # every noise family (docs/noise.md §5)
+SLOW = os.environ.get("ESPERT_SLOW") == "1"
 
 
 def qweight(fmt, n=128, k=64, group=32, seed=0, **kw):
@@ -237,7 +239,7 @@ def test_thousand_cycles_restore_exactly(fmt):
     assert r["differ"] == 0
     assert r["storage_moved_frac_first_cycle"] > 0.3  # the perturbation really moved codes
     per_code = 1.0 if fmt in ("int8", "fp8") else 0.5
-    assert r["host_bytes_per_weight_no_master"] == pytest.approx(per_code, abs=0.02)  # + scales copy
+    assert r["host_bytes_per_weight_no_master"] == pytest.approx(per_code)  # the scales are the live weights' own
 
 
 @pytest.mark.parametrize(
@@ -261,6 +263,39 @@ def test_update_fidelity_master_vs_naive(fmt):
     assert r["master"] < 0.5 * r["naive"]
     assert r["master"] <= r["floor"] * 1.35 + 0.02  # near what any code-storing scheme can reach
     assert r["host_bytes_per_weight_master"] == pytest.approx(r["host_bytes_per_weight_naive"] + 4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "gptq"] + (["fp8", "awq", "cpu_w4a16", "marlin"] if SLOW else []))
+def test_the_compact_master_meets_the_host_budget_within_ten_percent_of_float32s_fidelity(fmt):
+    """residual8 (issue 49): host ≤ 1.5 B per int4 weight and ≤ 2.5 B per int8 weight, and an update trajectory
+    within 10% of the float32 master's error (float16 measured beside it: 2.5 B and 3 B, over the budget)."""
+    r = D.update_fidelity(fmt, steps=100, population=8, n=32, k=256)
+    budget = {"int8": 2.5, "fp8": 3.0}.get(fmt, 1.5)  # fp8 keeps a float16 master under residual8
+    assert r["host_bytes_per_weight_residual8"] <= budget
+    assert r["residual8"] <= 1.10 * r["master"] and r["float16"] <= 1.10 * r["master"]
+    assert r["residual8"] < 0.5 * r["naive"]
+
+
+@pytest.mark.parametrize("master", ["residual8", "float16"])
+@pytest.mark.parametrize("fmt", ["int8", "gptq", "fp8"])
+def test_a_compact_master_resumes_bit_for_bit_from_its_float32_checkpoint(fmt, master):
+    """The checkpoint holds float32 masters (widened one at a time); a store loaded from it keeps the same
+    compact master and codes, and the next update moves both stores identically."""
+    base = D.make_weight(fmt, n=16, k=64, group_size=32)
+    a = QuantCenterStore([QuantParamView("w", base.clone())], master=master)
+    a.update([1, 2, 3], [0.7, -0.4, 0.2])
+    a.update(range(50, 90), [0.3] * 40)  # many members: residuals spread over [−½, ½]
+    if fmt != "fp8":  # the kept master rounds to the kept codes (a residual never reaches ½: no ties)
+        assert torch.equal(torch.round(a.master(0)), unpack_codes(a.host[0]).float())
+    saved = {k: t.clone() for k, t in a.state_dict().items()}
+    assert saved["w"].dtype == torch.float32
+    b = QuantCenterStore([QuantParamView("w", base.clone())], master=master)
+    b.load_state_dict(saved)
+    assert torch.equal(a.masters[0], b.masters[0]) and torch.equal(a.codes[0], b.codes[0])
+    for s in (a, b):
+        s.update([4, 5], [0.3, -0.6], decay=0.99)
+    assert torch.equal(a.masters[0], b.masters[0]) and torch.equal(a.codes[0], b.codes[0])
+    assert torch.equal(a.views[0].qw.qweight, b.views[0].qw.qweight)
 
 
 def _max_cpu_allocation(fn) -> int:

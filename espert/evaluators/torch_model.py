@@ -122,7 +122,9 @@ def config_center(model: torch.nn.Module, cfg, pin: bool = False):
                 f"(got {cfg.optimizer}, {cfg.sigma_mode})"
             )
         quantized = quantize_model(model, cfg.quant, group_size=cfg.quant_group_size)
-        return model_quant_center(quantized, pin=pin, noise=cfg.noise, anchor=cfg.anchor_decay > 0)
+        return model_quant_center(
+            quantized, master=cfg.quant_master, pin=pin, noise=cfg.noise, anchor=cfg.anchor_decay > 0
+        )
     views = torch_param_views(model, include=cfg.include, exclude=cfg.exclude)
     if cfg.vllm_members == "batched":  # vLLM's LoRA members move only these
         views = lora_carried(model, views)
@@ -166,7 +168,9 @@ def checkpoint_quant_center(model: torch.nn.Module, cfg, pin: bool = False):
         raise ValueError(f"no parameters selected (include={inc}, exclude={exc})")
     return QuantModelCenter(
         CenterStore(fviews, master_dtype=torch.float32, pin=pin, noise=cfg.noise, anchor=anchor) if fviews else None,
-        QuantCenterStore(qviews, pin=pin, noise=cfg.noise, anchor=anchor, export="codes") if qviews else None,
+        QuantCenterStore(qviews, master=cfg.quant_master, pin=pin, noise=cfg.noise, anchor=anchor, export="codes")
+        if qviews
+        else None,
     )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -63,10 +63,31 @@ def initial_master(qw: QuantWeight) -> torch.Tensor:
     return (e4m3_bits_to_float(codes) if qw.fmt == "fp8" else codes.float()).contiguous()
 
 
+#: how the code-domain master is kept on the host (bytes per weight): the working value is always float32
+MASTERS = {"float32": 4, "float16": 2, "residual8": 1}
+#: residual8 keeps M − code as round(256·(M − code)) clamped to [−127, 127] (an int8; |M − code| ≤ 127/256 < ½, so
+#: the code is RNE(code + r/256) exactly, and the widened master code + r/256 is exact in float32)
+RESIDUAL_STEPS = 256.0
+
+
+def _master_kind(master) -> str | None:
+    """``master`` as a :data:`MASTERS` name (True: float32; False / None / ``"none"``: no master)."""
+    if master is True:
+        return "float32"
+    if master in (False, None, "none"):
+        return None
+    if master not in MASTERS:
+        raise ValueError(f"master must be one of {', '.join(MASTERS)} or none, got {master!r}")
+    return master
+
+
 class QuantCenterStore:
     """Exact centers of quantized weights in host memory; same methods as :class:`espert.center.CenterStore`.
 
-    views: QuantParamViews (weights on any device).  master: keep the float32 master (default).
+    views: QuantParamViews (weights on any device).  master: how the code-domain master is kept (:data:`MASTERS`):
+    ``"float32"`` (True, the default; 4 B/weight), ``"float16"`` (2 B) or ``"residual8"`` (1 B: the residual
+    M − code in 1/256 code steps, int8, for int8 and int4 codes; fp8 ones keep float16), or none (False: naive rounding).  A compact master
+    is widened to float32 one tensor at a time for an update, a decay or a checkpoint (docs/quantized.md).
     pin: page-lock the host code copies (faster GPU restores).  noise: the noise family
     (``"gaussian"``, ``"gaussian-icdf"``, ``"rademacher"``, ``"lowrank:R"``; docs/noise.md §5).  anchor:
     keep the base codes for anchored weight decay (module doc; needs the master).  export: ``"values"`` (a float
@@ -86,8 +107,9 @@ class QuantCenterStore:
         if export not in ("values", "codes"):
             raise ValueError(f"export must be 'values' or 'codes', got {export!r}")
         self.export = export
-        if anchor and not master:
-            raise ValueError("anchor (anchored weight decay) needs the float32 code-domain master (master=True)")
+        self.master_kind = _master_kind(master)
+        if anchor and self.master_kind is None:
+            raise ValueError("anchor (anchored weight decay) needs the code-domain master (master=True)")
         self.noise = str(NoiseFamily.parse(noise))
         names = [v.name for v in views]
         if len(set(names)) != len(names):
@@ -99,14 +121,14 @@ class QuantCenterStore:
         self.views = list(views)
         self.codes: list[torch.Tensor] = []  # exact storage, host, same layout as the live qweight
         self.host: list[QuantWeight] = []  # host twins (codes + scales) the update runs on
-        self.masters: list[torch.Tensor] | None = [] if master else None
+        self.masters: list[torch.Tensor] | None = [] if self.master_kind else None  # as kept (MASTERS)
         for v in self.views:
             c = _host_clone(v.qw.qweight, pin)  # contiguous on the host, whatever the live strides
             self.codes.append(c)
             h = QuantWeight(
                 v.qw.fmt,
                 c,
-                _host_clone(v.qw.scales, False),
+                v.qw.scales if v.qw.scales.device.type == "cpu" else None,  # never written: shared, or fetched
                 v.qw.out_features,
                 v.qw.in_features,
                 v.qw.group_size,
@@ -117,27 +139,56 @@ class QuantCenterStore:
             )
             self.host.append(h)
             if self.masters is not None:
-                self.masters.append(initial_master(h))
+                self.masters.append(self._kept(initial_master(h), h))
         # the base codes (scales and zero points never change): what anchored weight decay pulls toward
         self.anchors = [replace(h, qweight=h.qweight.clone()) for h in self.host] if anchor else None
+
+    def _scaled(self, i: int) -> QuantWeight:
+        """View ``i``'s host twin with host scales: the live ones when they are on the host (shared, never
+        written), else a transient host copy (scale-sized), so the center keeps no scales of its own."""
+        h = self.host[i]
+        return h if h.scales is not None else replace(h, scales=self.views[i].qw.scales.to("cpu"))
+
+    # -- the master as kept, and its float32 working value --------------------------------------
+    def _kept(self, m: torch.Tensor, host: QuantWeight) -> torch.Tensor:
+        """The float32 master ``m`` [N, K] as this store keeps it (``host``: the weight whose codes it rounds to)."""
+        if self.master_kind == "residual8" and host.fmt != "fp8":
+            r = torch.round((m - unpack_codes(host).float()) * RESIDUAL_STEPS)
+            return r.clamp_(-127, 127).to(torch.int8)
+        return m if self.master_kind == "float32" else m.to(torch.float16)  # fp8 under residual8: float16
+
+    def master(self, i: int) -> torch.Tensor:
+        """View ``i``'s float32 code-domain master [N, K]: the kept tensor itself (float32), else widened (a copy)."""
+        m = self.masters[i]
+        if m.dtype == torch.int8:  # residual8
+            return unpack_codes(self.host[i]).float() + m.float() / RESIDUAL_STEPS
+        return m if m.dtype == torch.float32 else m.float()
+
+    def _keep(self, i: int, m: torch.Tensor) -> None:
+        """Store view ``i``'s float32 master ``m`` back (a no-op when ``m`` is the kept float32 tensor).  A float16
+        master re-derives the codes from its rounded value, so codes and master agree as a checkpoint restores them
+        (a residual is taken against the codes, which it leaves as they are)."""
+        if m is not self.masters[i]:
+            self.masters[i] = self._kept(m, self.host[i])
+            if self.masters[i].dtype == torch.float16:
+                requantize_(self._scaled(i), self.master(i), backend="cpu")
 
     # -- CenterStore API -------------------------------------------------------------------
     @property
     def centers(self) -> list[torch.Tensor]:
-        """The float32 masters (what ``apply_update``'s decay multiplies: a value decay for int8 / fp8
-        and symmetric int4 with z = 0 only; with zero points it would decay towards code 0)."""
+        """The float32 masters (widened copies for a compact master: 4 B/weight while the list lives)."""
         if self.masters is None:
-            raise ValueError("this QuantCenterStore keeps no float32 master (master=False)")
-        return self.masters
+            raise ValueError("this QuantCenterStore keeps no code-domain master (master=False)")
+        return [self.master(i) for i in range(len(self.masters))]
 
     @property
     def nbytes(self) -> int:
-        """Host memory: exact codes + scales copies + masters + anchor codes, in bytes."""
+        """Host memory the center adds: exact codes + masters as kept + anchor codes, in bytes (the scales are the
+        live weights' own on a host, or fetched per update)."""
         total = sum(c.numel() * c.element_size() for c in self.codes)
         total += sum(a.qweight.numel() * a.qweight.element_size() for a in self.anchors or [])
-        total += sum(h.scales.numel() * h.scales.element_size() for h in self.host)
         if self.masters is not None:
-            total += sum(m.numel() * 4 for m in self.masters)
+            total += sum(m.numel() * m.element_size() for m in self.masters)
         return total
 
     def noise_energy(self) -> float:
@@ -165,13 +216,16 @@ class QuantCenterStore:
         Everything is computed and checked before the first master changes.
         """
         factor = check_factor("scale factor", factor)
-        masters = self.centers
+        if self.masters is None:
+            raise ValueError("this QuantCenterStore keeps no code-domain master (master=False)")
         zs = self._zero_points()
-        for m, z in zip(masters, zs):
+        for i, z in enumerate(zs):
+            m = self.master(i)
             if z is None:
                 m.mul_(factor)
             else:
                 m.sub_(z).mul_(factor).add_(z)
+            self._keep(i, m)
 
     def restore(self) -> None:
         """Copy the exact codes back into every live weight."""
@@ -204,11 +258,14 @@ class QuantCenterStore:
         if decay != 1.0:
             self.scale(decay)
         for i, v in enumerate(self.views):
-            m = None if self.masters is None else self.masters[i]
-            ops.es_update_(self.host[i], seeds, coeffs, v.key, master=m, block=v.block, backend="cpu", noise=self.noise)
+            m = None if self.masters is None else self.master(i)
+            h = self._scaled(i)
+            ops.es_update_(h, seeds, coeffs, v.key, master=m, block=v.block, backend="cpu", noise=self.noise)
             if anchor is not None:
                 anchor_decay_(m, initial_master(self.anchors[i]), anchor)
-                requantize_(self.host[i], m, backend="cpu")
+                requantize_(h, m, backend="cpu")
+            if m is not None:
+                self._keep(i, m)
         self.restore()
 
     def export_state(self) -> dict[str, torch.Tensor]:
@@ -218,8 +275,8 @@ class QuantCenterStore:
         if self.export == "codes":
             return {v.name: unpack_codes(h) for v, h in zip(self.views, self.host)}
         return {
-            v.name: dequantize(replace(h, zeros=None if v.qw.zeros is None else v.qw.zeros.cpu()))
-            for v, h in zip(self.views, self.host)
+            v.name: dequantize(replace(self._scaled(i), zeros=None if v.qw.zeros is None else v.qw.zeros.cpu()))
+            for i, v in enumerate(self.views)
         }
 
     def export_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -227,25 +284,50 @@ class QuantCenterStore:
         dtype = torch.int32 if self.export == "codes" else torch.float32
         return {v.name: ((v.qw.out_features, v.qw.in_features), dtype) for v in self.views}
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Logical name -> float32 master (or the exact codes when there is no master)."""
-        src = self.masters if self.masters is not None else self.codes
-        return {v.name: t for v, t in zip(self.views, src)}
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        """Logical name -> float32 master (or the exact codes when there is no master).  A compact master is
+        widened when its entry is read, one tensor at a time (a checkpoint streams them)."""
+        if self.masters is None:
+            return {v.name: t for v, t in zip(self.views, self.codes)}
+        if self.master_kind == "float32":
+            return {v.name: t for v, t in zip(self.views, self.masters)}
+        return _Widened(self)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replace the centers exactly (codes re-derived from the masters) and restore the live weights.
         Names, shapes, dtypes and devices are checked, and masters must be finite, before anything is copied."""
-        src = self.masters if self.masters is not None else self.codes
-        check_state(state, {v.name: t for v, t in zip(self.views, src)})
+        if self.masters is None:
+            check_state(state, self.state_dict())
+        else:  # float32 [N, K] masters, however they are kept
+            check_state(state, {v.name: torch.empty(v.qw.shape, device="meta") for v in self.views})
         if self.masters is not None:
             for v in self.views:
                 if not bool(torch.isfinite(state[v.name]).all()):
                     raise ValueError(f"center {v.name}: checkpoint master holds NaN or Inf")
-        for i, (v, c) in enumerate(zip(self.views, src)):
-            c.copy_(state[v.name])
-            if self.masters is not None:
-                requantize_(self.host[i], self.masters[i], backend="cpu")
+        for i, v in enumerate(self.views):
+            if self.masters is None:
+                self.codes[i].copy_(state[v.name])
+                continue
+            m = state[v.name].to(torch.float32, copy=True)
+            requantize_(self._scaled(i), m, backend="cpu")
+            self.masters[i] = self._kept(m, self.host[i])
         self.restore()
+
+
+class _Widened(Mapping):
+    """A compact QuantCenterStore's state dict: each master widened to float32 when read."""
+
+    def __init__(self, store: QuantCenterStore):
+        self.store, self.index = store, {v.name: i for i, v in enumerate(store.views)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.store.master(self.index[name])
+
+    def __iter__(self):
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 class QuantModelCenter:

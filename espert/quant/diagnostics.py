@@ -112,6 +112,16 @@ def perturbation_stats(fmt: str, sigma: float, sign: int = 1, seed: int = 7, **k
     }
 
 
+def _floor_theta(qw: QuantWeight, sim: torch.Tensor, theta0: torch.Tensor) -> torch.Tensor:
+    """The exact fp64 end point ``sim`` rounded to ``qw``'s grid (what the best code-storing scheme reaches)."""
+    s = logical_scales(qw).double()
+    if qw.fmt == "fp8":
+        return torch.from_numpy(e4m3_round((sim / s).float().numpy())).double().clamp(-448, 448) * s
+    zeros = theta0 / s - unpack_codes(qw).double()  # −z
+    lo, hi = qw.code_range
+    return (torch.round(sim / s - zeros).clamp(lo, hi) + zeros) * s
+
+
 def update_fidelity(
     fmt: str, steps: int = 100, population: int = 8, step_in_quanta: float = 0.3, seed: int = 0, **kw
 ) -> dict:
@@ -120,6 +130,7 @@ def update_fidelity(
     Coefficients c_n = α z_n / N (z ~ N(0, 1)), with α chosen so one step moves a weight by about
     ``step_in_quanta`` grid steps (RMS) — the regime where a naive rounded update loses most steps.
     - 'master': float32 master + round-to-nearest codes (QuantCenterStore, master=True);
+    - 'float16' / 'residual8': the compact masters (2 B and 1 B per weight; fp8 under residual8 keeps float16);
     - 'master_value': the master itself (s·(M_T − M_0)), before rounding to codes;
     - 'naive': codes ← round(code + Σ c ε / s) each step (no residual);
     - 'floor': rounding the exact fp64 end point to the grid (no code-storing scheme does better).
@@ -131,6 +142,7 @@ def update_fidelity(
     alpha = step_in_quanta * float(q.pow(2).mean().sqrt()) * population**0.5
     master_store = QuantCenterStore([QuantParamView(NAME, qw.clone())], master=True)
     naive_store = QuantCenterStore([QuantParamView(NAME, qw.clone())], master=False)
+    compact = {m: QuantCenterStore([QuantParamView(NAME, qw.clone())], master=m) for m in ("float16", "residual8")}
     sim = theta0.clone()
     rng = np.random.default_rng(seed)
     for t in range(steps):
@@ -139,8 +151,8 @@ def update_fidelity(
         acc = torch.zeros(n, k)
         ops.es_update_(acc, seeds, coeffs, KEY)  # Σ c ε in float32, as the kernels sum it
         sim += acc.double()
-        master_store.update(seeds, coeffs)
-        naive_store.update(seeds, coeffs)
+        for store in (master_store, naive_store, *compact.values()):
+            store.update(seeds, coeffs)
     want = sim - theta0
 
     def rel(theta: torch.Tensor) -> float:
@@ -150,13 +162,6 @@ def update_fidelity(
     s = logical_scales(qw).double()
     m_val = master_store.masters[0].double() * s
     m0_val = initial_master(qw).double() * s
-    if fmt == "fp8":
-        floor_theta = e4m3_round((sim / s).float().numpy())
-        floor_theta = torch.from_numpy(floor_theta).double().clamp(-448, 448) * s
-    else:
-        zeros = theta0 / s - unpack_codes(qw).double()  # −z
-        lo, hi = qw.code_range
-        floor_theta = (torch.round(sim / s - zeros).clamp(lo, hi) + zeros) * s
     return {
         "fmt": fmt,
         "steps": steps,
@@ -167,7 +172,9 @@ def update_fidelity(
         "master": rel(dequantize(mq).double()),
         "master_value": float((m_val - m0_val - want).norm() / want.norm()),
         "naive": rel(dequantize(naive_store.views[0].qw).double()),
-        "floor": rel(floor_theta),
+        **{m: rel(dequantize(st.views[0].qw).double()) for m, st in compact.items()},
+        **{f"host_bytes_per_weight_{m}": st.nbytes / (n * k) for m, st in compact.items()},
+        "floor": rel(_floor_theta(qw, sim, theta0)),
         "host_bytes_per_weight_master": master_store.nbytes / (n * k),
         "host_bytes_per_weight_naive": naive_store.nbytes / (n * k),
     }

@@ -114,13 +114,14 @@ def quant_param_views(model: torch.nn.Module) -> list[QuantParamView]:
 
 def model_quant_center(
     model: torch.nn.Module,
-    master: bool = True,
+    master: bool | str = True,
     pin: bool = False,
     noise: str = "gaussian",
     anchor: bool = False,
     export: str = "values",
 ) -> QuantCenterStore:
-    """The host center of a quantized model's QuantLinear weights (noise: the noise family, docs/noise.md §5;
+    """The host center of a quantized model's QuantLinear weights (master: see :class:`QuantCenterStore`; noise: the
+    noise family, docs/noise.md §5;
     anchor: keep the base codes for anchored weight decay; export: what ``export_state`` gives, see
     :class:`QuantCenterStore`)."""
     return QuantCenterStore(quant_param_views(model), master=master, pin=pin, noise=noise, anchor=anchor, export=export)

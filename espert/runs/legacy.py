@@ -52,7 +52,7 @@ V1_FIELDS = frozenset(
 LEGACY_DEFAULTS = {"prompt_sampler": "python_random", "weight_decay_exclude": [], "reward_std_floor": 0.0}
 #: Fields a run directory's config may lack because they came later, with the behaviour of the runs
 #: written before them (their tiny base model was not pretrained).
-RUN_ADDED_DEFAULTS = {"pretrain_steps": 0, "pretrain_reverse_share": 0.0}
+RUN_ADDED_DEFAULTS = {"pretrain_steps": 0, "pretrain_reverse_share": 0.0, "quant_master": "float32"}
 
 
 def v1_defaults(d: dict) -> dict:

@@ -772,7 +772,7 @@ class EnginePool(Evaluator):
 
 def center_kwargs(cfg, model_path: str) -> dict:
     """The center's loop fields of ``cfg`` as :class:`VLLMEvaluator` / :class:`EnginePool` keywords
-    (``noise``, ``optimizer``, ``no_decay``, ``anchor``, ``sigma_scales``), as
+    (``noise``, ``quant_master``, ``optimizer``, ``no_decay``, ``anchor``, ``sigma_scales``), as
     :func:`espert.evaluators.torch_model.config_center` gives them to the torch evaluator's CenterStore.
     The rms scales are computed once, here, from the checkpoint's whole tensors, so every engine and TP
     rank gets the same."""
@@ -780,6 +780,7 @@ def center_kwargs(cfg, model_path: str) -> dict:
 
     return dict(
         noise=cfg.noise,
+        quant_master=cfg.quant_master,
         optimizer=optimizer_spec(cfg),
         no_decay=list(cfg.weight_decay_exclude) if cfg.weight_decay else [],
         anchor=cfg.anchor_decay > 0,

@@ -291,7 +291,7 @@ class W8A8Center(QuantModelCenter):
         model: torch.nn.Module,
         include=None,
         exclude=None,
-        master: str = "float32",
+        master: str | bool = "float32",
         rename=None,
         noise: str = "gaussian",
         anchor: bool = False,
@@ -310,10 +310,10 @@ class W8A8Center(QuantModelCenter):
         if not fviews and not qviews:
             raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
         super().__init__(
-            CenterStore(fviews, master_dtype=torch.float32 if master == "float32" else None, noise=noise, anchor=anchor)
+            CenterStore(fviews, master_dtype=torch.float32 if master else None, noise=noise, anchor=anchor)
             if fviews
             else None,
-            QuantCenterStore(qviews, master=master == "float32", noise=noise, anchor=anchor) if qviews else None,
+            QuantCenterStore(qviews, master=master, noise=noise, anchor=anchor) if qviews else None,
         )
         self.views = list(fviews) + [_QView(v) for v in qviews]
         self.repack_seconds, self.repacks = 0.0, 0

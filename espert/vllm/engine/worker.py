@@ -192,6 +192,7 @@ class ESWorkerExtension:
         no_decay: Sequence[str] = (),
         members: str = "serial",
         anchor: bool = False,
+        quant_master: str = "float32",
     ) -> dict:
         """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
 
@@ -202,7 +203,8 @@ class ESWorkerExtension:
         fields, as :class:`~espert.center.CenterStore` takes them, keyed by logical names.
         sigma_scales: ``{logical name: σ multiplier}`` for ``sigma_mode: rms``, from the checkpoint's
         whole tensors (:func:`espert.vllm.driver.pool.checkpoint_rms_scales`); it names every selected
-        parameter.  members: ``"serial"`` (in place) or ``"batched"`` (lowrank:r noise: LoRA slots filled
+        parameter.  quant_master: how a quantized model's codes keep their master when ``master`` is float32
+        (:class:`~espert.quant.QuantCenterStore`: float32, float16 or residual8).  members: ``"serial"`` (in place) or ``"batched"`` (lowrank:r noise: LoRA slots filled
         by :meth:`es_lora_fill`, :mod:`espert.vllm.engine.lora`; the tensors no slot carries are
         ``"unmoved"``).  anchor: keep the base for es_update's anchor step.  Then the self-test (``EditsNotVisible``).
 
@@ -211,33 +213,36 @@ class ESWorkerExtension:
         "unmoved": [logical names]}``.  Raises (naming the
         parameter) for layouts it cannot map, and RuntimeError when the CPU prepack patch did not take effect.
         """
-        from espert.center import CenterStore
-        from espert.vllm.engine.params import vllm_param_views
-
         model = self._es_model()
         _check_setup(model, members, master)
         select = dict(include=include, exclude=exclude, rename=(lambda n: rename.get(n, n)) if rename else None)
-        slots = None
-        if w8a8.has_w8a8(model):  # W8A8 int8 layers (vLLM-CPU): codes + oneDNN repack, espert/vllm/engine/w8a8.py
-            _check_w8a8_loop(optimizer, sigma_scales, no_decay, members)
-            center = w8a8.W8A8Center(model, master=master, noise=noise, anchor=bool(anchor), **select)
-            if check_names:
-                self._es_check_names(center.views)
-        else:
-            views = vllm_param_views(model, **select)
-            if check_names:
-                self._es_check_names(views)
-            if members == "batched":  # the center holds what the LoRA slots carry (espert/vllm/engine/lora.py)
-                slots = self._es_lora_slots(model, views, noise)
-                views = slots.views
-            master_dtype, pin = torch.float32 if master == "float32" else None, views[0].tensor.is_cuda
-            loop = dict(noise=noise, optimizer=optimizer, no_decay=list(no_decay), anchor=bool(anchor))
-            center = CenterStore(views, master_dtype, pin, sigma_scales=_scales_for(views, sigma_scales), **loop)
+        loop = dict(noise=noise, optimizer=optimizer, no_decay=list(no_decay), anchor=bool(anchor))
+        center, slots = self._es_center_for(model, select, master, quant_master, sigma_scales, members, loop)
+        if check_names:
+            self._es_check_names(center.views)
         info = self._es_install(RepackingCenter(center, model), model, str(center.views[0].tensor.device))
         if slots is not None:
             slots.pin(self.model_runner.lora_manager)  # after the self-test's forward passes
         self._es_lora = slots
         return {**info, "members": members, "unmoved": [] if slots is None else slots.unmoved}
+
+    def _es_center_for(self, model, select: dict, master: str, quant_master: str, sigma_scales, members, loop: dict):
+        """``(center, LoRA slots or None)``: the one place es_setup picks its center.  A model with quantized
+        layers (W8A8 / W4A16) gets a :class:`~espert.vllm.engine.w8a8.W8A8Center` (codes + float tensors); a float
+        model a :class:`~espert.center.CenterStore` over its views, or over what the LoRA slots carry (batched)."""
+        from espert.center import CenterStore
+        from espert.vllm.engine.params import vllm_param_views
+
+        if w8a8.has_w8a8(model):  # codes: espert/vllm/engine/w8a8.py
+            _check_w8a8_loop(loop["optimizer"], sigma_scales, loop["no_decay"], members)
+            qmaster = quant_master if master == "float32" else False
+            return w8a8.W8A8Center(model, master=qmaster, noise=loop["noise"], anchor=loop["anchor"], **select), None
+        views, slots = vllm_param_views(model, **select), None
+        if members == "batched":  # the center holds what the LoRA slots carry (espert/vllm/engine/lora.py)
+            slots = self._es_lora_slots(model, views, loop["noise"])
+            views = slots.views
+        master_dtype, pin = torch.float32 if master == "float32" else None, views[0].tensor.is_cuda
+        return CenterStore(views, master_dtype, pin, sigma_scales=_scales_for(views, sigma_scales), **loop), slots
 
     def _es_lora_slots(self, model, views, noise: str):
         from espert.vllm.engine.lora import LoraSlots, batched_rank
