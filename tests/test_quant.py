@@ -278,9 +278,10 @@ def test_the_compact_master_meets_the_host_budget_within_ten_percent_of_float32s
 
 @pytest.mark.parametrize("master", ["residual8", "float16"])
 @pytest.mark.parametrize("fmt", ["int8", "gptq", "fp8"])
-def test_a_compact_master_resumes_bit_for_bit_from_its_float32_checkpoint(fmt, master):
-    """The checkpoint holds float32 masters (widened one at a time); a store loaded from it keeps the same
-    compact master and codes, and the next update moves both stores identically."""
+def test_a_compact_master_resumes_bit_for_bit_from_its_checkpoint(fmt, master):
+    """The checkpoint holds int16 ``code·256 + r`` for a residual8 master of int codes (2 B per weight) and float32
+    otherwise, made one tensor at a time; a store loaded from it keeps the same compact master and codes, and the
+    next update moves both stores identically."""
     base = D.make_weight(fmt, n=16, k=64, group_size=32)
     a = QuantCenterStore([QuantParamView("w", base.clone())], master=master)
     a.update([1, 2, 3], [0.7, -0.4, 0.2])
@@ -288,7 +289,7 @@ def test_a_compact_master_resumes_bit_for_bit_from_its_float32_checkpoint(fmt, m
     if fmt != "fp8":  # the kept master rounds to the kept codes (a residual never reaches ½: no ties)
         assert torch.equal(torch.round(a.master(0)), unpack_codes(a.host[0]).float())
     saved = {k: t.clone() for k, t in a.state_dict().items()}
-    assert saved["w"].dtype == torch.float32
+    assert saved["w"].dtype == (torch.int16 if master == "residual8" and fmt != "fp8" else torch.float32)
     b = QuantCenterStore([QuantParamView("w", base.clone())], master=master)
     b.load_state_dict(saved)
     assert torch.equal(a.masters[0], b.masters[0]) and torch.equal(a.codes[0], b.codes[0])

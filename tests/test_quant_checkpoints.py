@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from espert import runs
 from espert.cli import main
+from espert.quant.center import master_codes
 
 pytestmark = pytest.mark.skipif(not compressed.available(), reason="llm-compressor is not in .venv/quantizers")
 
@@ -166,7 +167,8 @@ def _export_is_the_checkpoint_format(run: str, model_dir: str) -> None:
         assert qc == json.load(f)["quantization_config"]
     center, _ = runs.load_center(os.path.join(run, runs.CENTER))
     codes = checkpoint_codes(os.path.join(run, "export"))
-    assert all(torch.equal(codes[k], center[k].round().to(torch.int32)) for k in codes)
+    assert all(torch.equal(codes[k], master_codes(center[k]).to(torch.int32)) for k in codes)
+    assert all(center[k].dtype == torch.int16 for k in codes)  # residual8 masters: 2 B per weight on disk
     assert any(not torch.equal(codes[k], checkpoint_codes(model_dir)[k]) for k in codes)  # it trained
     assert all(torch.equal(exported[k], base[k]) for k in base if k.endswith(("_scale", "_zero_point", "_shape")))
 

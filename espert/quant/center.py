@@ -70,6 +70,20 @@ MASTERS = {"float32": 4, "float16": 2, "residual8": 1}
 RESIDUAL_STEPS = 256.0
 
 
+def fixed_master(codes: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """A residual8 master as its checkpoint holds it: int16 ``code·256 + r`` (exact: int8 codes and int4 ones fit),
+    2 B per weight instead of float32's 4."""
+    return codes.to(torch.int16) * int(RESIDUAL_STEPS) + residual.to(torch.int16)
+
+
+def master_codes(center: torch.Tensor) -> torch.Tensor:
+    """The codes a code-domain master rounds to: RNE of a float master, or the code of an int16 fixed one
+    (:func:`fixed_master`; |r| < 128, so the rounding is exact).  Floats stay floats (the caller casts)."""
+    if center.dtype == torch.int16:
+        return torch.round(center.float() / RESIDUAL_STEPS)
+    return center.round() if center.is_floating_point() else center
+
+
 def _master_kind(master) -> str | None:
     """``master`` as a :data:`MASTERS` name (True: float32; False / None / ``"none"``: no master)."""
     if master is True:
@@ -285,21 +299,30 @@ class QuantCenterStore:
         return {v.name: ((v.qw.out_features, v.qw.in_features), dtype) for v in self.views}
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
-        """Logical name -> float32 master (or the exact codes when there is no master).  A compact master is
-        widened when its entry is read, one tensor at a time (a checkpoint streams them)."""
+        """Logical name -> float32 master (or the exact codes when there is no master).  A residual8 master of int
+        codes is the int16 ``code·256 + r`` (:func:`fixed_master`, 2 B per weight); a float16 one is widened.  Both
+        are made when the entry is read, one tensor at a time (a checkpoint streams them)."""
         if self.masters is None:
             return {v.name: t for v, t in zip(self.views, self.codes)}
         if self.master_kind == "float32":
             return {v.name: t for v, t in zip(self.views, self.masters)}
         return _Widened(self)
 
+    def _state_entry(self, i: int) -> torch.Tensor:
+        m = self.masters[i]
+        return fixed_master(unpack_codes(self.host[i]), m) if m.dtype == torch.int8 else self.master(i)
+
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replace the centers exactly (codes re-derived from the masters) and restore the live weights.
         Names, shapes, dtypes and devices are checked, and masters must be finite, before anything is copied."""
         if self.masters is None:
             check_state(state, self.state_dict())
-        else:  # float32 [N, K] masters, however they are kept
-            check_state(state, {v.name: torch.empty(v.qw.shape, device="meta") for v in self.views})
+        else:  # [N, K] masters: float32, or int16 fixed (a residual8 master) for int codes, whatever this keeps
+            fixed = lambda v: isinstance(state, Mapping) and v.name in state and state[v.name].dtype == torch.int16  # noqa: E731
+            kinds = [torch.int16 if v.qw.fmt != "fp8" and fixed(v) else torch.float32 for v in self.views]
+            check_state(
+                state, {v.name: torch.empty(v.qw.shape, dtype=d, device="meta") for v, d in zip(self.views, kinds)}
+            )
         if self.masters is not None:
             for v in self.views:
                 if not bool(torch.isfinite(state[v.name]).all()):
@@ -308,20 +331,24 @@ class QuantCenterStore:
             if self.masters is None:
                 self.codes[i].copy_(state[v.name])
                 continue
-            m = state[v.name].to(torch.float32, copy=True)
+            m = state[v.name]
+            if m.dtype == torch.int16:  # residual8: the codes and residuals as they were, exactly
+                codes = master_codes(m)
+                m = codes + (m.float() - codes * RESIDUAL_STEPS) / RESIDUAL_STEPS
+            m = m.to(torch.float32, copy=True)
             requantize_(self._scaled(i), m, backend="cpu")
             self.masters[i] = self._kept(m, self.host[i])
         self.restore()
 
 
 class _Widened(Mapping):
-    """A compact QuantCenterStore's state dict: each master widened to float32 when read."""
+    """A compact QuantCenterStore's state dict: each master made when read (int16 fixed, or widened to float32)."""
 
     def __init__(self, store: QuantCenterStore):
         self.store, self.index = store, {v.name: i for i, v in enumerate(store.views)}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.store.master(self.index[name])
+        return self.store._state_entry(self.index[name])
 
     def __iter__(self):
         return iter(self.index)
@@ -364,10 +391,12 @@ class QuantModelCenter:
         return float(sum(s.noise_energy() for s in self._stores()))
 
     def state_views(self) -> list:
-        """Each view's center as a ParamView (no optimizer state: sgd only)."""
+        """Each view's center state entry as a ParamView (no optimizer state: sgd only); all made at once (the
+        vLLM workers stream them), 2 B per residual8 weight while they live."""
         from espert.params import ParamView
 
-        return [ParamView(v.name, t, v.block) for v, t in zip(self.views, self.centers)]
+        state = {k: t for s in self._stores() for k, t in s.state_dict().items()}
+        return [ParamView(v.name, state[v.name], v.block) for v in self.views]
 
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
         for s in self._stores():

@@ -108,11 +108,14 @@ def unpack_int4(words: torch.Tensor) -> torch.Tensor:
 
 
 def encode(name: str, values: torch.Tensor) -> torch.Tensor:
-    """A center chunk of float weight ``name`` (code units, flat, a multiple of 8 elements along rows of K % 8 == 0)
-    as the words its ``weight_packed`` stores: round to nearest even, clamp to [0, 15], pack."""
+    """A center chunk of float weight ``name`` (a code-domain master: float, int16 fixed or int codes; flat, a
+    multiple of 8 elements along rows of K % 8 == 0) as the words its ``weight_packed`` stores: its codes
+    (:func:`espert.quant.center.master_codes`), clamped to [0, 15], packed."""
+    from .center import master_codes
+
     if values.numel() % 8:
         raise UnsupportedScheme(f"{name}: a chunk of {values.numel()} codes does not fill whole int4 words")
-    codes = values.round().clamp(0, 15) if values.is_floating_point() else values.clamp(0, 15)
+    codes = master_codes(values).clamp(0, 15)
     return pack_int4(codes.reshape(-1, 8)).reshape(-1)
 
 

@@ -86,11 +86,13 @@ def base_identity(ref: str) -> str:
 
 def _cast(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Center values as ``dtype`` (round to nearest even; elementwise, so a chunk casts like its tensor)."""
+    from espert.quant.center import master_codes
+
     c = c.detach().to("cpu")
-    if not dtype.is_floating_point and c.dtype.is_floating_point:
-        # integer codes (e.g. a W8A8 master in code units): round, don't truncate
+    if not dtype.is_floating_point and (c.dtype.is_floating_point or c.dtype == torch.int16):
+        # integer codes from a code-domain master (float, or int16 fixed): round, don't truncate
         info = torch.iinfo(dtype)
-        c = c.round().clamp(info.min, info.max)
+        c = master_codes(c).clamp(info.min, info.max)
     return c.to(dtype)
 
 

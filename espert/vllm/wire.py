@@ -44,8 +44,15 @@ def exact_fields(checksum: Sequence[dict]) -> list[dict]:
     return [{k: r[k] for k in EXACT_FIELDS} for r in checksum]
 
 
-#: dtype name -> dtype of center pieces: the floats, and int64 for the optimizer's step (``optim.step``).
-PIECE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+#: dtype name -> dtype of center pieces: the floats, int64 for the optimizer's step (``optim.step``), int16 for a
+#: residual8 master of quantized codes (``code·256 + r``, :func:`espert.quant.center.fixed_master`).
+PIECE_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int16": torch.int16,
+}
 _INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
 
