@@ -60,6 +60,20 @@ def test_update_n8_espert(benchmark, qw):
     )
 
 
+@pytest.mark.parametrize("master", ["float32", "float16", "residual8"])
+@pytest.mark.parametrize("fmt", ["int8", "gptq"])
+def test_center_update_n8_by_master(benchmark, fmt, master):
+    """QuantCenterStore.update (N=8) with each master design side by side: the compact ones widen to float32
+    and back around the same fused kernel (docs/quantized.md, "The compact center")."""
+    from espert.quant import QuantCenterStore, QuantParamView
+
+    qw = _weight(fmt)
+    store = QuantCenterStore([QuantParamView("w", qw)], master=master)
+    _rec(benchmark, qw, f"center update N=8 master={master}")
+    benchmark.extra_info["host_bytes_per_weight"] = store.nbytes / (qw.out_features * qw.in_features)
+    benchmark.pedantic(store.update, args=(list(range(8)), [1e-5] * 8), rounds=2, warmup_rounds=0)
+
+
 def _naive(qw, n_members):
     """Dequantize -> add a torch.randn noise tensor per member -> requantize (nearest) -> repack."""
     w = dequantize(qw)
