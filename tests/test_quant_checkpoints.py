@@ -47,22 +47,21 @@ def fixtures_on_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("float") / "model"))
-
-
-_made: dict[str, str] = {}
+_made: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture
-def checkpoint_of(base, tmp_path_factory):
-    """scheme -> a directory llm-compressor wrote (made once per module)."""
+def checkpoint_of(tmp_path_factory):
+    """(scheme, arch) -> a directory llm-compressor wrote from a tiny transformers model of ``arch`` (made once per
+    module; Qwen2 has biases on q, k and v, as Qwen2.5 checkpoints do)."""
 
-    def make(scheme: str) -> str:
-        if scheme not in _made:
-            _made[scheme] = compressed.quantize(base, str(tmp_path_factory.mktemp(scheme) / "model"), scheme)
-        return _made[scheme]
+    def make(scheme: str, arch: str = "llama") -> str:
+        if (arch, "float") not in _made:
+            _made[arch, "float"] = build_tiny_model(str(tmp_path_factory.mktemp(arch) / "model"), arch=arch)
+        if (arch, scheme) not in _made:
+            out = str(tmp_path_factory.mktemp(f"{arch}-{scheme}") / "model")
+            _made[arch, scheme] = compressed.quantize(_made[arch, "float"], out, scheme)
+        return _made[arch, scheme]
 
     return make
 
@@ -180,13 +179,20 @@ def _loads_and_generates(export: str) -> None:
     assert m.generate(torch.tensor([[1, 4, 5]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
 
 
-@pytest.mark.parametrize("scheme", W4[:1] + (["W8A8"] if SLOW else []))
-def test_vllm_trains_exports_in_the_checkpoint_format_and_replays(checkpoint_of, scheme, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "scheme,arch", [("W4A16", "qwen2")] + ([("W4A16", "llama"), ("W8A8", "llama")] if SLOW else [])
+)
+def test_vllm_trains_exports_in_the_checkpoint_format_and_replays(checkpoint_of, scheme, arch, tmp_path, capsys):
+    """Through vLLM (a Qwen2 in CI: its q/k/v biases are float tensors of an int4 layer), exported in the checkpoint's
+    format, loaded back by transformers and vLLM, and replayed in torch bit for bit."""
     pytest.importorskip("vllm")
-    d = checkpoint_of(scheme)
+    d = checkpoint_of(scheme, arch)
     run = str(tmp_path / "run")
     _train(d, run, "--evaluator", "vllm")
     _export_is_the_checkpoint_format(run, d)
+    if arch == "qwen2":  # the int4 layers' float biases are in the center, under their checkpoint names
+        center, _ = runs.load_center(os.path.join(run, runs.CENTER))
+        assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.v_proj.bias"} <= set(center)
     _loads_and_generates(os.path.join(run, "export"))
     capsys.readouterr()
     assert main(["replay", run, "--out", str(tmp_path / "replay")]) == 0  # torch, from the base

@@ -341,6 +341,8 @@ def _check_quant(name: str, module) -> None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
+    if name.endswith(".bias") and is_w4a16(module):  # an int4 layer's float bias, read by its kernel each call
+        return
     if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
         raise LayoutError(
             f"{name}: quantization method {type(qm).__name__} has a runtime layout espert does not "
@@ -384,8 +386,8 @@ def vllm_param_views(
         module = modules.get(prefix, model)
         # LoRA-enabled engines wrap each layer (``qkv_proj.base_layer.weight``); the checkpoint name has no wrapper
         pname, prefix = pname.replace(".base_layer.", "."), prefix.removesuffix(".base_layer")
-        if hasattr(module, "_espert_codes") or is_w4a16(module):  # codes: through espert.vllm.engine.w8a8
-            continue
+        if hasattr(module, "_espert_codes") or (is_w4a16(module) and leaf != "bias"):  # espert.vllm.engine.w8a8
+            continue  # the codes, scales and zero points; an int4 layer's float bias is a float view like any
         live = p.data
         if routed_experts(module):  # pieces are rows of [E·R, C]; on vLLM-CPU, of the plain (unpacked) copy
             from espert.vllm.patches.moe_prepack import expert_plain

@@ -217,8 +217,8 @@ def _checked_kind(m: torch.nn.Module, prefix: str, scheme: str, packed: dict) ->
             f"{prefix}.weight: {scheme} variant not supported by espert on vLLM-CPU: {err} (supported: W8A8 "
             f"with symmetric per-token activations and per-channel int8 weights; W4A16 on CPUWNA16; exclude it)"
         )
-    if getattr(m, "bias", None) is not None:
-        raise LayoutError(f"{prefix}.bias: biases of {scheme} layers are not mapped; exclude the layer")
+    if scheme == "W8A8" and getattr(m, "bias", None) is not None:  # W4A16 biases are float views (params.py)
+        raise LayoutError(f"{prefix}.bias: biases of W8A8 layers are not mapped; exclude the layer")
     kind = _linear_kind(m)
     if kind is None:
         raise LayoutError(f"{prefix}.weight: {scheme} linear type {type(m).__name__} has no known layout")
