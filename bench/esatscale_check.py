@@ -53,8 +53,8 @@ import time
 import torch
 from vllm import LLM
 
+from espert.extras import release
 from espert.vllm.compat import ESAtScaleWorkerExtension
-from espert.vllm.contract import release
 from espert.vllm.patches import installed_version
 
 #: Population, iterations (their loop runs num_iterations + 1 steps), engines, σ, α.

@@ -45,7 +45,7 @@ from espert.tasks.base import chat_prompt
 from espert.tensorfile import CHUNK_BYTES
 from espert.vllm import patches
 
-if TYPE_CHECKING:  # what espert calls on it is checked in every vLLM release (espert.vllm.contract)
+if TYPE_CHECKING:  # what espert calls on it is checked in every vLLM release (tools/vllm_contract.py)
     from vllm import LLM
 
 log = logging.getLogger("espert.vllm")

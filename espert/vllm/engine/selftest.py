@@ -34,7 +34,7 @@ import torch
 
 from espert.vllm.patches import INSTALLED, NEWEST, OLDEST, installed_version, releases, runner_name
 
-if TYPE_CHECKING:  # the runner espert drives (espert.vllm.contract checks its members in every vLLM release)
+if TYPE_CHECKING:  # the runner espert drives (tools/vllm_contract.py checks its members in every vLLM release)
     try:  # vLLM's V1 model runner (0.11 to 0.33), or its V2 runner (0.12 on; the only one in 0.34)
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:

@@ -34,6 +34,7 @@ implemented here.  :func:`build_tiny_w8a8_model` writes a tiny W8A8 checkpoint f
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -242,11 +243,18 @@ def _w8a8_codes(m: torch.nn.Module, prefix: str) -> tuple[torch.Tensor, torch.Te
     return codes, scales.reshape(-1, 1)
 
 
+def _int8_rows(codes: torch.Tensor, scales: torch.Tensor, start: int, stop: int):
+    """The int8 QuantWeight of output rows ``[start, stop)`` of a W8A8 layer's stashed codes."""
+    from espert.quant import QuantWeight
+
+    return QuantWeight("int8", codes[start:stop], scales[start:stop], stop - start, codes.shape[1])
+
+
 def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None) -> tuple[list, list]:
     """QuantParamViews (logical names, Blocks as params.py) of the W8A8 and W4A16 layers, and the W8A8 layers
     among them (the ones rebuilt after each edit; W4A16 codes are edited where vLLM-CPU reads them)."""
     from espert.params import matches
-    from espert.quant import QuantParamView, QuantWeight
+    from espert.quant import QuantParamView
     from espert.vllm.engine.params import LayoutError, is_w4a16, layer_pieces
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
@@ -257,11 +265,11 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
         if scheme == "W4A16":
             kern = m.scheme.kernel
             shape = (getattr(m, kern.w_s_name).shape[1], getattr(m, kern.w_q_name).shape[1] // 2)
-            weight_of = lambda a, b, m=m: _w4a16_piece_weight(m, a, b)  # noqa: E731
+            weight_of = functools.partial(_w4a16_piece_weight, m)
         else:
             codes, scales = _w8a8_codes(m, prefix)
             shape = tuple(codes.shape)
-            weight_of = lambda a, b, c=codes, s=scales: QuantWeight("int8", c[a:b], s[a:b], b - a, c.shape[1])  # noqa: E731
+            weight_of = functools.partial(_int8_rows, codes, scales)
         used = False
         for pc in layer_pieces(m, kind, f"{prefix}.weight", shape, names):
             lname = rename(pc.name) if rename else pc.name

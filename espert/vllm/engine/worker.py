@@ -36,7 +36,7 @@ from espert.vllm.engine.repack import RepackingCenter
 from espert.vllm.patches import cpu_prepack, say_counted_warnings
 from espert.vllm.wire import EXACT_FIELDS  # noqa: F401 - its former home: compat.py and tests import it from here
 
-if TYPE_CHECKING:  # what vLLM's worker gives its extension (espert.vllm.contract checks their members)
+if TYPE_CHECKING:  # what vLLM's worker gives its extension (tools/vllm_contract.py checks their members)
     from vllm.config import VllmConfig
 
     try:  # vLLM's V1 model runner (0.11 to 0.33), or its V2 runner (0.12 on; the only one in 0.34)

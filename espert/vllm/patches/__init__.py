@@ -48,7 +48,7 @@ class Patch:
     last: str | None = None  # the newest release it is written for (None: NEWEST, and any newer one)
 
 
-#: Every patch, with the releases it is written for (checked by espert.vllm.contract, tests/test_vllm_contract.py),
+#: Every patch, with the releases it is written for (checked by tools/vllm_contract.py, tests/test_vllm_contract.py),
 #: in the order :func:`install` applies them: quiet first, so that its filters are on vLLM's loggers before
 #: vLLM's import-time warnings.
 PATCHES = (
@@ -195,7 +195,7 @@ def say_counted_warnings() -> None:
 def releases(first: str, last: str | None = None):
     """Mark a function as written for the vLLM releases ``first`` to ``last`` (default: the newest), where
     vLLM's internals differ between releases; :func:`for_release` picks the one for the installed vLLM, and
-    :mod:`espert.vllm.contract` checks the function's uses of vLLM in exactly those releases."""
+    tools/vllm_contract.py checks the function's uses of vLLM in exactly those releases."""
 
     def mark(fn):
         fn.vllm_releases = (first, last)
@@ -215,7 +215,7 @@ def for_release(*fns, version: str | None = None):
 
 
 def replace_once(owner, attr: str, replacement) -> bool:
-    """Make ``replacement`` ``owner.attr`` (it takes vLLM's arguments; :mod:`espert.vllm.contract` checks
+    """Make ``replacement`` ``owner.attr`` (it takes vLLM's arguments; tools/vllm_contract.py checks
     that by name and position in every release); returns True if installed now."""
     if getattr(owner, attr) is replacement:
         return False

@@ -20,7 +20,7 @@ import torch
 
 from espert.vllm.patches import wrap_once
 
-if TYPE_CHECKING:  # the V2 model runner (espert.vllm.contract checks its members from this patch's first release)
+if TYPE_CHECKING:  # the V2 model runner (tools/vllm_contract.py checks its members from this patch's first release)
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 #: the ids the next dummy batch gets (set by :func:`probe_ids`, read by :func:`_make_dummy`)

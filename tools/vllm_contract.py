@@ -1,8 +1,8 @@
 """The vLLM contract: every vLLM symbol espert's code uses, derived from that code, checked against the
 sources of a vLLM release (read with ``ast``, never imported) or against their committed digest.
 
-    python -m espert.vllm.contract check SOURCES_OR_DIGEST...   # one line per release (--verbose: each problem)
-    python -m espert.vllm.contract digest SOURCES OUT            # what a check reads of SOURCES, as JSON
+    python tools/vllm_contract.py check SOURCES_OR_DIGEST...   # one line per release (--verbose: each problem)
+    python tools/vllm_contract.py digest SOURCES OUT            # what a check reads of SOURCES, as JSON
 
 **What espert uses** (:func:`derive_uses`) is read from espert's own modules, so a new use is covered
 without editing a list:
@@ -296,7 +296,7 @@ def source_version(root: str) -> str:
 
 
 class Stale(LookupError):
-    """A digest lacks a module a use needs: regenerate it (``python -m espert.vllm.contract digest``)."""
+    """A digest lacks a module a use needs: regenerate it (``python tools/vllm_contract.py digest``)."""
 
 
 class SourceTree:
@@ -706,6 +706,8 @@ class _Scope:
         elif node.id in self.names:
             base = self.names[node.id]
         else:
+            return None
+        if base is None:  # a name bound to nothing of vLLM's (e.g. a lambda's default)
             return None
         for i, a in enumerate(attrs):
             if a.startswith(OWN_ATTRS):
@@ -1134,7 +1136,7 @@ def summary(results: list[Result]) -> str:
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m espert.vllm.contract", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python tools/vllm_contract.py", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="check espert's uses against releases (digests or source directories)")
     c.add_argument("releases", nargs="+", help="digest .json files or directories holding vllm/")
