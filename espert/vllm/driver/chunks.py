@@ -18,6 +18,7 @@ Nothing here talks to Ray; :mod:`espert.vllm.driver.pool` does.
 
 from __future__ import annotations
 
+import math
 import statistics
 import struct
 from collections import defaultdict, deque
@@ -179,3 +180,10 @@ class Round:
             elif extracted is not None:
                 extracted[start : start + len(ext)] = ext
         return rewards, extracted
+
+
+def lora_chunks(members: Sequence, slots: int) -> list[list]:
+    """Batched members: ``members`` in consecutive chunks spread evenly over the fewest generate calls of at most
+    ``slots`` each (the engine's LoRA slots)."""
+    size = math.ceil(len(members) / math.ceil(len(members) / slots)) if members else 1
+    return [list(members[i : i + size]) for i in range(0, len(members), size)]

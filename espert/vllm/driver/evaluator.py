@@ -426,12 +426,12 @@ class VLLMEvaluator(Evaluator):
         seeds) and all its members' prompts go into one ``generate``, each with its slot's LoRARequest."""
         from vllm.lora.request import LoRARequest
 
-        from espert.vllm.engine.lora import chunks, members_per_chunk
+        from espert.vllm.driver.chunks import lora_chunks
 
         check_prompts(prompts, answers)
         tokens = self._token_prompts(prompts)
         out, ext = [], None if self.extract is None else []
-        for chunk in chunks(list(members), members_per_chunk(len(members), self.lora_slots)):
+        for chunk in lora_chunks(list(members), self.lora_slots):
             t0 = time.perf_counter()
             try:
                 self._quiesced()

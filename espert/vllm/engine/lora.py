@@ -29,7 +29,6 @@ The rewards differ from an in-place evaluation of the same member only in roundi
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -239,14 +238,3 @@ def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float, scales=None
         scale = float(ref.abs().max()) or 1.0
         out[v.name] = float((got - ref.to(torch.float64)).abs().max()) / scale
     return out
-
-
-def chunks(members: Sequence, size: int) -> list[list]:
-    """``members`` in consecutive chunks of at most ``size`` (the engine's LoRA slots)."""
-    return [list(members[i : i + size]) for i in range(0, len(members), size)]
-
-
-def members_per_chunk(n: int, slots: int) -> int:
-    """Chunk size that spreads n members evenly over the fewest generate calls of <= ``slots`` each."""
-    calls = math.ceil(n / slots)
-    return math.ceil(n / calls)
