@@ -513,7 +513,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 def cmd_tiny(args: argparse.Namespace) -> int:
     from espert.config import U64
-    from espert.runs.files import check_output_path
+    from espert.files import check_output_path
     from espert.tiny import build_tiny_model
 
     if not 0 <= args.seed < U64:
@@ -651,7 +651,7 @@ def _main(argv: Sequence[str] | None, started: list) -> int:
         print(f"espert {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a quota, an I/O error, a read-only filesystem: one line, exit 1
-        from espert.runs.files import is_write_error, write_error_line
+        from espert.files import is_write_error, write_error_line
 
         if not is_write_error(e):
             raise

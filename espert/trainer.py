@@ -377,8 +377,8 @@ def train_randopt(run, train_task, evaluator, echo=print, stop: Callable[[], boo
     the members scored when ``stop()`` ended the run early, else None)."""
     import json
 
+    from espert.files import atomic_write_text
     from espert.randopt import ENSEMBLE, WINDOW, ensemble_doc, score_members
-    from espert.runs.files import atomic_write_text
 
     cfg, say = run.cfg, echo or (lambda s: None)
     idx = prompt_indices(cfg, 1, len(train_task))

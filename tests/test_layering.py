@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.tiny",
             "espert.progress",  # bars and ticking lines on a terminal: stdlib (tqdm when shown)
             "espert.tensorfile",
-            "espert.runs.files",  # atomic writes: stdlib only (vLLM's drop-in writes its files with them)
+            "espert.files",  # atomic writes: stdlib only (vLLM's drop-in writes its files with them)
             "espert.vllm.patches",  # patches of vLLM internals: vLLM and torch only
         ),
     ),

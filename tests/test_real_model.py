@@ -66,7 +66,7 @@ def test_gguf_converts_once_into_a_loadable_float32_directory(smollm2, capsys, m
     assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["dtype"] == "float32"
     assert json.load(open(os.path.join(d, gguf.SOURCE)))["sha256"] == os.path.basename(d)
-    from espert.runs.files import sha256_file
+    from espert.files import sha256_file
 
     assert os.path.basename(d) == sha256_file(smollm2)
 

@@ -87,6 +87,6 @@ def test_replay_exports_in_the_runs_export_dtype(local_run, tmp_path):
     shutil.copytree(local_run, d)
     doc = runs.read_run_config(d)
     doc["config"]["export_dtype"] = "float16"
-    runs.files.atomic_write_text(os.path.join(d, runs.CONFIG), __import__("yaml").safe_dump(doc, sort_keys=False))
+    runs.atomic_write_text(os.path.join(d, runs.CONFIG), __import__("yaml").safe_dump(doc, sort_keys=False))
     runs.replay(d, str(tmp_path / "out"), echo=None)
     assert set(export_dtypes(str(tmp_path / "out" / "export")).values()) == {"F16"}

@@ -694,7 +694,7 @@ def test_other_writers_take_the_lock_and_readers_see_whole_lines(reference, tmp_
     """Before: `replay` (into RUN/replay) and `analyze --export` into the run wrote while a writer held it.
     Now they exit 2 with one line naming the holder and change nothing; replay elsewhere and analyze without
     --export take no lock, and a log line still being written is invisible to them (and left to its writer)."""
-    from espert.runs.files import lock_run, unlock_run
+    from espert.files import lock_run, unlock_run
 
     d = copy_run(reference, tmp_path / "run")
     log = os.path.join(d, runs.LOG)
@@ -725,7 +725,7 @@ def test_other_writers_take_the_lock_and_readers_see_whole_lines(reference, tmp_
 def test_a_holder_record_from_another_host_refuses_the_lock(reference, tmp_path, capsys):
     """flock is unreliable on some network filesystems: a fresh heartbeat from another host refuses the lock
     even where flock grants it; a stale one (the writer is gone) does not."""
-    from espert.runs.files import HEARTBEAT_STALE, lock_run, unlock_run
+    from espert.files import HEARTBEAT_STALE, lock_run, unlock_run
 
     d = copy_run(reference, tmp_path / "run")
     rec = "pid 4242 on other-host since 2026-12-01T10:00:00 heartbeat {:.0f}\n"

@@ -538,7 +538,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         report = {"base": args.base, "checkpoints": results}
         if args.export:
             ((label, path),) = ckpts.items()
-            from espert.runs.files import writing_into
+            from espert.files import writing_into
 
             with writing_into(args.export):  # an export into a run directory: one writer at a time
                 ex = export_thresholded(args.base, path, args.export, args.threshold, force=args.force)
@@ -744,7 +744,7 @@ def _check_estimator_args(args: argparse.Namespace) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     """The --json file, --plot-dir and --export paths a command was given, checked before anything is computed
     or written (a directory as --json, a file among the parents, a name too long)."""
-    from espert.runs.files import check_output_path
+    from espert.files import check_output_path
 
     if getattr(args, "json", None):
         check_output_path(args.json, "--json", kind="file", spare=16)
@@ -754,7 +754,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _write_json(path: str, obj) -> None:
-    from espert.runs.files import atomic_write_text  # whole or not at all (a full disk keeps the old file)
+    from espert.files import atomic_write_text  # whole or not at all (a full disk keeps the old file)
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")

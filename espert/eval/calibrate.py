@@ -150,7 +150,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     doc["model"] = args.model
     print(format_report(doc, args.model))
     if args.json:
-        from espert.runs.files import atomic_write_text
+        from espert.files import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(doc, indent=2) + "\n")
     return 0

@@ -162,7 +162,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --models (generate) or --samples (re-score)")
     if args.threshold is not None and not math.isfinite(args.threshold):
         raise ValueError(f"--threshold must be a finite number, got {args.threshold}")
-    from ..runs.files import check_output_path
+    from ..files import check_output_path
 
     check_output_path(args.out, "--out")
     tasks = args.task or []
@@ -205,7 +205,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         threshold = task.success_threshold if args.threshold is None else args.threshold
         reports[name] = _write(args, _sample(args, task, models, out), out, threshold)
     if len(tasks) > 1:
-        from ..runs.files import atomic_write_text
+        from ..files import atomic_write_text
         from .report import forgetting
 
         doc, text = forgetting(reports, base=args.base or next(iter(models)))

@@ -357,7 +357,7 @@ def plot_panel(doc: dict, path: str) -> str:
 
 def run_forgetting(args: argparse.Namespace) -> dict:
     """The whole panel; writes OUT/forgetting.{md,json,png} and returns the document."""
-    from espert.runs.files import atomic_write_text
+    from espert.files import atomic_write_text
 
     if not args.task and not args.mc:
         raise ValueError("give --task and/or --mc: the prior tasks to measure")

@@ -19,7 +19,7 @@ def pyplot():
 
 def save_figure(fig, path: str) -> str:
     """Lay out, write the PNG, and free the figure; returns ``path``."""
-    from espert.runs.files import atomic_write
+    from espert.files import atomic_write
 
     fig.tight_layout()
     fmt = os.path.splitext(path)[1][1:] or "png"

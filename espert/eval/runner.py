@@ -93,7 +93,7 @@ def write_outputs(
     """Build the report from grouped records and write ``report.json``, ``summary.txt`` and PNGs."""
     report = build_report(groups, base=base, threshold=threshold, solve_rule=solve_rule, maj_method=maj_method)
     os.makedirs(out_dir, exist_ok=True)
-    from espert.runs.files import atomic_write_text  # (lazy: espert.runs imports torch; --help must not)
+    from espert.files import atomic_write_text  # (lazy: espert.runs imports torch; --help must not)
 
     # each file whole or not at all (a full disk leaves the previous one untouched)
     atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(report, indent=2, sort_keys=False) + "\n")

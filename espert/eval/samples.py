@@ -75,7 +75,7 @@ def score_records(records: list[dict], task: Task) -> list[dict]:
 
 def save_samples(path: str, records: Iterable[dict]) -> None:
     """Write records as JSONL (one problem per line, UTF-8, keys in a fixed order)."""
-    from espert.runs.files import atomic_write_text  # whole or not at all (a full disk keeps the old file)
+    from espert.files import atomic_write_text  # whole or not at all (a full disk keeps the old file)
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     lines = (json.dumps({k: r[k] for k in RECORD_KEYS if k in r}, ensure_ascii=False) + "\n" for r in records)

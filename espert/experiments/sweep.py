@@ -146,7 +146,7 @@ def run_sweep(
         plan.append((point, run_dir, argv, train_config(argv).iterations))
     _refuse_other_settings(out, grid, base, config)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
-    from espert.runs.files import atomic_write_text
+    from espert.files import atomic_write_text
 
     pending = {point_name(p): {"params": p, "run_dir": d, "status": "pending"} for p, d, _, _ in plan}
     doc = {"grid": grid, "set": base, "config": config, "smoothing": SMOOTHING, "runs": pending}
@@ -185,7 +185,7 @@ def _pending(plan: list, echo) -> tuple[dict[str, str], list]:
 
 def _write_table_and_plot(doc: dict, out: str, echo) -> None:
     from espert.extras import have, install_hint
-    from espert.runs.files import atomic_write_text
+    from espert.files import atomic_write_text
 
     table = format_table(doc)
     atomic_write_text(os.path.join(out, "sweep.md"), table + "\n")
@@ -397,7 +397,7 @@ def run_cli(args: argparse.Namespace) -> int:
     args.out = args.out or default_out(grid)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    from espert.runs.files import check_output_path
+    from espert.files import check_output_path
 
     check_output_path(args.out, "--out")
     if args.ray is not None:

@@ -36,10 +36,7 @@ Tests kill a run at named points (:func:`kill_point`) through the environment va
 ``ESPERT_TEST_KILL_AT=POINT[:ITERATION]``.
 """
 
-from espert.runs import legacy  # noqa: F401 - the upgrade rules of earlier run formats
-from espert.runs.checkpoint import CenterFile, load_center, save_center
-from espert.runs.export import export_iteration, export_model, is_hub_id, resolve_model_dir
-from espert.runs.files import (
+from espert.files import (
     BASE,
     CENTER,
     CONFIG,
@@ -61,6 +58,9 @@ from espert.runs.files import (
     sha256_file,
     write_error_line,
 )
+from espert.runs import legacy  # noqa: F401 - the upgrade rules of earlier run formats
+from espert.runs.checkpoint import CenterFile, load_center, save_center
+from espert.runs.export import export_iteration, export_model, is_hub_id, resolve_model_dir
 from espert.runs.fingerprint import base_fingerprint, check_base
 from espert.runs.log import checkpoint_hashes, iteration_records, log_line, read_log
 from espert.runs.replay import replay

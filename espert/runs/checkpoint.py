@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from espert.runs.files import FORMAT, LOG, RunError, atomic_write, kill_point, sha256_file
+from espert.files import FORMAT, LOG, RunError, atomic_write, kill_point, sha256_file
 from espert.tensorfile import write_chunks
 
 

@@ -11,9 +11,9 @@ import shutil
 
 import torch
 
+from espert.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
 from espert.progress import bar
 from espert.quant.checkpoint import encode, quantization_config
-from espert.runs.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
 from espert.runs.gguf import gguf_model_dir, is_gguf
 from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from espert.runs.files import MODEL_SUFFIXES, RunError, sha256_file, stat_key
+from espert.files import MODEL_SUFFIXES, RunError, sha256_file, stat_key
 from espert.runs.gguf import SUFFIX, is_gguf
 from espert.runs.legacy import check_base_v1
 

@@ -22,8 +22,8 @@ import os
 import shutil
 
 from espert.extras import require_extra
+from espert.files import fsync_dir, sha256_file
 from espert.progress import ticking
-from espert.runs.files import fsync_dir, sha256_file
 
 SUFFIX = ".gguf"
 #: Named models: name -> (installed Python package holding the file, file name, pip install line).

@@ -38,7 +38,7 @@ import os
 import shutil
 from typing import Callable
 
-from espert.runs.files import BASE, CONFIG, LOG, WEIGHT_SUFFIXES, RunError
+from espert.files import BASE, CONFIG, LOG, WEIGHT_SUFFIXES, RunError
 
 #: Every field of a version-1 run config (before ``evaluator`` and the fields below existed).
 V1_FIELDS = frozenset(

@@ -11,7 +11,7 @@ import json
 import os
 import zlib
 
-from espert.runs.files import LOG, RunError
+from espert.files import LOG, RunError
 
 
 def _body(rec: dict) -> str:

@@ -14,9 +14,9 @@ import shutil
 import time
 from typing import Callable
 
+from espert.files import CENTER, EXPORT, LOG, RunError, atomic_write, fsync_dir, lock_run, unlock_run
 from espert.runs.checkpoint import load_center
 from espert.runs.export import export_iteration
-from espert.runs.files import CENTER, EXPORT, LOG, RunError, atomic_write, fsync_dir, lock_run, unlock_run
 from espert.runs.log import checkpoint_hashes, iteration_records, read_log, single_history
 from espert.runs.run import read_run_config
 

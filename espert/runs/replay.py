@@ -10,10 +10,10 @@ import torch
 
 from espert.config import ESConfig
 from espert.es import apply_record
+from espert.files import BASE, CENTER, EXPORT, LOG, RunError, check_output_path, writing_into
 from espert.progress import bar, ticking
 from espert.runs.checkpoint import load_center, save_center
 from espert.runs.export import base_identity, export_iteration, export_model, resolve_model_dir
-from espert.runs.files import BASE, CENTER, EXPORT, LOG, RunError, check_output_path, writing_into
 from espert.runs.fingerprint import check_base
 from espert.runs.log import checkpoint_hashes, iteration_records, read_log
 from espert.runs.run import read_run_config

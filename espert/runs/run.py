@@ -20,9 +20,7 @@ import yaml
 
 from espert.config import ESConfig
 from espert.es import apply_record
-from espert.runs.checkpoint import load_center, save_center
-from espert.runs.export import base_identity, export_iteration, export_model, resolve_model_dir
-from espert.runs.files import (
+from espert.files import (
     BASE,
     CENTER,
     CONFIG,
@@ -40,6 +38,8 @@ from espert.runs.files import (
     stat_key,
     unlock_run,
 )
+from espert.runs.checkpoint import load_center, save_center
+from espert.runs.export import base_identity, export_iteration, export_model, resolve_model_dir
 from espert.runs.fingerprint import base_fingerprint, check_base
 from espert.runs.gguf import gguf_path, is_gguf
 from espert.runs.legacy import (

@@ -153,7 +153,7 @@ def run_compare(out_dir: str, cc: CompareConfig, echo=print) -> dict:
     schedule and the task's problems are checked before anything is trained or written."""
     from espert.eval.analyze import compute_drift, plot_drift
     from espert.eval.report import format_summary
-    from espert.runs.files import check_output_path
+    from espert.files import check_output_path
 
     check_output_path(out_dir, "--out")
     heldout = _check(cc)

@@ -206,8 +206,8 @@ def run_randopt(base_dir: str, out_dir: str, cc: CompareConfig, echo=print, budg
 
     from espert.es import prompt_indices
     from espert.evaluators import build_evaluator
+    from espert.files import atomic_write_text
     from espert.randopt import ENSEMBLE, ensemble_doc, score_members
-    from espert.runs.files import atomic_write_text
 
     budget = budget or Budget("rollouts", cc.es_rollouts())
     train, _ = load_tasks(cc)

@@ -104,7 +104,7 @@ def report_text(cc, described: str, P: int, budgets: dict, summary: str, entropy
 
 def write_report(out_dir: str, doc: dict, text: str) -> None:
     """report.md and compare.json, each whole or not at all (a full disk keeps the old file)."""
-    from espert.runs.files import atomic_write_text
+    from espert.files import atomic_write_text
 
     atomic_write_text(os.path.join(out_dir, "report.md"), text)
     atomic_write_text(os.path.join(out_dir, "compare.json"), json.dumps(doc, indent=2) + "\n")

@@ -204,7 +204,7 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         An outstanding perturbation is made part of the center first (their weights are additive).
         Both files are written to a temporary name and renamed, so a crash leaves the old ones.
         """
-        from espert.runs.files import atomic_write
+        from espert.files import atomic_write
         from espert.tensorfile import write_safetensors
         from espert.vllm.wire import assemble
 
