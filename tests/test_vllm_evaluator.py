@@ -102,7 +102,7 @@ def test_edits_at_another_thread_count_repack_correctly(ev, set_torch_threads):
 
 def test_backend_registered():
     from espert.evaluators import get_builder
-    from espert.vllm.driver.pool import build_from_config
+    from espert.vllm.driver.build import build_from_config
 
     assert get_builder("vllm") is build_from_config
 
@@ -117,7 +117,7 @@ def test_loop_fields_give_the_torch_evaluators_centers(ev, tiny_dir, tmp_path):
     from espert.runs import write_safetensors
     from espert.tensorfile import write_chunks
     from espert.vllm import VLLMEvaluator
-    from espert.vllm.driver.pool import center_kwargs, checkpoint_rms_scales
+    from espert.vllm.driver.build import center_kwargs, checkpoint_rms_scales
 
     cfg = ESConfig(
         population=4,

@@ -89,7 +89,7 @@ def test_tp2_loop_fields_give_the_torch_centers(ev, tiny_dir):
     from espert.evaluators.torch_model import rms_scales
     from espert.params import torch_param_views
     from espert.vllm import VLLMEvaluator
-    from espert.vllm.driver.pool import center_kwargs, checkpoint_rms_scales
+    from espert.vllm.driver.build import center_kwargs, checkpoint_rms_scales
 
     cfg = ESConfig(
         noise="lowrank:3",

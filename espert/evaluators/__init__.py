@@ -28,7 +28,7 @@ Builder = Callable[["ESConfig", str, Callable], "Evaluator"]
 #: Evaluator name -> builder, or the ``"module:function"`` path of one (imported on first use).
 EVALUATORS: dict[str, Union[str, Builder]] = {
     "torch": "espert.evaluators.torch_model:build",
-    "vllm": "espert.vllm.driver.pool:build_from_config",
+    "vllm": "espert.vllm.driver.build:build_from_config",
 }
 
 

@@ -269,7 +269,7 @@ class VLLMEvaluator(Evaluator):
 
     noise (``"gaussian" | "gaussian-icdf" | "rademacher" | "lowrank:R"``), optimizer (a name or ``{"name", "beta1",
     "beta2", "eps"}``), sigma_scales (``{logical name: σ multiplier}``, for ``sigma_mode: rms``: see
-    :func:`espert.vllm.driver.pool.checkpoint_rms_scales`) and no_decay (name patterns weight decay
+    :func:`espert.vllm.driver.build.checkpoint_rms_scales`) and no_decay (name patterns weight decay
     leaves alone): the center's loop fields, as ``CenterStore`` takes them; every worker builds its
     center with them, keyed by logical names, so the centers equal the torch evaluator's bit for bit.
     The optimizer state is part of :meth:`center_state` (``optim.<slot>/<name>``, ``optim.step``).

@@ -64,17 +64,16 @@ from espert.evaluators.base import Evaluator, Member, center_energy
 from espert.tensorfile import CHUNK_BYTES
 from espert.vllm.driver.actor import EngineActor, VLLMEngine
 from espert.vllm.driver.chunks import HANG, Clock, ReplicaDivergence, Round
-from espert.vllm.driver.membership import JOIN_ATTEMPTS, Join, UpdateLog, choose_route
+from espert.vllm.driver.joining import JoiningEngines, brief, numel
+from espert.vllm.driver.membership import Join, UpdateLog
 from espert.vllm.wire import exact_fields
 
 log = logging.getLogger("espert.vllm")
 
-__all__ = ["EnginePool", "PoolOptions", "ReplicaDivergence", "build_from_config"]
+__all__ = ["EnginePool", "PoolOptions", "ReplicaDivergence"]
 
 #: ActorUnavailableError calls in a row after which an engine is replaced.
 UNREACHABLE_LIMIT = 3
-#: Times a starting engine's ``ready`` (which changes nothing) is asked again after an ActorUnavailableError.
-READY_RETRIES = 10
 CATCH_UP_MODES = ("auto", "replay", "stream")
 
 
@@ -124,17 +123,6 @@ def _nbytes(obj) -> int:
     return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _brief(err: BaseException) -> str:
-    """An error in one line: its type, first line and (for a traceback Ray wraps) its last line."""
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [""]
-    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
-    return f"{type(err).__name__}: {text}"[:400]
-
-
-def _numel(info) -> int:
-    return sum(r["numel"] for r in info)
-
-
 class Completions:
     """Calls in flight, reported in the order they finish: one callback per ObjectRef, O(1) per answer, where
     ``ray.wait`` over every call in flight costs O(calls) at each answer (measured: 0.08 ms for 1,000 refs,
@@ -157,7 +145,7 @@ class Completions:
         return out
 
 
-class EnginePool(Evaluator):
+class EnginePool(JoiningEngines, Evaluator):
     """The Evaluator interface over engines in Ray actors (see the module docstring).
 
     model: model directory or Hub id.  score: the task's batched reward (picklable).  llm_kwargs: passed
@@ -225,7 +213,7 @@ class EnginePool(Evaluator):
         for _ in range(options.engines):
             self._spawn(initial=True)
         self.wait_for_engines()
-        self.weights_bytes = 4 * _numel(self.info)  # one float32 center
+        self.weights_bytes = 4 * numel(self.info)  # one float32 center
 
     @property
     def joining(self) -> list[int]:
@@ -271,7 +259,7 @@ class EnginePool(Evaluator):
         self.dead.append(e)
         now = time.monotonic()
         self._event(why, e, time=now, error=None if err is None else type(err).__name__)
-        cause = "no answer by its deadline" if err is None else _brief(err)
+        cause = "no answer by its deadline" if err is None else brief(err)
         log.warning("engine %d %s (%s); its work is re-queued, %d engines left", e, why, cause, len(self.alive))
         self._ray.kill(self.actors[e], no_restart=True)
         if self._round is not None:
@@ -286,8 +274,8 @@ class EnginePool(Evaluator):
         the third in a row replaces it), False when it is lost."""
         if isinstance(err, self._unavailable_error) and self._unreachable[e] + 1 < UNREACHABLE_LIMIT:
             self._unreachable[e] += 1
-            self._event("unreachable_once", e, time=time.monotonic(), error=_brief(err))
-            log.warning("engine %d unreachable (%s); trying again", e, _brief(err))
+            self._event("unreachable_once", e, time=time.monotonic(), error=brief(err))
+            log.warning("engine %d unreachable (%s); trying again", e, brief(err))
             return True
         self._lose(e, "unreachable" if isinstance(err, self._unavailable_error) else "died", err)
         return False
@@ -349,147 +337,6 @@ class EnginePool(Evaluator):
             self.remove_engines(have - want)
 
     # -- joining -----------------------------------------------------------------------------------
-    def wait_for_engines(self, timeout: float | None = None) -> None:
-        """Block until every engine starting or catching up has joined (or failed); at most ``timeout``
-        seconds (default: the pool's join_timeout)."""
-        end = time.monotonic() + (self.options.join_timeout if timeout is None else timeout)
-        while self.joins:
-            if not self._poll_joins(end - time.monotonic()):
-                raise TimeoutError(f"engines {self.joining} did not join in time")
-
-    def _poll_joins(self, timeout: float = 0.0) -> bool:
-        """Advance every joining engine whose call answered, waiting up to ``timeout`` seconds for one;
-        False when nothing answered in time."""
-        refs = {j.ref: j for j in self.joins.values()}
-        if not refs:
-            return True
-        done, _ = self._ray.wait(list(refs), num_returns=1, timeout=max(0.0, timeout))
-        if done:
-            done, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        for ref in done:
-            self._advance(refs[ref])
-        return bool(done)
-
-    def _wait_for_a_join(self) -> None:
-        """No engine in service: wait for one to join (a replacement catching up by replay)."""
-        end = time.monotonic() + self.options.join_timeout
-        while not self.alive:
-            if not self.joins:
-                raise RuntimeError("every engine of the pool died, and no replacement could join")
-            if not self._poll_joins(end - time.monotonic()):
-                raise RuntimeError(
-                    f"every engine of the pool died; no replacement joined in {self.options.join_timeout} s"
-                )
-
-    def _advance(self, j: Join) -> None:
-        """One answered call of a joining engine: its start, or a catch-up to be checked."""
-        try:
-            result = self._ray.get(j.ref)
-        except Exception as err:  # noqa: BLE001 - an actor that cannot start or catch up, for any reason
-            if j.phase == "starting" and isinstance(err, self._unavailable_error) and j.unreachable < READY_RETRIES:
-                j.unreachable += 1  # ``ready`` changes nothing: ask again
-                self._event("unreachable_once", j.engine, time=time.monotonic(), error=_brief(err))
-                j.ref = j.actor.ready.remote()
-                self._completions.watch(j.ref)
-            else:  # a catch-up may or may not have run: start over with a new engine
-                self._join_failed(j, err)
-            return
-        if j.phase == "starting":
-            self._started(j, result)
-        else:
-            self._caught_up(j, result)
-
-    def _started(self, j: Join, ready: dict) -> None:
-        j.phase, j.ready_at = "catching_up", time.monotonic()
-        self.nodes[j.engine] = ready["node"]
-        self.info = self.info or ready["info"]
-        if _numel(ready["info"]) != _numel(self.info):
-            self._refuse(j, f"it holds {_numel(ready['info'])} parameters, the pool {_numel(self.info)}")
-            return
-        if self.log.reference((0, 0)) is None:  # the first engine up: the base every other must hold
-            self.log.remember((0, 0), exact_fields(ready["checksum"]))
-        if self.log.position == (0, 0):  # nothing to catch up on
-            j.at = (0, 0)
-            self._caught_up(j, ready["checksum"])
-        else:
-            self._send_catch_up(j)
-
-    def _send_catch_up(self, j: Join) -> None:
-        """The next catch-up call of a joining engine: a route chosen at the start of each epoch, then the
-        updates logged since the point it reached."""
-        pos = self.log.position
-        if j.at is not None and j.at[0] == pos[0]:
-            state, start = None, j.at[1]
-        else:
-            n = self.log.position[1]
-            per_update = self.clock.typical("replay") or self.clock.typical("update")
-            j.route, j.estimate = choose_route(
-                self.options.catch_up, n, per_update, self.weights_bytes, self._stream_rate,
-                self.log.base is not None, bool(self.alive),
-            )  # fmt: skip
-            if j.route == "stream":  # a snapshot taken after every update sent so far (actor call order)
-                j.ref, j.at = j.actor.catch_up.remote(self.actors[self.alive[0]].center_state.remote(), []), pos
-                self._completions.watch(j.ref)
-                return
-            state, start = self.log.base, 0
-        batch = self.log.batch(start)
-        j.ref, j.at = j.actor.catch_up.remote(state, batch), (pos[0], start + len(batch))
-        self._completions.watch(j.ref)
-
-    def _caught_up(self, j: Join, checksum: list[dict]) -> None:
-        want = self.log.reference(j.at)
-        if want is not None and exact_fields(checksum) != want:
-            self._refuse(j, f"its checksum {checksum} != the live engines' {want} at update {j.at[1]}")
-        elif j.at != self.log.position:
-            self._send_catch_up(j)  # the pool moved on (or loaded a center) while it caught up
-        else:
-            if want is None:  # every engine was lost before reporting this point: the replay defines it
-                self.log.remember(j.at, exact_fields(checksum))
-            self._admit(j)
-
-    def _admit(self, j: Join) -> None:
-        now = time.monotonic()
-        del self.joins[j.engine]
-        self.alive.append(j.engine)
-        self._unreachable[j.engine] = 0
-        catch_up = now - (j.ready_at or now)
-        if j.route == "stream" and catch_up > 0:
-            self._stream_rate = self.weights_bytes / catch_up
-        elif j.route == "replay" and j.at[1]:
-            self.clock.observe("replay", catch_up, j.at[1])
-        details = dict(route=j.route, estimate=j.estimate, start_s=(j.ready_at or now) - j.asked, catch_up_s=catch_up)
-        if j.fault_at is not None:
-            details.update(replaces=j.replaces, recovery_s=now - j.fault_at)
-        self._event("joined", j.engine, time=now, **details)
-        if not j.initial:
-            log.warning("engine %d joined (%s) on node %s", j.engine, j.route or "at the base", self.nodes[j.engine])
-
-    def _refuse(self, j: Join, why: str) -> None:
-        """A new engine that cannot hold the pool's center is stopped and not replaced (the same environment
-        would fail again); the run goes on with the engines it has."""
-        del self.joins[j.engine]
-        self.dead.append(j.engine)
-        self._ray.kill(j.actor, no_restart=True)
-        self._event("refused", j.engine, time=time.monotonic(), why=why)
-        log.error("engine %d refused: %s", j.engine, why)
-        if j.initial:
-            raise ReplicaDivergence(f"engine {j.engine} does not start from the same center: {why}")
-
-    def _join_failed(self, j: Join, err: BaseException) -> None:
-        del self.joins[j.engine]
-        self.dead.append(j.engine)
-        self._ray.kill(j.actor, no_restart=True)
-        self._event("join_failed", j.engine, time=time.monotonic(), error=_brief(err))
-        if j.initial:
-            raise RuntimeError(f"engine {j.engine} failed to start: {err}") from err
-        if j.attempts < JOIN_ATTEMPTS:
-            log.warning("engine %d failed to join (%s); starting another", j.engine, _brief(err))
-            self._spawn(j.replaces, j.fault_at, j.attempts + 1)
-        else:
-            log.error(
-                "engine %d failed to join %d times (%s); the pool goes on without it", j.engine, j.attempts, _brief(err)
-            )
-
     # -- the Evaluator interface -------------------------------------------------------------------
     def _count(self, key: str, obj) -> None:
         if self.options.count_traffic:
@@ -765,105 +612,3 @@ class EnginePool(Evaluator):
         for e in list(self.alive) + list(self.joins):
             ray.kill(self.actors[e], no_restart=True)
         self.alive, self.joins = [], {}
-
-
-# ---- the ES loop's evaluator registry (espert.evaluators: "vllm" -> this builder) ----------------------
-
-
-def center_kwargs(cfg, model_path: str) -> dict:
-    """The center's loop fields of ``cfg`` as :class:`VLLMEvaluator` / :class:`EnginePool` keywords
-    (``noise``, ``quant_master``, ``optimizer``, ``no_decay``, ``anchor``, ``sigma_scales``), as
-    :func:`espert.evaluators.torch_model.config_center` gives them to the torch evaluator's CenterStore.
-    The rms scales are computed once, here, from the checkpoint's whole tensors, so every engine and TP
-    rank gets the same."""
-    from espert.evaluators.torch_model import optimizer_spec
-
-    return dict(
-        noise=cfg.noise,
-        quant_master=cfg.quant_master,
-        optimizer=optimizer_spec(cfg),
-        no_decay=list(cfg.weight_decay_exclude) if cfg.weight_decay else [],
-        anchor=cfg.anchor_decay > 0,
-        sigma_scales=checkpoint_rms_scales(model_path, cfg.dtype, cfg.include, cfg.exclude)
-        if cfg.sigma_mode == "rms"
-        else None,
-    )
-
-
-def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
-    """``evaluator: vllm``: one in-process engine, or an :class:`EnginePool` when ``cfg.vllm_engines`` > 1 or an
-    engines file is given (``cfg.vllm_engines_file``: the pool follows the number in it between iterations).
-    extract: the task's answer extractor (the evaluator then fills ``member_answers``).
-
-    Engine fields: ``vllm_tensor_parallel_size``, ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``,
-    ``vllm_rename``, ``vllm_members``, ``vllm_max_loras``.  The center's loop fields (``noise``,
-    ``optimizer*``, ``sigma_mode``, ``weight_decay_exclude``) go to every worker's center as
-    :func:`espert.evaluators.torch_model.config_center` gives them to the torch evaluator's.  A malformed
-    ``vllm_rename`` is refused before any engine starts.
-    """
-    from espert.vllm.driver.evaluator import VLLMEvaluator, parse_rename
-
-    rename = parse_rename(cfg.vllm_rename)
-    llm_kwargs = dict(dtype=cfg.dtype, tensor_parallel_size=cfg.vllm_tensor_parallel_size)
-    if cfg.vllm_gpu_memory_utilization is not None:
-        llm_kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-    if cfg.vllm_max_model_len is not None:
-        llm_kwargs["max_model_len"] = cfg.vllm_max_model_len
-    ev_kwargs = dict(
-        include=cfg.include,
-        exclude=cfg.exclude,
-        max_new_tokens=cfg.max_new_tokens,
-        seed=cfg.seed,
-        chat_template=cfg.chat_template,
-        member_errors=cfg.member_errors,
-        rename=rename,
-        extract=extract,
-        members=cfg.vllm_members,
-        max_loras=cfg.vllm_max_loras,
-        **center_kwargs(cfg, model_path),
-    )
-    if cfg.vllm_engines > 1 or cfg.vllm_engines_file:
-        return EnginePool(
-            model_path,
-            score,
-            engines=cfg.vllm_engines,
-            engines_file=cfg.vllm_engines_file,
-            deadline_floor=cfg.vllm_deadline_floor,
-            llm_kwargs=llm_kwargs,
-            **ev_kwargs,
-        )
-    return VLLMEvaluator(model_path, score, llm_kwargs=llm_kwargs, **ev_kwargs)
-
-
-def checkpoint_rms_scales(model: str, dtype: str, include=None, exclude=None) -> dict[str, float]:
-    """``{checkpoint name: σ multiplier}`` for ``sigma_mode: rms``: :func:`~espert.evaluators.torch_model.tensor_rms`
-    of each whole tensor of the checkpoint, as loaded in ``dtype`` (what ``rms_scales`` sees in a
-    transformers model), for the names include / exclude select (patterns as in ``vllm_param_views``).
-
-    Computed on the driver, one tensor in memory at a time, and sent to every worker: a TP shard or a
-    piece of a fused parameter then gets the scale of its whole logical tensor, bit for bit the torch
-    evaluator's (a reduction over shards would differ in the last bits).  Raises when the model has no
-    safetensors checkpoint.
-    """
-    from safetensors import safe_open
-
-    from espert.evaluators.torch_model import tensor_rms, torch_dtype
-    from espert.params import matches
-    from espert.vllm.engine.params import checkpoint_files
-
-    files = checkpoint_files(model)
-    if files is None:
-        raise FileNotFoundError(
-            f"sigma_mode=rms with vLLM reads the base tensors from a safetensors checkpoint; {model} has none"
-        )
-    dt = torch_dtype(dtype)
-    out = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():
-                if (include and not matches(name, include)) or (exclude and matches(name, exclude)):
-                    continue
-                t = st.get_tensor(name)
-                if t.is_floating_point():
-                    out[name] = tensor_rms(t.to(dt))
-    return out

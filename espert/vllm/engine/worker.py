@@ -202,7 +202,7 @@ class ESWorkerExtension:
         optimizer (a name or ``{"name", "beta1", "beta2", "eps"}``), no_decay (name patterns): the loop
         fields, as :class:`~espert.center.CenterStore` takes them, keyed by logical names.
         sigma_scales: ``{logical name: σ multiplier}`` for ``sigma_mode: rms``, from the checkpoint's
-        whole tensors (:func:`espert.vllm.driver.pool.checkpoint_rms_scales`); it names every selected
+        whole tensors (:func:`espert.vllm.driver.build.checkpoint_rms_scales`); it names every selected
         parameter.  quant_master: how a quantized model's codes keep their master when ``master`` is float32
         (:class:`~espert.quant.QuantCenterStore`: float32, float16 or residual8).  members: ``"serial"`` (in place) or ``"batched"`` (lowrank:r noise: LoRA slots filled
         by :meth:`es_lora_fill`, :mod:`espert.vllm.engine.lora`; the tensors no slot carries are
