@@ -146,8 +146,8 @@ def checkpoint_quant_center(model: torch.nn.Module, cfg, pin: bool = False):
     (embeddings, norms, lm_head) and the codes, both selected by ``cfg.include`` / ``cfg.exclude``; the codes are
     exported as codes, in the checkpoint's format.  Plain sgd with absolute σ (the noise is in code units)."""
     from espert.params import matches
-    from espert.quant import QuantCenterStore, quant_param_views
-    from espert.quant.center import QuantModelCenter
+    from espert.quant import quant_param_views
+    from espert.quant.center import QuantModelCenter, model_center_stores
 
     if (cfg.optimizer, cfg.sigma_mode) != ("sgd", "absolute"):
         raise ValueError(
@@ -158,20 +158,17 @@ def checkpoint_quant_center(model: torch.nn.Module, cfg, pin: bool = False):
     qviews = [
         v for v in quant_param_views(model) if (not inc or matches(v.name, inc)) and not (exc and matches(v.name, exc))
     ]
-    try:
-        fviews = torch_param_views(model, include=inc, exclude=exc)
-    except ValueError as e:
-        if "no parameters selected" not in str(e):
-            raise
-        fviews = []
-    if not fviews and not qviews:
-        raise ValueError(f"no parameters selected (include={inc}, exclude={exc})")
-    return QuantModelCenter(
-        CenterStore(fviews, master_dtype=torch.float32, pin=pin, noise=cfg.noise, anchor=anchor) if fviews else None,
-        QuantCenterStore(qviews, master=cfg.quant_master, pin=pin, noise=cfg.noise, anchor=anchor, export="codes")
-        if qviews
-        else None,
+    stores = model_center_stores(
+        lambda: torch_param_views(model, include=inc, exclude=exc),
+        qviews,
+        master=cfg.quant_master,
+        selection=f"include={inc}, exclude={exc}",
+        pin=pin,
+        noise=cfg.noise,
+        anchor=anchor,
+        export="codes",
     )
+    return QuantModelCenter(*stores)
 
 
 def build(cfg, model_path: str, score: Callable, extract: Callable | None = None) -> "TorchEvaluator":

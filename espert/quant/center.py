@@ -357,6 +357,28 @@ class _Widened(Mapping):
         return len(self.index)
 
 
+def model_center_stores(float_views, qviews: Sequence[QuantParamView], *, master, selection: str, **store) -> tuple:
+    """``(CenterStore or None, QuantCenterStore or None)``: the two stores of a quantized model's center.
+
+    float_views: a callable giving the float ParamViews (its "no parameters selected" ValueError means none);
+    qviews: the quantized ones; master: the quantized master (:data:`MASTERS` or False; the float tensors keep a
+    float32 master unless it is False); selection: the include / exclude said when nothing is selected; store:
+    ``pin``, ``noise``, ``anchor`` for both stores, ``export`` for the quantized one."""
+    from espert.center import CenterStore
+
+    try:
+        fviews = float_views()
+    except ValueError as e:
+        if "no parameters selected" not in str(e):
+            raise
+        fviews = []
+    if not fviews and not qviews:
+        raise ValueError(f"no parameters selected ({selection})")
+    export = store.pop("export", "values")
+    fstore = CenterStore(fviews, master_dtype=torch.float32 if master else None, **store) if fviews else None
+    return fstore, QuantCenterStore(qviews, master=master, export=export, **store) if qviews else None
+
+
 class QuantModelCenter:
     """The center of a quantized model: its float tensors (embeddings, norms, lm_head: a
     :class:`~espert.center.CenterStore`, or None) and its quantized codes (a :class:`QuantCenterStore`, or None),

@@ -304,26 +304,21 @@ class W8A8Center(QuantModelCenter):
         noise: str = "gaussian",
         anchor: bool = False,
     ):
-        from espert.center import CenterStore
-        from espert.quant import QuantCenterStore
+        from espert.quant.center import model_center_stores
         from espert.vllm.engine.params import vllm_param_views
 
         qviews, self.layers = quant_views(model, include, exclude, rename)
-        try:
-            fviews = vllm_param_views(model, include=include, exclude=exclude, rename=rename)
-        except ValueError as e:
-            if "no parameters selected" not in str(e):
-                raise
-            fviews = []
-        if not fviews and not qviews:
-            raise ValueError(f"no parameters selected (include={include}, exclude={exclude})")
         super().__init__(
-            CenterStore(fviews, master_dtype=torch.float32 if master else None, noise=noise, anchor=anchor)
-            if fviews
-            else None,
-            QuantCenterStore(qviews, master=master, noise=noise, anchor=anchor) if qviews else None,
+            *model_center_stores(
+                lambda: vllm_param_views(model, include=include, exclude=exclude, rename=rename),
+                qviews,
+                master=master,
+                selection=f"include={include}, exclude={exclude}",
+                noise=noise,
+                anchor=anchor,
+            )
         )
-        self.views = list(fviews) + [_QView(v) for v in qviews]
+        self.views = (self.float.views if self.float else []) + [_QView(v) for v in qviews]
         self.repack_seconds, self.repacks = 0.0, 0
 
     def _after_edit(self) -> None:
