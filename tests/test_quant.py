@@ -269,7 +269,7 @@ def test_update_fidelity_master_vs_naive(fmt):
 def test_the_compact_master_meets_the_host_budget_within_ten_percent_of_float32s_fidelity(fmt):
     """residual8 (issue 49): host ≤ 1.5 B per int4 weight and ≤ 2.5 B per int8 weight, and an update trajectory
     within 10% of the float32 master's error (float16 measured beside it: 2.5 B and 3 B, over the budget)."""
-    r = D.update_fidelity(fmt, steps=100, population=8, n=32, k=256)
+    r = D.update_fidelity(fmt, steps=100, population=8, n=64, k=256)  # Marlin's tiles need N % 64 == 0
     budget = {"int8": 2.5, "fp8": 3.0}.get(fmt, 1.5)  # fp8 keeps a float16 master under residual8
     assert r["host_bytes_per_weight_residual8"] <= budget
     assert r["residual8"] <= 1.10 * r["master"] and r["float16"] <= 1.10 * r["master"]

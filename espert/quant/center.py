@@ -332,10 +332,8 @@ class QuantCenterStore:
                 self.codes[i].copy_(state[v.name])
                 continue
             m = state[v.name]
-            if m.dtype == torch.int16:  # residual8: the codes and residuals as they were, exactly
-                codes = master_codes(m)
-                m = codes + (m.float() - codes * RESIDUAL_STEPS) / RESIDUAL_STEPS
-            m = m.to(torch.float32, copy=True)
+            # an int16 residual8 master code·256 + r widens to code + r/256 exactly (|q| < 2^15; a power-of-two divide)
+            m = m.float() / RESIDUAL_STEPS if m.dtype == torch.int16 else m.to(torch.float32, copy=True)
             requantize_(self._scaled(i), m, backend="cpu")
             self.masters[i] = self._kept(m, self.host[i])
         self.restore()

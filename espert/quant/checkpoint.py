@@ -20,7 +20,7 @@ import os
 
 import torch
 
-PACKED, SHAPE, SCALE, ZERO = "_packed", "_shape", "_scale", "_zero_point"
+PACKED, ZERO = "_packed", "_zero_point"
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 

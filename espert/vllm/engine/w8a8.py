@@ -143,14 +143,14 @@ def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int):
     ``[N/16, 2K]`` int32 codes (edited in place), with a copy of those columns of its ``[K/g, N]`` scales
     (never written) and unpacked zero points (None: symmetric, z = 8)."""
     from espert.quant import QuantWeight
+    from espert.quant.checkpoint import unpack_int4
 
     kernel = m.scheme.kernel
     codes, scales = getattr(m, kernel.w_q_name).data, getattr(m, kernel.w_s_name).data
     zp = getattr(m, kernel.w_zp_name, None) if kernel.w_zp_name else None
     zeros = None
     if zp is not None:  # [K/g, N/8] int32, 8 output channels per word (vLLM transposed CT's [N/8, K/g] at load)
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-        zeros = ((zp.data.unsqueeze(-1) >> shifts) & 0xF).reshape(zp.shape[0], -1)[:, start:stop].contiguous()
+        zeros = unpack_int4(zp.data)[:, start:stop].contiguous()
     g = kernel.config.group_size
     return QuantWeight(
         "cpu_w4a16", codes[start // 16 : stop // 16], scales[:, start:stop].contiguous(), stop - start,
