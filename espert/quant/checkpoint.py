@@ -1,16 +1,19 @@
-"""Compressed-tensors checkpoints (llm-compressor's W8A8 and W4A16): their schemes, names and int4 packing.
+"""Quantized checkpoints as the ecosystem's quantizers write them: their schemes, names and int4 packing.
 
-A compressed-tensors checkpoint stores each quantized Linear weight under its float name's stem:
+Each quantized Linear weight is stored under its float name's stem ``X``:
 
-    int-quantized   X.weight         int8 [N, K]          X.weight_scale [N, 1]
-    pack-quantized  X.weight_packed  int32 [N, K/8]       X.weight_scale [N, K/g] (channel: [N, 1])
-                    X.weight_shape   int64 [2] = (N, K)   X.weight_zero_point int32 [N/8, K/g] (asymmetric only)
+    compressed-tensors int-quantized    X.weight         int8 [N, K]          X.weight_scale [N, 1]
+    compressed-tensors pack-quantized   X.weight_packed  int32 [N, K/8]       X.weight_scale [N, K/g] (channel: [N, 1])
+                                        X.weight_shape   int64 [2] = (N, K)   X.weight_zero_point int32 [N/8, K/g]
+    GPTQ (GPTQModel, AutoGPTQ)          X.qweight        int32 [K/8, N]       X.scales [K/g, N], X.qzeros, X.g_idx
+    AWQ (AutoAWQ, GPTQModel "gemm")     X.qweight        int32 [K, N/8]       X.scales [K/g, N], X.qzeros [K/g, N/8]
 
-An int4 value q ∈ [-8, 7] is stored as the nibble q + 8, 8 per word along K, nibble i of word j holding k = 8j + i
-(compressed-tensors' ``pack_to_int32``); zero points likewise, along N.  espert's int4 code is that nibble, so the
-value is (code − z)·s with z = 8 (symmetric) or the zero point's nibble: the GPTQ convention, and the word of
-``weight_packed[n, j]`` is GPTQ's ``qweight[j, n]``.  Noise is keyed by the float name ``X.weight`` in every
-layout, so a weight moves the same in this checkpoint, in vLLM-CPU's runtime layout and in a float model.
+An int4 code is a nibble in [0, 15]; the value is (code − z)·s with z = 8 (symmetric) or the zero point's nibble:
+GPTQ's convention (compressed-tensors stores the signed q ∈ [-8, 7] as the nibble q + 8).  compressed-tensors and
+GPTQ hold 8 codes per word along K (nibble i of word j holds k = 8j + i), so ``weight_packed[n, j]`` is the word
+``qweight[j, n]``; AWQ holds them along N, nibble i holding column 8j + [0, 2, 4, 6, 1, 3, 5, 7][i].  espert's center keeps the
+codes ``[N, K]`` under the float name ``X.weight`` in every format: the noise key of a float model and of vLLM, so a
+weight moves the same in a checkpoint, in vLLM-CPU's runtime layout and in a float model.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 
 PACKED, ZERO = "_packed", "_zero_point"
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+#: where each int4 format stores the codes of ``X.weight``
+STORED_AS = {"pack-quantized": ".weight_packed", "gptq": ".qweight", "awq": ".qweight"}
 
 
 class UnsupportedScheme(ValueError):
@@ -38,14 +43,19 @@ def quantization_config(model_dir: str) -> dict | None:
 
 
 def weight_scheme(qc: dict | None) -> dict | None:
-    """The one weight scheme of a compressed-tensors config espert edits, as ``{"format", "bits", "symmetric",
-    "strategy", "group_size"}`` (None: no quantization config).  Raises :class:`UnsupportedScheme` for any other
-    method, format or weight argument, naming what it found."""
+    """The one weight scheme of a quantization config espert edits, as ``{"format", "bits", "symmetric",
+    "strategy", "group_size"}`` (None: no quantization config); format is a key of :data:`STORED_AS` or
+    ``int-quantized``.  Raises :class:`UnsupportedScheme` for any other method, format or weight argument, naming
+    what it found."""
     if not qc:
         return None
-    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
-        method = qc.get("quant_method") if isinstance(qc, dict) else type(qc).__name__
-        raise UnsupportedScheme(f"quantization method {method!r}: espert reads compressed-tensors checkpoints")
+    method = qc.get("quant_method") if isinstance(qc, dict) else type(qc).__name__
+    if method in ("gptq", "awq"):
+        return _gptq_awq_scheme(qc)
+    if method != "compressed-tensors":
+        raise UnsupportedScheme(
+            f"quantization method {method!r}: espert reads compressed-tensors, GPTQ and AWQ checkpoints"
+        )
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise UnsupportedScheme(f"compressed-tensors config_groups {groups!r}: espert takes exactly one group")
@@ -84,13 +94,42 @@ def weight_scheme(qc: dict | None) -> dict | None:
     return scheme
 
 
-def logical_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor shapes with every packed int4 weight under its float name: ``X.weight_packed [N, K/8]``
-    becomes ``X.weight [N, K]`` (the name and shape the noise and the center use); other entries are kept."""
-    out = {}
+def _gptq_awq_scheme(qc: dict) -> dict:
+    """:func:`weight_scheme` of a GPTQ or AWQ config (GPTQModel, AutoGPTQ, AutoAWQ)."""
+    method, bits, group = qc["quant_method"], qc.get("bits"), qc.get("group_size", -1)
+    if method == "gptq":
+        fmt = qc.get("checkpoint_format", "gptq")
+        desc = f"GPTQ {fmt} int{bits} group {group}{' sym' if qc.get('sym', True) else ' asym'}"
+        desc += ", act-order" if qc.get("desc_act") else ""
+        ok = fmt == "gptq" and qc.get("sym", True) and not (qc.get("desc_act") and group != -1)
+        symmetric = True
+    else:
+        fmt = str(qc.get("version", qc.get("format", "gemm"))).lower()
+        desc = f"AWQ {fmt} int{bits} group {group}{'' if qc.get('zero_point', True) else ' without zero points'}"
+        ok = fmt == "gemm" and qc.get("zero_point", True)
+        symmetric = False
+    ok = ok and bits == 4 and isinstance(group, int) and (group == -1 or group > 0) and not qc.get("lm_head")
+    if not ok:
+        raise UnsupportedScheme(
+            f"{desc} on every Linear: espert edits GPTQ (format gptq, symmetric, act-order only without groups, "
+            f"as vLLM runs it) and AWQ gemm checkpoints of 4 bits"
+        )
+    strategy = "channel" if group == -1 else "group"
+    return {"format": method, "bits": 4, "symmetric": symmetric, "strategy": strategy, "group_size": group}
+
+
+def logical_shapes(shapes: dict[str, tuple[int, ...]], fmt: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor shapes with every packed int4 weight of format ``fmt`` (a key of :data:`STORED_AS`; None:
+    compressed-tensors) under its float name: ``X.weight_packed [N, K/8]``, GPTQ's ``X.qweight [K/8, N]`` and
+    AWQ's ``X.qweight [K, N/8]`` become ``X.weight [N, K]`` (the name and shape the noise and the center use);
+    other entries are kept."""
+    suffix, out = STORED_AS.get(fmt or "pack-quantized", STORED_AS["pack-quantized"]), {}
     for k, s in shapes.items():
-        if k.endswith(".weight" + PACKED) and len(s) == 2:
-            out[k.removesuffix(PACKED)] = (s[0], s[1] * 8)
+        if k.endswith(suffix) and len(s) == 2:
+            rows, cols = s
+            out[k.removesuffix(suffix) + ".weight"] = {"gptq": (cols, rows * 8), "awq": (cols * 8, rows)}.get(
+                fmt, (rows, cols * 8)
+            )
         else:
             out[k] = tuple(s)
     return out
@@ -107,16 +146,33 @@ def unpack_int4(words: torch.Tensor) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> SHIFTS) & 0xF).reshape(*words.shape[:-1], -1)
 
 
-def encode(name: str, values: torch.Tensor) -> torch.Tensor:
-    """A center chunk of float weight ``name`` (a code-domain master: float, int16 fixed or int codes; flat, a
-    multiple of 8 elements along rows of K % 8 == 0) as the words its ``weight_packed`` stores: its codes
-    (:func:`espert.quant.center.master_codes`), clamped to [0, 15], packed."""
+def stored_int4(fmt: str, codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes ``[N, K]`` (integers in [0, 15]) -> the int32 words format ``fmt`` stores (:data:`STORED_AS`):
+    ``[N, K/8]`` (compressed-tensors: GPTQ's words, transposed), ``[K/8, N]`` (GPTQ) or ``[K, N/8]`` (AWQ)."""
+    from .formats import pack_int4 as pack_layout
+
+    words = torch.from_numpy(pack_layout("awq" if fmt == "awq" else "gptq", codes.to(torch.int32).numpy()))
+    return words.t().contiguous() if fmt == "pack-quantized" else words
+
+
+def int4_codes(fmt: str, words: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`stored_int4`: stored int32 words -> codes ``[N, K]`` (int32 in [0, 15])."""
+    from .formats import unpack_int4_t
+
+    if fmt == "pack-quantized":
+        words, fmt = words.t(), "gptq"
+    rows, cols = words.shape
+    n, k = (cols, rows * 8) if fmt == "gptq" else (cols * 8, rows)
+    return unpack_int4_t(fmt, words, n, k)
+
+
+def encode(fmt: str, values: torch.Tensor) -> torch.Tensor:
+    """The center's value of one int4 weight (a code-domain master ``[N, K]``: float, int16 fixed or int codes)
+    as the words format ``fmt`` stores: its codes (:func:`espert.quant.center.master_codes`), clamped to [0, 15],
+    packed by :func:`stored_int4`."""
     from .center import master_codes
 
-    if values.numel() % 8:
-        raise UnsupportedScheme(f"{name}: a chunk of {values.numel()} codes does not fill whole int4 words")
-    codes = master_codes(values).clamp(0, 15)
-    return pack_int4(codes.reshape(-1, 8)).reshape(-1)
+    return stored_int4(fmt, master_codes(values).clamp(0, 15))
 
 
 def _zero_points(zp: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -192,3 +248,86 @@ def adopt_compressed(model: torch.nn.Module) -> int:
         if "decompress" in getattr(hook, "__name__", ""):
             del model._forward_pre_hooks[key]
     return len(adopted)
+
+
+def _stored_tensors(model_dir: str, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's safetensors files whose names end with one of ``suffixes``, as stored."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, f), "pt") as st:
+                out.update({k: st.get_tensor(k) for k in st.keys() if k.endswith(suffixes)})
+    return out
+
+
+def packed_weight(fmt: str, stem: str, stored: dict[str, torch.Tensor], n: int, k: int, group: int):
+    """The :class:`~espert.quant.QuantWeight` of GPTQ's or AWQ's ``stem.qweight`` (fmt ``gptq`` / ``awq``), the
+    stored words themselves (edited in place), with the scales ``[K/g, N]`` as stored and AWQ's zero points
+    unpacked; :class:`UnsupportedScheme` naming the layer for act-order or GPTQ zero points other than 8."""
+    from .formats import QuantWeight
+
+    words, scales, qzeros = stored[stem + ".qweight"], stored[stem + ".scales"], stored.get(stem + ".qzeros")
+    g = -1 if group == -1 or group >= k else group
+    g_idx = stored.get(stem + ".g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // (k if g == -1 else g)):
+        raise UnsupportedScheme(f"{stem}: GPTQ with act-order (a permuted g_idx): espert edits GPTQ without it")
+    zeros = None
+    if fmt == "awq":
+        zeros = int4_codes("awq", qzeros).t().contiguous()
+    elif qzeros is not None and bool((unpack_int4(qzeros) != 7).any()):  # GPTQ stores z − 1: symmetric is 7
+        raise UnsupportedScheme(f"{stem}: GPTQ zero points other than 8 (espert edits symmetric GPTQ)")
+    return QuantWeight(fmt, words, scales, n, k, g, zeros)
+
+
+@torch.no_grad()
+def load_packed_model(model_dir: str, dtype: torch.dtype, scheme: dict) -> torch.nn.Module:
+    """A GPTQ or AWQ checkpoint (``scheme``: :func:`weight_scheme`) as a transformers model whose quantized Linears
+    are :class:`~espert.quant.QuantLinear` holding the stored words, scales and zero points exactly.
+
+    transformers loads these formats only through optimum and gptqmodel's kernels; espert needs neither: transformers
+    builds the model from the config without its quantization_config (the float tensors loaded, the quantized
+    Linears' float weights left to its initializer and then dropped, a transient cost of one float copy of them),
+    and each Linear with a ``qweight`` becomes a QuantLinear."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model import QuantLinear
+
+    config = AutoConfig.from_pretrained(model_dir)
+    del config.quantization_config
+    stored = _stored_tensors(model_dir, (".qweight", ".scales", ".qzeros", ".g_idx"))
+    stems = sorted(k.removesuffix(".qweight") for k in stored if k.endswith(".qweight"))
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the quantized Linears' weights "newly initialized": dropped below
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    layers = []
+    for stem in stems:
+        m = model.get_submodule(stem)
+        if not isinstance(m, torch.nn.Linear):
+            raise UnsupportedScheme(f"{stem}: a {scheme['format']} weight on a {type(m).__name__}, not a Linear")
+        qw = packed_weight(scheme["format"], stem, stored, m.out_features, m.in_features, scheme["group_size"])
+        layers.append((stem, QuantLinear(qw, m.bias)))
+    for stem, layer in layers:  # every layer checked before one changes
+        parent, _, child = stem.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return model
+
+
+def stored_scales(model_dir: str) -> dict[str, torch.Tensor]:
+    """``{X.weight: scales [K/g, N] as the checkpoint stores them}`` of an int4 checkpoint's weights (empty for
+    any other).  The noise is in code units of these scales, so an engine that loads them in another dtype
+    (vLLM casts GPTQ's float16 scales to the model's bfloat16) still moves the codes as the checkpoint's do."""
+    scheme = weight_scheme(quantization_config(model_dir))
+    if scheme is None or scheme["format"] not in STORED_AS:
+        return {}
+    suffix = ".weight_scale" if scheme["format"] == "pack-quantized" else ".scales"
+    stored = _stored_tensors(model_dir, (suffix,))
+    return {
+        k.removesuffix(suffix) + ".weight": (s.t().contiguous() if suffix == ".weight_scale" else s)
+        for k, s in stored.items()
+    }

@@ -13,7 +13,7 @@ import torch
 
 from espert.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
 from espert.progress import bar
-from espert.quant.checkpoint import encode, quantization_config
+from espert.quant.checkpoint import STORED_AS, encode, logical_shapes, quantization_config, weight_scheme
 from espert.runs.gguf import gguf_model_dir, is_gguf
 from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
 
@@ -183,26 +183,25 @@ def check_exportable(layout: dict, base_ref: str) -> None:
     _base_shards(resolve_model_dir(base_ref), names)
 
 
-def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, tuple[str, str]]]:
-    """``(headers by shard, {center name: (its shard, the base tensor it replaces)})`` of the base's safetensors
-    files; ValueError (before anything is written) when a center name is missing there, has another shape, or a
-    dtype cannot be stored.  A compressed-tensors int4 weight ``X.weight`` [N, K] replaces ``X.weight_packed``
-    [N, K/8] (its codes are packed on the way: :func:`espert.quant.checkpoint.encode`)."""
-    from espert.quant.checkpoint import PACKED, logical_shapes, weight_scheme
-
+def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, tuple[str, str, str | None]]]:
+    """``(headers by shard, {center name: (its shard, the base tensor it replaces, its int4 format or None)})`` of
+    the base's safetensors files; ValueError (before anything is written) when a center name is missing there, has
+    another shape, or a dtype cannot be stored.  An int4 weight ``X.weight`` [N, K] replaces the packed words its
+    format stores (``X.weight_packed``, GPTQ's or AWQ's ``X.qweight``: :mod:`espert.quant.checkpoint`)."""
     shards = sorted(f for f in os.listdir(base) if f.endswith(".safetensors"))
     if not shards:
         raise ValueError(f"{base} has no *.safetensors weights; export needs a safetensors checkpoint")
+    scheme = weight_scheme(quantization_config(base))  # packed codes are written only in a scheme espert knows
+    fmt = scheme["format"] if scheme and scheme["format"] in STORED_AS else None
     heads = {shard: read_header(os.path.join(base, shard)) for shard in shards}
-    where: dict[str, tuple[str, str]] = {}
+    where: dict[str, tuple[str, str, str | None]] = {}
     for shard, (_, entries, _) in heads.items():
         for k, e in entries.items():
-            name = k.removesuffix(PACKED) if k.endswith(".weight" + PACKED) else k
+            ((name, shape),) = logical_shapes({k: tuple(e["shape"])}, fmt).items()
             if name in names:
-                shape = logical_shapes({k: tuple(e["shape"])})[name]
                 if tuple(names[name]) != shape:
                     raise ValueError(f"center {name} has shape {tuple(names[name])}, base has {shape}")
-                where[name] = (shard, k)
+                where[name] = (shard, k, fmt if name != k else None)
             if e["dtype"] not in ST_TORCH:
                 raise ValueError(f"{os.path.join(base, shard)}: cannot store {k} of dtype {e['dtype']} in safetensors")
     missing = sorted(set(names) - set(where))
@@ -211,8 +210,6 @@ def _base_shards(base: str, names: dict) -> tuple[dict, dict[str, tuple[str, str
             f"the base checkpoint {base} has no tensors named {missing[:3]}"
             f"{' ...' if len(missing) > 3 else ''}; cannot export in its format"
         )
-    if any(k != n for n, (_, k) in where.items()):
-        weight_scheme(quantization_config(base))  # packed codes are written only in a scheme espert knows
     return heads, where
 
 
@@ -235,7 +232,7 @@ def _write_export(
     ):
         writers: dict[str, TensorFileWriter] = {}
         for shard, (meta, _, _) in heads.items():
-            replaced = {k for s_, k in where.values() if s_ == shard}
+            replaced = {k for s_, k, _ in where.values() if s_ == shard}
             others = FileChunks(os.path.join(base, shard), piece, skip=replaced)  # the base's other tensors
             layout = {
                 k: (shape, dtype if dtype is not None and dt.is_floating_point else dt)
@@ -245,14 +242,19 @@ def _write_export(
             writers[shard] = stack.enter_context(w)
             for k, offset, flat in others:
                 w.write(k, offset, _cast(flat, layout[k][1]))
+        packing: dict[str, list] = {}  # an int4 weight's codes gathered whole (its format packs across rows), count
         for k, offset, flat in source:
             if k in where:
-                shard, stored = where[k]
+                shard, stored, fmt = where[k]
                 w = writers[shard]
-                if stored != k:  # int4 codes into compressed-tensors words, 8 per word
-                    w.write(stored, offset // 8, encode(k, flat))
-                else:
+                if fmt is None:
                     w.write(k, offset, _cast(flat, w.layout[k][1]))
+                else:
+                    whole = packing.setdefault(k, [torch.empty(source.layout[k][0], dtype=flat.dtype), 0])
+                    whole[0].view(-1)[offset : offset + flat.numel()] = flat
+                    whole[1] += flat.numel()
+                    if whole[1] == whole[0].numel():
+                        w.write(stored, 0, encode(fmt, packing.pop(k)[0]).reshape(-1))
             shown.update(flat.numel() * flat.element_size())
             del flat  # a streamed chunk is freed before the next one arrives
 

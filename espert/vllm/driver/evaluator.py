@@ -146,11 +146,14 @@ def resolve_dtype(model: str, dtype: str) -> tuple[str, str]:
 
 
 def _packs_int4(model: str) -> bool:
-    """``model`` is a local compressed-tensors ``pack-quantized`` (int4) checkpoint."""
-    from espert.quant.checkpoint import quantization_config
+    """``model`` is a local int4 checkpoint (compressed-tensors ``pack-quantized``, GPTQ, AWQ)."""
+    from espert.quant.checkpoint import STORED_AS, UnsupportedScheme, quantization_config, weight_scheme
 
-    qc = quantization_config(model) if os.path.isdir(model) else None
-    return isinstance(qc, dict) and "pack-quantized" in json.dumps(qc)
+    try:
+        scheme = weight_scheme(quantization_config(model)) if os.path.isdir(model) else None
+    except UnsupportedScheme:  # refused before this is asked; vLLM says what it makes of it otherwise
+        return False
+    return scheme is not None and scheme["format"] in STORED_AS
 
 
 def vllm_dtype(model: str, dtype: str, say=None) -> str:

@@ -176,10 +176,20 @@ def _qkv_pieces(t: _Local, lay: LinearLayout, logical_names) -> list[Piece]:
     return out
 
 
+def wna16_kernel(module):
+    """The mixed-precision kernel (vLLM's ``MPLinearKernel``) running an int4 weight-only layer, or None: a
+    compressed-tensors W4A16 layer keeps it on its scheme, a GPTQ or AWQ layer on its quant method."""
+    for owner in (getattr(module, "scheme", None), getattr(module, "quant_method", None)):
+        kernel = getattr(owner, "kernel", None)
+        if any(c.__name__ == "MPLinearKernel" for c in type(kernel).__mro__):
+            return kernel
+    return None
+
+
 def is_w4a16(module) -> bool:
-    """A compressed-tensors int4 weight-only layer (``pack-quantized``: llm-compressor's W4A16, GPTQ and AWQ alike),
-    whose codes :mod:`espert.vllm.engine.w8a8` edits."""
-    return type(getattr(module, "scheme", None)).__name__ == "CompressedTensorsWNA16"
+    """An int4 weight-only layer (llm-compressor's W4A16, GPTQ, AWQ), whose codes :mod:`espert.vllm.engine.w8a8`
+    edits."""
+    return wna16_kernel(module) is not None
 
 
 def layer_pieces(module, kind: str, vllm_name: str, local_shape: Sequence[int], logical_names) -> list:
@@ -500,9 +510,10 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
     files = checkpoint_files(model)
     if files is None:
         return None
-    from espert.quant.checkpoint import logical_shapes
+    from espert.quant.checkpoint import logical_shapes, quantization_config, weight_scheme
 
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         shapes.update({k: tuple(v["shape"]) for k, v in read_header(f)[1].items()})
-    return logical_shapes(shapes)  # a packed int4 weight under its float name and logical shape
+    scheme = weight_scheme(quantization_config(os.path.dirname(files[0])))
+    return logical_shapes(shapes, scheme and scheme["format"])  # packed int4 under its float name and shape

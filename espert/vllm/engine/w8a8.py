@@ -125,7 +125,9 @@ def has_w8a8(model: torch.nn.Module) -> bool:
 
 def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
     """Why espert cannot edit this W4A16 layer's runtime layout in place (None: it can)."""
-    kernel = getattr(m.scheme, "kernel", None)
+    from espert.vllm.engine.params import wna16_kernel
+
+    kernel = wna16_kernel(m)
     name = type(kernel).__name__
     if name != "CPUWNA16LinearKernel":
         return f"vLLM runs it with {name}, whose runtime layout espert does not map (it maps vLLM-CPU's CPUWNA16)"
@@ -133,27 +135,31 @@ def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
         return "vLLM-CPU's W4A8 path (AMX with bfloat16 activations) packs it in an opaque layout"
     if kernel.config.weight_type.size_bits != 4:
         return f"{kernel.config.weight_type} weights (espert edits 4-bit codes)"
-    if getattr(m, "weight_g_idx", None) is not None:
+    if getattr(kernel.config, "has_g_idx", False) or getattr(m, "weight_g_idx", None) is not None:
         return "activation reordering (g_idx)"
     return None
 
 
-def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int):
+def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int, stored: torch.Tensor | None = None):
     """The QuantWeight of output rows ``[start, stop)`` of a W4A16 layer on vLLM-CPU: a row block of its live
-    ``[N/16, 2K]`` int32 codes (edited in place), with a copy of those columns of its ``[K/g, N]`` scales
-    (never written) and unpacked zero points (None: symmetric, z = 8)."""
+    ``[N/16, 2K]`` int32 codes (edited in place), with the checkpoint's scales of the piece (``stored``, as
+    :func:`_piece_scales` cuts them) or else a copy of those columns of the live ``[K/g, N]`` scales (never
+    written), and unpacked zero points (None: symmetric, z = 8)."""
     from espert.quant import QuantWeight
     from espert.quant.checkpoint import unpack_int4
+    from espert.vllm.engine.params import wna16_kernel
 
-    kernel = m.scheme.kernel
+    kernel = wna16_kernel(m)
     codes, scales = getattr(m, kernel.w_q_name).data, getattr(m, kernel.w_s_name).data
     zp = getattr(m, kernel.w_zp_name, None) if kernel.w_zp_name else None
     zeros = None
-    if zp is not None:  # [K/g, N/8] int32, 8 output channels per word (vLLM transposed CT's [N/8, K/g] at load)
+    if zp is not None:  # [K/g, N/8] int32, 8 output channels per word (vLLM transposed CT's [N/8, K/g] at load
+        # and put AWQ's in this order)
         zeros = unpack_int4(zp.data)[:, start:stop].contiguous()
     g = kernel.config.group_size
+    scales = scales[:, start:stop].contiguous() if stored is None else stored
     return QuantWeight(
-        "cpu_w4a16", codes[start // 16 : stop // 16], scales[:, start:stop].contiguous(), stop - start,
+        "cpu_w4a16", codes[start // 16 : stop // 16], scales, stop - start,
         codes.shape[1] // 2, -1 if g in (-1, None) or g >= codes.shape[1] // 2 else g, zeros,
     )  # fmt: skip
 
@@ -250,20 +256,35 @@ def _int8_rows(codes: torch.Tensor, scales: torch.Tensor, start: int, stop: int)
     return QuantWeight("int8", codes[start:stop], scales[start:stop], stop - start, codes.shape[1])
 
 
-def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None) -> tuple[list, list]:
+def _piece_scales(stored: torch.Tensor | None, block: Block | None, rows: int, cols: int) -> torch.Tensor | None:
+    """The checkpoint's scales ``[K/g, N]`` of one logical weight, cut to a piece of ``rows`` output channels and
+    ``cols`` inputs at ``block`` (None: the whole weight)."""
+    if stored is None or block is None:
+        return stored
+    g = (block.logical_cols or cols) // stored.shape[0]
+    return stored[block.col_offset // g : (block.col_offset + cols) // g, block.row_offset : block.row_offset + rows]
+
+
+def quant_views(
+    model: torch.nn.Module, include=None, exclude=None, rename=None, checkpoint: str | None = None
+) -> tuple[list, list]:
     """QuantParamViews (logical names, Blocks as params.py) of the W8A8 and W4A16 layers, and the W8A8 layers
-    among them (the ones rebuilt after each edit; W4A16 codes are edited where vLLM-CPU reads them)."""
+    among them (the ones rebuilt after each edit; W4A16 codes are edited where vLLM-CPU reads them).  checkpoint:
+    the model's directory, whose int4 scales the views take as stored
+    (:func:`espert.quant.checkpoint.stored_scales`)."""
+    from espert.quant.checkpoint import stored_scales
     from espert.params import matches
     from espert.quant import QuantParamView
-    from espert.vllm.engine.params import LayoutError, is_w4a16, layer_pieces
+    from espert.vllm.engine.params import LayoutError, is_w4a16, layer_pieces, wna16_kernel
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    scales = stored_scales(checkpoint) if checkpoint else {}
     views, layers = [], []
     for prefix, m in w8a8_layers(model) + [(n, m) for n, m in model.named_modules() if is_w4a16(m)]:
         scheme = "W4A16" if is_w4a16(m) else "W8A8"
         kind, names = _checked_kind(m, prefix, scheme, packed)
         if scheme == "W4A16":
-            kern = m.scheme.kernel
+            kern = wna16_kernel(m)
             shape = (getattr(m, kern.w_s_name).shape[1], getattr(m, kern.w_q_name).shape[1] // 2)
             weight_of = functools.partial(_w4a16_piece_weight, m)
         else:
@@ -278,7 +299,15 @@ def quant_views(model: torch.nn.Module, include=None, exclude=None, rename=None)
             if scheme == "W4A16" and (pc.start % 16 or pc.stop % 16):
                 raise LayoutError(f"{lname}: rows [{pc.start}, {pc.stop}) of {prefix} split vLLM-CPU's 16-row blocks")
             blk = pc.block if pc.block != Block(0, 0, None, None) else None
-            views.append(QuantParamView(lname, weight_of(pc.start, pc.stop), blk))
+            if scheme == "W4A16":
+                piece = _piece_scales(scales.get(lname), blk, pc.stop - pc.start, shape[1])
+                live = getattr(m, kern.w_s_name).data[:, pc.start : pc.stop]
+                if piece is not None and not torch.equal(piece.to(live.dtype), live):
+                    raise LayoutError(f"{lname}: the checkpoint's scales are not those vLLM loaded; check vllm_rename")
+                qw = weight_of(pc.start, pc.stop, piece)
+            else:
+                qw = weight_of(pc.start, pc.stop)
+            views.append(QuantParamView(lname, qw, blk))
             used = True
         if used and scheme == "W8A8":
             layers.append(m)
@@ -303,11 +332,12 @@ class W8A8Center(QuantModelCenter):
         rename=None,
         noise: str = "gaussian",
         anchor: bool = False,
+        checkpoint: str | None = None,
     ):
         from espert.quant.center import model_center_stores
         from espert.vllm.engine.params import vllm_param_views
 
-        qviews, self.layers = quant_views(model, include, exclude, rename)
+        qviews, self.layers = quant_views(model, include, exclude, rename, checkpoint)
         super().__init__(
             *model_center_stores(
                 lambda: vllm_param_views(model, include=include, exclude=exclude, rename=rename),

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from espert.vllm import patches
 from espert.vllm.engine import w8a8
-from espert.vllm.engine.params import routed_experts
+from espert.vllm.engine.params import checkpoint_files, routed_experts
 from espert.vllm.engine.repack import RepackingCenter
 from espert.vllm.patches import cpu_prepack, say_counted_warnings
 from espert.vllm.wire import EXACT_FIELDS  # noqa: F401 - its former home: compat.py and tests import it from here
@@ -129,6 +130,12 @@ def _check_setup(model, members: str, master: str) -> None:
 def _check_choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def _model_dir(worker) -> str | None:
+    """The local directory of the worker's checkpoint (a Hub id resolved in the local cache), or None."""
+    files = checkpoint_files(worker.vllm_config.model_config.model)
+    return os.path.dirname(files[0]) if files else None
 
 
 def _scales_for(views, sigma_scales: dict[str, float] | None) -> list[float] | None:
@@ -236,7 +243,10 @@ class ESWorkerExtension:
         if w8a8.has_w8a8(model):  # codes: espert/vllm/engine/w8a8.py
             _check_w8a8_loop(loop["optimizer"], sigma_scales, loop["no_decay"], members)
             qmaster = quant_master if master == "float32" else False
-            return w8a8.W8A8Center(model, master=qmaster, noise=loop["noise"], anchor=loop["anchor"], **select), None
+            center = w8a8.W8A8Center(
+                model, master=qmaster, noise=loop["noise"], anchor=loop["anchor"], checkpoint=_model_dir(self), **select
+            )
+            return center, None
         views, slots = vllm_param_views(model, **select), None
         if members == "batched":  # the center holds what the LoRA slots carry (espert/vllm/engine/lora.py)
             slots = self._es_lora_slots(model, views, loop["noise"])
