@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
 from tiny_model import build_tiny_model  # noqa: E402
 
 import espert.eval.analyze as an  # noqa: E402
+import espert.eval.diagnose as run_diag  # noqa: E402
 
 
 def _pairs(xp, xm):
@@ -221,7 +222,7 @@ def test_analyze_run_on_a_logged_run(tmp_path, capsys):
                 + "\n"
             )
         f.write(json.dumps({"kind": "eval", "iteration": 5, "mean": 0.5, "n": 4}) + "\n")
-    res = an.run_diagnostics(str(d))
+    res = run_diag.run_diagnostics(str(d))
     assert [r["iteration"] for r in res["rows"]] == [1, 2, 3, 4, 5]
     assert all(r["corr_pm"] == pytest.approx(-1.0) for r in res["rows"])
     assert res["rows"][-1]["flops_total"] == 5e6
@@ -239,7 +240,7 @@ def test_analyze_run_on_a_logged_run(tmp_path, capsys):
             if r.get("iteration", 0) >= 3 and r["kind"] == "iter":
                 r["diagnostics"]["answers"] = {"js": 0.1 * r["iteration"], "prompts": 4, "abstain": 0.0}
             f.write(json.dumps(r) + "\n")
-    res = an.run_diagnostics(str(d))
+    res = run_diag.run_diagnostics(str(d))
     assert [r["answer_js"] for r in res["rows"]] == [None, None, pytest.approx(0.3), pytest.approx(0.4), 0.5]
     assert an.main(["run", str(d), "--plot-dir", str(tmp_path / "p2")]) == 0
     out = capsys.readouterr().out
@@ -289,7 +290,7 @@ def test_training_logs_per_iteration_diagnostics(tmp_path):
         [task.answers[i] for i in idx],
     )
     assert answers[0] == dg.population_js(ev.member_answers, answer_equivalence(cfg.task))
-    rows = an.run_diagnostics(d)["rows"]
+    rows = run_diag.run_diagnostics(d)["rows"]
     assert [r["iteration"] for r in rows] == [1, 2] and rows[-1]["flops_total"] == total
     assert [r["answer_js"] for r in rows] == [a["js"] for a in answers]
     # a resumed run continues the cumulative count

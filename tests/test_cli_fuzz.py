@@ -191,7 +191,7 @@ SENTINELS = [
     "espert.experiments.sweep._run_on_ray",
     "espert.tiny.build_tiny_model",
     "espert.eval.analyze.plot_drift",  # matplotlib: seconds, after every check
-    "espert.eval.analyze.plot_run_diagnostics",
+    "espert.eval.diagnose.plot_run_diagnostics",
 ]
 
 CLI_FUZZ = settings(
@@ -279,6 +279,7 @@ def offline(monkeypatch):
     import huggingface_hub.constants
 
     import espert.eval.analyze  # noqa: F401 - modules the sentinels patch
+    import espert.eval.diagnose  # noqa: F401
     import espert.evaluators.torch_model  # noqa: F401
     import espert.experiments.compare
     import espert.experiments.sweep

@@ -86,7 +86,9 @@ def checkpoint_codes(d: str) -> dict[str, torch.Tensor]:
 
     fmt = weight_scheme(quantization_config(d))["format"]
     if fmt in ("gptq", "awq"):
-        return {k.removesuffix(".qweight") + ".weight": int4_codes(fmt, t) for k, t in tensors(d).items() if "qweight" in k}
+        return {
+            k.removesuffix(".qweight") + ".weight": int4_codes(fmt, t) for k, t in tensors(d).items() if "qweight" in k
+        }
     out = {}
     for k, t in tensors(d).items():
         if k.endswith(".weight_packed"):

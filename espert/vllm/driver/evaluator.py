@@ -23,7 +23,6 @@ with greedy fp32 decoding the vLLM and torch evaluators score the same text.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os

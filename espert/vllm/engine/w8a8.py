@@ -272,9 +272,9 @@ def quant_views(
     among them (the ones rebuilt after each edit; W4A16 codes are edited where vLLM-CPU reads them).  checkpoint:
     the model's directory, whose int4 scales the views take as stored
     (:func:`espert.quant.checkpoint.stored_scales`)."""
-    from espert.quant.checkpoint import stored_scales
     from espert.params import matches
     from espert.quant import QuantParamView
+    from espert.quant.checkpoint import stored_scales
     from espert.vllm.engine.params import LayoutError, is_w4a16, layer_pieces, wna16_kernel
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
