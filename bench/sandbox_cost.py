@@ -35,8 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from espert import jail  # noqa: E402
 from espert.config import ESConfig  # noqa: E402
-from espert.tasks import code, jail, sandbox  # noqa: E402
+from espert.jail import sandbox  # noqa: E402
+from espert.tasks import code  # noqa: E402
 
 #: The commit whose sandbox is "before": the branch point of issue 38.
 BEFORE = "fdabfa5"

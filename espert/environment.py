@@ -73,9 +73,9 @@ def gpus() -> list[str]:
 
 
 def jail_facts() -> dict:
-    """Whether code rewards can run jailed here (espert.tasks.jail; probed once per process), and which memory
+    """Whether code rewards can run jailed here (espert.jail; probed once per process), and which memory
     bound holds for a check."""
-    from espert.tasks import jail
+    from espert import jail
 
     st = jail.status()
     return {**dataclasses.asdict(st), **({"memory": jail.memory_bound()} if st.available else {})}

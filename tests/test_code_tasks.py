@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from espert.tasks import jail, load_task, reward_task
+from espert import jail
+from espert.tasks import load_task, reward_task
 from espert.tasks.code import code_extract, humaneval_program, humaneval_rows
 
 MBPP = os.path.join(os.path.dirname(__file__), "fixtures", "mbpp_sample.jsonl")

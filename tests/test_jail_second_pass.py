@@ -30,8 +30,8 @@ import uuid
 
 import pytest
 
-from espert.tasks import jail
-from espert.tasks.sandbox import Check, Limits, run_check
+from espert import jail
+from espert.jail.sandbox import Check, Limits, run_check
 
 pytestmark = pytest.mark.skipif(not jail.status().available, reason=f"no jail here: {jail.status().reason}")
 
@@ -151,8 +151,8 @@ def test_a_correct_completion_scores_1_whatever_its_batch_holds(monkeypatch):
     """Each check has its own budget: a correct completion after checks that use up theirs still runs.  Measured
     before: with the batch's budget scaled down (900 s for 8 workers' worth of 10 s checks, here 2.5 s), the
     correct completion after 6 sleeping ones was 'skipped' and scored 0.0."""
+    from espert.jail.sandbox import Check, Limits
     from espert.tasks import code
-    from espert.tasks.sandbox import Check, Limits
 
     monkeypatch.setattr(code, "CODE_LIMITS", Limits(timeout_s=1.0, memory_mb=512))
     monkeypatch.setattr(code, "CODE_BATCH_TIMEOUT_S", 2.5, raising=False)  # the former batch budget, scaled
@@ -222,7 +222,7 @@ def test_a_checks_memfds_count_against_its_memory_bound():
     """A candidate's memory as a whole, memfds included, is bounded by ``memory_mb`` where the machine has a memory
     cgroup (``jail.memory_bound()`` says which bound holds).  Before, RLIMIT_AS bounded each process's address space
     only: 24 memfds of 16 MiB (384 MiB) passed under a 256 MiB limit, and one check held 1.2-1.45 GiB."""
-    from espert.tasks.sandbox import run_program
+    from espert.jail.sandbox import run_program
 
     bound = jail.memory_bound()
     limits = Limits(timeout_s=5.0, memory_mb=256, open_files=64)

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.quant.formats",
             "espert.quant.reference",
             "espert.tasks",
+            "espert.jail",  # the code jail: stdlib only
             "espert.tiny",
             "espert.progress",  # bars and ticking lines on a terminal: stdlib (tqdm when shown)
             "espert.tensorfile",

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from espert.tasks import jail, jailed, sandbox
-from espert.tasks.sandbox import Check, JailUnavailable, Limits, run_check, run_checks, run_program, run_programs
+from espert import jail
+from espert.jail import jailed, sandbox
+from espert.jail.sandbox import Check, JailUnavailable, Limits, run_check, run_checks, run_program, run_programs
 
 LIMITS = Limits(timeout_s=3.0, memory_mb=256, output_bytes=4096)
 SECRET = "espert-test-secret-4f1c"

@@ -30,8 +30,8 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 sys.path.insert(0, FIXTURES)
 import hostile_code as H  # noqa: E402
 
+from espert import jail  # noqa: E402
 from espert.cli import main as cli_main  # noqa: E402
-from espert.tasks import jail  # noqa: E402
 from espert.tasks.code import humaneval_problem, humaneval_rows  # noqa: E402
 
 # without a jail the code rewards refuse to run: nothing to attack (.ci/run stops when CI has none)

@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Sequence
 
 from espert.extras import require
 
-from .diagnose import check_outputs, write_json, add_subcommands
+from .diagnose import add_subcommands, check_outputs, write_json
 
 #: (group, regex) checked in order against the parameter name; the first match wins.
 GROUP_PATTERNS: list[tuple[str, re.Pattern]] = [

@@ -9,6 +9,8 @@ Public API::
     answer = task.extract(completion, task.answers[0])  # str | None
 """
 
+from espert.jail.sandbox import Check
+
 from .base import Task, check_rewards, make_task, per_item_reward
 from .code import code_extract, code_reward, humaneval_reward, mbpp_reward
 from .copy_task import make_copy_task
@@ -42,7 +44,6 @@ from .rewards import (
     math_extract,
     math_reward,
 )
-from .sandbox import Check
 
 __all__ = [
     "Task",

@@ -2,9 +2,9 @@
 
 A reference answer is JSON: ``{"prompt", "test", "entry_point"}`` for HumanEval (``test`` defines
 ``check(candidate)``), ``{"tests": [...], "setup": ...}`` for MBPP (``tests`` are ``assert`` lines).
-A completion's code (:func:`code_extract`) becomes a :class:`~espert.tasks.sandbox.Check`: the
+A completion's code (:func:`code_extract`) becomes a :class:`~espert.jail.sandbox.Check`: the
 candidate (the completion, with the prompt or the setup around it) runs jailed, the tests run in a
-checker that calls it (:mod:`espert.tasks.sandbox`); the reward is 1.0 when the tests pass, else 0.0.
+checker that calls it (:mod:`espert.jail.sandbox`); the reward is 1.0 when the tests pass, else 0.0.
 Custom code tasks use the same API: :func:`code_reward` turns a function that makes a ``Check`` of a
 completion into a reward.
 """
@@ -22,8 +22,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from espert.extras import require
-
-from .sandbox import Check, Limits, run_checks
+from espert.jail.sandbox import Check, Limits, run_checks
 
 #: HumanEval has one set of 164 problems: ``train`` is HumanEval/0-123, ``test`` HumanEval/124-163
 #: (disjoint, so a training run's held-out reward is held out), ``all`` the 164 of the benchmark.

@@ -9,7 +9,8 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import sandbox
+from espert.jail import sandbox
+
 from .code import runs_code
 from .loaders import custom_task, import_object, load_task, object_path
 
@@ -67,7 +68,7 @@ def resolve_tasks(
 
 def _code_allowed(cfg: ESConfig, task):
     """``task``, once its code reward may run here: in a jail, or unjailed with ``unsafe_code_reward`` (which
-    this sets for the process); otherwise :class:`~espert.tasks.sandbox.JailUnavailable`, before anything is
+    this sets for the process); otherwise :class:`~espert.jail.sandbox.JailUnavailable`, before anything is
     written."""
     sandbox.allow_unsafe_code(getattr(cfg, "unsafe_code_reward", False))
     if task is not None and runs_code(task):

@@ -18,7 +18,7 @@ when no answer can be extracted. Exact definitions are in ``docs/eval.md``.
   :func:`countdown_format_reward`).
 * arithmetic: the integer after the last ``=`` of the completion's first line (else that line's last
   integer) equals the reference.
-* humaneval, mbpp: the completion's code passes the problem's tests in :mod:`espert.tasks.sandbox`.
+* humaneval, mbpp: the completion's code passes the problem's tests in :mod:`espert.jail.sandbox`.
 * copy: partial credit, fraction of the first ``len(answer)`` non-whitespace characters
   that match the answer position by position.
 """

@@ -1,5 +1,5 @@
 """The two programs of a code check: the *callee*, which runs the untrusted candidate, and the *checker*,
-which runs the trusted tests and decides (see :mod:`espert.tasks.sandbox` for how they are launched).
+which runs the trusted tests and decides (see :mod:`espert.jail.sandbox` for how they are launched).
 
 This file is not imported by espert's processes for its effects: its compiled code is handed to a fresh
 interpreter (``python -S -s -P -c LOADER CODE ROLE CONFIG``) inside the jail, where only the standard
@@ -537,5 +537,5 @@ def install_guards(root: str) -> None:
     _guard_network()
 
 
-if __name__ == "__main__":  # run as ``... -c LOADER CODE ROLE CONFIG`` (espert.tasks.jail.python_args)
+if __name__ == "__main__":  # run as ``... -c LOADER CODE ROLE CONFIG`` (espert.jail.python_args)
     {"callee": callee, "checker": checker}[sys.argv[-2]](loads(sys.argv[-1]))

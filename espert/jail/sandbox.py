@@ -2,11 +2,11 @@
 
 A :class:`Check` is untrusted ``candidate`` code (a completion with the prompt around it), trusted
 ``tests`` and the names the tests call.  :func:`run_check` starts two processes, each in a jail of its
-own (:mod:`espert.tasks.jail`: bubblewrap, new namespaces, uid 65534, a read-only view, a private tmpfs):
+own (:mod:`espert.jail`: bubblewrap, new namespaces, uid 65534, a read-only view, a private tmpfs):
 
 * the *callee* runs the candidate and then only answers calls;
 * the *checker* runs the trusted code and the tests, where each called name is a stand-in that sends the
-  call's arguments to the callee as data (JSON, :mod:`espert.tasks.jailed`) and turns its answer back into
+  call's arguments to the callee as data (JSON, :mod:`espert.jail.jailed`) and turns its answer back into
   plain built-in objects, with the check's remaining time as the limit of every call.
 
 The checker decides, and tells this process on a pipe the candidate does not hold.  So nothing the
@@ -18,7 +18,7 @@ pidfd, dies, and with it its PID namespace.  Limits (:class:`Limits`) are the ke
 ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` 0, the tmpfs size; the wall clock and the output are this process's.
 The callee also installs the old Python-level guards, as a second layer (docs/eval.md, "Sandbox").
 
-Where no jail can be made (:func:`espert.tasks.jail.status` says why), code is refused
+Where no jail can be made (:func:`espert.jail.status` says why), code is refused
 (:class:`JailUnavailable`) unless the user allowed it (``--unsafe-code-reward``, :func:`allow_unsafe_code`,
 or ``ESPERT_UNSAFE_CODE_REWARD=1``): then both processes run unjailed, in sessions of their own, with the
 Python-level guards only (and an empty network namespace where ``unshare --net`` works).
@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from . import jail
+from .. import jail
 
 #: The environment variable that allows unjailed code (as ``--unsafe-code-reward`` does).
 UNSAFE_ENV = "ESPERT_UNSAFE_CODE_REWARD"
@@ -158,7 +158,7 @@ def network_namespace() -> list[str]:
 
 
 def _jailed_code() -> str:
-    """espert/tasks/jailed.py compiled, marshalled, compressed, as base64: the jailed interpreter loads it
+    """espert/jail/jailed.py compiled, marshalled, compressed, as base64: the jailed interpreter loads it
     instead of compiling the source again (about 6 ms of CPU in each process; the same interpreter reads it).
     Compressed, it is ~25 KB of the 128 KiB the kernel allows one argument (as hex it was 80 KB)."""
     global _JAILED_CODE
@@ -169,7 +169,7 @@ def _jailed_code() -> str:
             code = compile(f.read(), jailed.__file__, "exec", dont_inherit=True)
         _JAILED_CODE = binascii.b2a_base64(zlib.compress(marshal.dumps(code), 9), newline=False).decode()
         if len(_JAILED_CODE) >= MAX_ARG_BYTES:
-            raise jail.JailError(f"espert/tasks/jailed.py is too large to pass as an argument: {len(_JAILED_CODE)}")
+            raise jail.JailError(f"espert/jail/jailed.py is too large to pass as an argument: {len(_JAILED_CODE)}")
     return _JAILED_CODE
 
 
@@ -435,7 +435,7 @@ def _compiles(source: str, name: str) -> Optional[str]:
 def run_check(check: Check, limits: Limits = Limits(), deadline: Optional[float] = None) -> Result:
     """Run one check (see the module docstring).  ``deadline``: a ``time.monotonic()`` bound that may cut
     ``limits.timeout_s`` short (the batch's total time).  Raises :class:`JailUnavailable` (no jail, unjailed
-    code not allowed), ValueError (the trusted code or tests do not compile) or :class:`~espert.tasks.jail.
+    code not allowed), ValueError (the trusted code or tests do not compile) or :class:`~espert.jail.
     JailError` (a jail broke)."""
     t0 = time.monotonic()
     for source, name in ((check.trusted, "trusted code"), (check.tests, "tests")):

@@ -20,7 +20,7 @@
   no ``/dev/shm``; and one writable place, a private tmpfs of ``tmp_bytes`` at ``/tmp``, its working
   directory.  The root is a read-only tmpfs;
 * ``--die-with-parent``: if the process that launched it dies, the jail's init is killed, and with it every
-  process of its PID namespace.  :mod:`espert.tasks.sandbox` kills that init itself at the deadline.
+  process of its PID namespace.  :mod:`espert.jail.sandbox` kills that init itself at the deadline.
 
 :func:`status` probes once per process whether a jail can be made here, and says why not.  Where a memory cgroup
 can be made (v2, else v1), each check's candidate runs in one of its own, bounded as a whole
