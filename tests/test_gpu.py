@@ -257,6 +257,31 @@ def test_gpu_quantized_match_cpu(backend, mode, fmt, kw):
         assert torch.equal(m_got.cpu().view(torch.int32), m_want.view(torch.int32))
 
 
+@pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS])
+@pytest.mark.parametrize("fmt", ["marlin", "gptq"])
+def test_gpu_int4_piece_of_wider_storage_matches_cpu(backend, fmt):
+    """A fused layer's piece on a GPU (vLLM's Marlin qkv: output channels [64, 192) of 256) is a column slice of
+    the layer's words with the layer's row stride: edited like the CPU kernel edits it, the rest untouched."""
+    from espert import ops
+    from espert.ops import Block
+    from espert.quant import QuantWeight, quantize_weight
+
+    k = 512 if CUDA else 64
+    full = quantize_weight(torch.randn(256, k, generator=torch.Generator().manual_seed(4)) * 0.02, fmt, 32)
+    per = 2 if fmt == "marlin" else 1
+    lo, hi = 64 * per, 192 * per
+
+    def run(words, be):
+        qw = QuantWeight(fmt, words[:, lo:hi], full.scales[:, 64:192].contiguous().to(words.device), 128, k, 32)
+        ops.perturb_(qw, 5, KEY, 2e-3, -1, block=Block(64, 0, 256, k), backend=be)
+        return words.cpu()
+
+    want = run(full.qweight.clone(), "cpu")
+    got = run(full.qweight.clone().to(DEV), backend)
+    assert torch.equal(got, want) and not torch.equal(want[:, lo:hi], full.qweight[:, lo:hi])
+    assert torch.equal(got[:, :lo], full.qweight[:, :lo]) and torch.equal(got[:, hi:], full.qweight[:, hi:])
+
+
 # ---- sizes, streams, devices, memory (GPU only) -----------------------------------------------------
 
 gpu_only = pytest.mark.skipif(not CUDA, reason="GPU only")

@@ -164,6 +164,34 @@ def test_8bit_storage_orders_and_vllm_transposed_view(backend):
         assert torch.equal(unpack_codes(qw), unpack_codes(want))
 
 
+#: int4 layouts whose storage holds output channels along its columns: (words per channel, channels per tile)
+COLUMN_LAYOUTS = {"gptq": (1, 1), "awq": (1 / 8, 8), "marlin": (2, 64)}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
+@pytest.mark.parametrize("fmt", sorted(COLUMN_LAYOUTS))
+def test_int4_piece_as_a_column_slice_of_wider_storage(fmt, backend):
+    """A fused layer's piece (output channels [64, 192) of 256) is a column slice of the layer's storage, with the
+    layer's row stride (vLLM's Marlin qkv / gate_up on a GPU): edited in place like the same piece stored alone,
+    and the other columns untouched."""
+    per, _ = COLUMN_LAYOUTS[fmt]
+    full = qweight(fmt, n=256, k=64, group=32)
+    lo, hi = int(64 * per), int(192 * per)
+    piece_scales = full.scales[:, 64:192].contiguous()  # Marlin's column permutation stays inside 64-column tiles
+    view = QuantWeight(fmt, full.qweight[:, lo:hi], piece_scales, 128, 64, 32)
+    alone = QuantWeight(fmt, full.qweight[:, lo:hi].clone(), piece_scales.clone(), 128, 64, 32)
+    assert not view.qweight.is_contiguous()
+    before = full.qweight.clone()
+    blk = Block(64, 0, 256, 64)
+    for qw in (view, alone):
+        ops.perturb_(qw, 5, KEY, 2e-3, -1, block=blk, backend=backend)
+    assert torch.equal(view.qweight, alone.qweight) and not torch.equal(alone.qweight, before[:, lo:hi])
+    assert torch.equal(full.qweight[:, :lo], before[:, :lo]) and torch.equal(full.qweight[:, hi:], before[:, hi:])
+    whole = QuantWeight(fmt, before.clone(), full.scales, 256, 64, 32)  # the piece moves as in the whole layer
+    ops.perturb_(whole, 5, KEY, 2e-3, -1, backend="reference")
+    assert torch.equal(unpack_codes(whole)[64:192], unpack_codes(view))
+
+
 @pytest.mark.parametrize("noise_family", FAMILIES)
 def test_same_noise_in_every_layout(noise_family):
     """One logical int4 weight stored in the four int4 layouts moves identically (logical noise index)."""

@@ -319,3 +319,94 @@ def test_es_through_the_w8a8_engine_improves_heldout_copy(ev):
         assert after > before + 0.05, (before, after)
     finally:
         ev.load_center(start)
+
+
+def _marlin_layer(codes: torch.Tensor, scales: torch.Tensor, group: int, **config):
+    """A layer as vLLM's Marlin kernel leaves it on a GPU, without one: ``qweight`` and ``scales`` written by vLLM's
+    own Python twins of its repack (``marlin_weights``, the reference its GPU ``gptq_marlin_repack`` is tested
+    against, and ``marlin_permute_scales``), and vLLM's MarlinLinearKernel on the quant method (built without
+    ``can_implement``, which asks for CUDA)."""
+    from vllm.model_executor.kernels.linear.mixed_precision.marlin import MarlinLinearKernel
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearLayerConfig
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_permute_scales
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
+    from vllm.scalar_type import scalar_types
+
+    n, k = codes.shape
+    kernel = object.__new__(MarlinLinearKernel)
+    kernel.config = MPLinearLayerConfig(
+        **{
+            "full_weight_shape": (k, n), "partition_weight_shape": (k, n), "weight_type": scalar_types.uint4b8,
+            "act_type": torch.bfloat16, "group_size": group, "zero_points": False, **config,
+        }
+    )  # fmt: skip
+    kernel.w_q_name, kernel.w_s_name, kernel.w_zp_name = "qweight", "scales", None
+    layer = torch.nn.Module()
+    layer.qweight = torch.nn.Parameter(marlin_weights(codes.t(), k, n, 4, get_weight_perm(4)), requires_grad=False)
+    layer.scales = torch.nn.Parameter(marlin_permute_scales(scales, k, n, group), requires_grad=False)
+    layer.quant_method = SimpleNamespace(kernel=kernel)
+    return layer
+
+
+@pytest.mark.parametrize("group", [32, -1])
+def test_marlin_pieces_of_a_fused_layer_edit_vllms_marlin_layout_in_place(group):
+    """A GPU's int4 path (vLLM's Marlin, the layout of compressed-tensors W4A16 and GPTQ there), emulated on the
+    CPU: each piece of a fused qkv ([128 | 64 | 64] rows) is a column slice of the Marlin words; it reads the
+    codes vLLM's repack wrote, takes the checkpoint's scales in Marlin's column order, and moves exactly as the
+    same piece in GPTQ's layout would, leaving the other pieces alone.  A layer espert cannot map is named."""
+    from espert.quant import unpack_codes
+    from espert.vllm.engine import w8a8
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 256, 128
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales = (torch.rand(k // (k if group == -1 else group), n, generator=g) * 0.01 + 0.001).to(torch.bfloat16)
+    layer = _marlin_layer(codes, scales, group)
+    assert w8a8._w4a16_unsupported(layer) is None and w8a8._int4_shape(layer) == (n, k)
+    before = layer.qweight.data.clone()
+    for i, (start, stop) in enumerate([(0, 128), (128, 192), (192, 256)]):
+        piece = w8a8._piece_scales(scales[:, start:stop], None, stop - start, k, "marlin", group)
+        assert torch.equal(piece, layer.scales.data[:, start:stop])  # the checkpoint's, in Marlin's order
+        qw = w8a8._w4a16_piece_weight(layer, start, stop, piece)
+        assert qw.fmt == "marlin" and torch.equal(unpack_codes(qw), codes[start:stop])
+        key = param_key(f"model.layers.0.self_attn.{'qkv'[i]}_proj.weight")
+        gptq = QuantWeight(
+            "gptq",
+            torch.zeros(k // 8, stop - start, dtype=torch.int32),
+            scales[:, start:stop].contiguous(),
+            stop - start,
+            k,
+            group,
+        )
+        from espert.quant import pack_codes_
+
+        pack_codes_(gptq, codes[start:stop])
+        for w in (qw, gptq):
+            espert_ops.perturb_(w, 7, key, 0.02, 1, backend="cpu")
+        assert torch.equal(unpack_codes(qw), unpack_codes(gptq))
+        assert not torch.equal(unpack_codes(qw), codes[start:stop])
+        assert torch.equal(layer.qweight.data[:, 2 * stop :], before[:, 2 * stop :])  # later pieces untouched
+    refusals = {
+        "Marlin permutes the layer's bias": dict(bias=torch.nn.Parameter(torch.zeros(n))),
+        "Marlin's zero points": dict(zero_points=True),
+        "torch.float8_e4m3fn activations": dict(act_type=torch.float8_e4m3fn),
+        "Marlin padded": dict(partition_weight_shape=(k, n - 64)),
+    }
+    for why, change in refusals.items():
+        config = {c: v for c, v in change.items() if c != "bias"}
+        bad = _marlin_layer(codes, scales, group, **config)
+        if "bias" in change:
+            bad.bias = change["bias"]
+        assert why in w8a8._w4a16_unsupported(bad)
+
+
+def test_an_int4_checkpoint_on_a_gpu_is_run_by_marlin(monkeypatch):
+    """On a Hopper GPU vLLM would pick CUTLASS W4A8 or Machete for an int4 layer before Marlin; espert disables
+    those two (keeping the user's own list), so the layer runs on Marlin, whose layout it edits."""
+    import vllm.envs
+
+    from espert.vllm.driver.evaluator import NOT_MARLIN, _force_marlin
+
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "ExllamaLinearKernel")
+    _force_marlin()
+    assert list(vllm.envs.VLLM_DISABLED_KERNELS) == ["ExllamaLinearKernel", *NOT_MARLIN]

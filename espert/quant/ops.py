@@ -134,8 +134,9 @@ def _int4_storage(qw: QuantWeight, N: int, K: int) -> tuple:
     shape = storage_shape(qw.fmt, N, K)
     if tuple(q.shape) != shape:
         raise _err(qw, f"{qw.fmt} qweight must have shape {list(shape)}, got {list(q.shape)}")
-    if not q.is_contiguous():
-        raise _err(qw, f"qweight must be contiguous, got strides {q.stride()}")
+    ld = q.stride(0) if shape[0] > 1 else shape[1]  # a column slice of wider storage (a fused layer's piece)
+    if (shape[1] > 1 and q.stride(1) != 1) or ld < shape[1]:
+        raise _err(qw, f"qweight must be row-major (rows contiguous, any row stride), got strides {q.stride()}")
     g = qw.group
     if qw.group_size not in (-1, None) and (g <= 0 or K % g or g % 8):
         raise _err(
@@ -150,7 +151,7 @@ def _int4_storage(qw: QuantWeight, N: int, K: int) -> tuple:
         kind = "marlin_grouped" if marlin_grouped(qw.group_size, K) else "marlin_channel"
     else:
         kind = "grouped"
-    return qw.fmt, shape[1], q, kind, g, N
+    return qw.fmt, ld, q, kind, g, N
 
 
 def _byte_storage(qw: QuantWeight, N: int, K: int) -> tuple:

@@ -167,6 +167,27 @@ def vllm_dtype(model: str, dtype: str, say=None) -> str:
     return chosen
 
 
+#: the GPU int4 kernels vLLM prefers to Marlin, whose layouts espert does not map (docs/quantized.md)
+NOT_MARLIN = ("CutlassW4A8LinearKernel", "MacheteLinearKernel")
+
+
+def _force_marlin() -> None:
+    """An int4 checkpoint on a GPU runs on vLLM's Marlin kernel, whose layout espert edits: the kernels vLLM
+    would pick first on a Hopper GPU are disabled (``VLLM_DISABLED_KERNELS``, kept as the user set it besides)."""
+    import sys
+
+    import vllm.envs
+
+    have = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
+    if all(k in have for k in NOT_MARLIN):
+        return
+    os.environ["VLLM_DISABLED_KERNELS"] = ",".join(have + [k for k in NOT_MARLIN if k not in have])
+    reset = getattr(vllm.envs, "disable_envs_cache", None)
+    if reset is not None:
+        reset()
+    print(f"[espert] int4 on a GPU runs on vLLM's Marlin: {', '.join(NOT_MARLIN)} disabled", file=sys.stderr)
+
+
 def make_llm(
     model: str,
     *,
@@ -187,7 +208,8 @@ def make_llm(
     dtype: a name, or ``"auto"`` (:func:`resolve_dtype`: the checkpoint's own where vLLM runs it at full speed).
 
     On CPU: ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB; vLLM otherwise reserves most of RAM),
-    ``enforce_eager=True``, and the prepack patch is installed before the model loads.  Extra
+    ``enforce_eager=True``, and the prepack patch is installed before the model loads.  On a GPU, an int4
+    checkpoint runs on vLLM's Marlin kernel (:func:`_force_marlin`).  Extra
     keyword arguments go to ``LLM`` unchanged (e.g. ``gpu_memory_utilization``).
     """
     patches.install()
@@ -214,6 +236,8 @@ def make_llm(
     if _on_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         kw.setdefault("enforce_eager", True)
+    elif _packs_int4(model):
+        _force_marlin()
     kw.update(kwargs)
     if not _is_espert_extension(kw.get("worker_extension_cls")):
         raise ValueError(f"espert needs worker_extension_cls={WORKER_EXTENSION!r}")

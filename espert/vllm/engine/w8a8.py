@@ -123,45 +123,69 @@ def has_w8a8(model: torch.nn.Module) -> bool:
     return bool(w8a8_layers(model)) or any(is_w4a16(m) for m in model.modules())
 
 
+#: vLLM's int4 weight-only kernels whose runtime layout espert edits in place: (QuantWeight format, the output
+#: rows a piece of a fused layer must align to).  CPUWNA16 is vLLM-CPU's; Marlin a GPU's (docs/quantized.md).
+INT4_KERNELS = {"CPUWNA16LinearKernel": ("cpu_w4a16", 16), "MarlinLinearKernel": ("marlin", 64)}
+
+
 def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
-    """Why espert cannot edit this W4A16 layer's runtime layout in place (None: it can)."""
+    """Why espert cannot edit this int4 layer's runtime layout in place (None: it can)."""
     from espert.vllm.engine.params import wna16_kernel
 
     kernel = wna16_kernel(m)
-    name = type(kernel).__name__
-    if name != "CPUWNA16LinearKernel":
-        return f"vLLM runs it with {name}, whose runtime layout espert does not map (it maps vLLM-CPU's CPUWNA16)"
+    name, c = type(kernel).__name__, kernel.config
+    if name not in INT4_KERNELS:
+        return f"vLLM runs it with {name}, whose runtime layout espert does not map (it maps {', '.join(INT4_KERNELS)})"
+    if c.weight_type.size_bits != 4:
+        return f"{c.weight_type} weights (espert edits 4-bit codes)"
+    if getattr(c, "has_g_idx", False) or getattr(m, "weight_g_idx", None) is not None:
+        return "activation reordering (g_idx)"
     if getattr(m, "use_w4a8", False):
         return "vLLM-CPU's W4A8 path (AMX with bfloat16 activations) packs it in an opaque layout"
-    if kernel.config.weight_type.size_bits != 4:
-        return f"{kernel.config.weight_type} weights (espert edits 4-bit codes)"
-    if getattr(kernel.config, "has_g_idx", False) or getattr(m, "weight_g_idx", None) is not None:
-        return "activation reordering (g_idx)"
+    if name == "MarlinLinearKernel":
+        k, n = c.partition_weight_shape
+        if c.act_type not in (torch.float16, torch.bfloat16):
+            return f"Marlin with {c.act_type} activations (it rescales the scales)"
+        if c.zero_points:
+            return "Marlin's zero points (AWQ, asymmetric) are in a layout espert does not map"
+        if tuple(getattr(m, kernel.w_q_name).shape) != (k // 16, 2 * n):
+            return f"Marlin padded its [{n}, {k}] weight to its thread tiles"
+        if getattr(m, "bias", None) is not None:
+            return "Marlin permutes the layer's bias"
     return None
 
 
+def _int4_shape(m: torch.nn.Module) -> tuple[int, int]:
+    """The logical ``[N, K]`` of an int4 layer's live codes (CPUWNA16's ``[N/16, 2K]``, Marlin's ``[K/16, 2N]``)."""
+    from espert.vllm.engine.params import wna16_kernel
+
+    kernel = wna16_kernel(m)
+    codes, scales = getattr(m, kernel.w_q_name), getattr(m, kernel.w_s_name)
+    marlin = INT4_KERNELS[type(kernel).__name__][0] == "marlin"
+    return scales.shape[1], codes.shape[0] * 16 if marlin else codes.shape[1] // 2
+
+
 def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int, stored: torch.Tensor | None = None):
-    """The QuantWeight of output rows ``[start, stop)`` of a W4A16 layer on vLLM-CPU: a row block of its live
-    ``[N/16, 2K]`` int32 codes (edited in place), with the checkpoint's scales of the piece (``stored``, as
-    :func:`_piece_scales` cuts them) or else a copy of those columns of the live ``[K/g, N]`` scales (never
-    written), and unpacked zero points (None: symmetric, z = 8)."""
+    """The QuantWeight of output rows ``[start, stop)`` of an int4 layer: its live codes, edited in place (a row
+    block of CPUWNA16's ``[N/16, 2K]``, a column slice of Marlin's ``[K/16, 2N]``), with the checkpoint's scales of
+    the piece (``stored``: :func:`_piece_scales`, in the layout's column order) or else a copy of those columns of
+    the live ``[K/g, N]`` scales (never written), and unpacked zero points (None: symmetric, z = 8)."""
     from espert.quant import QuantWeight
     from espert.quant.checkpoint import unpack_int4
     from espert.vllm.engine.params import wna16_kernel
 
     kernel = wna16_kernel(m)
+    fmt = INT4_KERNELS[type(kernel).__name__][0]
     codes, scales = getattr(m, kernel.w_q_name).data, getattr(m, kernel.w_s_name).data
     zp = getattr(m, kernel.w_zp_name, None) if kernel.w_zp_name else None
     zeros = None
-    if zp is not None:  # [K/g, N/8] int32, 8 output channels per word (vLLM transposed CT's [N/8, K/g] at load
-        # and put AWQ's in this order)
+    if zp is not None:  # CPUWNA16: [K/g, N/8] int32, 8 output channels per word (vLLM transposed CT's
+        # [N/8, K/g] at load and put AWQ's in this order)
         zeros = unpack_int4(zp.data)[:, start:stop].contiguous()
-    g = kernel.config.group_size
+    k, g = _int4_shape(m)[1], kernel.config.group_size
+    rows = codes[start // 16 : stop // 16] if fmt == "cpu_w4a16" else codes[:, 2 * start : 2 * stop]
     scales = scales[:, start:stop].contiguous() if stored is None else stored
-    return QuantWeight(
-        "cpu_w4a16", codes[start // 16 : stop // 16], scales, stop - start,
-        codes.shape[1] // 2, -1 if g in (-1, None) or g >= codes.shape[1] // 2 else g, zeros,
-    )  # fmt: skip
+    return QuantWeight(fmt, rows, scales, stop - start, k, -1 if g in (-1, None) or g >= k else g, zeros)
 
 
 # ---- repack -----------------------------------------------------------------------------------
@@ -221,8 +245,9 @@ def _checked_kind(m: torch.nn.Module, prefix: str, scheme: str, packed: dict) ->
     err = _w4a16_unsupported(m) if scheme == "W4A16" else getattr(m, "_espert_w8a8_error", None)
     if err is not None:
         raise LayoutError(
-            f"{prefix}.weight: {scheme} variant not supported by espert on vLLM-CPU: {err} (supported: W8A8 "
-            f"with symmetric per-token activations and per-channel int8 weights; W4A16 on CPUWNA16; exclude it)"
+            f"{prefix}.weight: {scheme} variant not supported by espert: {err} (supported: W8A8 with symmetric "
+            f"per-token activations and per-channel int8 weights on vLLM-CPU; int4 on vLLM-CPU's CPUWNA16 or a "
+            f"GPU's Marlin; exclude it)"
         )
     if scheme == "W8A8" and getattr(m, "bias", None) is not None:  # W4A16 biases are float views (params.py)
         raise LayoutError(f"{prefix}.bias: biases of W8A8 layers are not mapped; exclude the layer")
@@ -256,13 +281,24 @@ def _int8_rows(codes: torch.Tensor, scales: torch.Tensor, start: int, stop: int)
     return QuantWeight("int8", codes[start:stop], scales[start:stop], stop - start, codes.shape[1])
 
 
-def _piece_scales(stored: torch.Tensor | None, block: Block | None, rows: int, cols: int) -> torch.Tensor | None:
+def _piece_scales(
+    stored: torch.Tensor | None, block: Block | None, rows: int, k: int, fmt: str, group: int
+) -> torch.Tensor | None:
     """The checkpoint's scales ``[K/g, N]`` of one logical weight, cut to a piece of ``rows`` output channels and
-    ``cols`` inputs at ``block`` (None: the whole weight)."""
-    if stored is None or block is None:
-        return stored
-    g = (block.logical_cols or cols) // stored.shape[0]
-    return stored[block.col_offset // g : (block.col_offset + cols) // g, block.row_offset : block.row_offset + rows]
+    ``k`` inputs at ``block`` (None: the whole weight), in the column order of the layout ``fmt`` (Marlin permutes
+    columns within tiles of 64 or 32, as vLLM's ``marlin_permute_scales``)."""
+    if stored is None:
+        return None
+    if block is not None:
+        g = (block.logical_cols or k) // stored.shape[0]
+        stored = stored[block.col_offset // g : (block.col_offset + k) // g, block.row_offset : block.row_offset + rows]
+    if fmt == "marlin":
+        from espert.quant.formats import marlin_grouped, marlin_scale_perms
+
+        grouped, single = marlin_scale_perms()
+        perm = torch.from_numpy(grouped if marlin_grouped(group, k) else single)
+        stored = stored.reshape(-1, perm.numel())[:, perm].reshape(stored.shape)
+    return stored.contiguous()
 
 
 def quant_views(
@@ -278,14 +314,14 @@ def quant_views(
     from espert.vllm.engine.params import LayoutError, is_w4a16, layer_pieces, wna16_kernel
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    scales = stored_scales(checkpoint) if checkpoint else {}
+    stored = stored_scales(checkpoint) if checkpoint else {}
     views, layers = [], []
     for prefix, m in w8a8_layers(model) + [(n, m) for n, m in model.named_modules() if is_w4a16(m)]:
         scheme = "W4A16" if is_w4a16(m) else "W8A8"
         kind, names = _checked_kind(m, prefix, scheme, packed)
         if scheme == "W4A16":
             kern = wna16_kernel(m)
-            shape = (getattr(m, kern.w_s_name).shape[1], getattr(m, kern.w_q_name).shape[1] // 2)
+            shape, (fmt, align) = _int4_shape(m), INT4_KERNELS[type(kern).__name__]
             weight_of = functools.partial(_w4a16_piece_weight, m)
         else:
             codes, scales = _w8a8_codes(m, prefix)
@@ -296,11 +332,12 @@ def quant_views(
             lname = rename(pc.name) if rename else pc.name
             if (include and not matches(lname, include)) or (exclude and matches(lname, exclude)):
                 continue
-            if scheme == "W4A16" and (pc.start % 16 or pc.stop % 16):
-                raise LayoutError(f"{lname}: rows [{pc.start}, {pc.stop}) of {prefix} split vLLM-CPU's 16-row blocks")
+            if scheme == "W4A16" and (pc.start % align or pc.stop % align):
+                raise LayoutError(f"{lname}: rows [{pc.start}, {pc.stop}) of {prefix} split {fmt}'s {align}-row tiles")
             blk = pc.block if pc.block != Block(0, 0, None, None) else None
             if scheme == "W4A16":
-                piece = _piece_scales(scales.get(lname), blk, pc.stop - pc.start, shape[1])
+                g = kern.config.group_size
+                piece = _piece_scales(stored.get(lname), blk, pc.stop - pc.start, shape[1], fmt, g)
                 live = getattr(m, kern.w_s_name).data[:, pc.start : pc.stop]
                 if piece is not None and not torch.equal(piece.to(live.dtype), live):
                     raise LayoutError(f"{lname}: the checkpoint's scales are not those vLLM loaded; check vllm_rename")
