@@ -54,6 +54,7 @@ import torch
 from vllm import LLM
 
 from espert.extras import release
+from espert.update import Update
 from espert.vllm.compat import ESAtScaleWorkerExtension
 from espert.vllm.patches import installed_version
 
@@ -204,7 +205,7 @@ def _training_checks(engines, model: str) -> dict:
     sums = [ray.get(e.collective_rpc.remote("es_checksum"))[0] for e in engines]
     ref = CenterStore(torch_param_views(AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)))
     for _, seeds, coeffs, alpha, n in updates:
-        ref.update(seeds, [float(alpha) / float(n) * c for c in coeffs])
+        ref.update(Update(seeds, [float(alpha) / float(n) * c for c in coeffs]))
     want = ref.state_dict()
     got = assemble(ray.get(engines[0].collective_rpc.remote("es_center_state")))
     same = [k for k in want if torch.equal(got[k].view(torch.int32), want[k].view(torch.int32))]

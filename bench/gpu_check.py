@@ -34,6 +34,7 @@ import torch
 from espert import _C, ops
 from espert.center import CenterStore
 from espert.params import ParamView
+from espert.update import Update
 
 QWEN25_1_5B = dict(hidden=1536, inter=8960, layers=28, kv=256, vocab=151936)
 TINY = dict(hidden=64, inter=192, layers=2, kv=16, vocab=512)  # same structure, for --dry-run
@@ -402,13 +403,13 @@ def run(out_dir: Path | None, dry: bool, junit: list[str]) -> dict:
         report.write()
         t.sync()
         u0 = time.perf_counter()
-        store.update(seeds32, coeffs32)
+        store.update(Update(seeds32, coeffs32))
         t.sync()
         st["update_n32_host_s"] = time.perf_counter() - u0
         if "update_on" in sig and device == "cuda":
             store.update_on = torch.device("cuda")
             u0 = time.perf_counter()
-            store.update(seeds32, coeffs32)
+            store.update(Update(seeds32, coeffs32))
             t.sync()
             st["update_n32_staged_gpu_s"] = time.perf_counter() - u0
             store.update_on = None

@@ -34,6 +34,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from pool_scaling import machine  # noqa: E402
 
+from espert.update import Update  # noqa: E402
+
 
 def _fixtures():
     spec = importlib.util.spec_from_file_location("ray_cluster", os.path.join(ROOT, "tests/fixtures/ray_cluster.py"))
@@ -57,7 +59,7 @@ class Loop:
         t0 = time.perf_counter()
         rewards = self.pool.evaluate(members, 0.05, self.task.prompts, self.task.answers)
         seeds, coeffs = coefficients(members, rewards, normalize(rewards), 0.02)
-        self.pool.update(seeds, coeffs, 0.999)
+        self.pool.update(Update(seeds, coeffs, 0.999))
         return time.perf_counter() - t0
 
 

@@ -28,7 +28,8 @@ import statistics
 import struct
 import sys
 import time
-from array import array
+
+from espert.update import Update
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,12 +53,12 @@ class HashEngine:
     def evaluate_center(self, prompts, answers) -> list[float]:
         return [self._reward(0, 0, 0.0)] * len(prompts)
 
-    def update(self, seeds, coeffs, decay=1.0, lr=None, anchor=None) -> None:
+    def update(self, step) -> None:
         t0 = time.perf_counter()
         h = hashlib.blake2b(self.center, digest_size=16)
-        h.update(array("Q", seeds).tobytes() + array("d", coeffs).tobytes() + struct.pack("<dd", decay, lr or 0.0))
-        if anchor:  # an AWD step changes the center too
-            h.update(repr(sorted(anchor.items())).encode())
+        h.update(step.seeds.tobytes() + step.coeffs.tobytes() + struct.pack("<dd", step.decay, step.lr or 0.0))
+        if step.anchor:  # an AWD step changes the center too
+            h.update(repr(step.anchor).encode())
         self.center = h.digest()
         self.timings["update"] += time.perf_counter() - t0
 
@@ -91,7 +92,7 @@ def _iteration(pool, population: int, t: int, prompts: list[str]) -> dict:
     c1, w1 = time.process_time(), time.perf_counter()
     seeds = [s for s, g in members[::2]]
     coeffs = [rewards[2 * k] - rewards[2 * k + 1] for k in range(len(seeds))]
-    pool.update(seeds, coeffs, 1.0)
+    pool.update(Update(seeds, coeffs, 1.0))
     c2, w2 = time.process_time(), time.perf_counter()
     return {"eval_cpu": c1 - c0, "eval_wall": w1 - w0, "update_cpu": c2 - c1, "update_wall": w2 - w1}
 

@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+from espert.update import Update
+
 #: Model shapes (espert.tiny.TinySpec fields): about 4.2 M and 46 M parameters; "05b" is bench/population.py's
 #: random Qwen2 of Qwen2.5-0.5B's shapes (630 M parameters, float32, built once and kept).
 SIZES = {
@@ -112,7 +114,7 @@ def _child_espert(args) -> dict:
     for k in range(2):
         seeds = list(range(100 * k, 100 * k + 8))
         t0 = time.perf_counter()
-        ev.update(seeds, [1e-5] * len(seeds))
+        ev.update(Update(seeds, [1e-5] * len(seeds)))
         upd.append(time.perf_counter() - t0)
     ev.load_center(start)
     out["update_8_seeds"] = _stats(upd)
@@ -220,7 +222,7 @@ def _pool(model: str, args) -> dict:
     rewards = pool.evaluate(members, 0.02, task.prompts, task.answers)
     t_eval = time.perf_counter() - t0
     seeds, coeffs = coefficients(members, rewards, normalize(rewards), 0.01)
-    pool.update(seeds, coeffs)
+    pool.update(Update(seeds, coeffs))
     res = {
         "engines": args.engines,
         "evaluate_s": round(t_eval, 3),

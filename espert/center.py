@@ -37,9 +37,10 @@ import torch
 from espert import ops
 from espert.noise import NoiseFamily
 from espert.ops import plan
-from espert.ops.anchor import anchor_decay_, check_anchor_step
+from espert.ops.anchor import anchor_decay_
 from espert.ops.checks import geometry
 from espert.params import ParamView, matches
+from espert.update import Update, check_factor
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 #: State-dict names of optimizer state: ``optim.<slot>/<logical name>`` and the step counter.
@@ -72,18 +73,12 @@ class Center(Protocol):
     def perturb(self, seed: int, sigma: float, sign: int = 1, backend: str | None = None) -> None:
         """Live weights <- center + sign·σ·ε(seed), in place; call it on restored weights only."""
 
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
-        """center <- decay·center, then the step Σ_n coeffs[n]·ε(seeds[n]) (through the optimizer), then
-        the anchor step ``{"norm", "amount"}`` toward the base weights (:mod:`espert.ops.anchor`; needs a
-        center built with an anchor); then restore the live weights.  ``lr`` is the iteration's α (used
-        by adam only)."""
+    def update(self, step: Update) -> None:
+        """center <- step.decay·center, then Σ_n step.coeffs[n]·ε(step.seeds[n]) (through the optimizer, whose
+        step size is step.lr), then step.anchor toward the base weights (:mod:`espert.ops.anchor`; needs a
+        center built with an anchor); then restore the live weights.  :class:`~espert.update.Update` was
+        validated when it was made: a Center applies it and checks only what is its own (an anchor step
+        without anchors, adam without lr)."""
 
     def scale(self, factor: float) -> None:
         """center <- factor·center (weight decay), live weights untouched until the next restore."""
@@ -99,13 +94,6 @@ class Center(Protocol):
 
 
 # ---- shared validation ----------------------------------------------------------------------------
-
-
-def check_factor(name: str, v) -> float:
-    """A finite float > 0 (decay factors, scale factors); bools and non-numbers are refused."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-    return float(v)
 
 
 def check_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -127,25 +115,10 @@ def check_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
             raise ValueError(f"center {name}: checkpoint tensor is on the meta device (it holds no data)")
 
 
-def check_update_args(seeds, coeffs, decay, lr) -> tuple[list[int], list[float], float]:
-    """Materialize (iterators are consumed once) and validate the arguments of ``update``."""
-    seeds, coeffs = list(seeds), list(coeffs)
-    ops.check_members(seeds, coeffs)
-    decay = check_factor("decay", decay)
-    if lr is not None:
-        check_factor("lr", lr)
-    return seeds, coeffs, decay
-
-
-def check_anchor(anchor: dict | None, anchors) -> dict | None:
-    """An ``update``'s anchor step, checked (:func:`espert.ops.anchor.check_anchor_step`) against the center's
-    anchors (None: the center keeps none, and a step is refused)."""
-    if anchor is None:
-        return None
-    check_anchor_step(anchor)
-    if anchors is None:
+def check_anchor(step: Update, anchors) -> None:
+    """An update's anchor step needs a center that keeps the base weights (built with ``anchor=True``)."""
+    if step.anchor is not None and anchors is None:
         raise ValueError("an anchor step needs a center built with anchor=True (it keeps the base weights)")
-    return anchor
 
 
 @dataclass(frozen=True)
@@ -405,31 +378,19 @@ class CenterStore:
             if d:
                 c.mul_(factor)
 
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
+    def update(self, step: Update) -> None:
         """center <- decay·center; then the step d = Σ_n coeffs[n]·s_t·ε(seeds[n]) through the optimizer
-        (sgd: center += d, fused, in one multi-tensor call); then the anchor step toward the base; then
-        restore the live weights.
-
-        seeds: N ints in [0, 2^64) (any iterable); coeffs: N finite floats (rounded to float32).
-        lr: the iteration's α, required by adam (whose step size it is).  anchor: ``{"norm": "l2" |
-        "l1", "amount": α·λ}`` or None (:mod:`espert.ops.anchor`; every view, decay exclusions or not).
-        Everything is validated before anything moves.
-        """
-        seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)
-        anchor = check_anchor(anchor, self.anchors)
+        (sgd: center += d, fused, in one multi-tensor call); then the anchor step toward the base (every
+        view, decay exclusions or not); then restore the live weights.  ``step.lr``: the iteration's α,
+        required by adam (whose step size it is).  Nothing moves when the step cannot be applied here."""
+        check_anchor(step, self.anchors)
+        seeds, coeffs, lr, anchor = step.seeds, step.coeffs, step.lr, step.anchor
         opt = self.optimizer
         if opt.name == "adam" and lr is None:
             raise ValueError("the adam optimizer needs lr (the iteration's alpha)")
         self._pending, self._at_center = None, False  # the center moves: the next restore copies
-        if decay != 1.0:
-            self.scale(decay)
+        if step.decay != 1.0:
+            self.scale(step.decay)
         if opt.name == "sgd" and self.update_on is not None:
             self._staged_update(seeds, coeffs, anchor)
         else:
@@ -445,7 +406,7 @@ class CenterStore:
         self._rebuild_mirrors()
         self.restore()
 
-    def _staged_update(self, seeds: list[int], coeffs: list[float], anchor: dict | None) -> None:
+    def _staged_update(self, seeds, coeffs, anchor) -> None:
         """The sgd update on ``update_on``: each ≤ 64 MiB chunk of the master goes up, gets the fused update
         with its Block (and the anchor step, its chunk of the anchor staged beside it), and comes back.  The
         device holds only the staging buffers."""
@@ -465,7 +426,7 @@ class CenterStore:
                     anchor_decay_(s, h, anchor)
                 c.copy_(s)
 
-    def _optimizer_step(self, seeds: list[int], coeffs: list[float], lr: float | None) -> None:
+    def _optimizer_step(self, seeds, coeffs, lr: float | None) -> None:
         """Momentum / Adam over bounded chunks: the step d of a chunk is formed by the fused op into a
         float32 scratch of at most 64 MiB, then the optimizer's elementwise float32 update runs."""
         opt = self.optimizer

@@ -17,6 +17,7 @@ from espert.center import CenterStore
 from espert.noise import param_key
 from espert.params import ParamView
 from espert.tasks.rewards import answer_classes
+from espert.update import Update
 
 KEY = param_key("diagnostics.weight")
 
@@ -81,8 +82,8 @@ def update_fidelity(
             eps = _normals(s, numel)
             sim += float(c) * eps.double()
             naive.add_(float(c) * eps)
-        master.update(seeds, coeffs)
-        same.update(seeds, coeffs)
+        master.update(Update(seeds, coeffs))
+        same.update(Update(seeds, coeffs))
     want = sim - theta0.double()
 
     def rel(center: torch.Tensor) -> float:

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from espert.config import NORMALIZATIONS, SCHEDULES, U64, ESConfig
+from espert.update import Update
 
 if TYPE_CHECKING:  # pragma: no cover - the evaluator layer is below; only its types are named here
     from espert.evaluators.base import Evaluator, Member
@@ -256,15 +257,12 @@ def es_step(
 
 def apply_record(evaluator: Evaluator, record: dict) -> None:
     """Apply a logged update (training and replay share this): decay, then Σ coeffs·ε(seeds) through the
-    optimizer, whose step size is the record's α, then the anchor step when the record has one.
-    ``evaluator``: anything with the Evaluator's ``update(seeds, coeffs, decay, lr, anchor=None)`` (an
-    Evaluator or a Center; without an anchor step it is called as ``update(seeds, coeffs, decay, lr)``,
-    so centers written before AWD still replay their runs)."""
-    anchor = record.get("anchor")  # absent in records written before AWD
-    if anchor:
-        evaluator.update(record["seeds"], record["coeffs"], record["decay"], record["alpha"], anchor=anchor)
-    elif record["seeds"] or record["decay"] != 1.0:
-        evaluator.update(record["seeds"], record["coeffs"], record["decay"], record["alpha"])
+    optimizer, whose step size is the record's α, then the anchor step when the record has one (records
+    written before AWD have none).  ``evaluator``: anything with ``update(step: Update)`` (an Evaluator or a
+    Center)."""
+    step = Update.of_record(record)
+    if step.moves:
+        evaluator.update(step)
 
 
 __all__ = [

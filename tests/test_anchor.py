@@ -17,6 +17,7 @@ from espert.es import apply_record
 from espert.noise import anchor_decay_reference, normal, param_key
 from espert.ops.anchor import anchor_decay_
 from espert.params import ParamView
+from espert.update import Update
 
 SPECIALS = [0.0, -0.0, 1e-40, -3e-39, 1e-5, 3e38, -3e38, float("inf"), float("-inf"), float("nan")]
 STEPS = [{"norm": "l2", "amount": 0.02}, {"norm": "l2", "amount": 0.9999}, {"norm": "l1", "amount": 1e-3}]
@@ -158,7 +159,7 @@ def test_center_awd_against_float64(norm, lam):
         updates.append((seeds, coeffs, 2e-3))
     ref = _float64_run(views, updates, norm, lam)
     for seeds, coeffs, alpha in updates:
-        c.update(seeds, coeffs, anchor={"norm": norm, "amount": alpha * lam})
+        c.update(Update(seeds, coeffs, anchor={"norm": norm, "amount": alpha * lam}))
     for v, m in zip(views, c.centers):
         base, theta = ref[v.name]
         want, got = theta - base, m.double().numpy() - base
@@ -167,7 +168,7 @@ def test_center_awd_against_float64(norm, lam):
         # and the decay is doing something: the same steps without AWD move further from the base
     plain = CenterStore(_views(), anchor=False)
     for seeds, coeffs, _ in updates:
-        plain.update(seeds, coeffs)
+        plain.update(Update(seeds, coeffs))
     moved = sum(float((p - v.tensor.float()).norm()) for p, v in zip(plain.centers, views))
     anchored = sum(float((m - v.tensor.float()).norm()) for m, v in zip(c.centers, views))
     assert anchored < 0.8 * moved
@@ -182,8 +183,8 @@ def test_center_awd_is_the_op_after_the_step_on_every_path():
         with_awd = CenterStore(_views(), anchor=True, no_decay=["*norm*"], **kw)
         plain = CenterStore(_views(), no_decay=["*norm*"], **kw)
         for t in range(3):
-            with_awd.update([t, t + 7], [3e-3, -2e-3], decay=0.99, lr=1e-3, anchor=step)
-            plain.update([t, t + 7], [3e-3, -2e-3], decay=0.99, lr=1e-3)
+            with_awd.update(Update([t, t + 7], [3e-3, -2e-3], decay=0.99, lr=1e-3, anchor=step))
+            plain.update(Update([t, t + 7], [3e-3, -2e-3], decay=0.99, lr=1e-3))
             for m, v in zip(plain.centers, _views()):
                 anchor_decay_(m, v.tensor, step)
         for a, b in zip(with_awd.centers, plain.centers):
@@ -205,9 +206,9 @@ def test_anchor_memory_and_refusals():
     c = CenterStore(_views())
     before = [m.clone() for m in c.centers]
     with pytest.raises(ValueError, match="anchor=True"):
-        c.update([1], [1e-3], anchor={"norm": "l2", "amount": 0.1})
+        c.update(Update([1], [1e-3], anchor={"norm": "l2", "amount": 0.1}))
     with pytest.raises(ValueError, match=r"in \(0, 1\)"):
-        CenterStore(_views(), anchor=True).update([1], [1e-3], anchor={"norm": "l2", "amount": 2.0})
+        CenterStore(_views(), anchor=True).update(Update([1], [1e-3], anchor={"norm": "l2", "amount": 2.0}))
     assert all(torch.equal(a, b) for a, b in zip(before, c.centers))
     with pytest.raises(ValueError, match="needs the float32 master"):
         CenterStore(_views(), master_dtype=None, anchor=True)
@@ -230,8 +231,8 @@ def test_quant_center_awd_in_the_code_domain(fmt):
     assert a.nbytes - b.nbytes == a.codes[0].numel() * a.codes[0].element_size()
     base = initial_master(b.host[0]).clone()
     for t in range(4):
-        a.update([t], [0.8], anchor=step)
-        b.update([t], [0.8])
+        a.update(Update([t], [0.8], anchor=step))
+        b.update(Update([t], [0.8]))
         want = anchor_decay_reference(b.masters[0].numpy(), base.numpy(), "l2", 0.3)
         b.masters[0].copy_(torch.from_numpy(want))
         requantize_(b.host[0], b.masters[0], backend="cpu")
@@ -244,17 +245,19 @@ def test_quant_center_awd_in_the_code_domain(fmt):
 # ---- the loop, resume and replay --------------------------------------------------------------------------
 
 
-def test_old_records_replay_on_centers_without_an_anchor_argument():
-    """A record without ``anchor`` (runs before AWD) calls update(seeds, coeffs, decay, lr) as before."""
+def test_old_records_replay_as_updates_without_an_anchor_step():
+    """A record without ``anchor`` (runs before AWD) is an Update without an anchor step; a record that moves
+    nothing is not applied."""
     calls = []
 
-    class Old:
-        def update(self, seeds, coeffs, decay=1.0, lr=None):
-            calls.append((seeds, coeffs, decay, lr))
+    class ThirdPartyCenter:
+        def update(self, step: Update) -> None:
+            calls.append(step)
 
-    apply_record(Old(), {"seeds": [1], "coeffs": [0.5], "decay": 1.0, "alpha": 0.1})
-    apply_record(Old(), {"seeds": [], "coeffs": [], "decay": 1.0, "alpha": 0.1, "anchor": None})
-    assert calls == [([1], [0.5], 1.0, 0.1)]
+    apply_record(ThirdPartyCenter(), {"seeds": [1], "coeffs": [0.5], "decay": 1.0, "alpha": 0.1})
+    apply_record(ThirdPartyCenter(), {"seeds": [], "coeffs": [], "decay": 1.0, "alpha": 0.1, "anchor": None})
+    assert len(calls) == 1 and calls[0].seeds.tolist() == [1] and calls[0].coeffs.tolist() == [0.5]
+    assert (calls[0].decay, calls[0].lr, calls[0].anchor) == (1.0, 0.1, None)
 
 
 AWD_RUN = dict(SMALL_RUN, iterations=4, checkpoint_every=2, eval_every=0, anchor_decay=2.0, anchor_decay_norm="l2")

@@ -11,6 +11,7 @@ from espert.center import Center, CenterStore, Optimizer
 from espert.ops import plan
 from espert.params import ParamView
 from espert.quant import QuantCenterStore, QuantParamView, quantize_weight
+from espert.update import Update
 
 SEEDS, COEFFS = [11, 12, 13], [1e-3, -2e-3, 5e-4]
 
@@ -57,8 +58,8 @@ def test_constructor_validates_every_view_before_building_anything():
 def test_update_accepts_iterators():
     """update(iter(seeds), iter(coeffs)) used to apply nothing: validation consumed the iterators."""
     a, b = CenterStore(_views()), CenterStore(_views())
-    a.update(SEEDS, COEFFS)
-    b.update(iter(SEEDS), iter(COEFFS))
+    a.update(Update(SEEDS, COEFFS))
+    b.update(Update(iter(SEEDS), iter(COEFFS)))
     assert all(torch.equal(x, y) for x, y in zip(a.centers, b.centers))
     assert not torch.equal(b.centers[0], CenterStore(_views()).centers[0])
 
@@ -66,11 +67,11 @@ def test_update_accepts_iterators():
 @pytest.mark.parametrize(
     "call",
     [
-        lambda s: s.update(SEEDS, COEFFS[:2]),
-        lambda s: s.update(SEEDS, [1e-3, math.nan, 0.0]),
-        lambda s: s.update(SEEDS, COEFFS, decay=0.0),
-        lambda s: s.update(SEEDS, COEFFS, decay=True),
-        lambda s: s.update([-1], [1e-3]),
+        lambda s: s.update(Update(SEEDS, COEFFS[:2])),
+        lambda s: s.update(Update(SEEDS, [1e-3, math.nan, 0.0])),
+        lambda s: s.update(Update(SEEDS, COEFFS, decay=0.0)),
+        lambda s: s.update(Update(SEEDS, COEFFS, decay=True)),
+        lambda s: s.update(Update([-1], [1e-3])),
         lambda s: s.scale(float("inf")),
         lambda s: s.perturb(1, 1e-3, sign=True),
         lambda s: s.perturb(1, -1e-3),
@@ -119,7 +120,7 @@ def test_mirror_pipeline_restores_exactly_and_costs_two_bytes_per_param():
     for store in (plain, mirrored):
         store.perturb(3, 1e-2)
         store.restore()
-        store.update(SEEDS, COEFFS)
+        store.update(Update(SEEDS, COEFFS))
         store.perturb(4, 1e-2)
         store.restore()
     assert all(torch.equal(_bits(a.tensor), _bits(b.tensor)) for a, b in zip(plain.views, mirrored.views))
@@ -168,7 +169,7 @@ def test_optimizers_match_their_textbook_update(name):
     lr = 1e-3
     for step in range(1, 4):
         seeds = [100 * step + k for k in range(3)]
-        store.update(seeds, COEFFS, lr=lr)
+        store.update(Update(seeds, COEFFS, lr=lr))
         for i, d in enumerate(_direction(store.views, seeds, COEFFS)):
             if name == "momentum":
                 m[i] = 0.8 * m[i] + d
@@ -187,15 +188,15 @@ def test_optimizers_match_their_textbook_update(name):
 def test_optimizer_state_checkpoints_resume_bit_identically(name):
     straight = CenterStore(_views(), optimizer=name)
     for s in range(5):
-        straight.update([s], [1e-3], decay=0.999, lr=1e-3)
+        straight.update(Update([s], [1e-3], decay=0.999, lr=1e-3))
     first = CenterStore(_views(), optimizer=name)
     for s in range(3):
-        first.update([s], [1e-3], decay=0.999, lr=1e-3)
+        first.update(Update([s], [1e-3], decay=0.999, lr=1e-3))
     state = {k: v.clone() for k, v in first.state_dict().items()}
     resumed = CenterStore(_views(), optimizer=name)
     resumed.load_state_dict(state)
     for s in range(3, 5):
-        resumed.update([s], [1e-3], decay=0.999, lr=1e-3)
+        resumed.update(Update([s], [1e-3], decay=0.999, lr=1e-3))
     for k, v in straight.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
     assert all(torch.equal(_bits(a.tensor), _bits(b.tensor)) for a, b in zip(straight.views, resumed.views))
@@ -208,14 +209,14 @@ def test_optimizer_chunks_compose_to_one_pass(monkeypatch):
     monkeypatch.setattr(plan, "STAGING_BYTES", 4 * 5)
     small = CenterStore(_views(torch.float32), optimizer="momentum")
     for store in (big, small):
-        store.update(SEEDS, COEFFS)
-        store.update([7], [2e-3])
+        store.update(Update(SEEDS, COEFFS))
+        store.update(Update([7], [2e-3]))
     assert all(torch.equal(a, b) for a, b in zip(big.centers, small.centers))
 
 
 def test_adam_needs_lr_and_the_master():
     with pytest.raises(ValueError, match="lr"):
-        CenterStore(_views(), optimizer="adam").update(SEEDS, COEFFS)
+        CenterStore(_views(), optimizer="adam").update(Update(SEEDS, COEFFS))
     with pytest.raises(ValueError, match="float32 master"):
         CenterStore(_views(), master_dtype=None, optimizer="momentum")
     with pytest.raises(ValueError, match="unknown optimizer"):
@@ -250,7 +251,7 @@ def test_quant_scale_decays_nothing_when_an_argument_is_bad():
     store = QuantCenterStore([QuantParamView(f"q{i}.weight", q) for i, q in enumerate(qws)])
     before = [m.clone() for m in store.centers]
     with pytest.raises(ValueError):
-        store.update([1], [1e-3], decay=-1.0)
+        store.update(Update([1], [1e-3], decay=-1.0))
     assert all(torch.equal(a, b) for a, b in zip(before, store.centers))
 
 
@@ -261,7 +262,7 @@ def test_staged_update_pipeline_gives_the_same_bits(monkeypatch):
     monkeypatch.setattr(plan, "STAGING_BYTES", 4 * 7)  # many chunks, rows split
     host, staged = CenterStore(_views()), CenterStore(_views(), update_on="cpu")
     for store in (host, staged):
-        store.update(SEEDS, COEFFS, decay=0.99)
+        store.update(Update(SEEDS, COEFFS, decay=0.99))
     assert all(torch.equal(a, b) for a, b in zip(host.centers, staged.centers))
 
 
@@ -278,7 +279,7 @@ def test_launches_and_transfers_per_perturb_do_not_grow_with_the_number_of_tenso
         with ops.counting() as c:
             store.perturb(1, 1e-3)
             store.restore()
-            store.update(SEEDS, COEFFS)
+            store.update(Update(SEEDS, COEFFS))
         return dict(c)
 
     few, many = counts(3), counts(300)

@@ -7,6 +7,7 @@ import torch
 
 from espert.evaluators import TorchEvaluator, load_model
 from espert.tasks import load_task
+from espert.update import Update
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +83,13 @@ def test_update_moves_center_and_live_weights(tiny_dir):
     ev = TorchEvaluator(model, tok, lambda c, a: [0.0] * len(c), include=["mlp"])
     before = {k: v.clone() for k, v in ev.center_state().items()}
     assert all(".mlp." in k for k in before)
-    ev.update([5, 6], [1e-3, -2e-3], decay=0.99)
+    ev.update(Update([5, 6], [1e-3, -2e-3], decay=0.99))
     after = ev.center_state()
     for k, v in after.items():
         assert not torch.equal(v, before[k])
         assert torch.equal(model.get_parameter(k), v)  # float32 model: live == center
     with pytest.raises(ValueError, match="finite"):
-        ev.update([5], [float("nan")])
+        ev.update(Update([5], [float("nan")]))
     assert all(torch.equal(v, after[k]) for k, v in ev.center_state().items())
 
 

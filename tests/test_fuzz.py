@@ -19,6 +19,7 @@ from espert.center import CenterStore
 from espert.ops.checks import geometry
 from espert.params import ParamView
 from espert.quant import QuantCenterStore, QuantParamView, quantize_weight
+from espert.update import Update
 
 FUZZ = settings(
     max_examples=120,
@@ -187,9 +188,11 @@ def _member_call(store, data, op, decays):
         return
     n = data.draw(st.integers(0, 3))
     store.update(
-        data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
-        data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
-        decay=data.draw(st.sampled_from(decays)),
+        Update(
+            data.draw(st.lists(seeds_st, min_size=n, max_size=n)),
+            data.draw(st.lists(coeff_st, min_size=n, max_size=n)),
+            decay=data.draw(st.sampled_from(decays)),
+        )
     )
 
 

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.quant.reference",
             "espert.tasks",
             "espert.jail",  # the code jail: stdlib only
+            "espert.update",  # one ES update (numpy only)
             "espert.tiny",
             "espert.progress",  # bars and ticking lines on a terminal: stdlib (tqdm when shown)
             "espert.tensorfile",

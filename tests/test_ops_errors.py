@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from espert import ops
+from espert.update import Update
 
 
 def _w():
@@ -91,7 +92,7 @@ def test_center_store_update_rejects_bad_members_before_touching_anything():
     live = [p.detach().clone() for p in m.parameters()]
     for seeds, coeffs in (([1, 2], [0.1]), ([1, 2], [0.1, math.nan]), ([-1], [0.1])):
         with pytest.raises(ValueError):
-            store.update(seeds, coeffs)
+            store.update(Update(seeds, coeffs))
     assert all(torch.equal(a, b) for a, b in zip(centers, store.centers))
     assert all(torch.equal(a, b) for a, b in zip(live, m.parameters()))
 

@@ -26,6 +26,7 @@ from espert.quant import diagnostics as D
 from espert.quant import formats as F
 from espert.quant.center import initial_master
 from espert.quant.reference import e4m3_to_f32, f32_to_e4m3
+from espert.update import Update
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = noise.param_key("model.layers.1.mlp.down_proj.weight")
@@ -312,8 +313,8 @@ def test_a_compact_master_resumes_bit_for_bit_from_its_checkpoint(fmt, master):
     next update moves both stores identically."""
     base = D.make_weight(fmt, n=16, k=64, group_size=32)
     a = QuantCenterStore([QuantParamView("w", base.clone())], master=master)
-    a.update([1, 2, 3], [0.7, -0.4, 0.2])
-    a.update(range(50, 90), [0.3] * 40)  # many members: residuals spread over [−½, ½]
+    a.update(Update([1, 2, 3], [0.7, -0.4, 0.2]))
+    a.update(Update(range(50, 90), [0.3] * 40))  # many members: residuals spread over [−½, ½]
     if fmt != "fp8":  # the kept master rounds to the kept codes (a residual never reaches ½: no ties)
         assert torch.equal(torch.round(a.master(0)), unpack_codes(a.host[0]).float())
     saved = {k: t.clone() for k, t in a.state_dict().items()}
@@ -322,7 +323,7 @@ def test_a_compact_master_resumes_bit_for_bit_from_its_checkpoint(fmt, master):
     b.load_state_dict(saved)
     assert torch.equal(a.masters[0], b.masters[0]) and torch.equal(a.codes[0], b.codes[0])
     for s in (a, b):
-        s.update([4, 5], [0.3, -0.6], decay=0.99)
+        s.update(Update([4, 5], [0.3, -0.6], decay=0.99))
     assert torch.equal(a.masters[0], b.masters[0]) and torch.equal(a.codes[0], b.codes[0])
     assert torch.equal(a.views[0].qw.qweight, b.views[0].qw.qweight)
 
@@ -406,7 +407,7 @@ def test_bad_master_block_and_members_leave_everything_untouched():
 def test_center_store_roundtrip_and_checkpoint():
     qws = [qweight("int8", seed=1), qweight("awq", seed=2)]
     store = QuantCenterStore([QuantParamView("a.weight", qws[0]), QuantParamView("b.weight", qws[1])])
-    store.update([1, 2], [2e-3, -1e-3])
+    store.update(Update([1, 2], [2e-3, -1e-3]))
     state = {k: v.clone() for k, v in store.state_dict().items()}
     live = [q.qweight.clone() for q in qws]
     store.perturb(3, 1e-2)

@@ -12,6 +12,7 @@ from espert import ops
 from espert.center import CenterStore
 from espert.config import ESConfig
 from espert.params import ParamView
+from espert.update import Update
 
 FAMILIES = ("gaussian", "gaussian-icdf", "rademacher", "lowrank:2")
 SIGMA = 1e-2
@@ -152,7 +153,7 @@ def test_a_patch_center_gives_the_copy_centers_bits_through_es_steps(capacity):
                     c.restore()
                 assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ws_c, ws_p))
         for c in (copy, patch):
-            c.update([10 * it, 10 * it + 1], [0.4, -0.2], decay=0.999)
+            c.update(Update([10 * it, 10 * it + 1], [0.4, -0.2], decay=0.999))
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ws_c, ws_p))
     stats = patch.patch_stats
     if capacity == 1e-5:

@@ -16,6 +16,7 @@ from espert.center import CenterStore  # noqa: E402
 from espert.params import torch_param_views  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
 from espert.tiny import build_tiny_model  # noqa: E402
+from espert.update import Update  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -57,7 +58,7 @@ def test_bf16_bitwise_and_exact_restore(setup):
         ev.restore()
     live = ev.live_state()
     assert all(torch.equal(live[k].view(torch.int16), start[k].view(torch.int16)) for k in start)
-    hc.update([1, 2], [1e-4, -2e-4], 1.0)
-    ev.update([1, 2], [1e-4, -2e-4])
+    hc.update(Update([1, 2], [1e-4, -2e-4], 1.0))
+    ev.update(Update([1, 2], [1e-4, -2e-4]))
     assert same(ev, hf)
     assert all(v.dtype == torch.float32 for v in ev.center_state().values())  # the master stays float32

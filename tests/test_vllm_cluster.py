@@ -34,6 +34,7 @@ from ray_cluster import Faults, node_by_id, wait_for  # noqa: E402
 from espert.es import coefficients, normalize  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
 from espert.tensorfile import write_chunks, write_safetensors  # noqa: E402
+from espert.update import Update  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 TASK = load_task("copy", "train", n=12)
@@ -116,8 +117,8 @@ class Steps:
             assert pool.member_answers == single.member_answers
             if update:
                 seeds, coeffs = coefficients(m, r_one, normalize(r_one), 0.02)
-                pool.update(seeds, coeffs, 0.999)
-                single.update(seeds, coeffs, 0.999)
+                pool.update(Update(seeds, coeffs, 0.999))
+                single.update(Update(seeds, coeffs, 0.999))
         for cs in pool.checksum().values():
             assert exact(cs) == exact(single.checksum())
 

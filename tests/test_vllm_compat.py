@@ -31,6 +31,8 @@ ray = pytest.importorskip("ray")
 
 import torch  # noqa: E402
 
+from espert.update import Update  # noqa: E402
+
 COMPAT = "espert.vllm.compat.ESAtScaleWorkerExtension"
 SIGMA, ALPHA, N = 0.05, 0.01, 4
 
@@ -148,7 +150,7 @@ def test_their_trainer_sequence(engines, tiny_dir, tmp_path):
     ray.get([e.collective_rpc.remote("broadcast_all_weights", args=(0,)) for e in engines])
 
     ref = reference(tiny_dir)
-    ref.update(seeds, [ALPHA / N * c for c in coeffs])
+    ref.update(Update(seeds, [ALPHA / N * c for c in coeffs]))
     want = ref.state_dict()
     for e in engines:
         got = center(e)
@@ -210,7 +212,7 @@ def test_stacked_perturbs_are_one_seed_updates(engines, tiny_dir):
     ref = reference(tiny_dir)
     ref.load_state_dict(start)
     for seed, coeff in stack:
-        ref.update([seed], [coeff])
+        ref.update(Update([seed], [coeff]))
     want = ref.state_dict()
     for e in engines:
         got = center(e)

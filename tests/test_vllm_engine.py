@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from espert.center import CenterStore  # noqa: E402
 from espert.params import torch_param_views  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
+from espert.update import Update  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -146,8 +147,8 @@ def test_weights_bitwise_equal_transformers(ev, hf):
             ev.restore()
             assert_same(ev.live_state(), hf)
         seeds, coeffs = [3, 4, 5], [0.01, -0.02, 0.005]
-        hc.update(seeds, coeffs, 0.999)
-        ev.update(seeds, coeffs, 0.999)
+        hc.update(Update(seeds, coeffs, 0.999))
+        ev.update(Update(seeds, coeffs, 0.999))
         assert_same(ev.live_state(), hf)
         got = ev.center_state()
         for k, v in hc.state_dict().items():
@@ -164,7 +165,7 @@ def test_data_pointers_never_change(ev):
     ev.perturb(5, 0.1, 1)
     assert ev.rpc("es_data_ptrs")[0] == before
     ev.restore()
-    ev.update([7], [0.01])
+    ev.update(Update([7], [0.01]))
     assert ev.rpc("es_data_ptrs")[0] == before
     ev.load_center(start)
     assert ev.rpc("es_data_ptrs")[0] == before
@@ -204,7 +205,7 @@ def test_checksum_is_exact_and_cheap(ev):
     assert c1[0]["hash"] != c0[0]["hash"] and c1[0]["live_bits"] != c0[0]["live_bits"]
     assert c1[0]["center_bits"] == c0[0]["center_bits"] and c1[0]["center_sum"] == c0[0]["center_sum"]
     start = ev.center_state()
-    ev.update([9], [1e-6])
+    ev.update(Update([9], [1e-6]))
     assert ev.checksum()[0]["center_bits"] != c0[0]["center_bits"]
     ev.load_center(start)
     assert ev.checksum() == c0

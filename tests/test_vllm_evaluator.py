@@ -17,6 +17,7 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from espert.tasks import load_task  # noqa: E402
+from espert.update import Update  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 MEMBERS = [(s, g) for s in (101, 202, 303, 2**63 + 7) for g in (1, -1)]
@@ -49,8 +50,8 @@ def test_parity_with_transformers_evaluator(ev, tiny_dir):
     assert len(set(rv)) > 2  # the members really differ
     # after an update, still identical (same fp32 master arithmetic on both sides)
     start = ev.center_state()
-    ev.update([101, 202], [0.02, -0.01], 0.99)
-    tev.update([101, 202], [0.02, -0.01], 0.99)
+    ev.update(Update([101, 202], [0.02, -0.01], 0.99))
+    tev.update(Update([101, 202], [0.02, -0.01], 0.99))
     assert ev.evaluate(MEMBERS[:4], 0.05, task.prompts, task.answers) == tev.evaluate(
         MEMBERS[:4], 0.05, task.prompts, task.answers
     )

@@ -28,6 +28,8 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from espert.update import Update
+
 PROMPTS = ["abca>", "bcad>", "cafe>", "dacb>"]
 COMPAT = "espert.vllm.compat.ESAtScaleWorkerExtension"
 
@@ -138,7 +140,7 @@ def test_load_center_and_the_transfer_update_reach_generation(transfer):
     s1 = ev.center_state()
     ev.load_center(s0)
     assert tokens(llm) == t0
-    ev.update([5, 6], [2.0, -2.0])
+    ev.update(Update([5, 6], [2.0, -2.0]))
     assert tokens(llm) == via_transfer != t0
     ev.load_center(s0)
     assert tokens(llm) == t0

@@ -11,6 +11,7 @@ import torch
 from espert.center import CenterStore
 from espert.ops import Block, perturb_
 from espert.params import ParamView
+from espert.update import Update
 from espert.vllm.engine.params import LayoutError, Piece, linear_pieces, piece_views, vocab_pieces
 from espert.vllm.wire import assemble, block_to_tuple, pack_tensor, split_logical, unpack_tensor
 
@@ -187,7 +188,7 @@ def test_sharded_loop_fields_and_optimizer_pieces_equal_the_logical_center(tp):
         ranks.append(CenterStore(views, sigma_scales=[scales[v.name] for v in views], **loop))
     for t, seeds in enumerate(([3, 4, 5], [6], [7, 8]), 1):
         for c in [ref, *ranks]:
-            c.update(seeds, [0.02 / t] * len(seeds), 0.95, lr=0.01)
+            c.update(Update(seeds, [0.02 / t] * len(seeds), 0.95, lr=0.01))
     want = ref.state_dict()
     got = assemble([[(p.name, p.tensor, block_to_tuple(p.block)) for p in c.state_views()] for c in ranks])
     assert sorted(got) == sorted(want) and got["optim.step"].tolist() == [3]

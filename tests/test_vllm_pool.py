@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from espert.es import coefficients, normalize  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
 from espert.tensorfile import write_chunks, write_safetensors  # noqa: E402
+from espert.update import Update  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 TASK = load_task("copy", "train", n=12)
@@ -105,8 +106,8 @@ def test_two_engines_equal_one_engine(pool, single, tmp_path):
         assert pool.member_answers == single.member_answers and len(pool.member_answers) == len(m)
         seeds, coeffs = coefficients(m, r_one, normalize(r_one), 0.02)
         assert seeds
-        pool.update(seeds, coeffs, 0.999)
-        single.update(seeds, coeffs, 0.999)
+        pool.update(Update(seeds, coeffs, 0.999))
+        single.update(Update(seeds, coeffs, 0.999))
         # only seeds, scalars and checksums travelled: a few hundred bytes against 4 B/parameter
         assert sum(pool.traffic.values()) < 4096 < pool.weights_bytes
     assert pool.checksums and all(len(c) == 2 for c in pool.checksums)
@@ -137,8 +138,8 @@ def test_engine_dying_mid_iteration_loses_no_member(pool, single, crash_file, tm
     assert pool.evaluate(m, 0.05, TASK.prompts, TASK.answers) == single.evaluate(m, 0.05, TASK.prompts, TASK.answers)
     assert pool.member_answers == single.member_answers  # the re-queued chunk's answers too
     assert not os.path.exists(crash_file) and len(pool.dead) == 1 and len(pool.alive) == 1
-    pool.update([5], [0.01])
-    single.update([5], [0.01])
+    pool.update(Update([5], [0.01]))
+    single.update(Update([5], [0.01]))
     assert exact(pool.checksum()[pool.alive[0]]) == exact(single.checksum())
     a, b = str(tmp_path / "pool.safetensors"), str(tmp_path / "one.safetensors")
     assert write_chunks(a, pool.center_stream()) == write_safetensors(b, single.center_state())
@@ -178,8 +179,8 @@ def test_two_batched_engines_equal_one_batched_engine(tiny_dir):
             r_one = single.evaluate(m, 0.3, TASK.prompts, TASK.answers)
             assert r_pool == r_one and pool.member_answers == single.member_answers
             seeds, coeffs = coefficients(m, r_one, normalize(r_one), 0.02)
-            pool.update(seeds, coeffs, 0.999)
-            single.update(seeds, coeffs, 0.999)
+            pool.update(Update(seeds, coeffs, 0.999))
+            single.update(Update(seeds, coeffs, 0.999))
         got, want = pool.center_state(), single.center_state()
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
         assert exact(pool.checksum()[0]) == exact(single.checksum())

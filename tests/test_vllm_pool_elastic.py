@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
 
 import ray_cluster  # noqa: E402
 
+from espert.update import Update  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("pool_scaling", os.path.join(ROOT, "bench", "pool_scaling.py"))
 pool_scaling = sys.modules["pool_scaling"] = importlib.util.module_from_spec(_spec)
@@ -49,7 +51,7 @@ class Flagged:
         engine = HashEngine()
         if self.what == "drift":
             if os.path.exists(self.flag):
-                engine.update([1], [1.0])
+                engine.update(Update([1], [1.0]))
             return engine
         return SlowEngine(engine, self)
 
@@ -96,8 +98,8 @@ def iterate(pool, reference, t, population=16):
     got = pool.evaluate(members, 0.01, ["p"] * 3, ["a"] * 3)
     assert got == reference.evaluate(members, 0.01, None, None)
     seeds, coeffs = [s for s, _ in members[::2]], [got[2 * k] - got[2 * k + 1] for k in range(population // 2)]
-    pool.update(seeds, coeffs, 0.99)
-    reference.update(seeds, coeffs, 0.99)
+    pool.update(Update(seeds, coeffs, 0.99))
+    reference.update(Update(seeds, coeffs, 0.99))
     assert all(cs[0]["hash"] == reference.center.hex() for cs in pool.checksum().values())
 
 
@@ -110,13 +112,14 @@ mod = sys.modules["pool_scaling"] = importlib.util.module_from_spec(spec); spec.
 ray.init(address=sys.argv[2], log_to_driver=False)
 ray.cloudpickle.register_pickle_by_value(mod)
 from espert.vllm.driver.pool import EnginePool
+from espert.update import Update
 pool = EnginePool.of(mod.HashEngine, engines=3, num_cpus_per_engine=1, deadline_floor=5.0)
 rewards = []
 for t in range(int(sys.argv[3])):
     members = [(1000 * t + k, g) for k in range(8) for g in (1, -1)]
     r = pool.evaluate(members, 0.01, ["p"], ["a"])
     rewards.append(r)
-    pool.update([s for s, _ in members[::2]], [r[2 * k] - r[2 * k + 1] for k in range(8)], 0.99)
+    pool.update(Update([s for s, _ in members[::2]], [r[2 * k] - r[2 * k + 1] for k in range(8)], 0.99))
 print(json.dumps({"rewards": rewards, "center": pool.checksum()[pool.alive[0]][0]["hash"],
                   "events": [e["event"] for e in pool.events]}))
 pool.close()
@@ -150,7 +153,7 @@ def test_rpc_failures_injected_by_ray_change_no_reward_and_no_center(cluster):
         members = [(1000 * t + k, g) for k in range(8) for g in (1, -1)]
         want = reference.evaluate(members, 0.01, None, None)
         assert got == want, t
-        reference.update([s for s, _ in members[::2]], [want[2 * k] - want[2 * k + 1] for k in range(8)], 0.99)
+        reference.update(Update([s for s, _ in members[::2]], [want[2 * k] - want[2 * k + 1] for k in range(8)], 0.99))
     assert chaos["center"] == reference.center.hex() and len(chaos["rewards"]) == RPC_ITERATIONS
     assert "unreachable_once" in chaos["events"]  # Ray did inject failures, and the pool saw them
     print({e: chaos["events"].count(e) for e in set(chaos["events"])})

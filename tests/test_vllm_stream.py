@@ -26,6 +26,8 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from espert.update import Update  # noqa: E402
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
@@ -55,7 +57,7 @@ def test_center_streams_to_safetensors_in_bounded_chunks(ev, tmp_path):
     from espert.vllm.driver.stream import write_center
     from espert.vllm.wire import assemble
 
-    ev.update([5, 6], [1e-3, -2e-3])  # a center that differs from the live bf16-free weights' history
+    ev.update(Update([5, 6], [1e-3, -2e-3]))  # a center that differs from the live bf16-free weights' history
     whole = assemble(ev.rpc("es_center_state"))  # the one-message route
     center_bytes = sum(t.numel() * t.element_size() for t in whole.values())
     meta = {"format": "pt", "iteration": "3"}
@@ -113,7 +115,7 @@ def test_no_weight_edit_with_requests_in_flight(ev):
         for call in (
             lambda: ev.perturb(3, 0.1, 1),
             ev.restore,
-            lambda: ev.update([1], [1e-3]),
+            lambda: ev.update(Update([1], [1e-3])),
             lambda: ev.load_center(ev.center_state()),
         ):
             with pytest.raises(RuntimeError, match="in flight"):
@@ -295,7 +297,7 @@ def test_load_center_sends_one_tensor_per_message_and_is_all_or_nothing(ev, tmp_
     from espert import runs
 
     start = ev.center_state()
-    ev.update([7], [2e-3])
+    ev.update(Update([7], [2e-3]))
     moved = ev.center_state()
     path = str(tmp_path / "c.safetensors")
     runs.save_center(path, moved, 1)

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from vllm.config import WeightTransferConfig  # noqa: E402
 
 from espert.tasks import load_task  # noqa: E402
+from espert.update import Update  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def via_extension(ev, c):
     elif c["op"] == "restore":
         ev.restore()
     else:
-        ev.update(c["seeds"], c["coeffs"], c.get("decay", 1.0), c.get("lr"))
+        ev.update(Update(c["seeds"], c["coeffs"], c.get("decay", 1.0), c.get("lr")))
 
 
 def snapshot(ev):

@@ -25,6 +25,7 @@ from espert import ops as espert_ops  # noqa: E402
 from espert.noise import param_key  # noqa: E402
 from espert.quant import QuantCenterStore, QuantParamView, QuantWeight  # noqa: E402
 from espert.tasks import load_task  # noqa: E402
+from espert.update import Update  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -206,7 +207,7 @@ def test_es_iterations_update_codes_like_quant_center_store(ev, model, noise):
                 ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx], write_ahead=records.append
             )
         for r in records:
-            host.update(r["seeds"], r["coeffs"], r["decay"])
+            host.update(Update(r["seeds"], r["coeffs"], r["decay"]))
         center, codes = ev.center_state(), live_codes(ev)
         changed = 0
         for v, m, c in zip(host.views, host.masters, host.codes):
@@ -249,7 +250,7 @@ def test_anchored_weight_decay_on_the_w8a8_codes(ev, model):
             es_step(ev, cfg, t, [task.prompts[i] for i in idx], [task.answers[i] for i in idx], records.append)
         assert all(r["anchor"] == {"norm": "l2", "amount": 0.05 * 6.0} for r in records)
         for r in records:
-            host.update(r["seeds"], r["coeffs"], r["decay"], anchor=r["anchor"])
+            host.update(Update(r["seeds"], r["coeffs"], r["decay"], anchor=r["anchor"]))
         center, codes = ev.center_state(), live_codes(ev)
         for v, m, c in zip(host.views, host.masters, host.codes):
             assert torch.equal(center[v.name].view(torch.int32), m.view(torch.int32)), v.name

@@ -58,6 +58,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from espert.center import OPTIM_PREFIX, Center
+from espert.update import Update
 
 log = logging.getLogger("espert.evaluators")
 
@@ -85,17 +86,10 @@ class Evaluator(abc.ABC):
         """Per-prompt rewards of the (unperturbed) center."""
 
     @abc.abstractmethod
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
-        """``center <- decay·center``, then the step ``Σ coeffs[n]·ε(seeds[n])`` (through the center's
-        optimizer; ``lr`` is the iteration's α), then the anchor step (``{"norm", "amount"}``, see
-        :mod:`espert.ops.anchor`), then restore the live weights."""
+    def update(self, step: Update) -> None:
+        """Apply ``step`` (:class:`~espert.update.Update`) to the center: ``center <- decay·center``, then
+        ``Σ coeffs[n]·ε(seeds[n])`` through the center's optimizer (``lr``: the iteration's α), then the anchor
+        step; then restore the live weights."""
 
     @abc.abstractmethod
     def center_state(self) -> dict[str, torch.Tensor]:
@@ -269,11 +263,8 @@ class ModelEvaluator(Evaluator):
     def evaluate_center(self, prompts, answers):
         return list(self.rollout(prompts, answers))
 
-    def update(self, seeds, coeffs, decay=1.0, lr=None, anchor=None):
-        if anchor is None:  # a Center of another package may predate the anchor argument
-            self.center.update(seeds, coeffs, decay, lr)
-        else:
-            self.center.update(seeds, coeffs, decay, lr, anchor=anchor)
+    def update(self, step: Update) -> None:
+        self.center.update(step)
 
     def center_state(self):
         return self.center.state_dict()

@@ -14,35 +14,26 @@ own dtype, widened exactly).  A step is described by ``{"norm": "l2" | "l1", "am
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from espert import _C
+from espert.update import ANCHOR_NORMS, AnchorStep  # noqa: F401 - ANCHOR_NORMS: this module's public name
 
 from .backends import select
 from .checks import DTYPE_CODES
 
-#: The norms of anchored weight decay, and their codes in the kernels (csrc/anchor.h).
-ANCHOR_NORMS = ("l2", "l1")
+#: The norms of anchored weight decay (espert.update), and their codes in the kernels (csrc/anchor.h).
 ANCHOR_NORM_CODES = dict(_C.ANCHOR_NORM_CODES)
 
 
 def check_anchor_step(step) -> tuple[str, float]:
-    """``(norm, amount)`` of an anchor step ``{"norm", "amount"}`` (a log record's ``anchor``), checked:
-    norm l2 or l1; amount a finite number, in (0, 1) for l2 (the factor 1 - amount stays positive), > 0
-    for l1."""
-    if not isinstance(step, dict) or set(step) != {"norm", "amount"}:
-        raise ValueError(f"an anchor step is a dict {{'norm', 'amount'}}, got {step!r:.120}")
-    norm, amount = step["norm"], step["amount"]
-    if norm not in ANCHOR_NORMS:
-        raise ValueError(f"anchor norm must be one of {ANCHOR_NORMS}, got {norm!r}")
-    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
-        raise ValueError(f"anchor amount must be a finite number, got {amount!r}")
-    if not (0 < amount < 1 if norm == "l2" else amount > 0):
-        raise ValueError(f"anchor amount (alpha*lambda) must be {'in (0, 1)' if norm == 'l2' else '> 0'}, got {amount}")
-    return norm, float(amount)
+    """``(norm, amount)`` of an anchor step (an :class:`~espert.update.AnchorStep`, or the log's ``{"norm",
+    "amount"}``), checked as AnchorStep checks it."""
+    s = AnchorStep.of(step)
+    if s is None:
+        raise ValueError("an anchor step is a dict {'norm', 'amount'}, got None")
+    return s.norm, s.amount
 
 
 def anchor_param(norm: str, amount: float) -> np.float32:
@@ -68,8 +59,8 @@ def _check_tensors(master, anchor) -> None:
 
 
 @torch.no_grad()
-def anchor_decay_(master: torch.Tensor, anchor: torch.Tensor, step: dict, *, backend: str | None = None):
-    """In place: ``master <- rule(master, anchor)`` for the anchor step ``{"norm", "amount"}`` (module doc).
+def anchor_decay_(master: torch.Tensor, anchor: torch.Tensor, step, *, backend: str | None = None):
+    """In place: ``master <- rule(master, anchor)`` for the anchor step (an AnchorStep or ``{"norm", "amount"}``).
 
     master: float32, contiguous, cpu or cuda; anchor: the same shape and device, float32 / float16 /
     bfloat16, contiguous.  Everything is validated before the kernel runs.  Returns ``master``."""

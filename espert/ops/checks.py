@@ -17,6 +17,7 @@ import torch
 
 from espert import _C
 from espert.config import U64
+from espert.update import check_members, check_u64  # noqa: F401 - the ops check what an Update checks
 
 # Codes come from the compiled module, the one place they are defined (csrc/noise.h, csrc/apply.h).
 DTYPE_CODES = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
@@ -35,16 +36,6 @@ def _real(v) -> bool:
 def _normal32(v) -> bool:
     """``float32(v)`` (v finite, > 0) is a normal finite float32."""
     return _NORMAL32_LO <= float(v) < _NORMAL32_HI
-
-
-def check_u64(name: str, v) -> int:
-    """``v`` as an int in [0, 2^64): TypeError for a non-integer (bools too), ValueError out of range."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer in [0, 2^64), got {v!r}")
-    v = int(v)
-    if not 0 <= v < U64:
-        raise ValueError(f"{name} must be in [0, 2^64), got {v}")
-    return v
 
 
 def check_sigma(sigma) -> float:
@@ -79,29 +70,6 @@ def as_int64(v: int, name: str = "seed/key") -> int:
 def from_int64(v: int) -> int:
     """The uint64 whose bits the int64 ``v`` holds (inverse of :func:`as_int64`)."""
     return int(v) & (U64 - 1)
-
-
-def check_members(seeds: Sequence[int], coeffs: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """Validate population seeds and coefficients; returns (uint64 [N], float32 [N]) arrays.
-
-    Raises ValueError on a length mismatch, a seed outside [0, 2^64), or a NaN/Inf coefficient.
-    """
-    seeds, coeffs = list(seeds), list(coeffs)
-    if len(seeds) != len(coeffs):
-        raise ValueError(f"got {len(seeds)} seeds but {len(coeffs)} coefficients")
-    seed_arr = np.array([check_u64(f"seeds[{i}]", s) for i, s in enumerate(seeds)], dtype=np.uint64)
-    coeff_arr = np.array(coeffs, dtype=np.float64)
-    bad = ~np.isfinite(coeff_arr)
-    if bad.any():
-        raise ValueError(
-            f"coefficients must be finite; got {coeff_arr[bad][:4].tolist()} "
-            f"at positions {np.flatnonzero(bad)[:4].tolist()}"
-        )
-    with np.errstate(over="ignore"):  # overflow is reported just below
-        coeff32 = coeff_arr.astype(np.float32)
-    if not np.isfinite(coeff32).all():
-        raise ValueError("coefficients overflow float32")
-    return seed_arr, coeff32
 
 
 def check_weight(w: torch.Tensor) -> int:

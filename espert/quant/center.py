@@ -28,11 +28,12 @@ from typing import Mapping, Sequence
 import torch
 
 from espert import ops
-from espert.center import check_anchor, check_factor, check_state, check_update_args
+from espert.center import check_anchor, check_state
 from espert.noise import NoiseFamily
 from espert.ops import Block
 from espert.ops.anchor import anchor_decay_
 from espert.params import LogicalParam
+from espert.update import Update, check_factor
 
 from .formats import QuantWeight, dequantize, e4m3_bits_to_float, unpack_codes
 from .ops import qgeometry, requantize_
@@ -255,22 +256,14 @@ class QuantCenterStore:
         for v in self.views:
             ops.perturb_(v.qw, seed, v.key, sigma, sign, block=v.block, backend=backend, noise=self.noise)
 
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
+    def update(self, step: Update) -> None:
         """center <- decay·center (:meth:`scale`), then center + Σ coeffs[n]·ε(seeds[n]) (fused, on the host),
-        then the anchor step toward the base codes (module doc), then restore the live weights.  Arguments
-        are validated first (any iterable works); ``lr`` is accepted for the :class:`~espert.center.Center`
-        protocol (the quantized center is plain sgd)."""
-        seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)
-        anchor = check_anchor(anchor, self.anchors)
-        if decay != 1.0:
-            self.scale(decay)
+        then the anchor step toward the base codes (module doc), then restore the live weights.  ``step.lr``
+        is not used (the quantized center is plain sgd)."""
+        check_anchor(step, self.anchors)
+        seeds, coeffs, anchor = step.seeds, step.coeffs, step.anchor
+        if step.decay != 1.0:
+            self.scale(step.decay)
         for i, v in enumerate(self.views):
             m = None if self.masters is None else self.master(i)
             h = self._scaled(i)
@@ -428,19 +421,11 @@ class QuantModelCenter:
             s.restore()
         self._after_edit()
 
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
-        seeds, coeffs, decay = check_update_args(seeds, coeffs, decay, lr)  # before either store moves
+    def update(self, step: Update) -> None:
+        for s in self._stores():  # before either store moves
+            check_anchor(step, s.anchors)
         for s in self._stores():
-            check_anchor(anchor, s.anchors)
-        for s in self._stores():
-            s.update(seeds, coeffs, decay, lr, anchor=anchor)
+            s.update(step)
         self._after_edit()
 
     def scale(self, factor: float) -> None:

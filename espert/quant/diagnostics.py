@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from espert import noise, ops
+from espert.update import Update
 
 from .center import QuantCenterStore, QuantParamView, initial_master
 from .formats import QuantWeight, dequantize, e4m3_bits_to_float, logical_scales, quantize_weight, unpack_codes
@@ -152,7 +153,7 @@ def update_fidelity(
         ops.es_update_(acc, seeds, coeffs, KEY)  # Σ c ε in float32, as the kernels sum it
         sim += acc.double()
         for store in (master_store, naive_store, *compact.values()):
-            store.update(seeds, coeffs)
+            store.update(Update(seeds, coeffs))
     want = sim - theta0
 
     def rel(theta: torch.Tensor) -> float:

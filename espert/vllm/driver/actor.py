@@ -68,8 +68,9 @@ class EngineActor:
     def evaluate_center(self, prompts, answers) -> list[float]:
         return self.ev.evaluate_center(prompts, answers)
 
-    def update(self, seeds, coeffs, decay, lr=None, anchor=None) -> list[dict]:
-        self.ev.update(seeds, coeffs, decay, lr, anchor=anchor)
+    def update(self, step) -> list[dict]:
+        """Apply an :class:`~espert.update.Update` (as the pool sent it, through Ray's object store)."""
+        self.ev.update(step)
         return self.ev.checksum()
 
     def checksum(self) -> list[dict]:
@@ -89,13 +90,12 @@ class EngineActor:
 
     def catch_up(self, state: dict | None, updates: list) -> list[dict]:
         """Bring a new engine to the pool's center: load ``state`` (packed, as :meth:`center_state` gives
-        it; None: keep the current center), then apply ``updates`` in order, each ``(seeds, coeffs,
-        decay, lr, anchor)`` with seeds and coefficients as arrays (uint64, float64).  Returns the checksum the
-        pool compares with the live engines' at that point of the log."""
+        it; None: keep the current center), then apply ``updates`` (:class:`~espert.update.Update`) in
+        order.  Returns the checksum the pool compares with the live engines' at that point of the log."""
         if state is not None:
             self.load_center(state)
-        for seeds, coeffs, decay, lr, anchor in updates:
-            self.ev.update(seeds.tolist(), coeffs.tolist(), decay, lr, anchor=anchor)
+        for step in updates:
+            self.ev.update(step)
         return self.ev.checksum()
 
     def rpc(self, method: str, *args):

@@ -42,6 +42,7 @@ from espert.evaluators.base import (
 )
 from espert.tasks.base import chat_prompt
 from espert.tensorfile import CHUNK_BYTES
+from espert.update import Update
 from espert.vllm import patches
 
 if TYPE_CHECKING:  # what espert calls on it is checked in every vLLM release (tools/vllm_contract.py)
@@ -491,24 +492,10 @@ class VLLMEvaluator(Evaluator):
     def evaluate_center(self, prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
         return self.rollout(prompts, answers)
 
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
+    def update(self, step: Update) -> None:
         t0 = time.perf_counter()
         self._quiesced()
-        self.rpc(
-            "es_update",
-            [int(s) for s in seeds],
-            [float(c) for c in coeffs],
-            float(decay),
-            None if lr is None else float(lr),
-            None if anchor is None else dict(anchor),
-        )
+        self.rpc("es_update", *step.wire())
         self._changed()
         self.timings["update"] += time.perf_counter() - t0
 

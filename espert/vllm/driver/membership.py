@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from espert.update import Update
 
 #: Most seeds one catch-up message carries (16 bytes each): bounds a replay message to ~16 MiB.
 REPLAY_BATCH_SEEDS = 1 << 20
@@ -31,8 +31,9 @@ Position = tuple[int, int]
 
 
 class UpdateLog:
-    """Every update since the center's base, kept compactly (seeds uint64, coefficients float64: 16 bytes
-    per seed), and the live engines' exact checksums at each point (what a new engine must reproduce).
+    """Every update since the center's base (:class:`~espert.update.Update`: seeds uint64, coefficients
+    float64, 16 bytes per seed), and the live engines' exact checksums at each point (what a new engine must
+    reproduce).
 
     ``base``: None (the model's own weights, which every engine loads itself) or the Ray reference of the
     packed center the last ``load_center`` sent (a resume)."""
@@ -40,17 +41,16 @@ class UpdateLog:
     def __init__(self):
         self.epoch = 0
         self.base: Any = None
-        self.updates: list[tuple[np.ndarray, np.ndarray, float, float | None, dict | None]] = []
+        self.updates: list[Update] = []
         self._references: dict[Position, list[dict]] = {}
 
     @property
     def position(self) -> Position:
         return (self.epoch, len(self.updates))
 
-    def append(self, seeds, coeffs, decay: float, lr: float | None, anchor: dict | None = None) -> None:
-        """One update as the engines applied it (``anchor``: its AWD step, None without)."""
-        seeds, coeffs = np.asarray(seeds, dtype=np.uint64), np.asarray(coeffs, dtype=np.float64)
-        self.updates.append((seeds, coeffs, decay, lr, anchor))
+    def append(self, step: Update) -> None:
+        """One update as the engines applied it."""
+        self.updates.append(step)
 
     def rebase(self, base) -> None:
         """A new base (a loaded center): a new epoch with no updates."""
@@ -60,15 +60,15 @@ class UpdateLog:
         """The updates from index ``start`` on, at most :data:`REPLAY_BATCH_SEEDS` seeds (at least one update)."""
         out, seeds = [], 0
         for u in self.updates[start:]:
-            if out and seeds + len(u[0]) > REPLAY_BATCH_SEEDS:
+            if out and seeds + len(u.seeds) > REPLAY_BATCH_SEEDS:
                 break
             out.append(u)
-            seeds += len(u[0])
+            seeds += len(u.seeds)
         return out
 
     def nbytes(self) -> int:
         """Bytes of the seeds and coefficients held (the seed log since the base)."""
-        return sum(u[0].nbytes + u[1].nbytes for u in self.updates)
+        return sum(u.seeds.nbytes + u.coeffs.nbytes for u in self.updates)
 
     def remember(self, position: Position, exact: list[dict]) -> None:
         self._references[position] = exact

@@ -3,7 +3,7 @@ and leave while a run goes on.
 
     pool = EnginePool(model_path, task.score, engines=4, llm_kwargs=dict(tensor_parallel_size=1))
     rewards = pool.evaluate(members, sigma, prompts, answers)   # members spread over the engines
-    pool.update(seeds, coeffs, decay)                           # every engine applies it itself
+    pool.update(Update(seeds, coeffs, decay))                   # every engine applies it itself
     pool.add_engines(2); pool.remove_engines(1)                 # between iterations
 
 What travels per iteration (never weights):
@@ -62,6 +62,7 @@ import torch
 
 from espert.evaluators.base import Evaluator, Member, center_energy
 from espert.tensorfile import CHUNK_BYTES
+from espert.update import Update
 from espert.vllm.driver.actor import EngineActor, VLLMEngine
 from espert.vllm.driver.chunks import HANG, Clock, ReplicaDivergence, Round
 from espert.vllm.driver.joining import JoiningEngines, brief, numel
@@ -512,25 +513,15 @@ class EnginePool(JoiningEngines, Evaluator):
                 )
         self.log.remember(self.log.position, want)
 
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
-        seeds, coeffs = [int(s) for s in seeds], [float(c) for c in coeffs]
-        msg = (seeds, coeffs, float(decay), None if lr is None else float(lr), None if anchor is None else dict(anchor))
+    def update(self, step: Update) -> None:
         for _ in self.alive:
-            self._count("update_out", msg)
+            self._count("update_out", step)
         before = self.log.reference(self.log.position)
-        self.log.append(*msg)
-        # seeds and coefficients serialized once, into the object store; each node fetches them once
-        shared = (self._ray.put(seeds), self._ray.put(coeffs), *msg[2:])
-        sums, unsure = self._gather("update", {e: self.actors[e].update.remote(*shared) for e in self.alive})
+        self.log.append(step)
+        shared = self._ray.put(step)  # serialized once, into the object store; each node fetches it once
+        sums, unsure = self._gather("update", {e: self.actors[e].update.remote(shared) for e in self.alive})
         for e in unsure:
-            self._settle_update(e, msg, before, sums)
+            self._settle_update(e, shared, before, sums)
         for cs in sums.values():
             self._count("checksums_in", cs)
         if not sums and not self.alive:  # every engine was lost: a replacement replays this update too
@@ -539,7 +530,7 @@ class EnginePool(JoiningEngines, Evaluator):
         self._check(sums, "after update")
         self._poll_joins()
 
-    def _settle_update(self, e: int, msg: tuple, before: list[dict] | None, sums: dict) -> None:
+    def _settle_update(self, e: int, step, before: list[dict] | None, sums: dict) -> None:
         """An update whose call failed in flight (``ActorUnavailableError``): ask the engine's checksum; still
         the one before the update means it never ran, so send it again; anything else is what the update
         made (``_check`` then compares it with the other engines')."""
@@ -551,7 +542,7 @@ class EnginePool(JoiningEngines, Evaluator):
                     self._event("update_settled", e, time=time.monotonic(), how="it had run")
                 return
             self._event("update_settled", e, time=time.monotonic(), how="it had not run: sent again")
-            out, _ = self._gather("update", {e: self.actors[e].update.remote(*msg)})
+            out, _ = self._gather("update", {e: self.actors[e].update.remote(step)})
             if e in out:
                 sums[e] = out[e]
                 return

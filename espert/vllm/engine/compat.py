@@ -47,6 +47,7 @@ from typing import Sequence
 
 import torch
 
+from espert.update import Update
 from espert.vllm.engine.worker import EXACT_FIELDS, ESWorkerExtension
 
 log = logging.getLogger("espert.vllm")
@@ -81,7 +82,7 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
 
     def _compat_apply(self, seeds: list[int], coeffs: list[float]) -> None:
         """center += Σ coeffs·ε(seeds) (float32 master), live weights restored; recorded for the broadcast."""
-        self._es_center.update(seeds, coeffs)
+        self._es_center.update(Update(seeds, coeffs))
         self._compat_pending.append((seeds, coeffs))
 
     def _compat_commit(self) -> None:
@@ -173,7 +174,7 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
                 ok = False
             else:
                 for seeds, coeffs in msg[0]:
-                    center.update(seeds, coeffs)
+                    center.update(Update(seeds, coeffs))
                 ok = self._exact() == msg[1]
         else:
             ok = True

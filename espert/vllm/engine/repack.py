@@ -10,11 +10,11 @@ On GPU there are no packed layers and it only forwards.
 from __future__ import annotations
 
 import time
-from typing import Sequence
 
 import torch
 
 from espert.params import ParamView
+from espert.update import Update
 from espert.vllm.patches.cpu_prepack import packed_layers
 from espert.vllm.patches.moe_prepack import expert_plain, repack_experts
 
@@ -88,16 +88,9 @@ class RepackingCenter:
         finally:
             self._stale()
 
-    def update(
-        self,
-        seeds: Sequence[int],
-        coeffs: Sequence[float],
-        decay: float = 1.0,
-        lr: float | None = None,
-        anchor: dict | None = None,
-    ) -> None:
+    def update(self, step: Update) -> None:
         try:
-            self.inner.update(seeds, coeffs, decay, lr, anchor=anchor)
+            self.inner.update(step)
         finally:
             self._stale()
 

@@ -68,9 +68,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from espert.center import check_factor
-from espert.ops.anchor import check_anchor_step
-from espert.ops.checks import check_members, check_sigma, check_sign, check_u64
+from espert.ops.checks import check_sigma, check_sign, check_u64
+from espert.update import Update
 
 #: The name this engine is registered under (``WeightTransferConfig(backend=BACKEND)``).
 BACKEND = "espert"
@@ -149,14 +148,10 @@ def parse_command(update: Any) -> ESUpdateInfo:
             for k in ("seeds", "coeffs"):
                 if not isinstance(a[k], (list, tuple)):
                     raise ValueError(f"{k} must be a list, got {type(a[k]).__name__}")
-            a["seeds"] = [_checked(f"seeds[{i}]", lambda s: check_u64("seed", s), s) for i, s in enumerate(a["seeds"])]
-            a["coeffs"] = [_real(f"coeffs[{i}]", c) for i, c in enumerate(a["coeffs"])]
-            check_members(a["seeds"], a["coeffs"])  # lengths, float32 overflow
-            a["decay"] = check_factor("decay", a["decay"])
-            if a["lr"] is not None:
-                a["lr"] = check_factor("lr", a["lr"])
-            if a["anchor"] is not None:
-                _checked("anchor", check_anchor_step, a["anchor"])
+            coeffs = [_real(f"coeffs[{i}]", c) for i, c in enumerate(a["coeffs"])]
+            a = {
+                "step": _checked("update", lambda v: Update(*v), (a["seeds"], coeffs, a["decay"], a["lr"], a["anchor"]))
+            }
     except ValueError as e:
         raise ValueError(f"espert weight transfer: {e}") from None
     return ESUpdateInfo(op, a)
@@ -237,7 +232,7 @@ class ESWeightTransferEngine(WeightTransferEngine[ESInitInfo, ESUpdateInfo]):
         elif update_info.op == "restore":
             self.worker.es_restore()
         else:
-            self.worker.es_update(a["seeds"], a["coeffs"], a["decay"], a["lr"], a["anchor"])
+            self.worker.es_update(*a["step"].wire())
 
     def shutdown(self) -> None:
         """Nothing to release (no communicator); the center stays with the worker extension."""

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from espert.update import Update
 from espert.vllm import patches
 from espert.vllm.engine import w8a8
 from espert.vllm.engine.params import checkpoint_files, routed_experts
@@ -349,14 +350,9 @@ class ESWorkerExtension:
         anchor: dict | None = None,
     ) -> None:
         """center <- decay·center + Σ coeffs[n]·ε(seeds[n]) on the host master (CPU op), then the anchor step
-        ``{"norm", "amount"}`` toward the base (needs es_setup(anchor=True)), then restore."""
-        self._es_require().update(
-            [int(s) for s in seeds],
-            [float(c) for c in coeffs],
-            float(decay),
-            None if lr is None else float(lr),
-            anchor=None if anchor is None else dict(anchor),
-        )
+        ``{"norm", "amount"}`` toward the base (needs es_setup(anchor=True)), then restore: the
+        :class:`~espert.update.Update` whose :meth:`~espert.update.Update.wire` these arguments are."""
+        self._es_require().update(Update(seeds, coeffs, decay, lr, anchor))
         self._es_sync()
 
     def _es_pieces(self) -> list:
