@@ -261,7 +261,7 @@ def apply_record(evaluator: Evaluator, record: dict) -> None:
     written before AWD have none).  ``evaluator``: anything with ``update(step: Update)`` (an Evaluator or a
     Center)."""
     step = Update.of_record(record)
-    if step.moves:
+    if step is not None:
         evaluator.update(step)
 
 

@@ -126,11 +126,6 @@ class Update:
         object.__setattr__(self, "lr", None if self.lr is None else check_factor("lr", self.lr))
         object.__setattr__(self, "anchor", AnchorStep.of(self.anchor))
 
-    @property
-    def moves(self) -> bool:
-        """Whether applying it changes a center (members, a decay or an anchor step)."""
-        return len(self.seeds) > 0 or self.decay != 1.0 or self.anchor is not None
-
     def wire(self) -> tuple:
         """``(seeds, coeffs, decay, lr, anchor)`` as plain Python values: ``es_update``'s arguments over vLLM's
         ``collective_rpc``, whose serializer takes no arrays or dataclasses."""
@@ -138,10 +133,14 @@ class Update:
         return self.seeds.tolist(), self.coeffs.tolist(), self.decay, self.lr, anchor
 
     @classmethod
-    def of_record(cls, record: dict) -> "Update":
+    def of_record(cls, record: dict) -> "Update | None":
         """The update an iteration's log record describes (``seeds``, ``coeffs``, ``decay``, ``alpha`` and,
-        since AWD, ``anchor``)."""
-        return cls(record["seeds"], record["coeffs"], record["decay"], record["alpha"], record.get("anchor"))
+        since AWD, ``anchor``); None when it moves nothing: no members, no decay and no anchor step, as at
+        α = 0 (the end of a schedule, whose anchor amount α·λ is 0 too) or an iteration with no valid reward."""
+        anchor = record.get("anchor")
+        if not record["seeds"] and record["decay"] == 1.0 and not (anchor and anchor.get("amount")):
+            return None
+        return cls(record["seeds"], record["coeffs"], record["decay"], record["alpha"], anchor)
 
     def __repr__(self) -> str:
         return f"Update({len(self.seeds)} members, decay={self.decay}, lr={self.lr}, anchor={self.anchor})"

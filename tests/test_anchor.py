@@ -260,6 +260,17 @@ def test_old_records_replay_as_updates_without_an_anchor_step():
     assert (calls[0].decay, calls[0].lr, calls[0].anchor) == (1.0, 0.1, None)
 
 
+def test_an_alpha_schedule_that_ends_at_zero_applies_nothing_at_its_end():
+    """At α = 0 (a schedule's end) the record has no members, decay 1 and an anchor amount α·λ = 0: nothing is
+    applied.  On e7b98f5 apply_record sent it to the center, which refused it ("lr must be a finite number > 0,
+    got 0.0"): an AWD run with an α schedule ending at 0 stopped at its last iteration."""
+    c = CenterStore(_views(), anchor=True)
+    before = [t.clone() for t in c.centers]
+    apply_record(c, {"seeds": [], "coeffs": [], "decay": 1.0, "alpha": 0.0, "anchor": {"norm": "l2", "amount": 0.0}})
+    assert all(torch.equal(a, b) for a, b in zip(before, c.centers))
+    assert Update.of_record({"seeds": [1], "coeffs": [0.5], "decay": 1.0, "alpha": 0.1}) is not None
+
+
 AWD_RUN = dict(SMALL_RUN, iterations=4, checkpoint_every=2, eval_every=0, anchor_decay=2.0, anchor_decay_norm="l2")
 
 

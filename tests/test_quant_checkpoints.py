@@ -193,6 +193,20 @@ def _export_is_the_checkpoint_format(run: str, model_dir: str) -> None:
     assert all(torch.equal(exported[k], base[k]) for k in base if k.endswith(unchanged))
 
 
+def _vllm_generates(export: str) -> None:
+    from vllm import SamplingParams
+
+    from espert.vllm import make_llm
+    from espert.vllm.driver.evaluator import shutdown_llm
+
+    llm = make_llm(export, max_model_len=64, multiprocess=False)
+    try:
+        out = llm.generate([[1, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        shutdown_llm(llm)
+
+
 def _loads_and_generates(export: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -218,17 +232,7 @@ def test_vllm_trains_exports_in_the_checkpoint_format_and_replays(checkpoint_of,
     capsys.readouterr()
     assert main(["replay", run, "--out", str(tmp_path / "replay")]) == 0  # torch, from the base
     assert "bit-identical" in (err := capsys.readouterr().err) and ": yes" in err, err
-    from vllm import SamplingParams
-
-    from espert.vllm import make_llm
-    from espert.vllm.driver.evaluator import shutdown_llm
-
-    llm = make_llm(os.path.join(run, "export"), max_model_len=64, multiprocess=False)
-    try:
-        out = llm.generate([[1, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 3
-    finally:
-        shutdown_llm(llm)
+    _vllm_generates(os.path.join(run, "export"))
 
 
 @pytest.mark.parametrize("scheme", ["W8A8"] + W4[:1] + (W4[1:] if SLOW else []))
@@ -293,17 +297,7 @@ def test_gptq_and_awq_train_to_one_center_in_both_evaluators_and_export_in_their
     assert "bit-identical" in (err := capsys.readouterr().err) and ": yes" in err, err
     tokens = compressed.generate_with_transformers(os.path.join(run_vllm, "export"))
     assert tokens[:3] == [1, 4, 5] and len(tokens) == 6
-    from vllm import SamplingParams
-
-    from espert.vllm import make_llm
-    from espert.vllm.driver.evaluator import shutdown_llm
-
-    llm = make_llm(os.path.join(run_vllm, "export"), max_model_len=64, multiprocess=False)
-    try:
-        out = llm.generate([[1, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 3
-    finally:
-        shutdown_llm(llm)
+    _vllm_generates(os.path.join(run_vllm, "export"))
 
 
 @gptqmodel
