@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -129,27 +130,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=Version, help="print espert's version and commit, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add_command in (_env_parser, _train_parser, _replay_parser, _repair_parser, _tiny_parser):
-        add_command(sub)
-    try:
-        from espert.eval.cli import add_analyze_parser, add_eval_parser
-    except ImportError:  # the evaluation package is optional at this layer
-        pass
-    else:
-        add_eval_parser(sub)
-        add_analyze_parser(sub)
-        from espert.eval.forgetting import add_forgetting_parser
-
-        add_forgetting_parser(sub)
-        from espert.eval.calibrate import add_calibrate_parser
-
-        add_calibrate_parser(sub)
-        from espert.experiments.compare import add_compare_parser
-        from espert.experiments.sweep import add_sweep_parser
-
-        add_compare_parser(sub)
-        add_sweep_parser(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0], _add_config_flags)
+    for name, where in COMMANDS:
+        module, _, function = where.rpartition(":")
+        add_command = getattr(importlib.import_module(module), function) if module else globals()[function]
+        if name == "sweep":  # it runs train's own config parsing over each grid point
+            add_command(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0], _add_config_flags)
+        else:
+            add_command(sub)
     return parser
+
+
+#: Every sub-command of ``espert``, in the order ``espert --help`` lists them, and the function that adds its
+#: parser to the sub-parsers (sets ``func``): the one place the CLI is built.  ``python -m espert.eval`` and
+#: ``python -m espert.experiments.compare`` run these same parsers (their ``__main__`` calls :func:`main`).
+COMMANDS = (
+    ("env", "_env_parser"),
+    ("train", "_train_parser"),
+    ("replay", "_replay_parser"),
+    ("repair", "_repair_parser"),
+    ("tiny", "_tiny_parser"),
+    ("eval", "espert.eval.cli:add_eval_parser"),
+    ("analyze", "espert.eval.cli:add_analyze_parser"),
+    ("forgetting", "espert.eval.forgetting:add_forgetting_parser"),
+    ("calibrate", "espert.eval.calibrate:add_calibrate_parser"),
+    ("compare", "espert.experiments.compare:add_compare_parser"),
+    ("sweep", "espert.experiments.sweep:add_sweep_parser"),
+)
 
 
 def _env_parser(sub) -> None:

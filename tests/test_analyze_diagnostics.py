@@ -18,6 +18,7 @@ from tiny_model import build_tiny_model  # noqa: E402
 
 import espert.eval.analyze as an  # noqa: E402
 import espert.eval.diagnose as run_diag  # noqa: E402
+from espert.cli import main  # noqa: E402
 
 
 def _pairs(xp, xm):
@@ -170,7 +171,7 @@ def test_drift_warns_when_a_bf16_checkpoint_is_compared_to_an_fp32_base(tmp_path
     res = an.compute_drift(base, ckpt)
     assert len(res["warnings"]) == 1 and "BF16 rounding counts as change" in res["warnings"][0]
     assert an.compute_drift(base, base)["warnings"] == []
-    assert an.main(["--base", base, "--ckpt", ckpt]) == 0
+    assert main(["analyze", "--base", base, "--ckpt", ckpt]) == 0
     assert "warning" in capsys.readouterr().err
 
 
@@ -226,11 +227,11 @@ def test_analyze_run_on_a_logged_run(tmp_path, capsys):
     assert [r["iteration"] for r in res["rows"]] == [1, 2, 3, 4, 5]
     assert all(r["corr_pm"] == pytest.approx(-1.0) for r in res["rows"])
     assert res["rows"][-1]["flops_total"] == 5e6
-    assert an.main(["run", str(d), "--plot-dir", str(tmp_path / "p")]) == 0
+    assert main(["analyze", "run", str(d), "--plot-dir", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
     assert "Corr(X+,X-) -1.000" in out and "5.000e+06" in out
     assert os.path.getsize(tmp_path / "p" / "estimator.png") > 0
-    assert an.main(["run", str(tmp_path / "nope")]) == 2
+    assert main(["analyze", "run", str(tmp_path / "nope")]) == 2
     assert "no run log" in capsys.readouterr().err
     assert "answer JS n/a bits" in out  # a log written before answer diversity was logged
     # a run resumed by a version that logs answer diversity: iterations 3-5 have it
@@ -242,7 +243,7 @@ def test_analyze_run_on_a_logged_run(tmp_path, capsys):
             f.write(json.dumps(r) + "\n")
     res = run_diag.run_diagnostics(str(d))
     assert [r["answer_js"] for r in res["rows"]] == [None, None, pytest.approx(0.3), pytest.approx(0.4), 0.5]
-    assert an.main(["run", str(d), "--plot-dir", str(tmp_path / "p2")]) == 0
+    assert main(["analyze", "run", str(d), "--plot-dir", str(tmp_path / "p2")]) == 0
     out = capsys.readouterr().out
     assert "first half: " in out and "answer JS n/a bits" in out and "answer JS 0.400 bits" in out
     assert os.path.getsize(tmp_path / "p2" / "estimator.png") > 0

@@ -125,7 +125,7 @@ def test_vllm_sampler_clear_error_without_vllm():
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
-    from espert.eval.cli import main
+    from espert.cli import main
 
     assert (
         main(["eval", "--task", "copy", "--models", f"m={tmp_path / 'missing_model'}", "--out", str(tmp_path / "o")])
@@ -216,7 +216,7 @@ def test_main_job_cli_closes_with_the_base_vs_es_report(tmp_path, capsys):
 def test_eval_takes_the_tasks_train_takes(tiny_models, tmp_path, monkeypatch):
     """espert eval resolves --task like espert train (espert.tasks.load_spec_task): an import path to a
     loader, and a reward function with its problems from --data (before: "unknown task 'mymod:load'")."""
-    from espert.eval.cli import main
+    from espert.cli import main
 
     base, _ = tiny_models
     (tmp_path / "mytask.py").write_text(
@@ -246,7 +246,7 @@ def test_eval_takes_the_tasks_train_takes(tiny_models, tmp_path, monkeypatch):
 def test_eval_shows_sampling_progress(tiny_models, tmp_path, capsys, monkeypatch):
     """espert eval printed nothing while sampling (minutes on a real model): on a terminal (ESPERT_PROGRESS=1
     stands for one) a bar counts the problems; a log gets none (espert/progress.py)."""
-    from espert.eval.cli import main
+    from espert.cli import main
 
     base, _ = tiny_models
     args = ["eval", "--task", "copy", "--limit", "5", "--models", f"m={base}", "-n", "2", "--max-tokens", "3"]

@@ -1,7 +1,11 @@
-"""``python -m espert.eval [eval|analyze] ...``"""
+"""``python -m espert.eval [eval|analyze] ...``: ``espert eval`` (implied when no sub-command is given) and
+``espert analyze``, through espert's one CLI (:data:`espert.cli.COMMANDS`)."""
 
 import sys
 
-from .cli import main
+from espert.cli import main
 
-sys.exit(main())
+argv = sys.argv[1:]
+if not argv or argv[0] not in ("eval", "analyze", "-h", "--help"):
+    argv = ["eval", *argv]
+sys.exit(main(argv, owns_process=True))

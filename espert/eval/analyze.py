@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Sequence
 
 from espert.extras import require
 
-from .diagnose import add_subcommands, check_outputs, write_json
+from .diagnose import check_outputs, write_json
 
 #: (group, regex) checked in order against the parameter name; the first match wins.
 GROUP_PATTERNS: list[tuple[str, re.Pattern]] = [
@@ -556,17 +556,3 @@ def run_analyze(args: argparse.Namespace) -> int:
         print(f"espert analyze: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m espert.eval.analyze`` entry point."""
-    p = argparse.ArgumentParser(prog="python -m espert.eval.analyze", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    add_subcommands(p)
-    p.set_defaults(func=run_analyze)
-    args = p.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,8 @@
 """argparse front ends for ``espert eval`` and ``espert analyze``.
 
-``espert/cli.py`` wires them in with::
-
-    from espert.eval.cli import add_eval_parser, add_analyze_parser
-    add_eval_parser(subparsers)      # -> "espert eval",    args.func(args) -> exit code
-    add_analyze_parser(subparsers)   # -> "espert analyze", args.func(args) -> exit code
-
-``python -m espert.eval {eval,analyze} ...`` works on its own as well.
+``espert/cli.py`` (its ``COMMANDS``) adds them to ``espert``'s sub-commands: ``add_eval_parser(subparsers)``
+-> ``espert eval``, ``add_analyze_parser(subparsers)`` -> ``espert analyze``; ``args.func(args)`` -> exit code.
+``python -m espert.eval {eval,analyze} ...`` runs the same parsers (``espert/eval/__main__.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ import json
 import math
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 from espert.config import Renamed, smoke_caps, smoke_line
 
@@ -397,7 +393,8 @@ def analyze_shorthand(argv: Sequence[str]) -> list[str]:
 
 def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``analyze`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
-    from .analyze import add_arguments, add_subcommands, run_analyze
+    from .analyze import add_arguments, run_analyze
+    from .diagnose import add_subcommands
 
     p = subparsers.add_parser(
         "analyze",
@@ -415,21 +412,3 @@ def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     add_subcommands(p)
     p.set_defaults(func=run_analyze)
     return p
-
-
-def build_parser(prog: str = "python -m espert.eval") -> argparse.ArgumentParser:
-    """A stand-alone parser with the ``eval`` and ``analyze`` sub-commands."""
-    parser = argparse.ArgumentParser(prog=prog, description="espert evaluation and weight analysis")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_eval_parser(sub)
-    add_analyze_parser(sub)
-    return parser
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m espert.eval`` entry point. ``eval`` is implied if no sub-command is given."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("eval", "analyze", "-h", "--help"):
-        argv = ["eval"] + argv
-    args = build_parser().parse_args(analyze_shorthand(argv))
-    return int(args.func(args) or 0)

@@ -41,7 +41,6 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Optional, Sequence
 
 from espert.config import SMOKE_CAPS, smoke_caps, smoke_line
 from espert.experiments.compare.arms import Probe, es_config, run_es, run_grpo, run_randopt
@@ -311,9 +310,3 @@ def run_cli(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)  # a caller's process (tests, notebooks) keeps its thread count
     return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m espert.experiments.compare", description=__doc__.split("\n\n")[0])
-    _add_arguments(p)
-    return run_cli(p.parse_args(argv))

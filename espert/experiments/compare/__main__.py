@@ -1,7 +1,7 @@
-"""``python -m espert.experiments.compare``: the same command as ``espert compare``."""
+"""``python -m espert.experiments.compare``: ``espert compare``, through espert's one CLI."""
 
 import sys
 
-from espert.experiments.compare import main
+from espert.cli import main
 
-sys.exit(main())
+sys.exit(main(["compare", *sys.argv[1:]], owns_process=True))
