@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -130,9 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=Version, help="print espert's version and commit, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, where in COMMANDS:
-        module, _, function = where.rpartition(":")
-        add_command = getattr(importlib.import_module(module), function) if module else globals()[function]
+    for name, add_command in commands():
         if name == "sweep":  # it runs train's own config parsing over each grid point
             add_command(sub, lambda argv: config_from_args(build_parser().parse_args(argv))[0], _add_config_flags)
         else:
@@ -140,22 +137,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Every sub-command of ``espert``, in the order ``espert --help`` lists them, and the function that adds its
-#: parser to the sub-parsers (sets ``func``): the one place the CLI is built.  ``python -m espert.eval`` and
-#: ``python -m espert.experiments.compare`` run these same parsers (their ``__main__`` calls :func:`main`).
-COMMANDS = (
-    ("env", "_env_parser"),
-    ("train", "_train_parser"),
-    ("replay", "_replay_parser"),
-    ("repair", "_repair_parser"),
-    ("tiny", "_tiny_parser"),
-    ("eval", "espert.eval.cli:add_eval_parser"),
-    ("analyze", "espert.eval.cli:add_analyze_parser"),
-    ("forgetting", "espert.eval.forgetting:add_forgetting_parser"),
-    ("calibrate", "espert.eval.calibrate:add_calibrate_parser"),
-    ("compare", "espert.experiments.compare:add_compare_parser"),
-    ("sweep", "espert.experiments.sweep:add_sweep_parser"),
-)
+def commands() -> tuple:
+    """Every sub-command of ``espert``, in the order ``espert --help`` lists them, with the function that adds its
+    parser to the sub-parsers (and sets ``func``): the one place the CLI is built (``espert`` and ``python -m
+    espert`` are its only entry points).  The evaluation and experiment commands are imported when a parser is
+    built, not when espert is."""
+    from espert.eval.calibrate import add_calibrate_parser
+    from espert.eval.cli import add_analyze_parser, add_eval_parser
+    from espert.eval.forgetting import add_forgetting_parser
+    from espert.experiments.compare import add_compare_parser
+    from espert.experiments.sweep import add_sweep_parser
+
+    return (
+        ("env", _env_parser),
+        ("train", _train_parser),
+        ("replay", _replay_parser),
+        ("repair", _repair_parser),
+        ("tiny", _tiny_parser),
+        ("eval", add_eval_parser),
+        ("analyze", add_analyze_parser),
+        ("forgetting", add_forgetting_parser),
+        ("calibrate", add_calibrate_parser),
+        ("compare", add_compare_parser),
+        ("sweep", add_sweep_parser),
+    )
 
 
 def _env_parser(sub) -> None:

@@ -1,4 +1,4 @@
-"""End-to-end tests of ``python -m espert.eval`` on a tiny, locally built random model."""
+"""End-to-end tests of ``python -m espert eval`` on a tiny, locally built random model."""
 
 import argparse
 import json
@@ -24,7 +24,7 @@ def tiny_models(tmp_path_factory):
 def run_cli(*args, timeout=300):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
-        [sys.executable, "-m", "espert.eval", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "espert", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -79,6 +79,7 @@ def test_eval_end_to_end_and_rescore(tiny_models, tmp_path):
     # re-scoring the saved samples (no model, no generation) reproduces the report exactly
     out2 = tmp_path / "rescored"
     res2 = run_cli(
+        "eval",
         "--samples",
         str(out / "samples_base.jsonl"),
         str(out / "samples_tuned.jsonl"),

@@ -1,8 +1,8 @@
 """argparse front ends for ``espert eval`` and ``espert analyze``.
 
-``espert/cli.py`` (its ``COMMANDS``) adds them to ``espert``'s sub-commands: ``add_eval_parser(subparsers)``
+``espert/cli.py`` (its ``commands()``) adds them to ``espert``'s sub-commands: ``add_eval_parser(subparsers)``
 -> ``espert eval``, ``add_analyze_parser(subparsers)`` -> ``espert analyze``; ``args.func(args)`` -> exit code.
-``python -m espert.eval {eval,analyze} ...`` runs the same parsers (``espert/eval/__main__.py``).
+``python -m espert eval ...`` is the same command.
 """
 
 from __future__ import annotations

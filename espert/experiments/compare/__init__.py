@@ -3,7 +3,7 @@
     espert compare --out runs/compare           # full run (8 minutes on a loaded 2-core machine)
     espert compare --out runs/compare --fast    # the CI variant (about a minute)
 
-(``python -m espert.experiments.compare`` is the same command.)
+(``python -m espert compare`` is the same command.)
 
 One base model (by default the tiny model pretrained locally, :func:`espert.tiny.build_tiny_model`;
 ``--model`` takes any model ``espert train`` takes, e.g. ``smollm2-135m-instruct``), one task (by
