@@ -147,13 +147,11 @@ def format_environment(facts: dict) -> str:
 
 
 def _extras_lines(extras: dict) -> list[str]:
-    """One line per extra, package by package (a run's config.yaml of an older espert holds one bool per extra)."""
+    """One line per extra, package by package (``describe()["extras"]``: ``{extra: {module: installed}}``)."""
     lines = ["extras:"]
     incomplete = []
     for extra in sorted(extras):
         modules = extras[extra]
-        if isinstance(modules, bool):  # recorded by an older espert: the extra as a whole
-            modules = {m: modules for m, (e, _) in EXTRAS.items() if e == extra}
         parts = [
             f"{EXTRAS[m][1]} {version(EXTRAS[m][1]) or 'yes'}" if ok else f"{EXTRAS[m][1]} missing"
             for m, ok in modules.items()
