@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from espert.update import AnchorStep, Update
 from espert.vllm.driver.chunks import HANG, UNOBSERVED, Clock, ReplicaDivergence, Round
 from espert.vllm.driver.membership import REPLAY_BATCH_SEEDS, UpdateLog, choose_route
 
@@ -86,14 +87,16 @@ def test_update_log_keeps_16_bytes_per_seed_and_batches_replays():
     assert log.position == (0, 0)
     big = REPLAY_BATCH_SEEDS // 2 + 1
     for k in range(3):
-        log.append(range(k, k + big), [0.5] * big, 1.0, None)
+        log.append(Update(range(k, k + big), [0.5] * big, 1.0, None))
     assert log.nbytes() == 3 * big * 16
     assert [len(log.batch(s)) for s in (0, 1, 2)] == [1, 1, 1]  # two would exceed the batch
-    assert log.batch(0)[0][0].dtype == np.uint64 and log.batch(0)[0][1].dtype == np.float64
-    log.append([2**64 - 1], [1e-300], 0.5, 0.1, {"norm": "l2", "amount": 0.01})  # an AWD step rides along
-    seeds, coeffs, decay, lr, anchor = log.batch(3)[0]
-    assert seeds.tolist() == [2**64 - 1] and coeffs.tolist() == [1e-300] and (decay, lr) == (0.5, 0.1)
-    assert anchor == {"norm": "l2", "amount": 0.01} and log.batch(0)[0][4] is None
+    assert log.batch(0)[0].seeds.dtype == np.uint64 and log.batch(0)[0].coeffs.dtype == np.float64
+    log.append(Update([2**64 - 1], [1e-300], 0.5, 0.1, {"norm": "l2", "amount": 0.01}))  # an AWD step rides along
+    step = log.batch(3)[0]
+    assert (
+        step.seeds.tolist() == [2**64 - 1] and step.coeffs.tolist() == [1e-300] and (step.decay, step.lr) == (0.5, 0.1)
+    )
+    assert step.anchor == AnchorStep("l2", 0.01) and log.batch(0)[0].anchor is None
     log.remember(log.position, [{"hash": "h"}])
     log.rebase("state")
     assert log.position == (1, 0) and log.base == "state" and log.reference((0, 4)) == [{"hash": "h"}]
