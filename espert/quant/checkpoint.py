@@ -135,14 +135,9 @@ def logical_shapes(shapes: dict[str, tuple[int, ...]], fmt: str | None = None) -
     return out
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int4 codes [..., K] (integers in [0, 15], any dtype) -> int32 words [..., K/8], compressed-tensors' order."""
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 8)
-    return (c << SHIFTS).sum(dim=-1, dtype=torch.int32)
-
-
 def unpack_int4(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., K/8] -> int4 codes [..., K] (int32 in [0, 15]); the inverse of :func:`pack_int4`."""
+    """int32 words [..., K/8] -> int4 codes [..., K] (int32 in [0, 15]), nibble i of a word the i-th code along the
+    last axis (compressed-tensors' order, and vLLM-CPU's zero points)."""
     return ((words.unsqueeze(-1) >> SHIFTS) & 0xF).reshape(*words.shape[:-1], -1)
 
 

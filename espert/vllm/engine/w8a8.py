@@ -129,8 +129,7 @@ def w8a8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def has_w8a8(model: torch.nn.Module) -> bool:
-    """The model has quantized layers espert edits as codes: W8A8 int8 or W4A16 int4 (compressed-tensors)."""
-
+    """The model has quantized layers espert edits as codes: W8A8 int8 or int4 (compressed-tensors W4A16, GPTQ, AWQ)."""
     return bool(w8a8_layers(model)) or any(is_w4a16(m) for m in model.modules())
 
 
@@ -141,7 +140,6 @@ INT4_KERNELS = {"CPUWNA16LinearKernel": ("cpu_w4a16", 16), "MarlinLinearKernel":
 
 def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
     """Why espert cannot edit this int4 layer's runtime layout in place (None: it can)."""
-
     kernel = wna16_kernel(m)
     name, c = type(kernel).__name__, kernel.config
     if name not in INT4_KERNELS:
@@ -179,7 +177,6 @@ def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int, stored: torch
     block of CPUWNA16's ``[N/16, 2K]``, a column slice of Marlin's ``[K/16, 2N]``), with the checkpoint's scales of
     the piece (``stored``: :func:`_piece_scales`, in the layout's column order) or else a copy of those columns of
     the live ``[K/g, N]`` scales (never written), and unpacked zero points (None: symmetric, z = 8)."""
-
     kernel = wna16_kernel(m)
     fmt = INT4_KERNELS[type(kernel).__name__][0]
     codes, scales = getattr(m, kernel.w_q_name).data, getattr(m, kernel.w_s_name).data
