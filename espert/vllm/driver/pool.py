@@ -4,45 +4,17 @@ and leave while a run goes on.
     pool = EnginePool(model_path, task.score, engines=4, llm_kwargs=dict(tensor_parallel_size=1))
     rewards = pool.evaluate(members, sigma, prompts, answers)   # members spread over the engines
     pool.update(Update(seeds, coeffs, decay))                   # every engine applies it itself
-    pool.add_engines(2); pool.remove_engines(1)                 # between iterations
 
-What travels per iteration (never weights):
-
-    driver -> engine   members (seed: uint64, sign: ±1), σ, the prompts/answers (once per engine)
-    engine -> driver   one float64 reward per member (+ the task's extracted answer per member per
-                       prompt, short strings, when the pool is given the task's ``extract``)
-    driver -> engine   the update: seeds (8 B each), coefficients (float64 -> float32), decay
-    engine -> driver   a checksum per TP rank (two exact int64 bit sums, a 16-byte hash, two float64 sums)
-
+Only members, σ, prompts, rewards, updates (seeds and coefficients) and checksums travel, never weights.
 Every engine applies the same update to its own float32 host master through espert's CPU op, whose
-arithmetic is fixed (docs/noise.md), so all replicas hold bit-identical centers.  The checksums
-returned by ``update`` are compared every iteration; any difference raises :class:`ReplicaDivergence`
-(stop loudly: a silent fork would train N different models).
-
-Members are handed out in chunks from a queue, so a fast engine takes more.  A member's reward
-depends only on (center, member, σ, prompts), not on which engine scores it, so rewards are identical
-with 1 or N engines, and whatever happens to the engines in between:
-
-- **death** (``ActorDiedError``, or ``OutOfMemoryError`` from Ray's OOM killer: the process or its node
-  is gone): the engine's chunk goes back on the queue and a live engine scores it; a new actor replaces
-  the engine (anywhere in the cluster with room) and joins once it holds the live engines' center
-  (:mod:`espert.vllm.driver.membership`: replayed from the update log or streamed from a live engine,
-  whichever is estimated cheaper, and checked against the live engines' checksum at the same point of
-  the log);
-- **stragglers and hangs**: every chunk and call has a deadline derived from the observed times with a
-  floor (:mod:`espert.vllm.driver.chunks`); a late chunk is also given to an idle engine, the first
-  answer wins and the late one must agree; an engine past twice its deadline is hung: killed and replaced;
-- **unreachable** (``ActorUnavailableError``: an RPC failed, the task may or may not have run): a chunk
-  is re-queued; an update is settled by the engine's checksum (applied, or sent again, or the replicas
-  differ and the pool stops); three in a row and the engine is replaced;
-- **elastic size**: :meth:`EnginePool.add_engines` / :meth:`EnginePool.remove_engines` between
-  iterations, or a file holding the number of engines (``engines_file``), read before each iteration.
-
-Nothing assumes one machine.  Start Ray on a cluster (``ray start --head`` / ``ray start
---address=...``; ``RAY_ADDRESS`` for the driver), pass ``num_gpus_per_engine`` (e.g. the TP size) and
-Ray places one actor per GPU group, spread over the nodes; only the bytes above cross the network.
-``load_center`` (resume) sends weights once; checkpoints stream the center out of one engine in
-bounded chunks (``center_stream``); a streamed catch-up sends one center, engine to engine.
+arithmetic is fixed, so all replicas hold bit-identical centers; the checksums are compared every
+iteration and any difference raises :class:`ReplicaDivergence` (a silent fork would train N models).
+Members go out in chunks from a queue; a member's reward depends only on (center, member, σ, prompts),
+so rewards are identical with 1 or N engines whatever happens to them: a dead engine's chunk is
+re-queued and the engine replaced (:mod:`espert.vllm.driver.membership`), a late chunk is also given to
+an idle engine and an engine past twice its deadline is hung (:mod:`espert.vllm.driver.chunks`), an
+unreachable one is tried three times.  Faults, elastic size and multi-node use: docs/vllm.md, "A
+population over engines".
 """
 
 from __future__ import annotations
@@ -120,10 +92,6 @@ class PoolOptions:
             raise ValueError(f"stream_bytes_per_s must be > 0, got {self.stream_bytes_per_s}")
 
 
-def _nbytes(obj) -> int:
-    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
 class Completions:
     """Calls in flight, reported in the order they finish: one callback per ObjectRef, O(1) per answer, where
     ``ray.wait`` over every call in flight costs O(calls) at each answer (measured: 0.08 ms for 1,000 refs,
@@ -150,16 +118,13 @@ class EnginePool(JoiningEngines, Evaluator):
     """The Evaluator interface over engines in Ray actors (see the module docstring).
 
     model: model directory or Hub id.  score: the task's batched reward (picklable).  llm_kwargs: passed
-    to :func:`espert.vllm.make_llm` in each actor.  The keywords of :class:`PoolOptions` set how the pool
-    runs (engines, deadlines, replacement, ...); the other keyword arguments go to
-    :class:`espert.vllm.VLLMEvaluator`.  :meth:`of` builds a pool over any engine.
+    to :func:`espert.vllm.make_llm` in each actor.  :class:`PoolOptions`' keywords set how the pool runs;
+    the others go to :class:`espert.vllm.VLLMEvaluator`.  :meth:`of` builds a pool over any engine.
 
-    State a caller may read: ``alive`` (engine ids in service), ``joining`` (ids starting or catching
-    up), ``dead`` (lost: died, hung, unreachable), ``removed``, ``nodes`` (id -> Ray node id),
-    ``events`` (every membership change, with its time and, for a join, its route, estimate and the
-    seconds since the fault), ``traffic`` (pickled bytes of the last iteration's messages, by kind),
-    ``weights_bytes`` (one broadcast of the float32 center), ``log`` (the update log a new engine
-    replays), ``last_round`` (the last evaluate's chunks, duplicates and agreeing late answers).
+    State a caller may read: ``alive``, ``joining``, ``dead`` (died, hung, unreachable) and ``removed``
+    engine ids, ``nodes`` (id -> Ray node id), ``events`` (every membership change), ``traffic``
+    (pickled bytes of the last iteration's messages, by kind), ``weights_bytes`` (one float32 center),
+    ``log`` (the update log a new engine replays), ``last_round`` (chunks, duplicates, agreeing answers).
     """
 
     def __init__(self, model: str, score: Callable, *, llm_kwargs: dict | None = None, **kwargs):
@@ -337,21 +302,16 @@ class EnginePool(JoiningEngines, Evaluator):
         elif want < have:
             self.remove_engines(have - want)
 
-    # -- joining -----------------------------------------------------------------------------------
     # -- the Evaluator interface -------------------------------------------------------------------
     def _count(self, key: str, obj) -> None:
         if self.options.count_traffic:
-            self.traffic[key] = self.traffic.get(key, 0) + _nbytes(obj)
-
-    def _between_iterations(self) -> None:
-        """Admit the engines that caught up, and follow the engines file."""
-        self._poll_joins()
-        self._apply_engines_file()
+            self.traffic[key] = self.traffic.get(key, 0) + len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     def evaluate(
         self, members: Sequence[Member], sigma: float, prompts: Sequence[str], answers: Sequence[str]
     ) -> list[float]:
-        self._between_iterations()
+        self._poll_joins()  # admit the engines that caught up, and follow the engines file
+        self._apply_engines_file()
         members = [(int(s), int(g)) for s, g in members]
         self.traffic = {}
         n_engines = max(1, len(self.alive))

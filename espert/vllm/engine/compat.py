@@ -1,42 +1,14 @@
-"""A drop-in for ES-at-Scale's vLLM worker extension, with espert underneath.
-
-ES-at-Scale (github.com/VsonicV/es-at-scale) drives each vLLM engine through a worker extension
-whose methods its trainer calls with ``collective_rpc``.  Change one string::
+"""A drop-in for ES-at-Scale's vLLM worker extension (github.com/VsonicV/es-at-scale), with espert underneath.
+Change one string in their trainer::
 
     worker_extension_cls="espert.vllm.compat.ESAtScaleWorkerExtension"
 
-and the trainer runs unchanged.  Same method names, arguments and meaning; underneath:
-
-- noise keyed by (seed, logical parameter name, logical element): every tensor draws its own ε.
-  ES-at-Scale seeds one generator per parameter with the same seed, so equally shaped tensors of
-  different layers get identical noise (their issue #46);
-- restore is exact (a copy of the float32 host center), whatever the seed and σ it is given;
-- the center is a float32 master in host memory; updates are applied to it with espert's fused
-  kernel (one pass over the weights for all seeds) and then restored into the live weights;
-- ``broadcast_all_weights`` reaches the same weights on every engine exactly, by sending the
-  update (seeds and coefficients, a few bytes) and each engine's checksum instead of the weights;
-  an engine that still differs afterwards receives engine ``src``'s whole center.
-
-Where the meaning differs (docs/vllm.md lists these):
-
-- ``restore_self_weights(seed, sigma)`` ignores its arguments (the restore is exact);
-- ``perturb_self_weights`` perturbs from the center.  Their weights are additive, so a
-  perturbation that no restore undid stays: when another perturb, an update, a broadcast or a save
-  comes first, espert makes it part of the float32 center as a one-seed update.  Their older
-  scripts' update (N stacked ``perturb_self_weights(seed_i, α/N·z_i, False)`` on engine 0, then
-  ``broadcast_all_weights``) is thus N one-seed updates, exactly and on every engine;
-- ``update_weights_from_seeds`` applies the step (α/N)·Σ cᵢ·εᵢ with the coefficient α/N·cᵢ rounded
-  once to float32 per seed (ES-at-Scale accumulates Σ cᵢ·εᵢ, then multiplies by α/N); the noise
-  itself is espert's, not ``torch.randn`` with a per-tensor generator, so numbers differ from
-  ES-at-Scale's for the same seeds by design;
-- ``save_self_weights_to_disk(path)`` writes their format at ``path`` (the engine's parameter names
-  and dtype, which their ``load_weights_from_disk`` and eval read) and the float32 master beside it
-  (:func:`master_path`), from which ``load_weights_from_disk(path)`` resumes exactly.  Loading
-  never unpickles arbitrary objects (``weights_only=True``); a ``.pth`` written by ES-at-Scale
-  itself loads too, at tensor parallel size 1;
-- ``init_inter_engine_group`` builds a TCP-store group (``StatelessProcessGroup``), not NCCL, so it
-  works on CPU engines too; only metadata, seeds and checksums cross it (and a whole center only
-  for an engine that diverged).
+Same method names, arguments and meaning over espert's center: noise keyed by (seed, logical name, logical
+element), so equally shaped tensors no longer share noise (their issue #46); exact restore; a float32 host
+master updated by the fused kernel; ``broadcast_all_weights`` sends seeds, coefficients and checksums, not
+weights.  Where the meaning differs (restore ignores its arguments, an outstanding perturbation becomes a
+one-seed update, the noise is espert's, the checkpoint files, a TCP-store group): docs/vllm.md, "Drop-in
+for ES-at-Scale".
 """
 
 from __future__ import annotations

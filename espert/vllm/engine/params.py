@@ -1,39 +1,17 @@
 """vLLM's runtime layout -> ParamViews with logical (checkpoint) names and Blocks.
 
-vLLM fuses checkpoint parameters (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``,
-``gate_proj``/``up_proj`` -> ``gate_up_proj``; the model's ``packed_modules_mapping``) and
-shards them under tensor parallelism.  The noise key comes from the logical name and the noise
-index from the logical element index (docs/noise.md), so we describe every live tensor as a
-list of :class:`Piece` s: a row range of the local tensor that is a block of one logical
-parameter.  Then transformers, vLLM TP=1 and vLLM TP=k all draw the same ε for the same
-logical element, and k/v heads replicated over ranks (tp > kv heads) draw identical noise.
+vLLM fuses checkpoint parameters (the model's ``packed_modules_mapping``: ``qkv_proj``, ``gate_up_proj``,
+a mixture of experts' ``w13_weight``) and shards them under tensor parallelism.  The noise key comes from
+the logical name and the noise index from the logical element (docs/noise.md), so every live tensor is
+described as :class:`Piece` s, row ranges of the local tensor that are a block of one logical parameter:
+transformers, vLLM TP=1 and TP=k then draw the same ε for the same logical element.  The layout of each
+vLLM layer (vllm 0.32 ``layers/linear.py``, ``vocab_parallel_embedding.py``, ``RoutedExperts``): the table
+in docs/vllm.md, "Logical noise for vLLM's layouts".
 
-The layout rules (vllm 0.32 ``layers/linear.py`` and ``vocab_parallel_embedding.py``)::
-
-    ColumnParallelLinear         local rows [0, n/tp)            -> logical rows tp_rank·n/tp + j
-    MergedColumnParallelLinear   shard i: local rows Σ_{<i} p    -> logical rows of output i from tp_rank·p_i
-    QKVParallelLinear            q: rows from tp_rank·heads·hd
-                                 k, v: rows from (tp_rank // kv_replicas)·kv_heads·hd
-    RowParallelLinear            weight: local columns [0, K/tp) -> logical columns tp_rank·K/tp + j
-                                 bias: whole (kept on every rank, added on rank 0)
-    ReplicatedLinear, norms      whole
-    VocabParallelEmbedding,      local rows [0, org_end - org_start) -> logical rows org_start + j;
-    ParallelLMHead               padding rows (to a multiple of 64, and per rank) are not parameters
-    tied lm_head                 the same Parameter as embed_tokens: one logical param, as in the checkpoint
-
-    RoutedExperts w13_weight     expert e, rows [0, I/tp) -> experts.{e}.gate_proj (w1) rows from tp_rank·I/tp,
-      [E, 2·I/tp, H]             rows [I/tp, 2·I/tp) -> experts.{e}.up_proj (w3); e is the expert's global id
-    RoutedExperts w2_weight      expert e -> experts.{e}.down_proj (w2) columns from tp_rank·I/tp
-      [E, H, I/tp]               (the checkpoint names come from vLLM's own expert mapping of the model)
-    ReplicatedLinear subclasses  whole (a MoE router, GateLinear)
-
-Anything else that holds a parameter we cannot map (a quantization method other than the
-unquantized one, an unknown fused linear subclass, other expert layers, added LoRA vocabulary, a
-prepacked (empty) weight) raises :class:`LayoutError` naming the parameter.  Nothing is
-silently skipped.
-
-The pure layout functions (:func:`linear_pieces`, :func:`vocab_pieces`) take plain numbers, so
-the TP>1 layouts are unit-tested with shards built by hand (tests/test_vllm_params.py).
+A parameter that cannot be mapped (another quantization method, an unknown fused linear, other expert
+layers, added LoRA vocabulary, a prepacked (empty) weight) raises :class:`LayoutError` naming it; nothing
+is silently skipped.  :func:`linear_pieces` and :func:`vocab_pieces` take plain numbers, so the TP>1
+layouts are unit-tested with shards built by hand (tests/test_vllm_params.py).
 """
 
 from __future__ import annotations
@@ -57,12 +35,9 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    """Local rows ``[start, stop)`` of a live tensor (1-D: elements) = a block of logical parameter ``name``.
-
-    For a 2-D tensor the block is rows ``[start, stop)`` × all local columns, at ``block`` in the
-    logical ``[R, C]`` matrix.  For a 1-D tensor (a bias, a norm weight) ``[start, stop)`` are
-    elements, and the block is one row at column offset ``block.col_offset`` of ``[1, C]``.
-    """
+    """Local rows ``[start, stop)`` of a live tensor = a block of logical parameter ``name``: × all local
+    columns at ``block`` in the logical ``[R, C]`` matrix; of a 1-D tensor (a bias, a norm weight), elements
+    forming one row at column offset ``block.col_offset`` of ``[1, C]``."""
 
     name: str
     start: int
@@ -116,10 +91,9 @@ def linear_pieces(
 ) -> list[Piece]:
     """Pieces of one parameter (weight ``[N, K]`` or bias ``[N]``) of a vLLM linear layer.
 
-    kind: ``"replicated" | "column" | "merged" | "qkv" | "row"``.  vllm_name: the live
-    parameter's name (``...qkv_proj.weight``).  logical_names: checkpoint names of the fused
-    outputs, in order (``[q, k, v]`` or ``[gate, up]``), for ``merged``/``qkv``; else ``[vllm_name]``.
-    layer: the layer attributes of :class:`LinearLayout` (``tp_rank=``, ``tp_size=``, ``output_sizes=`` ...).
+    kind: ``"replicated" | "column" | "merged" | "qkv" | "row"``.  vllm_name: the live parameter's name.
+    logical_names: checkpoint names of the fused outputs, in order (``[q, k, v]`` or ``[gate, up]``), for
+    ``merged``/``qkv``.  layer: the attributes of :class:`LinearLayout` (``tp_rank=``, ``tp_size=`` ...).
     """
     is_bias = len(local_shape) == 1
     t = _Local(vllm_name, int(local_shape[0]), 1 if is_bias else int(local_shape[1]), is_bias)
@@ -207,15 +181,13 @@ def expert_pieces(
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> list[Piece]:
-    """Pieces of a fused expert weight of vLLM's ``RoutedExperts``, over its rows ``[E·R, C]`` (the 3-D
-    tensor seen as 2-D).
+    """Pieces of a fused expert weight of vLLM's ``RoutedExperts``, over its rows ``[E·R, C]`` (3-D seen as 2-D).
 
-    ``w13_weight [E, 2·I/tp, H]``: expert e's rows ``[0, I/tp)`` are a row block of its ``w1`` (gate) checkpoint
-    tensor ``[I, H]`` from row ``tp_rank·I/tp``, rows ``[I/tp, 2·I/tp)`` of its ``w3`` (up); a non-gated MoE's
-    ``w13`` holds ``w1`` alone.  ``w2_weight [E, H, I/tp]``: a column block of ``w2`` (down) ``[H, I]`` from column
-    ``tp_rank·I/tp``.  names: ``{(global expert id, "w1" | "w2" | "w3"): checkpoint name}`` (vLLM's expert
-    mapping); local_experts: the global id of each local expert (expert parallelism places them);
-    intermediate: ``I``, the checkpoint's intermediate size.
+    ``w13_weight [E, 2·I/tp, H]``: expert e's rows ``[0, I/tp)`` are a row block of its ``w1`` (gate) ``[I, H]``
+    from row ``tp_rank·I/tp``, the next ``I/tp`` of its ``w3`` (up); a non-gated MoE's holds ``w1`` alone.
+    ``w2_weight [E, H, I/tp]``: a column block of ``w2`` (down) ``[H, I]`` from column ``tp_rank·I/tp``.
+    names: ``{(global expert id, "w1" | "w2" | "w3"): checkpoint name}``; local_experts: the global id of each
+    local expert; intermediate: ``I``, the checkpoint's intermediate size.
     """
     e_local, rows, cols = (int(x) for x in local_shape)
     if len(local_experts) != e_local or intermediate % tp_size:
@@ -378,11 +350,9 @@ def vllm_param_views(
     """ParamViews of a loaded vLLM model (``worker.model_runner.model``), named by checkpoint names.
 
     include / exclude: patterns as in :func:`espert.params.torch_param_views`, matched against the
-    **logical** names (``*q_proj*`` selects the q block of ``qkv_proj``).  rename: optional map from
-    vLLM's unfused names to checkpoint names, for models whose names differ beyond packing.
-    Tied parameters (``lm_head`` tied to ``embed_tokens``) appear once, under their first name.
-    Raises :class:`LayoutError` naming the parameter for any layout it cannot map, and
-    ValueError when the filters select nothing.
+    **logical** names (``*q_proj*`` selects the q block of ``qkv_proj``).  rename: vLLM's unfused names ->
+    checkpoint names, where they differ beyond packing.  Tied parameters appear once, under their first
+    name.  Raises :class:`LayoutError` naming a parameter it cannot map, ValueError when nothing is selected.
     """
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     modules = dict(model.named_modules())
@@ -502,11 +472,8 @@ def checkpoint_files(model: str) -> list[str] | None:
 
 
 def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
-    """``{tensor name: shape}`` from the headers of a checkpoint's ``*.safetensors`` files (no tensor is read).
-
-    model: a local directory, or a Hub id already in the local cache.  None when no safetensors
-    checkpoint is found (then names cannot be checked).
-    """
+    """``{tensor name: shape}`` from the headers of the ``*.safetensors`` files of a local directory or a
+    cached Hub id (no tensor is read); None when there are none (then names cannot be checked)."""
     files = checkpoint_files(model)
     if files is None:
         return None

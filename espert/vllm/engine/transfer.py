@@ -1,40 +1,9 @@
-"""espert as a vLLM weight-transfer engine: ES steps cross vLLM's native RL weight-update API as seeds.
-
-vLLM (0.32 verified here) moves trainer weights into the engine through ``LLM.init_weight_transfer_engine``
-/ ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, served in every worker by an
-engine from ``WeightTransferEngineFactory``.  The built-in engines move tensors; this one moves commands
-of a few dozen bytes and applies them with espert's fused ops, in place, on the same
-:class:`~espert.center.CenterStore` as the worker extension (:mod:`espert.vllm.engine.worker`), which builds it.
-
-Engine (the worker extension is still needed: it installs the CPU patches before the model loads and
-registers this backend, ``"espert"``, in every worker process)::
-
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
-    llm = LLM(model=path, worker_extension_cls="espert.vllm.worker.ESWorkerExtension",
-              weight_transfer_config=WeightTransferConfig(backend="espert"), enable_prefix_caching=False)
-
-Trainer, with vLLM's calls only (the ``init_info`` keys are ``es_setup``'s keyword arguments)::
-
-    llm.init_weight_transfer_engine({"init_info": {"optimizer": "sgd"}})  # map the weights, host center
-    for it in range(iterations):
-        rewards = []
-        for seed in seeds:
-            llm.start_weight_update()
-            llm.update_weights({"update_info": {"op": "perturb", "seed": seed, "sigma": 0.01, "sign": 1}})
-            llm.finish_weight_update()
-            rewards.append(score(llm.generate(prompts, params)))
-            llm.start_weight_update()
-            llm.update_weights({"update_info": {"op": "restore"}})
-            llm.finish_weight_update()
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"op": "update", "seeds": seeds, "coeffs": coeffs, "decay": 1.0}})
-        llm.finish_weight_update()
-
-``bench/vllm_transfer_client.py`` is that loop as a script.  Several ``update_weights`` chunks may go in
-one start/finish session (e.g. restore then perturb the next member).  The payload is JSON-native, so
-vLLM's HTTP routes (``/init_weight_transfer_engine`` ...) carry it as it is.
+"""espert as a vLLM weight-transfer engine (backend ``"espert"``): ES steps cross vLLM's RL weight-update API
+(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``)
+as commands of a few dozen bytes, applied with espert's fused ops, in place, on the worker extension's
+:class:`~espert.center.CenterStore` (:mod:`espert.vllm.engine.worker`, still needed: it installs the CPU
+patches and registers this backend in every worker).  Usage, bytes and versions: docs/vllm.md, "vLLM's
+weight-update API"; ``bench/vllm_transfer_client.py`` is a trainer written against vLLM's calls only.
 
 Commands (``update_info``; each key belongs to one op, and a key another op takes is refused):
 
@@ -46,10 +15,9 @@ Commands (``update_info``; each key belongs to one op, and a key another op take
   host master, then the anchored-weight-decay step (``init_info`` ``{"anchor": true}``), then restore (as
   ``es_update``).
 
-A command is checked whole before anything is applied: an unknown op or key, or a value of the wrong
-type or range, raises one ValueError naming it, and the weights are untouched (vLLM then ends the
-update session; start a new one).  Prefix caching must be off (or the client resets the prefix cache
-after each change), as for the worker extension.
+A command is checked whole before anything is applied: a bad op, key or value raises one ValueError
+naming it, and the weights are untouched (vLLM then ends the update session).  Prefix caching must be off
+(or the client resets the prefix cache after each change).
 """
 
 from __future__ import annotations
