@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 
@@ -29,19 +29,16 @@ PerItemReward = Callable[[str, str], float]
 Extractor = Callable[..., Optional[str]]
 
 
-def _accepts_two_positionals(fn: Callable) -> bool:
-    """True if ``fn`` can be called as ``fn(a, b)`` (used for extractors that want the answer)."""
+def positional_arity(fn: Callable) -> int:
+    """How many positional arguments ``fn`` takes (99 for ``*args``; -1 when unknown)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return False
-    n_pos = 0
-    for p in sig.parameters.values():
-        if p.kind == p.VAR_POSITIONAL:
-            return True
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            n_pos += 1
-    return n_pos >= 2
+        return -1
+    kinds = [p.kind for p in sig.parameters.values()]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return 99
+    return sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
 
 
 def check_rewards(rewards: Sequence[float], n_expected: int, source: str = "reward") -> list[float]:
@@ -110,7 +107,7 @@ class Task:
             raise ValueError(f"task {self.name!r}: {len(self.prompts)} prompts but {len(self.answers)} answers")
         if not (0.0 < self.success_threshold <= 1.0):
             raise ValueError(f"success_threshold must be in (0, 1], got {self.success_threshold}")
-        self._extract_takes_answer = _accepts_two_positionals(self.extract_fn)
+        self._extract_takes_answer = positional_arity(self.extract_fn) >= 2  # e.g. copy_extract(completion, answer)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -157,15 +154,7 @@ class Task:
             return self
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        return Task(
-            name=self.name,
-            prompts=self.prompts[:n],
-            answers=self.answers[:n],
-            reward_fn=self.reward_fn,
-            extract_fn=self.extract_fn,
-            success_threshold=self.success_threshold,
-            meta=dict(self.meta),
-        )
+        return replace(self, prompts=self.prompts[:n], answers=self.answers[:n], meta=dict(self.meta))
 
 
 class PromptReward:

@@ -202,12 +202,6 @@ def mbpp_check(completion: str, answer: str) -> Check:
     return Check(f"{code}\n\n{setup}\n", tests + "\n", calls, trusted=trusted)
 
 
-def mbpp_program(completion: str, answer: str) -> str:
-    """One MBPP completion and its tests as a single program (for reading; scoring runs :func:`mbpp_check`)."""
-    c = mbpp_check(completion, answer)
-    return f"{c.candidate}\n{c.tests}"
-
-
 def run_code_checks(checks: Sequence[Check]) -> list[float]:
     """1.0 for each check that passes (in input order), else 0.0; :data:`CODE_LIMITS` for each check, whatever
     the rest of the batch does."""

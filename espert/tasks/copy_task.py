@@ -13,23 +13,18 @@ and the two splits also draw from different seeds. Within a split, strings are u
 from __future__ import annotations
 
 import random
-import zlib
 from typing import Optional
 
 from .base import Task
-from .rewards import copy_extract, copy_reward
+from .generated import is_heldout, split_size_seed
+from .rewards import builtin_task
 
 COPY_ALPHABET = "abcdef"
 COPY_MIN_LEN = 4
 COPY_MAX_LEN = 6
 COPY_SEP = ">"
-COPY_SPLIT_SEEDS = {"train": 0, "test": 1}
-COPY_DEFAULT_SIZES = {"train": 1024, "test": 256}
-
-
-def is_heldout_string(s: str) -> bool:
-    """Whether a copy string belongs to the held-out (``test``) pool."""
-    return zlib.crc32(s.encode("utf-8")) % 5 == 0
+#: Whether a copy string belongs to the held-out (``test``) pool: the generated tasks' rule.
+is_heldout_string = is_heldout
 
 
 def generate_copy_strings(
@@ -85,27 +80,16 @@ def make_copy_task(
         seed: override the split's default seed (0 for train, 1 for test). The pool
             restriction still applies, so splits stay disjoint for any seeds.
     """
-    split = {"validation": "test", "heldout": "test", "held-out": "test"}.get(split, split)
-    if split not in COPY_SPLIT_SEEDS:
-        raise ValueError(f"copy task: unknown split {split!r} (use 'train' or 'test')")
-    if n is None:
-        n = COPY_DEFAULT_SIZES[split]
-    s = COPY_SPLIT_SEEDS[split] if seed is None else seed
+    split, n, s = split_size_seed("copy", split, n, seed)
     strings = generate_copy_strings(
         n, s, heldout=(split == "test"), alphabet=alphabet, min_len=min_len, max_len=max_len
     )
-    return Task(
-        name="copy",
-        prompts=[x + COPY_SEP for x in strings],
-        answers=strings,
-        reward_fn=copy_reward,
-        extract_fn=copy_extract,
-        meta={
-            "source": "builtin",
-            "split": split,
-            "seed": s,
-            "alphabet": alphabet,
-            "min_len": min_len,
-            "max_len": max_len,
-        },
-    )
+    meta = {
+        "source": "builtin",
+        "split": split,
+        "seed": s,
+        "alphabet": alphabet,
+        "min_len": min_len,
+        "max_len": max_len,
+    }
+    return builtin_task("copy", [x + COPY_SEP for x in strings], strings, meta)

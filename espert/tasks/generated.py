@@ -32,11 +32,12 @@ DEFAULT_SIZES = {"train": 1024, "test": 256}
 _SPLIT_ALIASES = {"validation": "test", "heldout": "test", "held-out": "test"}
 
 
-def _split(task: str, split: str) -> str:
+def split_size_seed(task: str, split: str, n: Optional[int], seed: Optional[int]) -> tuple[str, int, int]:
+    """A generated task's ``(split, n, seed)``: aliases resolved, the split's default size and seed where None."""
     split = _SPLIT_ALIASES.get(split, split)
     if split not in SPLIT_SEEDS:
         raise ValueError(f"{task} task: unknown split {split!r} (use 'train' or 'test')")
-    return split
+    return split, DEFAULT_SIZES[split] if n is None else n, SPLIT_SEEDS[split] if seed is None else seed
 
 
 def is_heldout(key: str) -> bool:
@@ -144,11 +145,9 @@ def generate_countdown(
     and target), each solvable by construction: the solution uses every number once."""
     if not (2 <= min_numbers <= max_numbers) or max_number < 1 or max_target < 1:
         raise ValueError("countdown task needs 2 <= min_numbers <= max_numbers, max_number >= 1, max_target >= 1")
-
-    def make(rng):
-        return _countdown_one(rng, min_numbers, max_numbers, max_number, max_target)
-
-    return _draw(n, seed, heldout, make, "countdown")
+    return _draw(
+        n, seed, heldout, lambda rng: _countdown_one(rng, min_numbers, max_numbers, max_number, max_target), "countdown"
+    )
 
 
 def make_countdown_task(
@@ -162,9 +161,7 @@ def make_countdown_task(
     """The generated ``countdown`` task (3-4 numbers in 1..99, a target in 1..999; ``**kw``: see
     :func:`generate_countdown`; ``level``: the knobs of :data:`COUNTDOWN_LEVELS`).  ``name`` picks the
     reward: ``countdown`` (0/1) or ``countdown_format``."""
-    split = _split("countdown", split)
-    n = DEFAULT_SIZES[split] if n is None else n
-    s = SPLIT_SEEDS[split] if seed is None else seed
+    split, n, s = split_size_seed("countdown", split, n, seed)
     if level is not None:
         kw = {**level_knobs("countdown", level), **kw}
     probs = generate_countdown(n, s, heldout=(split == "test"), **kw)
@@ -185,11 +182,8 @@ def _arithmetic_one(rng: random.Random, digits: int, ops: str, terms: int):
     lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
     xs = [rng.randint(lo, hi) for _ in range(terms)]
     os_ = [rng.choice(ops) for _ in range(terms - 1)]
-    expr = str(xs[0])
-    for o, x in zip(os_, xs[1:]):
-        expr += f" {o} {x}"
-    value = _eval_int(xs, os_)
-    return expr, (expr, value)
+    expr = " ".join([str(xs[0]), *(f"{o} {x}" for o, x in zip(os_, xs[1:]))])
+    return expr, (expr, _eval_int(xs, os_))
 
 
 def _eval_int(xs: list[int], ops: list[str]) -> int:
@@ -218,11 +212,7 @@ def generate_arithmetic(
         raise ValueError(
             f"arithmetic task needs digits >= 1, terms >= 2 and ops from '+-*', got {digits}, {terms}, {ops!r}"
         )
-
-    def make(rng):
-        return _arithmetic_one(rng, digits, ops, terms)
-
-    return _draw(n, seed, heldout, make, "arithmetic")
+    return _draw(n, seed, heldout, lambda rng: _arithmetic_one(rng, digits, ops, terms), "arithmetic")
 
 
 def make_arithmetic_task(
@@ -237,9 +227,7 @@ def make_arithmetic_task(
     """The generated ``arithmetic`` task: prompt ``"47 + 38 ="``, answer ``"85"``.  The difficulty knobs
     are ``digits`` (per operand), ``ops`` (``"+"``, ``"+-"``, ``"+-*"``...) and ``terms`` (operands), or
     ``level``, which sets all three from :data:`ARITHMETIC_LEVELS`."""
-    split = _split("arithmetic", split)
-    n = DEFAULT_SIZES[split] if n is None else n
-    s = SPLIT_SEEDS[split] if seed is None else seed
+    split, n, s = split_size_seed("arithmetic", split, n, seed)
     if level is not None:
         digits, ops, terms = (level_knobs("arithmetic", level)[k] for k in ("digits", "ops", "terms"))
     probs = generate_arithmetic(n, s, heldout=(split == "test"), digits=digits, ops=ops, terms=terms)

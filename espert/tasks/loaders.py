@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
+import sys
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional
 
 from espert.extras import require
 
-from .base import PromptReward, Task, reward_fn_task
+from .base import PromptReward, Task, positional_arity, reward_fn_task
 from .code import HUMANEVAL_SPLITS, humaneval_problem, humaneval_rows, mbpp_problem
 from .copy_task import make_copy_task
 from .generated import COUNTDOWN_PROMPT, level_knobs, make_arithmetic_task, make_countdown_task
@@ -60,9 +64,7 @@ def _row_to_problem(task: str, row: dict[str, Any], where: str) -> tuple[str, st
     """Turn one record (JSONL line or Hub row) into ``(prompt, answer)``."""
 
     def as_answer(v: Any) -> str:
-        if isinstance(v, (dict, list)):
-            return json.dumps(v)
-        return str(v)
+        return json.dumps(v) if isinstance(v, (dict, list)) else str(v)
 
     task = SAME_PROBLEMS.get(task, task)
     if task == "countdown":
@@ -180,12 +182,8 @@ def _load_hub_task(key: str, split: str, n: Optional[int]) -> Task:  # pragma: n
         ds = _hub_dataset(key, repo, config, split)
         if n is not None:
             ds = ds.select(range(min(n, len(ds))))
-    prompts, answers = [], []
-    for i, row in enumerate(ds):
-        p, a = _row_to_problem(key, dict(row), f"{repo}[{split}][{i}]")
-        prompts.append(p)
-        answers.append(a)
-    return builtin_task(key, prompts, answers, {"source": repo, "split": split})
+    pairs = [_row_to_problem(key, dict(row), f"{repo}[{split}][{i}]") for i, row in enumerate(ds)]
+    return builtin_task(key, [p for p, _ in pairs], [a for _, a in pairs], {"source": repo, "split": split})
 
 
 def load_humaneval(split: str = "test", n: Optional[int] = None) -> Task:
@@ -252,8 +250,6 @@ def load_task(
 
 def import_object(spec: str) -> Any:
     """The object at an import path ``"package.module:attr.sub"``; ValueError saying why when it cannot be had."""
-    import importlib
-
     mod, sep, attr = spec.partition(":")
     if not sep or not mod or not attr:
         raise ValueError(
@@ -275,8 +271,6 @@ def import_object(spec: str) -> Any:
 
 def object_path(obj: Any) -> Optional[str]:
     """``"module:qualname"`` of a module-level function or class that re-imports to ``obj``; else None."""
-    import sys
-
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not mod or not qual or mod == "__main__" or "<" in qual or mod not in sys.modules:
         return None
@@ -286,28 +280,9 @@ def object_path(obj: Any) -> Optional[str]:
     return f"{mod}:{qual}" if cur is obj else None
 
 
-def _positional_arity(fn: Callable) -> int:
-    """How many positional arguments ``fn`` takes (99 for ``*args``; -1 when unknown)."""
-    import inspect
-
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return -1
-    n = 0
-    for p in sig.parameters.values():
-        if p.kind == p.VAR_POSITIONAL:
-            return 99
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            n += 1
-    return n
-
-
 def _call_loader(obj: Callable, split: str, name: Optional[str]) -> Any:
     """``obj(split)`` for a task loader; ValueError naming the task when ``obj``'s signature takes no single
     argument (``os:getcwd`` takes none): it is then neither a loader nor a reward nor a Task."""
-    import inspect
-
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):  # no signature to read (some builtins): calling it is the only test
@@ -386,22 +361,14 @@ def custom_task(
             ps, ans = problems(source, n)
             if isinstance(obj.reward_fn, PromptReward):
                 return reward_fn_task(obj.name, obj.reward_fn.fn, ps, ans, obj.meta)
-            return Task(
-                name=obj.name,
-                prompts=ps,
-                answers=ans,
-                reward_fn=obj.reward_fn,
-                extract_fn=obj.extract_fn,
-                success_threshold=obj.success_threshold,
-                meta=dict(obj.meta),
-            )
+            return replace(obj, prompts=ps, answers=ans, meta=dict(obj.meta))
         return obj.subset(n) if split == "train" else None
     if not callable(obj):
         raise ValueError(
             f"task {name!r} is a {type(obj).__name__}; expected a Task, a reward "
             f"fn(prompts, completions, answers) or a loader fn(split) -> Task"
         )
-    arity = _positional_arity(obj)
+    arity = positional_arity(obj)
     if arity >= 2:  # a reward: fn(prompts, completions, answers), or batched fn(completions, answers)
         if source is None:
             if split == "train":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import json
+import operator
 import re
 import threading
 from collections import Counter
@@ -89,19 +90,14 @@ def gsm8k_extract(completion: str, *, fallback_last_number: bool = True) -> Opti
     """
     if not isinstance(completion, str):
         return None
-    if "####" in completion:
-        tail = completion.rsplit("####", 1)[1]
-        m = _NUMBER_RE.search(tail.replace("$", ""))
-        if m:
-            v = parse_number(m.group(0))
-            if v is not None:
-                return format_number(v)
+    found = _NUMBER_RE.search(completion.rsplit("####", 1)[1].replace("$", "")) if "####" in completion else None
+    candidates = [found.group(0)] if found else []
     if fallback_last_number:
-        nums = _NUMBER_RE.findall(completion.replace("$", ""))
-        if nums:
-            v = parse_number(nums[-1])
-            if v is not None:
-                return format_number(v)
+        candidates += _NUMBER_RE.findall(completion.replace("$", ""))[-1:]
+    for text in candidates:
+        v = parse_number(text)
+        if v is not None:
+            return format_number(v)
     return None
 
 
@@ -280,6 +276,7 @@ _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL
 _MAX_EXPR_CHARS = 512
 _MAX_EXPR_NODES = 64
 _MAX_ABS_VALUE = 10**30
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 def countdown_answer(target: int, numbers: Sequence[int]) -> str:
@@ -351,18 +348,11 @@ def countdown_evaluate(expr: str) -> tuple[Fraction, list[int]]:
             return Fraction(v)
         if isinstance(node, ast.BinOp):
             left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Add):
-                r = left + right
-            elif isinstance(node.op, ast.Sub):
-                r = left - right
-            elif isinstance(node.op, ast.Mult):
-                r = left * right
-            elif isinstance(node.op, ast.Div):
-                if right == 0:
-                    raise _CountdownError("division by zero")
-                r = left / right
-            else:
+            if type(node.op) not in _OPERATORS:
                 raise _CountdownError(f"operator {type(node.op).__name__} not allowed")
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise _CountdownError("division by zero")
+            r = _OPERATORS[type(node.op)](left, right)
             if abs(r.numerator) > _MAX_ABS_VALUE or r.denominator > _MAX_ABS_VALUE:
                 raise _CountdownError("intermediate value too large")
             return r
@@ -578,15 +568,7 @@ def builtin_task(name: str, prompts: Sequence[str], answers: Sequence[str], meta
     """A :class:`Task` of a known task name: its reward, extractor and success threshold."""
     key = canonical_task_name(name)
     reward, extract = REWARDS[key]
-    return Task(
-        name=key,
-        prompts=list(prompts),
-        answers=list(answers),
-        reward_fn=reward,
-        extract_fn=extract,
-        success_threshold=SUCCESS_THRESHOLDS.get(key, 1.0),
-        meta=dict(meta or {}),
-    )
+    return Task(key, list(prompts), list(answers), reward, extract, SUCCESS_THRESHOLDS.get(key, 1.0), dict(meta or {}))
 
 
 def split_level(name: str) -> tuple[str, int | None]:
