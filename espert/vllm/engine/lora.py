@@ -1,29 +1,14 @@
 """Batched low-rank members: a lowrank:r population served as vLLM LoRA adapters, in one ``generate``.
 
 With ``noise: lowrank:r`` a member's perturbation of a logical [R, C] matrix is exactly rank r
-(docs/noise.md §5.2): ``sign·σ·s_t·ε = (σ·s_t·A') @ (sign·Bᵀ)``, A' = fl(K_r·A) [R, r] and Bᵀ [r, C].
-That is a LoRA adapter with ``lora_b = σ·s_t·A'`` (vLLM's [out, rank]: the scale) and
-``lora_a = sign·Bᵀ`` ([rank, in]: the sign).  So instead of perturb → generate → restore per member,
-every member of a chunk becomes one adapter slot and all their prompts go into one multi-LoRA
-``generate`` (``members: batched``); the base weights stay at the center.
-
-- **Slots, not adapters.** :class:`LoraSlots` registers K zero adapters once (vLLM's dummy LoRAs),
-  pins them (never evicted), and writes each member's factors straight into vLLM's stacked slot
-  buffers (``lora_a_stacked`` / ``lora_b_stacked`` of every LoRA layer).  The factors are made on the
-  worker from the seed by espert's own staging kernel (:func:`espert.ops.lowrank_stage`, the A' and Bᵀ
-  the fused ops read), one staging buffer per tensor and call, never a tensor per member; only seeds
-  and scalars cross the RPC.
-- **Logical noise of every piece.** A fused ``qkv_proj`` / ``gate_up_proj`` has one LoRA slice per
-  checkpoint tensor (q, k, v; gate, up): each slice gets the (name, logical index) factors of its
-  piece.  Under tensor parallelism a rank's slice buffers hold its rows (column-parallel: its rows of
-  A') or its columns (row-parallel: its columns of Bᵀ), and the view's Block says which.
-- **What LoRA cannot carry** (1-D norms and biases, embeddings, ``lm_head``, any tensor no LoRA
-  layer wraps) is not moved in this mode: :func:`lora_targets` leaves it out of the center, so the
-  update (espert's fused lowrank update on the float32 master, unchanged) moves exactly what the
-  rewards saw.  EGGROLL does the same.
-
-The rewards differ from an in-place evaluation of the same member only in rounding: vLLM computes
-``x·Wᵀ + (x·lora_aᵀ)·lora_bᵀ`` instead of ``x·(W + σε)ᵀ`` (docs/vllm.md, "Batched members").
+(docs/noise.md §5.2): ``sign·σ·s_t·ε = (σ·s_t·A') @ (sign·Bᵀ)``, a LoRA adapter with ``lora_b = σ·s_t·A'``
+(vLLM's [out, rank]) and ``lora_a = sign·Bᵀ`` ([rank, in]).  So every member of a chunk becomes one of K
+pinned adapter slots (:class:`LoraSlots`), whose stacked buffers the worker fills from the seeds with
+espert's staging kernel (:func:`espert.ops.lowrank_stage`), and all their prompts go into one multi-LoRA
+``generate`` (``members: batched``); the base weights stay at the center.  Each slice of a fused layer gets
+its piece's logical factors; what no LoRA layer carries (norms, biases, embeddings, ``lm_head``) is left out
+of the center (:func:`lora_targets`), so the update moves exactly what the rewards saw, as in EGGROLL.
+Rewards differ from an in-place evaluation only in rounding (docs/vllm.md, "Batched members").
 """
 
 from __future__ import annotations
@@ -97,13 +82,10 @@ def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def lora_targets(model: torch.nn.Module, views: Sequence[ParamView]) -> tuple[list[Target], list[int]]:
-    """Match every view to the LoRA slice holding it.  Returns ``(targets, uncovered)``: one Target per
-    coverable view, and the indices of the views no LoRA layer carries (1-D, embeddings, lm_head, ...).
-
-    A view is covered when it is a 2-D block of a LoRA layer's base weight spanning whole rows, inside
-    one output slice, of a logical parameter with more than one row (lowrank's 1-row tensors take the
-    Gaussian, which no rank-r adapter carries).  Raises LoraLayoutError for a view that shares a LoRA
-    layer's storage in any other way."""
+    """Match every view to the LoRA slice holding it: ``(targets, uncovered)``, one Target per coverable view
+    and the indices of the views no LoRA layer carries.  A view is covered when it is a 2-D block of a LoRA
+    layer's base weight spanning whole rows, inside one output slice, of a logical parameter with more than
+    one row (lowrank's 1-row tensors take the Gaussian); LoraLayoutError for any other share of its storage."""
     by_storage = {m.base_layer.weight.untyped_storage().data_ptr(): m for m in _lora_layers(model)}
     targets, uncovered = [], []
     for i, v in enumerate(views):
@@ -221,10 +203,9 @@ class LoraSlots:
 
 
 def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float, scales=None) -> dict[str, float]:
-    """Fill slot 0 with member (seed, sign) (σ multipliers ``scales``, as :meth:`LoraSlots.fill`) and compare, on every target, the weight change the slot adds
-    (lora_b @ lora_a, float64) with the in-place perturbation of the same member (espert's fused op on a
-    zero float32 block: fl(sign·σ·s_t·ε)).  Returns ``{logical name: max |difference| / max |in-place|}``
-    for this rank's pieces: float32 rounding of the factors (about 1e-7), never O(1)."""
+    """Fill slot 0 with member (seed, sign) (``scales`` as :meth:`LoraSlots.fill`) and compare, per target, the
+    weight change the slot adds (lora_b @ lora_a, float64) with the in-place perturbation of the same member.
+    Returns ``{logical name: max |difference| / max |in-place|}`` for this rank's pieces (about 1e-7)."""
     from espert.ops import perturb_
 
     slots.fill([(seed, sign)], sigma, scales)

@@ -1,15 +1,11 @@
 """Every patch espert makes to vLLM's internals, and the one place that installs them.
 
-vLLM's engine computes from copies of the weights that in-place edits would never reach (the CPU's
-oneDNN prepacks, the W8A8 int8 repack) and lacks two things espert needs on CPU (seeded sampling with
-chunked prefill, LoRA kernels that do not gather per token).  Each module here fixes one of them by
-wrapping or replacing one vLLM function, and :data:`PATCHES` says which vLLM releases each is written
-for.  :func:`install` applies what a version gets; the worker extension modules
-(:mod:`espert.vllm.engine.worker`, :mod:`espert.vllm.engine.sampling`) call it when vLLM imports them in
-each worker, before the model loads, and :func:`espert.vllm.make_llm` calls it in the driver for
-in-process engines.  Nothing else in espert changes vLLM.
-
-These are also the parts to check first when vLLM is upgraded (docs/vllm.md, "vLLM versions").
+vLLM computes from copies of the weights that in-place edits would never reach (the CPU's oneDNN prepacks,
+the W8A8 int8 repack) and lacks two things espert needs on CPU (seeded sampling with chunked prefill, LoRA
+kernels that do not gather per token).  Each module here wraps or replaces one vLLM function;
+:data:`PATCHES` says which vLLM releases each is written for, and :func:`install` applies what a version
+gets (the worker extension modules call it in each worker before the model loads, :func:`espert.vllm.make_llm`
+in the driver).  Nothing else in espert changes vLLM: check these first when vLLM is upgraded.
 """
 
 from __future__ import annotations
@@ -93,9 +89,8 @@ PATCHES = (
 
 def runner_name(runner) -> str:
     """Which of vLLM's model runners ``runner`` is, for messages and es_setup's result: ``"V2 (CPUModelRunner)"``
-    for the V2 runner (``vllm/v1/worker/gpu/``, 0.12 on: the default of GPU builds from 0.29 and the only one
-    in 0.34), ``"V1 (GPUModelRunner)"`` for the V1 runner (``vllm/v1/worker/gpu_model_runner.py`` and its
-    subclasses, 0.11 to 0.33)."""
+    for the V2 runner (``vllm/v1/worker/gpu/``, 0.12 on), ``"V1 (GPUModelRunner)"`` for the V1 runner and its
+    subclasses (0.11 to 0.33)."""
     v2 = any(c.__module__.startswith("vllm.v1.worker.gpu.") for c in type(runner).__mro__)
     return f"{'V2' if v2 else 'V1'} ({type(runner).__name__})"
 
@@ -152,9 +147,7 @@ def installed_version() -> str | None:
 
 def install(version: str | None = None, only: tuple[str, ...] | None = None) -> list[str]:
     """Apply the patches vLLM ``version`` (default: the installed one) gets, or those of them named in
-    ``only``; idempotent.  Returns the names applied.  :func:`check_version` first: a version newer than
-    :data:`NEWEST` gets them with a one-line warning (the engine's self-test then proves that edits are
-    seen); one older than :data:`OLDEST` raises :class:`VLLMVersionError`."""
+    ``only``; idempotent.  Returns the names applied.  :func:`check_version` first."""
     version = version or installed_version()
     if version is None:
         return []
@@ -225,10 +218,7 @@ def replace_once(owner, attr: str, replacement) -> bool:
 
 def wrap_once(owner, attr: str, replacement) -> bool:
     """Install ``replacement(original, *args, **kwargs)`` as ``owner.attr``, once; returns True if installed now.
-
-    The wrapper is marked, so a module imported again (vLLM imports the worker extension in every
-    process) never stacks a second wrapper on the first.
-    """
+    The wrapper is marked, so a module imported again never stacks a second wrapper on the first."""
     original = getattr(owner, attr)
     if getattr(original, "_espert_patched", False):
         return False
