@@ -8,12 +8,9 @@ The actor holds an *engine*: any object with the evaluator methods the pool call
     checksum() -> [one dict per TP rank with the fields of wire.EXACT_FIELDS]
     center_state() -> {name: tensor}; load_center(state); rpc(method, *args); timings; info; close()
 
-:class:`VLLMEngine` builds the usual one, a :class:`~espert.vllm.driver.evaluator.VLLMEvaluator`.
-Any picklable zero-argument callable works (``EnginePool.of``): the driver-scaling benchmark runs
-the pool's real scheduling over engines whose work is a hash (bench/pool_scaling.py).
-
-This module imports neither torch nor vLLM (the engine's own module does, inside the actor), so a
-pool of light engines keeps its actor processes small.
+:class:`VLLMEngine` builds a :class:`~espert.vllm.driver.evaluator.VLLMEvaluator`; any picklable zero-argument
+callable works (``EnginePool.of``; bench/pool_scaling.py's engines hash).  This module imports neither torch
+nor vLLM, so a pool of light engines keeps its actor processes small.
 """
 
 from __future__ import annotations

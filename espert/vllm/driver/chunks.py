@@ -1,19 +1,11 @@
 """The schedule of one :meth:`EnginePool.evaluate <espert.vllm.driver.pool.EnginePool.evaluate>`: the
-population in chunks, the copies of each chunk in flight, and the deadlines the pool derives from the
-times it has observed.
+population in chunks, the copies of each chunk in flight, and the deadlines derived from observed times.
 
-**Deadlines.**  A call of kind ``k`` over ``u`` units (a chunk's members; 1 for other calls) has the
-deadline ``max(floor, factor × m × u)``, m being the median seconds per unit of the last
-:data:`WINDOW` calls of that kind; before the first observation it is ``UNOBSERVED × floor``.
-
-- A chunk still unanswered at its deadline is given to an idle engine as well (once the queue is
-  empty).  The first answer wins; every later answer must agree with it bit for bit (rewards and
-  extracted answers), or :class:`ReplicaDivergence` is raised.
-- A copy running past ``HANG ×`` its deadline is hung: the pool kills its engine and replaces it.  Once
-  every member has a reward the pool still waits for the copies running (until that limit), so that a
-  straggler's late answer is checked.
-
-Nothing here talks to Ray; :mod:`espert.vllm.driver.pool` does.
+A call of kind ``k`` over ``u`` units (a chunk's members; 1 for other calls) has the deadline
+``max(floor, factor × m × u)``, m the median seconds per unit of the last :data:`WINDOW` calls of that kind
+(``UNOBSERVED × floor`` before the first).  A chunk unanswered at its deadline is also given to an idle
+engine; the first answer wins and every later one must agree bit for bit (else :class:`ReplicaDivergence`).
+A copy running past ``HANG ×`` its deadline is hung.  Nothing here talks to Ray; :mod:`~espert.vllm.driver.pool` does.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """How a new engine joins a running :class:`~espert.vllm.driver.pool.EnginePool`: the log of updates it
 replays, the checksums it must reproduce, and the choice between replaying and streaming.
 
-A center is a pure function of its base and the updates since: the model's weights (or the center a
-``load_center`` gave every engine, a resume) and the seeds and coefficients of every update after it.
-So a new engine reaches the live engines' center either by
-
-- **replay**: load the base (nothing to send for the model's own weights) and apply the logged updates
-  in order, in batches of at most :data:`REPLAY_BATCH_SEEDS` seeds per message; or
-- **stream**: load a snapshot of a live engine's center, sent engine to engine as one Ray object
-  (the driver passes its reference; the bytes never pass through the driver).
-
-:func:`choose_route` picks the one estimated cheaper.  Either way the engine's checksum must equal the
-one every live engine reported at the same point of the log before it takes a member.
+A center is a pure function of its base (the model's weights, or the center the last ``load_center`` sent)
+and the updates since.  So a new engine reaches the live engines' center by **replay** (load the base and
+apply the logged updates in order, at most :data:`REPLAY_BATCH_SEEDS` seeds per message) or by **stream**
+(load a snapshot of a live engine's center, sent engine to engine as one Ray object), whichever
+:func:`choose_route` estimates cheaper; either way its checksum must equal the one every live engine
+reported at the same point of the log before it takes a member.
 """
 
 from __future__ import annotations

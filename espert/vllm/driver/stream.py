@@ -1,22 +1,13 @@
 """The center out of vLLM's workers in bounded chunks: straight into a safetensors file, or into logical tensors.
 
-A center can be tens of GB (a 7 B model's float32 master is 28 GB).  Sending it as one RPC result
-costs the blob plus 2–3 driver-side copies.  Here every TP rank cuts its center pieces into chunks
-of at most ``chunk_bytes`` (flat element ranges of one local tensor), and the driver asks for the
-k-th chunk of every rank in one ``collective_rpc("es_center_chunk", k, chunk_bytes)``; each answer
-is ``(view index, start, stop, raw bytes)`` or None when that rank is done.
-
-- :class:`CenterStream` is the center as a chunk source (:mod:`espert.tensorfile`): ``Run.checkpoint``
-  writes the checkpoint and the export from it (``VLLMEvaluator.center_stream``), each chunk at its
-  place in a preallocated safetensors file (a block of a TP-sharded tensor lands as row segments at
-  computed offsets): the driver never holds more than one chunk of the center.  The bytes are
-  exactly those of :func:`espert.tensorfile.write_safetensors` for the same tensors and metadata
-  (sorted header, tensors ordered by element size then name), so checkpoint hashes do not depend on
-  the route.  :func:`write_center` writes one file from it.
-- :func:`pull_center` fills preallocated logical tensors chunk by chunk (one copy: the result).
-
-Pieces replicated over ranks (k/v heads when tp > kv heads) are written by each rank that holds
-them; :func:`pull_center` checks that they agree bit for bit.
+A center can be tens of GB (a 7 B model's float32 master is 28 GB), and one RPC result would cost the
+blob plus 2–3 driver-side copies.  So every TP rank cuts its center pieces into chunks of at most
+``chunk_bytes`` (flat element ranges of one local tensor), and the driver asks for the k-th chunk of every
+rank in one ``collective_rpc("es_center_chunk", k, chunk_bytes)``: ``(view index, start, stop, raw bytes)``,
+or None when that rank is done.  :class:`CenterStream` is the center as a chunk source
+(:mod:`espert.tensorfile`), from which checkpoints are written with the bytes of
+:func:`espert.tensorfile.write_safetensors` (checkpoint hashes do not depend on the route);
+:func:`pull_center` fills logical tensors, checking that pieces replicated over ranks agree bit for bit.
 """
 
 from __future__ import annotations
@@ -27,11 +18,6 @@ import torch
 
 from espert.tensorfile import CHUNK_BYTES, write_chunks
 from espert.vllm.wire import PIECE_DTYPES, bits, logical_layout, segments
-
-
-def _layouts(rpc: Callable) -> list[list[tuple]]:
-    """Per rank: ``[(name, local shape, block tuple, dtype name)]``."""
-    return rpc("es_center_layout")
 
 
 def _chunks(rpc: Callable, chunk_bytes: int):
@@ -54,7 +40,7 @@ class CenterStream:
 
     def __init__(self, rpc: Callable, chunk_bytes: int = CHUNK_BYTES):
         self.rpc, self.chunk_bytes = rpc, int(chunk_bytes)
-        self.layouts = _layouts(rpc)
+        self.layouts = rpc("es_center_layout")  # per rank: [(name, local shape, block tuple, dtype name)]
         self._logical = logical_layout(self.layouts)
         self.layout = {n: (tuple(s), PIECE_DTYPES[dt]) for n, (s, dt) in self._logical.items()}
 
@@ -85,29 +71,15 @@ def write_center(
 
 def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torch.Tensor]:
     """The workers' center as logical tensors (host), filled chunk by chunk; replicated pieces must agree."""
-    layouts = _layouts(rpc)
-    logical = logical_layout(layouts)
-    out = {n: torch.empty(s, dtype=PIECE_DTYPES[dt]) for n, (s, dt) in logical.items()}
-    seen = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.bool) for n, (s, _) in logical.items()}
-    for got in _chunks(rpc, chunk_bytes):
-        for rank, g in enumerate(got):
-            if g is None:
-                continue
-            i, a, b, raw = g
-            name, shape, bt, dt = layouts[rank][i]
-            src = (
-                torch.frombuffer(bytearray(raw), dtype=PIECE_DTYPES[dt])
-                if b > a
-                else torch.empty(0, dtype=PIECE_DTYPES[dt])
-            )
-            flat, cov = out[name].view(-1), seen[name]
-            for lo, s0, s1 in segments(shape, bt, logical[name][0], a, b):
-                piece, dst = src[s0 - a : s1 - a], flat[lo : lo + (s1 - s0)]
-                done = cov[lo : lo + (s1 - s0)]
-                if done.any() and not torch.equal(bits(dst[done]), bits(piece[done])):
-                    raise ValueError(f"{name}: replicated pieces differ between ranks")
-                dst.copy_(piece)
-                done.fill_(True)
+    stream = CenterStream(rpc, chunk_bytes)
+    out = {n: torch.empty(s, dtype=dt) for n, (s, dt) in stream.layout.items()}
+    seen = {n: torch.zeros(t.numel(), dtype=torch.bool) for n, t in out.items()}
+    for name, lo, piece in stream:
+        dst, done = out[name].view(-1)[lo : lo + piece.numel()], seen[name][lo : lo + piece.numel()]
+        if done.any() and not torch.equal(bits(dst[done]), bits(piece[done])):
+            raise ValueError(f"{name}: replicated pieces differ between ranks")
+        dst.copy_(piece)
+        done.fill_(True)
     for name, c in seen.items():
         if not bool(c.all()):
             raise ValueError(f"{name}: {int((~c).sum())} logical elements are not covered by any rank")
