@@ -118,15 +118,25 @@ def assemble(shards: Sequence[Sequence[tuple[str, torch.Tensor, tuple | None]]])
             if tuple(out[name].shape) != shape:
                 raise ValueError(f"{name}: pieces disagree on the logical shape ({tuple(out[name].shape)} vs {shape})")
             idx = block_slices(t.shape, block)
-            dst, seen = out[name][idx], covered[name][idx]
-            if seen.any() and not torch.equal(bits(dst[seen]), bits(t[seen])):
-                raise ValueError(f"{name}: replicated pieces differ between ranks")
-            dst.copy_(t)
-            seen.fill_(True)
+            place(name, out[name][idx], covered[name][idx], t)
+    check_covered(covered, "piece")
+    return out
+
+
+def place(name: str, dst: torch.Tensor, seen: torch.Tensor, piece: torch.Tensor) -> None:
+    """Copy ``piece`` into ``dst`` and mark ``seen`` (bool, same shape); elements already seen (a piece
+    replicated over ranks) must agree bit for bit, else ValueError."""
+    if seen.any() and not torch.equal(bits(dst[seen]), bits(piece[seen])):
+        raise ValueError(f"{name}: replicated pieces differ between ranks")
+    dst.copy_(piece)
+    seen.fill_(True)
+
+
+def check_covered(covered: dict[str, torch.Tensor], by: str) -> None:
+    """ValueError naming the first logical tensor with an element no ``by`` covered (``covered``: bool masks)."""
     for name, c in covered.items():
         if not bool(c.all()):
-            raise ValueError(f"{name}: {int((~c).sum())} logical elements are not covered by any piece")
-    return out
+            raise ValueError(f"{name}: {int((~c).sum())} logical elements are not covered by any {by}")
 
 
 def split_logical(views: Sequence[ParamView], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from espert.tensorfile import CHUNK_BYTES, write_chunks
-from espert.vllm.wire import PIECE_DTYPES, bits, logical_layout, segments
+from espert.vllm.wire import PIECE_DTYPES, check_covered, logical_layout, place, segments
 
 
 def _chunks(rpc: Callable, chunk_bytes: int):
@@ -75,12 +75,6 @@ def pull_center(rpc: Callable, chunk_bytes: int = CHUNK_BYTES) -> dict[str, torc
     out = {n: torch.empty(s, dtype=dt) for n, (s, dt) in stream.layout.items()}
     seen = {n: torch.zeros(t.numel(), dtype=torch.bool) for n, t in out.items()}
     for name, lo, piece in stream:
-        dst, done = out[name].view(-1)[lo : lo + piece.numel()], seen[name][lo : lo + piece.numel()]
-        if done.any() and not torch.equal(bits(dst[done]), bits(piece[done])):
-            raise ValueError(f"{name}: replicated pieces differ between ranks")
-        dst.copy_(piece)
-        done.fill_(True)
-    for name, c in seen.items():
-        if not bool(c.all()):
-            raise ValueError(f"{name}: {int((~c).sum())} logical elements are not covered by any rank")
+        place(name, out[name].view(-1)[lo : lo + piece.numel()], seen[name][lo : lo + piece.numel()], piece)
+    check_covered(seen, "rank")
     return out

@@ -1,16 +1,11 @@
 """vLLM's repeated per-layer warnings, counted into one line per engine (errors still show in full).
 
-An engine start logs some warnings once per weight or layer: "Attempted to load weight ... with dtype
-torch.float32 into parameter with dtype torch.bfloat16" for every tensor converted at load, "Failed to create
-oneDNN linear, fallback to torch linear" where oneDNN refuses a layer (their text repeats when the reason
-differs, and a layer's fallback is otherwise silent), "CPU backend doesn't allow to use torch.set_num_threads"
-at each call, and torch's and vLLM's deprecation warnings.  On a real model they bury the lines that matter.
-
-:class:`Counter` is a logging filter on the loggers of the vLLM modules that log them (:data:`LOGGERS`): it
-drops those WARNING records and counts them (errors, and every other record, pass); Python deprecation warnings raised from vLLM's or torch's
-files are counted the same way.  Once the model has loaded (:func:`espert.vllm.patches.on_model_loaded`) it
-says each kind in one line, on the ``espert.vllm`` logger, e.g. ``espert: 24 of 24 layers use torch linear
-(oneDNN: could not create a primitive descriptor ...)``, and again at every ``es_setup`` for what came since.
+An engine start logs some warnings once per weight or layer (a dtype conversion at load, a layer oneDNN
+refuses, each skipped ``torch.set_num_threads``) and torch's and vLLM's deprecation warnings; on a real model
+they bury the lines that matter.  :class:`Counter`, a filter on the loggers of :data:`LOGGERS`, drops and
+counts those WARNING records (Python deprecation warnings from vLLM's or torch's files too), and once the
+model has loaded, and at every ``es_setup``, :func:`say` says each kind in one line on ``espert.vllm``, e.g.
+``espert: 24 of 24 layers use torch linear (oneDNN: could not create a primitive descriptor ...)``.
 """
 
 from __future__ import annotations
