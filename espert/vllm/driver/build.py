@@ -28,14 +28,9 @@ def center_kwargs(cfg, model_path: str) -> dict:
 
 def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
     """``evaluator: vllm``: one in-process engine, or an :class:`EnginePool` when ``cfg.vllm_engines`` > 1 or an
-    engines file is given (``cfg.vllm_engines_file``: the pool follows the number in it between iterations).
-    extract: the task's answer extractor (the evaluator then fills ``member_answers``).
-
-    Engine fields: ``vllm_tensor_parallel_size``, ``vllm_gpu_memory_utilization``, ``vllm_max_model_len``,
-    ``vllm_rename``, ``vllm_members``, ``vllm_max_loras``.  The center's loop fields (``noise``,
-    ``optimizer*``, ``sigma_mode``, ``weight_decay_exclude``) go to every worker's center as
-    :func:`espert.evaluators.torch_model.config_center` gives them to the torch evaluator's.  A malformed
-    ``vllm_rename`` is refused before any engine starts.
+    engines file is given (the pool follows the number in it between iterations), with the ``vllm_*`` engine
+    fields and the center's loop fields (:func:`center_kwargs`).  extract: the task's answer extractor (the
+    evaluator then fills ``member_answers``).  A malformed ``vllm_rename`` is refused before any engine starts.
     """
     from espert.vllm.driver.evaluator import VLLMEvaluator, parse_rename
 
@@ -75,13 +70,9 @@ def build_from_config(cfg, model_path: str, score, extract=None) -> Evaluator:
 
 def checkpoint_rms_scales(model: str, dtype: str, include=None, exclude=None) -> dict[str, float]:
     """``{checkpoint name: σ multiplier}`` for ``sigma_mode: rms``: :func:`~espert.evaluators.torch_model.tensor_rms`
-    of each whole tensor of the checkpoint, as loaded in ``dtype`` (what ``rms_scales`` sees in a
-    transformers model), for the names include / exclude select (patterns as in ``vllm_param_views``).
-
-    Computed on the driver, one tensor in memory at a time, and sent to every worker: a TP shard or a
-    piece of a fused parameter then gets the scale of its whole logical tensor, bit for bit the torch
-    evaluator's (a reduction over shards would differ in the last bits).  Raises when the model has no
-    safetensors checkpoint.
+    of each whole checkpoint tensor as loaded in ``dtype``, for the names include / exclude select.  Computed
+    on the driver, one tensor at a time, so a TP shard or a piece of a fused parameter gets the scale of its
+    whole logical tensor, bit for bit the torch evaluator's.  Raises without a safetensors checkpoint.
     """
     from safetensors import safe_open
 

@@ -33,11 +33,8 @@ def master_path(path: str) -> str:
 
 
 class ESAtScaleWorkerExtension(ESWorkerExtension):
-    """ES-at-Scale's worker-extension methods over espert's center (see the module docstring).
-
-    The center is snapshotted from the live weights at the first call that needs it (or at
-    :meth:`save_self_initial_weights`).  espert's own ``es_*`` methods stay available.
-    """
+    """ES-at-Scale's worker-extension methods over espert's center, snapshotted from the live weights at the first
+    call that needs it (or :meth:`save_self_initial_weights`); espert's own ``es_*`` methods stay available."""
 
     # -- state --------------------------------------------------------------------------------
     def _compat(self):
@@ -73,13 +70,9 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         return True
 
     def perturb_self_weights(self, seed: int, noise_scale: float, negate: bool = False) -> bool:
-        """Live weights <- center ± noise_scale·ε(seed) (minus when negate), in place.
-
-        A perturbation that is still outstanding (no restore since) is first made part of the
-        center, as ``update_weights_from_seeds([its seed], ...)`` would: so their older scripts'
-        update, N stacked ``perturb_self_weights(seed_i, coeff_i, False)`` calls, equals N one-seed
-        updates of the float32 master, exactly (docs/vllm.md).
-        """
+        """Live weights <- center ± noise_scale·ε(seed) (minus when negate), in place.  A perturbation still
+        outstanding (no restore since) is first made part of the center as a one-seed update, so their older
+        scripts' N stacked perturbs equal N one-seed updates of the float32 master (docs/vllm.md)."""
         self._compat()
         self._compat_commit()
         scale = -float(noise_scale) if negate else float(noise_scale)
@@ -123,12 +116,9 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         return True
 
     def broadcast_all_weights(self, src_rank: int) -> bool:
-        """Every engine ends with engine ``src_rank``'s center and weights, bit for bit.
-
-        src sends the updates it applied since the last broadcast and its checksum; the others apply
-        the same updates (espert's update is deterministic) and compare checksums; any engine that
-        still differs then loads src's whole center.  Call it on every engine, as ES-at-Scale does.
-        """
+        """Every engine ends with engine ``src_rank``'s center and weights, bit for bit: src sends the updates it
+        applied since the last broadcast and its checksum, the others apply them and compare, and any engine
+        that still differs loads src's whole center.  Call it on every engine, as ES-at-Scale does."""
         center = self._compat()
         group = getattr(self, "_compat_group", None)
         if group is None:
@@ -165,17 +155,11 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         return True
 
     def save_self_weights_to_disk(self, filepath: str) -> bool:
-        """Write ``filepath`` in their format and the float32 master beside it in espert's.
-
-        - ``filepath``: ``torch.save`` of ``{vLLM parameter name: tensor}`` over the engine's
-          ``named_parameters()``, in the engine's dtype: what their ``load_weights_from_disk`` and
-          eval read (2 bytes per parameter in bf16).  At tensor parallel size > 1 it is not written
-          (one file cannot hold every rank's shards under their loader; theirs is TP=1 too).
-        - :func:`master_path` (``<root>.safetensors``): the float32 center by logical (checkpoint)
-          name, 4 bytes per parameter, so that :meth:`load_weights_from_disk` resumes exactly.
-
-        An outstanding perturbation is made part of the center first (their weights are additive).
-        Both files are written to a temporary name and renamed, so a crash leaves the old ones.
+        """Write ``filepath`` in their format (``torch.save`` of the engine's ``named_parameters()`` in its dtype,
+        what their loader and eval read; not at tensor parallel size > 1, where one file cannot hold every
+        rank's shards) and beside it, at :func:`master_path`, the float32 center by logical name, from which
+        :meth:`load_weights_from_disk` resumes exactly.  An outstanding perturbation is made part of the center
+        first.  Both files are written to a temporary name and renamed, so a crash leaves the old ones.
         """
         from espert.files import atomic_write
         from espert.tensorfile import write_safetensors

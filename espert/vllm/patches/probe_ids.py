@@ -1,14 +1,9 @@
 """The self-test's probe tokens in vLLM's V2 model runner (``vllm.v1.worker.gpu``, vLLM 0.12 on).
 
-:mod:`espert.vllm.engine.selftest` runs the engine's own dummy forward, the path generation takes (the
-compiled graph, the captured CUDA graph).  On the V1 runner it writes its probe ids into
-``runner.input_ids`` before ``_dummy_run``.  The V2 runner has no such buffer: its dummy run builds its
-batch with ``InputBatch.make_dummy``, which zeroes the ids (a view of the static input buffers that graph
-replay reads).  With every id 0 many models see a padding embedding, and a probe over it proves little.
-
-:func:`install` wraps ``InputBatch.make_dummy``: while :func:`probe_ids` is active (the self-test's forward,
-:func:`probe_forward`, only), the dummy batch's ids are the probe's, written into the same static buffer.
-Every other dummy batch (profiling, warm-up, CUDA-graph capture) is vLLM's, untouched.
+:mod:`espert.vllm.engine.selftest` runs the engine's own dummy forward.  The V2 runner's dummy batch
+(``InputBatch.make_dummy``) zeroes the ids, and over a padding embedding a probe proves little; so while
+:func:`probe_ids` is active (the self-test's :func:`probe_forward` only) the dummy batch's ids are the
+probe's, written into the same static buffer.  Every other dummy batch is vLLM's, untouched.
 """
 
 from __future__ import annotations

