@@ -153,19 +153,19 @@ class JoiningEngines:
     def _refuse(self, j: Join, why: str) -> None:
         """A new engine that cannot hold the pool's center is stopped and not replaced (the same environment
         would fail again); the run goes on with the engines it has."""
-        del self.joins[j.engine]
-        self.dead.append(j.engine)
-        self._ray.kill(j.actor, no_restart=True)
-        self._event("refused", j.engine, time=time.monotonic(), why=why)
+        self._drop(j, "refused", why=why)
         log.error("engine %d refused: %s", j.engine, why)
         if j.initial:
             raise ReplicaDivergence(f"engine {j.engine} does not start from the same center: {why}")
 
-    def _join_failed(self, j: Join, err: BaseException) -> None:
+    def _drop(self, j: Join, event: str, **details) -> None:
         del self.joins[j.engine]
         self.dead.append(j.engine)
         self._ray.kill(j.actor, no_restart=True)
-        self._event("join_failed", j.engine, time=time.monotonic(), error=brief(err))
+        self._event(event, j.engine, time=time.monotonic(), **details)
+
+    def _join_failed(self, j: Join, err: BaseException) -> None:
+        self._drop(j, "join_failed", error=brief(err))
         if j.initial:
             raise RuntimeError(f"engine {j.engine} failed to start: {err}") from err
         if j.attempts < JOIN_ATTEMPTS:

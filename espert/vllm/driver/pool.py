@@ -54,16 +54,14 @@ CATCH_UP_MODES = ("auto", "replay", "stream")
 class PoolOptions:
     """How an :class:`EnginePool` runs its engines (every field is also a keyword of ``EnginePool``).
 
-    engines: engines at start.  chunk: members per task handed to an engine (default: about two chunks
-    per engine).  num_cpus_per_engine / num_gpus_per_engine: Ray resources per actor (GPU: the TP size).
-    env: extra environment for the actors.  ray_init: keyword arguments for ``ray.init`` when Ray is not
-    initialised yet (``RAY_ADDRESS`` joins a running cluster).  replace: start a new engine for each one
-    lost.  catch_up: how a new engine gets the center: ``"auto"`` (cheaper estimate), ``"replay"``,
+    engines: engines at start.  chunk: members per task (default: about two chunks per engine).
+    num_cpus_per_engine / num_gpus_per_engine: Ray resources per actor (GPU: the TP size).  env: extra
+    environment for the actors.  ray_init: ``ray.init`` keywords when Ray is not initialised yet.  replace:
+    start a new engine for each one lost.  catch_up: ``"auto"`` (cheaper estimate), ``"replay"`` or
     ``"stream"``.  deadline_floor / deadline_factor: a call's deadline is ``max(floor, factor × its median
-    observed time)`` (seconds; :mod:`espert.vllm.driver.chunks`).  stream_bytes_per_s: the assumed
-    engine-to-engine rate until a streamed catch-up was measured.  engines_file: a file holding the wanted
-    number of engines, read before each iteration.  join_timeout: seconds to wait for a replacement when
-    no engine is left.  count_traffic: record every message's pickled size in ``traffic``.
+    observed time)`` (seconds).  stream_bytes_per_s: the assumed engine-to-engine rate until one was measured.
+    engines_file: holds the wanted number of engines, read before each iteration.  join_timeout: seconds to
+    wait for a replacement when no engine is left.  count_traffic: record messages' pickled sizes in ``traffic``.
     """
 
     engines: int = 2

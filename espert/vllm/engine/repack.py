@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from espert.params import ParamView
 from espert.update import Update
 from espert.vllm.patches.cpu_prepack import packed_layers
 from espert.vllm.patches.moe_prepack import expert_plain, repack_experts
@@ -38,25 +37,13 @@ class RepackingCenter:
         ]
         self.expert_seconds, self.expert_repacks = 0.0, 0
 
-    # -- what the worker reads -------------------------------------------------------------------
-    @property
-    def views(self) -> list:
-        return self.inner.views
-
-    @property
-    def centers(self) -> list[torch.Tensor]:
-        return self.inner.centers
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
-
-    @property
-    def sigma_scales(self) -> list[float] | None:
-        return self.inner.sigma_scales
-
-    def state_views(self) -> list[ParamView]:
-        return self.inner.state_views()
+    def __getattr__(self, name: str):
+        """What changes no live weight is the inner center's: ``views``, ``centers``, ``nbytes``, ``sigma_scales``,
+        ``state_views``, ``state_dict``, ``export_state``, and ``scale`` (the center only; the live weights
+        change at the update's restore)."""
+        if name == "inner":  # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     @property
     def repack_seconds(self) -> float:
@@ -93,15 +80,6 @@ class RepackingCenter:
             self.inner.update(step)
         finally:
             self._stale()
-
-    def scale(self, factor: float) -> None:
-        self.inner.scale(factor)  # the center only; the live weights change at the update's restore
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.inner.state_dict()
-
-    def export_state(self) -> dict[str, torch.Tensor]:
-        return self.inner.export_state()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         try:

@@ -59,14 +59,10 @@ def _bit_sum(t: torch.Tensor) -> int:
 
 
 def fingerprint(views, centers) -> dict:
-    """Per-rank checksum of the live weights and the center.
-
-    Compared between replicas (exact, independent of reduction order): ``live_bits`` and
-    ``center_bits``, int64 sums of every element's bit pattern, and ``hash``, a blake2b of
-    ≤ CHECKSUM_SAMPLES strided elements per tensor with their names.  For people: ``live_sum``
-    and ``center_sum``, float64 sums of the values (their last bits may depend on the thread count).
-    Cost: one reduction pass over each tensor; nothing proportional to the model is allocated.
-    """
+    """Per-rank checksum of the live weights and the center: ``live_bits`` and ``center_bits`` (int64 sums of every
+    element's bit pattern) and ``hash`` (blake2b of ≤ CHECKSUM_SAMPLES strided elements per tensor with their
+    names), exact and compared between replicas; ``live_sum`` and ``center_sum`` (float64 sums) for people.
+    One reduction pass over each tensor; nothing proportional to the model is allocated."""
     h = hashlib.blake2b(digest_size=16)
     out = {"live_bits": 0, "center_bits": 0}
     live_sum, center_sum = [], []
