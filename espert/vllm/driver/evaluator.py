@@ -464,10 +464,8 @@ class VLLMEvaluator(Evaluator):
         self.timings["update"] += time.perf_counter() - t0
 
     def center_state(self) -> dict[str, torch.Tensor]:
-        """The center by logical name, streamed from the workers in bounded chunks (:mod:`espert.vllm.driver.stream`).
-
-        The result is also kept until the next weight change, so the :meth:`export_state` that follows
-        in a checkpoint does not pull it again."""
+        """The center by logical name, streamed from the workers in bounded chunks (:mod:`espert.vllm.driver.stream`);
+        kept until the next weight change, so a checkpoint's :meth:`export_state` does not pull it again."""
         from espert.vllm.driver.stream import pull_center
 
         self._pulled = pull_center(self.rpc, self.chunk_bytes)

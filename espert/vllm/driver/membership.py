@@ -26,12 +26,9 @@ Position = tuple[int, int]
 
 
 class UpdateLog:
-    """Every update since the center's base (:class:`~espert.update.Update`: seeds uint64, coefficients
-    float64, 16 bytes per seed), and the live engines' exact checksums at each point (what a new engine must
-    reproduce).
-
-    ``base``: None (the model's own weights, which every engine loads itself) or the Ray reference of the
-    packed center the last ``load_center`` sent (a resume)."""
+    """Every update since the center's base (:class:`~espert.update.Update`, 16 bytes per seed) and the live
+    engines' exact checksums at each point (what a new engine must reproduce).  ``base``: None (the model's
+    own weights) or the Ray reference of the packed center the last ``load_center`` sent (a resume)."""
 
     def __init__(self):
         self.epoch = 0
@@ -82,11 +79,9 @@ def choose_route(
     has_base: bool,
     has_peer: bool,
 ) -> tuple[str, dict]:
-    """``("replay" | "stream", estimate)`` for a new engine.
-
-    mode: ``"auto"`` (the cheaper estimate), ``"replay"`` or ``"stream"``.  Replay costs loading the base
-    (a center transfer, only when the base was loaded: ``has_base``) plus ``updates`` × the observed
-    seconds per update; streaming costs one center transfer at ``bytes_per_second``.  Without a live
+    """``("replay" | "stream", estimate)`` for a new engine; mode: ``"auto"`` (the cheaper estimate), ``"replay"``
+    or ``"stream"``.  Replay costs loading the base (a center transfer, only when ``has_base``) plus ``updates`` ×
+    the observed seconds per update; streaming one center transfer at ``bytes_per_second``.  Without a live
     engine (``has_peer`` False) only replay is possible."""
     transfer = center_bytes / bytes_per_second
     replay = (transfer if has_base else 0.0) + updates * (seconds_per_update or 0.0)
@@ -100,12 +95,10 @@ def choose_route(
 
 @dataclass
 class Join:
-    """An engine on its way into the pool: starting (``ready`` in flight), then catching up (``catch_up``
-    in flight) to ``at``; admitted when its checksum there equals the live engines'.
-
-    replaces: the engine it replaces (None: added).  fault_at: when that engine was found dead or hung
-    (time.monotonic), for the recovery time.  initial: one of the engines the pool was built with (a
-    failure to start is then an error, not something to retry)."""
+    """An engine on its way into the pool: starting (``ready`` in flight), then catching up (``catch_up`` in
+    flight) to ``at``; admitted when its checksum there equals the live engines'.  replaces: the engine it
+    replaces (None: added); fault_at: when that one was lost (time.monotonic); initial: one the pool was built
+    with (a failure to start is then an error, not something to retry)."""
 
     engine: int
     actor: Any

@@ -61,11 +61,8 @@ class CenterStream:
 def write_center(
     rpc: Callable, path: str, metadata: dict[str, str] | None = None, chunk_bytes: int = CHUNK_BYTES
 ) -> str:
-    """Stream the workers' center into a safetensors file at ``path``; returns its sha256.
-
-    rpc: ``VLLMEvaluator.rpc``.  metadata: the header's ``__metadata__`` (string values).
-    Peak extra driver memory: one chunk (plus the header).
-    """
+    """Stream the workers' center into a safetensors file at ``path`` (rpc: ``VLLMEvaluator.rpc``; metadata: the
+    header's ``__metadata__``), holding one chunk at a time; returns its sha256."""
     return write_chunks(path, CenterStream(rpc, chunk_bytes), metadata)
 
 

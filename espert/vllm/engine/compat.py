@@ -21,6 +21,7 @@ import torch
 
 from espert.update import Update
 from espert.vllm.engine.worker import EXACT_FIELDS, ESWorkerExtension
+from espert.vllm.wire import unpack_tensor
 
 log = logging.getLogger("espert.vllm")
 
@@ -131,20 +132,16 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
             center.restore()
             self._compat_outstanding = None
         msg = group.broadcast_obj((self._compat_pending, self._exact()) if mine else None, src=src)
-        if not mine:
-            if self._compat_pending:  # this engine moved on its own: only a full copy can fix it
-                ok = False
-            else:
-                for seeds, coeffs in msg[0]:
-                    center.update(Update(seeds, coeffs))
-                ok = self._exact() == msg[1]
-        else:
-            ok = True
+        ok = mine or not self._compat_pending  # an engine that moved on its own: only a full copy can fix it
+        if ok and not mine:
+            for seeds, coeffs in msg[0]:
+                center.update(Update(seeds, coeffs))
+            ok = self._exact() == msg[1]
         flags = group.all_gather_obj(ok)
         if not all(flags):
             full = group.broadcast_obj(self.es_center_state() if mine else None, src=src)
             if not ok:
-                self._load_pieces(full)
+                center.load_state_dict({name: unpack_tensor(t) for name, t, _ in full})
                 if self._exact() != msg[1]:
                     raise RuntimeError(
                         "broadcast_all_weights: this engine still differs from the source engine "
@@ -216,12 +213,6 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
     def _exact(self) -> dict:
         out = self.es_checksum()
         return {k: out[k] for k in EXACT_FIELDS}
-
-    def _load_pieces(self, pieces) -> None:
-        from espert.vllm.wire import unpack_tensor
-
-        c = self._es_center
-        c.load_state_dict({name: unpack_tensor(t) for name, t, _ in pieces})
 
     def _load_vllm_named(self, state: dict, filepath: str) -> None:
         """ES-at-Scale's own .pth: vLLM parameter names, the engine's dtype, one TP=1 copy."""

@@ -122,12 +122,9 @@ def _block_geometry(v: ParamView) -> tuple[int, int, int]:
 
 
 class LoraSlots:
-    """K pinned vLLM LoRA slots that espert fills with members' factors (see the module docstring).
-
-    views: the selected ParamViews; rank: the noise's r.  After construction ``views`` are those a LoRA
-    slot carries (the center's views in this mode) and ``unmoved`` the names of the others; ValueError
-    when none is carried.  :meth:`pin` then registers the slots with the worker's LoRA manager.
-    """
+    """K pinned vLLM LoRA slots that espert fills with members' factors (see the module docstring).  views: the
+    selected ParamViews, of which ``views`` keeps those a LoRA slot carries (the center's in this mode) and
+    ``unmoved`` names the others (ValueError when none is carried); rank: the noise's r."""
 
     def __init__(self, model: torch.nn.Module, views, rank: int):
         self.rank = int(rank)

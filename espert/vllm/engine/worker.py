@@ -341,9 +341,8 @@ class ESWorkerExtension:
         self._es_sync()
 
     def _es_pieces(self) -> list:
-        """This rank's center pieces: a ParamView per entry of the center's state dict, with the Block of the
-        view it belongs to (centers, then optimizer slots ``optim.<slot>/<name>`` with their parameter's
-        Block, then ``optim.step``; see ``CenterStore.state_views``).  The W8A8 center: its views' centers."""
+        """This rank's center pieces: a ParamView per entry of the center's state dict (centers, optimizer slots
+        ``optim.<slot>/<name>`` with their parameter's Block, ``optim.step``; ``CenterStore.state_views``)."""
         return self._es_require().state_views()
 
     def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
@@ -387,8 +386,8 @@ class ESWorkerExtension:
         self.es_load_commit()
 
     def es_load_begin(self) -> None:
-        """Start a center load: tensors are staged by :meth:`es_load_tensor` (the center is untouched until
-        :meth:`es_load_commit`; a new begin drops an unfinished load)."""
+        """Start a center load, one tensor per :meth:`es_load_tensor`; the center is untouched until
+        :meth:`es_load_commit` (a new begin drops an unfinished load)."""
         self._es_require()
         self._es_staged: dict[str, torch.Tensor] | None = {}
         self._es_load_pieces: dict[str, list] = {}  # logical name -> this rank's pieces of it
