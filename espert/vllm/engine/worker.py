@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from espert.center import CenterStore, Optimizer
 from espert.update import Update
-from espert.vllm import patches
+from espert.vllm import patches, wire
 from espert.vllm.engine import w8a8
-from espert.vllm.engine.params import checkpoint_files, routed_experts
+from espert.vllm.engine.lora import LoraSlots, batched_rank, slot_error
+from espert.vllm.engine.params import LayoutError, checkpoint_files, checkpoint_shapes, routed_experts, vllm_param_views
 from espert.vllm.engine.repack import RepackingCenter
+from espert.vllm.engine.selftest import check_edits_reach_forward
 from espert.vllm.patches import cpu_prepack, say_counted_warnings
 from espert.vllm.wire import EXACT_FIELDS  # noqa: F401 - its former home: compat.py and tests import it from here
 
@@ -90,8 +93,6 @@ def _allow_amx() -> None:
 
 def _check_w8a8_loop(optimizer, sigma_scales, no_decay, members: str) -> None:
     """W8A8 int8 models take serial members, sgd, absolute σ and no decay exclusions."""
-    from espert.center import Optimizer
-
     if members == "batched":
         raise ValueError("members: batched needs unquantized weights (LoRA slots); this model has W8A8 int8 layers")
     loop = (Optimizer.of(optimizer).name, sigma_scales is not None, bool(no_decay))
@@ -223,9 +224,6 @@ class ESWorkerExtension:
         """``(center, LoRA slots or None)``: the one place es_setup picks its center.  A model with quantized
         layers (W8A8 / W4A16) gets a :class:`~espert.vllm.engine.w8a8.W8A8Center` (codes + float tensors); a float
         model a :class:`~espert.center.CenterStore` over its views, or over what the LoRA slots carry (batched)."""
-        from espert.center import CenterStore
-        from espert.vllm.engine.params import vllm_param_views
-
         if w8a8.has_w8a8(model):  # codes: espert/vllm/engine/w8a8.py
             _check_w8a8_loop(loop["optimizer"], sigma_scales, loop["no_decay"], members)
             qmaster = quant_master if master == "float32" else False
@@ -241,8 +239,6 @@ class ESWorkerExtension:
         return CenterStore(views, master_dtype, pin, sigma_scales=_scales_for(views, sigma_scales), **loop), slots
 
     def _es_lora_slots(self, model, views, noise: str):
-        from espert.vllm.engine.lora import LoraSlots, batched_rank
-
         if getattr(self.model_runner, "lora_manager", None) is None:
             raise ValueError("members: batched needs an engine created with enable_lora=True (espert.vllm.make_llm)")
         return LoraSlots(model, views, batched_rank(noise))
@@ -250,8 +246,6 @@ class ESWorkerExtension:
     def _es_install(self, center, model: torch.nn.Module, device: str) -> dict:
         """Run the self-test (edits must reach the forward pass; :mod:`espert.vllm.engine.selftest`), then make
         ``center`` this worker's center.  A failed self-test raises and leaves the previous center."""
-        from espert.vllm.engine.selftest import check_edits_reach_forward
-
         if device == "cpu":
             _allow_amx()
         probed = check_edits_reach_forward(self.model_runner, model, center.views, RepackingCenter)
@@ -269,9 +263,6 @@ class ESWorkerExtension:
         }
 
     def _es_check_names(self, views) -> None:
-        from espert.vllm.engine.params import LayoutError, checkpoint_shapes
-        from espert.vllm.wire import logical_shape
-
         shapes = checkpoint_shapes(self.vllm_config.model_config.model)
         if shapes is None:
             return
@@ -284,7 +275,7 @@ class ESWorkerExtension:
             )
         for v in views:
             want = shapes[v.name]
-            got = logical_shape(v.tensor.shape, v.block)
+            got = wire.logical_shape(v.tensor.shape, v.block)
             if tuple(got) != tuple(want):
                 raise LayoutError(
                     f"{v.name}: the live logical tensor is {tuple(got)}, the checkpoint's is "
@@ -309,8 +300,6 @@ class ESWorkerExtension:
     def es_lora_error(self, seed: int, sign: int, sigma: float) -> dict[str, float]:
         """members: batched: max relative difference, per logical piece on this rank, between the change a
         LoRA slot adds and the in-place perturbation of the same member (:func:`espert.vllm.engine.lora.slot_error`)."""
-        from espert.vllm.engine.lora import slot_error
-
         slots = getattr(self, "_es_lora", None)
         if slots is None:
             raise RuntimeError("espert worker extension: es_lora_error needs es_setup(members='batched')")
@@ -348,34 +337,26 @@ class ESWorkerExtension:
     def es_center_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
         """This rank's center pieces ``(logical name, packed tensor, block tuple)`` in one message; see
         :func:`espert.vllm.wire.assemble`.  Small models and tests; checkpoints stream with :meth:`es_center_chunk`."""
-        from espert.vllm.wire import block_to_tuple, pack_tensor
-
-        return [(p.name, pack_tensor(p.tensor), block_to_tuple(p.block)) for p in self._es_pieces()]
+        return [(p.name, wire.pack_tensor(p.tensor), wire.block_to_tuple(p.block)) for p in self._es_pieces()]
 
     def es_center_layout(self) -> list[tuple[str, list, tuple | None, str]]:
         """``(logical name, local shape, block tuple, dtype name)`` of this rank's center pieces."""
-        from espert.vllm.wire import layout_rows
-
-        return layout_rows(self._es_pieces())
+        return wire.layout_rows(self._es_pieces())
 
     def es_center_chunk(self, k: int, chunk_bytes: int) -> tuple[int, int, int, bytes] | None:
         """The k-th chunk of this rank's center, ``(piece index, flat start, stop, raw bytes)`` of at most
         ``chunk_bytes`` bytes, or None past the end (see :mod:`espert.vllm.driver.stream`)."""
-        from espert.vllm.wire import bits, chunk_plan
-
         ts = [p.tensor for p in self._es_pieces()]
-        plan = chunk_plan([t.numel() for t in ts], [t.element_size() for t in ts], int(chunk_bytes))
+        plan = wire.chunk_plan([t.numel() for t in ts], [t.element_size() for t in ts], int(chunk_bytes))
         for j, (i, a, b) in enumerate(plan):
             if j == k:
-                return i, a, b, bits(ts[i].reshape(-1)[a:b]).numpy().tobytes()
+                return i, a, b, wire.bits(ts[i].reshape(-1)[a:b]).numpy().tobytes()
         return None
 
     def es_live_state(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
         """This rank's live weight pieces (copies, on the host), for tests and diagnostics."""
-        from espert.vllm.wire import block_to_tuple, pack_tensor
-
         c = self._es_require()
-        return [(v.name, pack_tensor(v.tensor), block_to_tuple(v.block)) for v in c.views]
+        return [(v.name, wire.pack_tensor(v.tensor), wire.block_to_tuple(v.block)) for v in c.views]
 
     def es_load_center(self, state: dict) -> None:
         """Replace the center (and optimizer state) from full logical tensors (name -> tensor, or ``pack_tensor``
@@ -396,13 +377,11 @@ class ESWorkerExtension:
 
     def es_load_tensor(self, name: str, value) -> None:
         """Stage one full logical tensor (tensor or ``pack_tensor`` form); this rank keeps its block of it."""
-        from espert.vllm.wire import split_logical, unpack_tensor
-
         staged = getattr(self, "_es_staged", None)
         if staged is None:
             raise RuntimeError("es_load_tensor without es_load_begin")
         pieces = self._es_load_pieces.get(name, [])  # empty: not on this rank (or unknown)
-        local = split_logical(pieces, {name: unpack_tensor(value)})
+        local = wire.split_logical(pieces, {name: wire.unpack_tensor(value)})
         for p in pieces:
             staged[p.name] = local[p.name].to(dtype=p.tensor.dtype).contiguous()
 
@@ -433,6 +412,4 @@ class ESWorkerExtension:
 
     def es_layout(self) -> list[tuple[str, list, tuple | None, str]]:
         """``(logical name, local shape, block tuple, dtype name)`` of every live view, for inspection and docs."""
-        from espert.vllm.wire import layout_rows
-
-        return layout_rows(self._es_require().views)
+        return wire.layout_rows(self._es_require().views)
