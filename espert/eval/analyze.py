@@ -1,17 +1,9 @@
-"""Weight-space analysis of fine-tuned checkpoints against their base model.
+"""Weight-space analysis of fine-tuned checkpoints against their base model (``espert analyze --base --ckpt``).
 
-* relative L2 drift ``||theta - theta0|| / ||theta0||`` overall and per parameter group
-  (embeddings, attention q/k/v/o, mlp, norms, lm_head, other);
-* the distribution of update magnitudes ``|delta|`` (share of non-zero updates with
-  ``|delta| <= tau`` for a list of tau, and a log10 histogram);
-* export of a magnitude-thresholded checkpoint: every weight whose update satisfies
-  ``|delta| <= tau`` is set back to its base value, the rest keep the checkpoint's value.
-  The export keeps the checkpoint's tensor names, dtypes and shard layout, writes
-  ``model.safetensors`` (or the same shards plus index) and copies config/tokenizer
-  files, so ``transformers.AutoModelForCausalLM.from_pretrained`` loads it.
-
-Everything streams tensor by tensor (large tensors in row chunks); at most one chunk
-of each model is held in float64 at a time. Only safetensors weights are supported.
+Relative L2 drift overall and per parameter group, the distribution of update magnitudes ``|delta|``, and
+export of a checkpoint whose updates ``|delta| <= tau`` are reset to the base (docs/eval.md, section 6).
+Everything streams tensor by tensor (large tensors in row chunks): at most one chunk of each model is held
+in float64 at a time.  Only safetensors weights are supported.
 """
 
 from __future__ import annotations
@@ -28,6 +20,7 @@ from typing import Iterator, Optional, Sequence
 from espert.extras import require
 
 from .diagnose import check_outputs, write_json
+from .plots import pyplot, save_figure
 
 #: (group, regex) checked in order against the parameter name; the first match wins.
 GROUP_PATTERNS: list[tuple[str, re.Pattern]] = [
@@ -84,7 +77,6 @@ class SafetensorsWeights:
         if not os.path.exists(path):
             raise FileNotFoundError(f"checkpoint not found: {path}")
         self.path = path
-        self.dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
         self.is_dir = os.path.isdir(path)
         self.index_file: Optional[str] = None
         if not self.is_dir:
@@ -327,15 +319,10 @@ def _check_output_dir(out_dir: str, inputs: Sequence[str], force: bool) -> None:
 def export_thresholded(base_path: str, ckpt_path: str, out_dir: str, tau: float, force: bool = False) -> dict:
     """Write a copy of the checkpoint with every update ``|delta| <= tau`` reset to the base value.
 
-    Tensor names, dtypes and shard layout follow the checkpoint (a bare ``.safetensors``
-    file becomes ``out_dir/model.safetensors``). Config/tokenizer files (``*.json``,
-    ``*.txt``, ``*.model``, ...) are copied from the checkpoint directory, or from the base
-    directory if the checkpoint is a bare file. Refuses to write into an input location,
-    and into an existing non-empty directory unless ``force`` (then stale
-    ``*.safetensors``/index files there are removed first).
-
-    Returns counts: ``numel``, ``n_changed`` (updates in the checkpoint), ``n_reset``
-    (updates reset to base) and ``n_kept``.
+    Names, dtypes and shard layout follow the checkpoint; config/tokenizer files (:data:`COPY_SUFFIXES`) are
+    copied (docs/eval.md, section 6).  Refuses an input location, and a non-empty ``out_dir`` unless ``force``
+    (then its stale ``*.safetensors``/index files are removed first).  Returns the counts ``numel``,
+    ``n_changed`` (updates in the checkpoint), ``n_reset`` (updates reset to base) and ``n_kept``.
     """
     import torch
     from safetensors.torch import save_file
@@ -408,16 +395,12 @@ def format_drift_summary(label: str, res: dict) -> str:
 
 def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
     """Write ``drift_groups.png`` (per-group relative drift) and ``update_hist.png`` (log10|delta|)."""
-    from espert.eval.plots import pyplot
-
     plt = pyplot()
     os.makedirs(out_dir, exist_ok=True)
     return [_plot_groups(plt, results, out_dir), _plot_update_hist(plt, results, out_dir)]
 
 
 def _plot_groups(plt, results: dict[str, dict], out_dir: str) -> str:
-    from espert.eval.plots import save_figure
-
     labels = list(results)
     groups = [g for g in GROUPS if any(g in r["groups"] for r in results.values())]
     width = min(11.0, max(6.0, 0.45 * len(groups) * (1 + len(labels)) + 1.5))
@@ -433,19 +416,9 @@ def _plot_groups(plt, results: dict[str, dict], out_dir: str) -> str:
             for x, v, g in zip(xs, vals, groups)
             if v == 0 and g in results[lab]["groups"]
         ]
+    mark = dict(xycoords=("data", "axes fraction"), xytext=(0, 3), textcoords="offset points", ha="center")
     for x, color in zero:
-        ax.annotate(
-            "0",
-            (x, 0),
-            xycoords=("data", "axes fraction"),
-            xytext=(0, 3),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize=8,
-            fontweight="bold",
-            color=color,
-        )
+        ax.annotate("0", (x, 0), **mark, va="bottom", fontsize=8, fontweight="bold", color=color)
     if zero:
         ax.text(
             0.99, 0.98, "0 = group unchanged (zero drift)", transform=ax.transAxes, ha="right", va="top", fontsize=7
@@ -463,8 +436,6 @@ def _plot_groups(plt, results: dict[str, dict], out_dir: str) -> str:
 
 
 def _plot_update_hist(plt, results: dict[str, dict], out_dir: str) -> str:
-    from espert.eval.plots import save_figure
-
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     edges = HIST_EDGES
     centers = [edges[0] - 0.25] + [(edges[i - 1] + edges[i]) / 2 for i in range(1, len(edges))] + [edges[-1] + 0.25]

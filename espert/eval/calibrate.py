@@ -14,6 +14,12 @@ import json
 import sys
 import time
 
+from espert.extras import require
+from espert.tasks import canonical_task_name, load_task
+from espert.tasks.generated import LEVELS, level_knobs
+
+from .samplers import make_sampler
+
 #: The base reward a level must have to be picked: inside this range ES members' rewards differ.
 LOW, HIGH = 0.1, 0.7
 #: Default generation budget per task (a Countdown answer comes after its reasoning).
@@ -27,8 +33,6 @@ def pick_level(rewards: dict[int, float], low: float = LOW, high: float = HIGH) 
 
 def describe_level(task: str, level: int) -> str:
     """A level's knobs in words: ``"2-digit * , 2 terms"`` or ``"3-4 numbers in 1..99, target <= 999"``."""
-    from espert.tasks.generated import level_knobs
-
     k = level_knobs(task, level)
     if task == "arithmetic":
         return f"{k['digits']}-digit {' '.join(k['ops'])}, {k['terms']} terms"
@@ -42,8 +46,6 @@ def calibrate(sampler, task: str, levels: list[int], n: int, max_new_tokens: int
     """Greedy base rewards of ``sampler`` (a :class:`espert.eval.samplers.Sampler`) on ``n`` held-out problems of
     each level of ``task``; returns ``{"task", "levels": [{"level", "knobs", "problems", "reward",
     "seconds"}], "pick"}``.  Every level's problems are generated before the first sample."""
-    from espert.tasks import load_task
-
     problems = {level: load_task(f"{task}@{level}", "test", n=n) for level in levels}
     rows = []
     for level, t in problems.items():
@@ -107,8 +109,6 @@ def add_calibrate_parser(sub) -> None:
 
 
 def _levels(task: str, spec: str | None) -> list[int]:
-    from espert.tasks.generated import LEVELS, level_knobs
-
     if task not in LEVELS:
         level_knobs(task, 1)  # the one-line refusal for a task without a ladder
     if spec is None:
@@ -124,12 +124,8 @@ def _levels(task: str, spec: str | None) -> list[int]:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Entry point of ``espert calibrate`` (bad input: the CLI's one line, exit 2, before the model loads)."""
-    from espert.extras import require
     from espert.runs import resolve_model_dir
     from espert.runs.gguf import gguf_path
-    from espert.tasks import canonical_task_name
-
-    from .samplers import make_sampler
 
     task = canonical_task_name(args.task)
     levels = _levels(task, args.levels)

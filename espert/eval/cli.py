@@ -16,6 +16,14 @@ from typing import Sequence
 
 from espert.config import Renamed, smoke_caps, smoke_line
 
+from ..tasks import PYTHON_PREFIX, load_spec_task
+from .analyze import add_arguments, run_analyze
+from .diagnose import add_subcommands
+from .report import forgetting
+from .runner import load_sample_files, parse_model_specs, write_outputs
+from .samplers import check_sampling_args, make_sampler
+from .samples import save_samples
+
 #: eval's generation budget when no run gives one
 MAX_NEW_TOKENS = 512
 
@@ -152,8 +160,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from .runner import load_sample_files
-
     if bool(args.models) == bool(args.samples):
         raise ValueError("give exactly one of --models (generate) or --samples (re-score)")
     if args.threshold is not None and not math.isfinite(args.threshold):
@@ -191,9 +197,10 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"a task is given twice: {' '.join(tasks)}")
     loaded = [(name, _load(args, name, path)) for name, path in named]  # every task's problems before sampling
     models = _resolve_models(args.models)  # after the tasks: a bad task name needs no Hub request
-    _quiet_transformers()
+    from ..evaluators.torch_model import quiet_transformers
     from ..vllm import quiet_logging
 
+    quiet_transformers()
     quiet_logging(args.verbose)
     reports = {}
     for name, task in loaded:
@@ -202,7 +209,6 @@ def _run_eval(args: argparse.Namespace) -> int:
         reports[name] = _write(args, _sample(args, task, models, out), out, threshold)
     if len(tasks) > 1:
         from ..files import atomic_write_text
-        from .report import forgetting
 
         doc, text = forgetting(reports, base=args.base or next(iter(models)))
         atomic_write_text(os.path.join(args.out, "forgetting.json"), json.dumps(doc, indent=2) + "\n")
@@ -217,7 +223,6 @@ def _check_sampling(args: argparse.Namespace) -> None:
     import torch
 
     from ..runs import check_device
-    from .samplers import check_sampling_args
 
     check_sampling_args([], args.n, args.temperature, args.top_p, args.max_new_tokens)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
@@ -238,7 +243,6 @@ def _resolve_models(specs: Sequence[str]) -> dict[str, str]:
     label far more often than a Hub model."""
     from ..runs import resolve_model_dir
     from ..runs.gguf import gguf_path
-    from .runner import parse_model_specs
 
     models = parse_model_specs(specs)
     for spec, (label, path) in zip(specs, models.items()):
@@ -256,7 +260,6 @@ def _run_of(model_specs) -> tuple[str, dict] | None:
     """``(run directory, its config.yaml)`` of the first model that is a run's ``base_model`` or ``export``
     (or the run directory itself), else None."""
     from ..runs import CONFIG, read_run_config
-    from .runner import parse_model_specs
 
     for path in parse_model_specs(model_specs).values():
         for d in (path, os.path.dirname(os.path.normpath(path))):
@@ -271,8 +274,6 @@ def _run_of(model_specs) -> tuple[str, dict] | None:
 def _task_of_run(args: argparse.Namespace) -> list[str]:
     """The task a run was trained on, and its held-out problems, generation budget and chat template as the
     defaults of what was not given; ValueError when no model is in a run directory."""
-    from ..tasks import PYTHON_PREFIX
-
     found = _run_of(args.models)
     if found is None:
         raise ValueError("--task is required when generating (no --models path is in a run directory)")
@@ -300,8 +301,6 @@ def _dir_name(spec: str) -> str:
 
 def _load(args: argparse.Namespace, spec: str, path: str = ""):
     """The problems of task ``spec``: from ``path`` (its own file, ``TASK=JSONL``), else --data or its source."""
-    from ..tasks import load_spec_task
-
     if path and not os.path.isfile(path):
         raise FileNotFoundError(f"problems file of task {spec!r} not found: {path}")
     task = load_spec_task(spec, args.split, n=args.limit, path=path or args.data)
@@ -313,9 +312,7 @@ def _load(args: argparse.Namespace, spec: str, path: str = ""):
 def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) -> dict[str, list[dict]]:
     """Sample every model on ``task``; saves ``out/samples_LABEL.jsonl`` and returns the records by label."""
     from ..evaluators import loading_model
-    from .runner import generate_samples
-    from .samplers import make_sampler
-    from .samples import save_samples
+    from .runner import generate_samples  # looked up here: tests stop a call at it
 
     groups = {}
     for label, path in models.items():
@@ -325,23 +322,12 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
             kwargs.update(batch_size=args.batch_size, device=args.device)
         with loading_model(path, args.evaluator):  # the check espert train makes of its base model
             sampler = make_sampler(args.evaluator, path, **kwargs)
+        meta = {"model_path": path, "evaluator": args.evaluator, "split": args.split, "data": args.data}
+        sampling = (args.n, args.temperature, args.top_p, args.max_new_tokens, args.seed)
         try:
-            recs = generate_samples(
-                task,
-                label,
-                sampler,
-                args.n,
-                args.temperature,
-                args.top_p,
-                args.max_new_tokens,
-                args.seed,
-                extra_meta={"model_path": path, "evaluator": args.evaluator, "split": args.split, "data": args.data},
-                progress=f"[espert eval] sampling {label}",
-            )
+            recs = generate_samples(task, label, sampler, *sampling, meta, progress=f"[espert eval] sampling {label}")
         finally:
-            close = getattr(sampler, "close", None)
-            if close:
-                close()
+            getattr(sampler, "close", lambda: None)()
         out_path = os.path.join(out, f"samples_{label}.jsonl")
         os.makedirs(out, exist_ok=True)  # once a model has loaded and sampled: a refusal writes nothing
         save_samples(out_path, recs)
@@ -351,29 +337,9 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
 
 
 def _write(args: argparse.Namespace, groups: dict, out: str, threshold: float) -> dict:
-    from .runner import write_outputs
-
-    report = write_outputs(
-        groups,
-        out,
-        base=args.base,
-        threshold=threshold,
-        solve_rule=args.solve_rule,
-        plots=not args.no_plots,
-        maj_method=args.maj,
-    )
+    report = write_outputs(groups, out, args.base, threshold, args.solve_rule, not args.no_plots, maj_method=args.maj)
     print(f"[espert eval] report: {os.path.join(out, 'report.json')}", file=sys.stderr)
     return report
-
-
-def _quiet_transformers() -> None:
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except Exception:  # noqa: BLE001 - cosmetic only
-        pass
 
 
 ANALYZE_USAGE = """
@@ -393,9 +359,6 @@ def analyze_shorthand(argv: Sequence[str]) -> list[str]:
 
 def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``analyze`` sub-command to an argparse ``subparsers`` object; sets ``func``."""
-    from .analyze import add_arguments, run_analyze
-    from .diagnose import add_subcommands
-
     p = subparsers.add_parser(
         "analyze",
         help="a run's training curve and estimator diagnostics; weight drift of checkpoints vs a base model",

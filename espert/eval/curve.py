@@ -96,18 +96,10 @@ def plot_training(curve: dict, path: str) -> str:
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.grid(True, alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
     rank = {label: 0, MEMBERS_MEAN: 1, "members: mean ± std": 2, "members: min-max": 3}  # then the marks
-    order = sorted(range(len(labels)), key=lambda i: rank.get(labels[i], 4))
-    ax.legend(  # below the curves, never on them, and the axes keep the figure's width
-        [handles[i] for i in order],
-        [labels[i] for i in order],
-        fontsize=8,
-        ncol=2,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.13),
-        frameon=False,
-    )
+    handles, labels = zip(*sorted(zip(*ax.get_legend_handles_labels()), key=lambda hl: rank.get(hl[1], 4)))
+    # below the curves, never on them, and the axes keep the figure's width
+    ax.legend(handles, labels, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
     pop = f", population {curve['population']}" if curve.get("population") else ""
     ax.set_title(f"training curve: task {curve['task']}, {len(curve['iterations'])} iterations{pop}", fontsize=10)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

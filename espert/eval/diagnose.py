@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import Optional
 
 import numpy as np
 
-from espert.extras import require
+from espert.extras import have, install_hint, require
+
+from .curve import write_training_png
+from .metrics import mean_or_none
+from .plots import pyplot, save_figure
 
 
 def run_diagnostics(run_dir: str) -> dict:
@@ -58,11 +62,6 @@ def run_diagnostics(run_dir: str) -> dict:
     return {"run_dir": run_dir, "rows": rows, "heldout": held}
 
 
-def _mean(xs) -> Optional[float]:
-    v = [x for x in xs if x is not None]
-    return sum(v) / len(v) if v else None
-
-
 def format_run_diagnostics(res: dict) -> str:
     rows = res["rows"]
     f = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
@@ -70,10 +69,11 @@ def format_run_diagnostics(res: dict) -> str:
     lines = [f"{res['run_dir']}: {len(rows)} iterations"]
     for name, part in (("first half", rows[:half]), ("second half", rows[half:] or rows[:half])):
         lines.append(
-            f"  {name}: Corr(X+,X-) {f(_mean(r['corr_pm'] for r in part))}, "
-            f"kappa {f(_mean(r['kappa'] for r in part))}, kappa_eval {f(_mean(r['kappa_eval'] for r in part))}, "
-            f"reward std {f(_mean(r['reward_std'] for r in part))}, "
-            f"answer JS {f(_mean(r['answer_js'] for r in part))} bits"
+            f"  {name}: Corr(X+,X-) {f(mean_or_none(r['corr_pm'] for r in part))}, "
+            f"kappa {f(mean_or_none(r['kappa'] for r in part))}, "
+            f"kappa_eval {f(mean_or_none(r['kappa_eval'] for r in part))}, "
+            f"reward std {f(mean_or_none(r['reward_std'] for r in part))}, "
+            f"answer JS {f(mean_or_none(r['answer_js'] for r in part))} bits"
         )
     tot = rows[-1]["flops_total"]
     lines.append(f"  forward FLOPs (cumulative): {'not logged' if tot is None else f'{tot:.3e}'}")
@@ -84,8 +84,6 @@ def plot_run_diagnostics(res: dict, out_dir: str) -> str:
     """``estimator.png``: Corr(X+,X-), kappa, population diversity (reward spread; answer JS in bits on
     a right axis, when logged) and held-out reward per iteration (x: cumulative FLOPs when logged,
     else iterations)."""
-    from espert.eval.plots import pyplot, save_figure
-
     plt = pyplot()
     rows = res["rows"]
     use_flops = all(r["flops_total"] is not None for r in rows)
@@ -127,10 +125,6 @@ def run_run(args: argparse.Namespace) -> int:
     """``espert analyze run RUN_DIR`` (or ``espert analyze RUN_DIR``): estimator diagnostics of a training
     run, and its training curve and estimator plots (``training.png``, ``estimator.png``) in --plot-dir,
     by default ``RUN_DIR/eval``."""
-    from espert.extras import have, install_hint
-
-    from .curve import write_training_png
-
     try:
         if args.plot_dir:
             require("matplotlib", "--plot-dir")
@@ -186,8 +180,6 @@ def run_estimator(args: argparse.Namespace) -> int:
 
 def _check_estimator_args(args: argparse.Namespace) -> None:
     """ValueError naming the first of ``analyze estimator``'s numbers out of range, before a model loads."""
-    import math
-
     for flag, least in (("pool", 1), ("pairs", 2), ("per_member", 1), ("max_new_tokens", 1)):
         if getattr(args, flag) < least:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")

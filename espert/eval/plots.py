@@ -41,20 +41,11 @@ def plot_pass_at_k(report: dict, path: str) -> str:
         all_k.update(ks)
         col = colors[i % len(colors)]
         ax.plot(ks, [m["pass_at_k"][str(k)] for k in ks], marker="o", color=col, label=f"{lab} pass@k")
-        ax.plot(
-            ks,
-            [m["maj_at_k"][str(k)] for k in ks],
-            marker="s",
-            ms=4,
-            ls="--",
-            color=col,
-            alpha=0.7,
-            label=f"{lab} maj@k",
-        )
+        maj = [m["maj_at_k"][str(k)] for k in ks]
+        ax.plot(ks, maj, marker="s", ms=4, ls="--", color=col, alpha=0.7, label=f"{lab} maj@k")
     ax.set_xscale("log", base=2)
-    ks_sorted = sorted(all_k)
-    ax.set_xticks(ks_sorted)
-    ax.set_xticklabels([str(k) for k in ks_sorted])
+    ax.set_xticks(sorted(all_k))
+    ax.set_xticklabels([str(k) for k in sorted(all_k)])
     ax.minorticks_off()
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("k (samples per problem)")
@@ -106,16 +97,9 @@ def plot_progressions(report: dict, path: str) -> str:
         regr = [comps[lab]["regressions"] for lab in labels]
         b1 = ax.bar([i - 0.2 for i in x], prog, width=0.4, color="#27ae60", label="progressions")
         b2 = ax.bar([i + 0.2 for i in x], regr, width=0.4, color="#c0392b", label="regressions")
-        for bars in (b1, b2):
-            for b in bars:
-                ax.text(
-                    b.get_x() + b.get_width() / 2,
-                    b.get_height(),
-                    str(int(b.get_height())),
-                    ha="center",
-                    va="bottom",
-                    fontsize=8,
-                )
+        for b in (*b1, *b2):
+            h = b.get_height()
+            ax.text(b.get_x() + b.get_width() / 2, h, str(int(h)), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x)
         ax.set_xticklabels([f"{lab}\n(net {comps[lab]['net']:+d})" for lab in labels])
         top = max(prog + regr + [1])
@@ -144,15 +128,9 @@ def plot_pareto(report: dict, path: str) -> str:
         faded = bool(p["dominated_by"])
         ax.scatter([x], [y], s=40, alpha=0.3 if faded else 1.0, color="tab:gray" if faded else "tab:blue")
         right = x > 0.75  # a label near the right edge goes to the left of its point, inside the axes
-        ax.annotate(
-            lab,
-            (x, y),
-            textcoords="offset points",
-            xytext=(-5 if right else 5, -11 if y > 0.93 else 4),
-            ha="right" if right else "left",
-            fontsize=8,
-            alpha=0.5 if faded else 1.0,
-        )
+        offset = (-5 if right else 5, -11 if y > 0.93 else 4)
+        ha, alpha = "right" if right else "left", 0.5 if faded else 1.0
+        ax.annotate(lab, (x, y), textcoords="offset points", xytext=offset, ha=ha, fontsize=8, alpha=alpha)
     front = [(par["points"][lab]["pass_at_1"], par["points"][lab][f"pass_at_{k}"]) for lab in par["front"]]
     if len(front) > 1:
         ax.step([x for x, _ in front], [y for _, y in front], where="post", color="tab:blue", alpha=0.6)

@@ -9,7 +9,7 @@ from .metrics import (
     ACC_BIN_LABELS,
     MAJ_METHODS,
     SOLVE_RULES,
-    accuracy_bin,
+    accuracy_histogram,
     answer_entropy,
     k_values,
     maj_at_k,
@@ -51,9 +51,7 @@ def model_metrics(
     per = _per_problem(records, threshold, maj_method, equivalent, ks)
     pass_sums, maj_sums = per.pop("pass"), per.pop("maj")
     P = len(records)
-    hist = [0] * len(ACC_BIN_LABELS)
-    for c, n in zip(per["n_correct"], per["n"]):
-        hist[accuracy_bin(c, n)] += 1
+    hist = accuracy_histogram(zip(per["n_correct"], per["n"]))
     rewards = [x for r in records for x in r["rewards"]]
     return {
         "n_problems": P,
@@ -201,13 +199,12 @@ def build_report(
         "maj_method": maj_method,
         "sampling": {lab: groups[lab][0].get("meta", {}) for lab in labels},
         "models": {lab: model_metrics(groups[lab], threshold, maj_method, equivalent) for lab in labels},
-        "comparisons": {},
+        "comparisons": {
+            lab: compare(base, groups[base], lab, groups[lab], threshold, solve_rule, equivalent)
+            for lab in labels
+            if lab != base
+        },
     }
-    for lab in labels:
-        if lab != base:
-            report["comparisons"][lab] = compare(
-                base, groups[base], lab, groups[lab], threshold, solve_rule, equivalent
-            )
     report["pareto"] = pareto(report["models"])
     return report
 
@@ -236,34 +233,21 @@ def _fmt(x: Optional[float], nd: int = 3) -> str:
 def format_summary(report: dict) -> str:
     """A short human-readable summary of a report (what ``espert eval`` prints)."""
     models = report["models"]
-    labels = list(models)
-    any_m = models[labels[0]]
+    any_m = next(iter(models.values()))
     ks = list(any_m["pass_at_k"])
-    lines = []
-    n_desc = any_m["n_samples_per_problem"]
-    lines.append(
-        f"task {report['task']}: {any_m['n_problems']} problems, n={n_desc} samples/problem, "
+    lines = [
+        f"task {report['task']}: {any_m['n_problems']} problems, n={any_m['n_samples_per_problem']} samples/problem, "
         f"correct = reward >= {report['success_threshold']:g}"
-    )
+    ]
     pk = ks if len(ks) <= 4 else [ks[0], ks[len(ks) // 2], ks[-1]]
     head = ["model", "reward"] + [f"pass@{k}" for k in pk] + [f"maj@{ks[-1]}", "unsolved", "all-correct", "H(bits)"]
-    rows = []
-    for lab in labels:
-        m = models[lab]
-        rows.append(
-            [lab, _fmt(m["mean_reward"])]
-            + [_fmt(m["pass_at_k"].get(k)) for k in pk]
-            + [
-                _fmt(m["maj_at_k"][ks[-1]]) if ks[-1] in m["maj_at_k"] else "-",
-                str(m["unsolved"]),
-                str(m["all_correct"]),
-                _fmt(m["answer_entropy_mean"], 2),
-            ]
-        )
-    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
-    lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    rows = [
+        [lab, _fmt(m["mean_reward"]), *(_fmt(m["pass_at_k"].get(k)) for k in pk)]
+        + [_fmt(m["maj_at_k"][ks[-1]]) if ks[-1] in m["maj_at_k"] else "-", str(m["unsolved"]), str(m["all_correct"])]
+        + [_fmt(m["answer_entropy_mean"], 2)]
+        for lab, m in models.items()
+    ]
+    lines += _table(head, rows, left=1)
     par = report.get("pareto")
     if par and len(models) > 1:
         off = [f"{lab} (by {', '.join(p['dominated_by'])})" for lab, p in par["points"].items() if p["dominated_by"]]
@@ -315,8 +299,13 @@ def forgetting(reports: dict[str, dict], base: str) -> tuple[dict, str]:
             signed = [("" if lab == base else f"{d:+.3f}") if d is not None else "n/a" for d in delta]
             rows.append([f"{spec} (K={k})", lab] + [_fmt(v) for v in vals] + signed)
         doc["tasks"][spec] = task
+    return doc, "\n".join([f"forgetting: every model on every task, change against {base!r}", *_table(head, rows, 2)])
+
+
+def _table(head: list[str], rows: list[list[str]], left: int) -> list[str]:
+    """``head`` and ``rows`` as lines of columns two spaces apart: the first ``left`` left-aligned, the rest right."""
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    lines = [f"forgetting: every model on every task, change against {base!r}"]
-    lines.append("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
-    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    return doc, "\n".join(lines)
+    return [
+        "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in [head, *rows]
+    ]

@@ -10,11 +10,13 @@ import time
 from typing import Callable, Optional, Sequence
 
 from espert.extras import have, install_hint
+from espert.progress import bar, shown, ticking
 
-from ..tasks import Task
+from ..tasks import PYTHON_PREFIX, Task, load_spec_task
 from .plots import write_plots
 from .report import build_report, format_summary
-from .samples import group_by_model, load_samples, make_records, rescore
+from .samplers import TransformersSampler
+from .samples import group_by_model, load_samples, make_records, rescore, save_samples
 
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -56,8 +58,6 @@ def generate_samples(
 
     progress: the title of a bar counting the problems sampled (on a terminal only, :mod:`espert.progress`),
     for samplers that report it (a ``progress`` callback); else a line counting the seconds."""
-    from espert.progress import bar, shown, ticking
-
     if len(task) == 0:
         raise ValueError(f"task {task.name!r} has no problems")
     t0 = time.time()
@@ -68,15 +68,8 @@ def generate_samples(
         comps = sampler.sample(task.prompts, n, temperature, top_p, max_tokens, seed, **kwargs)
     if len(comps) != len(task) or any(len(c) != n for c in comps):
         raise RuntimeError("sampler returned the wrong number of completions")
-    meta = {
-        "n": n,
-        "temperature": temperature,
-        "top_p": top_p,
-        "max_tokens": max_tokens,
-        "seed": seed,
-        "sampling_seconds": round(time.time() - t0, 3),
-    }
-    meta.update(extra_meta or {})
+    meta = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    meta = {**meta, "sampling_seconds": round(time.time() - t0, 3), **(extra_meta or {})}
     return make_records(label, task, comps, meta=meta)
 
 
@@ -113,10 +106,7 @@ def load_sample_files(
     """Load saved sample files, optionally re-score them, and group them by model label."""
     if not paths:
         raise ValueError("no sample files given")
-    records: list[dict] = []
-    for p in paths:
-        records.extend(load_samples(p))
-    groups = group_by_model(records)
+    groups = group_by_model(r for p in paths for r in load_samples(p))
     if rescore_rewards:
         for recs in groups.values():
             rescore(recs, task_name)
@@ -125,8 +115,6 @@ def load_sample_files(
 
 def _heldout_task(cfg: dict, limit: int) -> Task:
     """The held-out problems of a run's config (its ``eval_split`` / ``eval_data``)."""
-    from ..tasks import PYTHON_PREFIX, load_spec_task
-
     if str(cfg["task"]).startswith(PYTHON_PREFIX):
         raise ValueError(f"run task {cfg['task']!r} was given as Python objects: pass it as task=")
     task = load_spec_task(cfg["task"], cfg.get("eval_split", "test"), n=limit, path=cfg.get("eval_data"))
@@ -154,11 +142,7 @@ def evaluate_run(
     labelled ``es``, and writes ``report.json``, ``summary.txt``, the samples and the plots to
     ``out_dir`` (default ``RUN/eval``).  Returns the report.
     """
-    from espert.progress import ticking
-
     from ..runs import BASE, EXPORT, read_run_config
-    from .samplers import TransformersSampler
-    from .samples import save_samples
 
     doc = read_run_config(run_dir)
     cfg = doc["config"]
@@ -169,24 +153,14 @@ def evaluate_run(
     task = (task or _heldout_task(cfg, limit)).subset(limit)
     out_dir = out_dir or os.path.join(run_dir, "eval")
     os.makedirs(out_dir, exist_ok=True)
-    groups = {}
+    groups, sampling = {}, (n, temperature, 1.0, int(cfg["max_new_tokens"]), seed)
     for label, path in (("base", base), ("es", export)):
         with ticking(f"[espert] report: loading {label}"):
             sampler = TransformersSampler(
                 path, device="cpu", batch_size=256, chat_template=bool(cfg.get("chat_template"))
             )
-        recs = generate_samples(
-            task,
-            label,
-            sampler,
-            n,
-            temperature,
-            1.0,
-            int(cfg["max_new_tokens"]),
-            seed,
-            extra_meta={"model_path": path},
-            progress=f"[espert] report: sampling {label}",
-        )
+        title = f"[espert] report: sampling {label}"
+        recs = generate_samples(task, label, sampler, *sampling, extra_meta={"model_path": path}, progress=title)
         save_samples(os.path.join(out_dir, f"samples_{label}.jsonl"), recs)
         groups[label] = recs
     return write_outputs(

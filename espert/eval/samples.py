@@ -15,11 +15,7 @@ RECORD_KEYS = ("model", "task", "index", "prompt", "answer", "completions", "rew
 
 
 def make_records(
-    label: str,
-    task: Task,
-    completions: Sequence[Sequence[str]],
-    meta: Optional[dict] = None,
-    indices: Optional[Sequence[int]] = None,
+    label: str, task: Task, completions: Sequence[Sequence[str]], meta: Optional[dict] = None
 ) -> list[dict]:
     """Score completions (``completions[i]`` = the n samples of problem i) into records.
 
@@ -29,21 +25,11 @@ def make_records(
     """
     if len(completions) != len(task.prompts):
         raise ValueError(f"got completions for {len(completions)} problems, task has {len(task.prompts)}")
-    idx = list(range(len(task.prompts))) if indices is None else list(indices)
-    records = []
-    for i, (p, a, comps) in enumerate(zip(task.prompts, task.answers, completions)):
-        rec = {
-            "model": label,
-            "task": task.name,
-            "index": idx[i],
-            "prompt": p,
-            "answer": a,
-            "completions": list(comps),
-            "rewards": [],
-            "extracted": [],
-            "meta": dict(meta or {}),
-        }
-        records.append(rec)
+    records = [
+        {"model": label, "task": task.name, "index": i, "prompt": p, "answer": a, "completions": list(comps)}
+        | {"rewards": [], "extracted": [], "meta": dict(meta or {})}
+        for i, (p, a, comps) in enumerate(zip(task.prompts, task.answers, completions))
+    ]
     return score_records(records, task)
 
 
