@@ -11,14 +11,20 @@ as the torch evaluator does, so with greedy fp32 decoding both score the same te
 
 from __future__ import annotations
 
+import gc
+import importlib
+import inspect
 import logging
 import math
 import os
+import platform
+import sys
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
+from espert.center import OPTIM_PREFIX
 from espert.evaluators.base import (
     Evaluator,
     Member,
@@ -32,6 +38,10 @@ from espert.tasks.base import chat_prompt
 from espert.tensorfile import CHUNK_BYTES
 from espert.update import Update
 from espert.vllm import patches
+from espert.vllm.driver.chunks import lora_chunks
+from espert.vllm.driver.stream import CenterStream, pull_center
+from espert.vllm.engine.lora import batched_rank, lora_rank_for
+from espert.vllm.wire import assemble, pack_tensor
 
 if TYPE_CHECKING:  # what espert calls on it is checked in every vLLM release (tools/vllm_contract.py)
     from vllm import LLM
@@ -45,8 +55,6 @@ WORKER_EXTENSION = "espert.vllm.engine.worker.ESWorkerExtension"
 def _is_espert_extension(path) -> bool:
     """Whether a ``worker_extension_cls`` path names espert's worker extension or a subclass of it
     (``espert.vllm.compat.ESAtScaleWorkerExtension``, the older ``espert.vllm.worker`` path)."""
-    import importlib
-
     from espert.vllm.engine.worker import ESWorkerExtension
 
     if not isinstance(path, str) or "." not in path:
@@ -92,8 +100,6 @@ def cpu_packs(dtype: torch.dtype) -> tuple[bool, str]:
     refuses every layer ("Failed to create oneDNN linear") and vLLM computes with torch matmuls.  Read
     from the CPU's features, not by packing a probe weight: this process's first oneDNN pack fixes the
     thread count later packs must use (:mod:`espert.vllm.patches.cpu_prepack`)."""
-    import platform
-
     if dtype == torch.float32 or platform.machine().lower() not in ("x86_64", "amd64"):
         return True, ""
     cpu = torch.cpu
@@ -146,8 +152,6 @@ def vllm_dtype(model: str, dtype: str, say=None) -> str:
     chosen, why = resolve_dtype(model, dtype)
     if (dtype == "auto" or chosen != dtype) and (model, chosen) not in _SAID:
         _SAID.add((model, chosen))
-        import sys
-
         (say or (lambda s: print(s, file=sys.stderr, flush=True)))(f"[espert] vLLM dtype: {chosen} ({dtype}: {why})")
     return chosen
 
@@ -170,8 +174,6 @@ NOT_MARLIN = ("CutlassW4A8LinearKernel", "MacheteLinearKernel")
 def _force_marlin() -> None:
     """An int4 checkpoint on a GPU runs on vLLM's Marlin kernel, whose layout espert edits: the kernels vLLM
     would pick first on a Hopper GPU are disabled (``VLLM_DISABLED_KERNELS``, kept as the user set it besides)."""
-    import sys
-
     have = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
     if all(k in have for k in NOT_MARLIN):
         return
@@ -228,8 +230,6 @@ def make_llm(
 def _setup_kwargs(given: dict) -> dict:
     """``es_setup``'s keyword arguments with its defaults (read from its signature, so the two cannot
     drift), ``rename`` parsed and ``no_decay`` a list; an unknown key is a TypeError naming it."""
-    import inspect
-
     from espert.vllm.engine.worker import ESWorkerExtension
 
     params = list(inspect.signature(ESWorkerExtension.es_setup).parameters.values())[1:]
@@ -244,8 +244,6 @@ def _setup_kwargs(given: dict) -> dict:
 
 def _lora_engine_kwargs(noise: str, max_loras: int) -> dict:
     """``LLM`` arguments of an engine that serves a lowrank population as LoRA adapters (members: batched)."""
-    from espert.vllm.engine.lora import batched_rank, lora_rank_for
-
     if max_loras < 1:
         raise ValueError(f"max_loras must be >= 1, got {max_loras}")
     return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": lora_rank_for(batched_rank(noise))}
@@ -417,8 +415,6 @@ class VLLMEvaluator(Evaluator):
         seeds) and all its members' prompts go into one ``generate``, each with its slot's LoRARequest."""
         from vllm.lora.request import LoRARequest
 
-        from espert.vllm.driver.chunks import lora_chunks
-
         check_prompts(prompts, answers)
         tokens = self._token_prompts(prompts)
         out, ext = [], None if self.extract is None else []
@@ -466,8 +462,6 @@ class VLLMEvaluator(Evaluator):
     def center_state(self) -> dict[str, torch.Tensor]:
         """The center by logical name, streamed from the workers in bounded chunks (:mod:`espert.vllm.driver.stream`);
         kept until the next weight change, so a checkpoint's :meth:`export_state` does not pull it again."""
-        from espert.vllm.driver.stream import pull_center
-
         self._pulled = pull_center(self.rpc, self.chunk_bytes)
         return self._pulled
 
@@ -481,8 +475,6 @@ class VLLMEvaluator(Evaluator):
     def center_stream(self):
         """The center as a chunk source streamed from the workers (:class:`espert.vllm.driver.stream.CenterStream`,
         chunks of ``chunk_bytes``): checkpoints and exports are written from it chunk by chunk."""
-        from espert.vllm.driver.stream import CenterStream
-
         return CenterStream(self.rpc, self.chunk_bytes)
 
     def noise_energy(self) -> float | None:
@@ -491,16 +483,12 @@ class VLLMEvaluator(Evaluator):
 
     def live_state(self) -> dict[str, torch.Tensor]:
         """The live weights by logical name (host copies), reassembled over TP ranks."""
-        from espert.vllm.wire import assemble
-
         return assemble(self.rpc("es_live_state"))
 
     def load_center(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replace the center (logical names, as :meth:`center_state` gives it), one tensor per message: the
         workers stage each, and replace the center only when all arrived (an error leaves it untouched).
         With a lazily read checkpoint (a resume's ``runs.CenterFile``) the driver holds one tensor at a time."""
-        from espert.vllm.wire import pack_tensor
-
         self._quiesced()
         self.rpc("es_load_begin")
         for k in state:
@@ -527,8 +515,6 @@ def host_state(t: torch.Tensor) -> torch.Tensor:
 
 def without_optimizer_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The centers of a center state (what an export holds): every entry but ``optim.*``."""
-    from espert.center import OPTIM_PREFIX
-
     return {k: v for k, v in state.items() if not k.startswith(OPTIM_PREFIX)}
 
 
@@ -551,7 +537,5 @@ def shutdown_llm(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort
         pass
-    import gc
-
     del llm
     gc.collect()

@@ -37,9 +37,11 @@ from espert.tensorfile import CHUNK_BYTES
 from espert.update import Update
 from espert.vllm.driver.actor import EngineActor, VLLMEngine
 from espert.vllm.driver.chunks import HANG, Clock, ReplicaDivergence, Round
+from espert.vllm.driver.evaluator import host_state, without_optimizer_state
 from espert.vllm.driver.joining import JoiningEngines, brief, numel
 from espert.vllm.driver.membership import Join, UpdateLog
-from espert.vllm.wire import exact_fields
+from espert.vllm.driver.stream import CenterStream
+from espert.vllm.wire import exact_fields, pack_tensor, unpack_tensor
 
 log = logging.getLogger("espert.vllm")
 
@@ -512,16 +514,12 @@ class EnginePool(JoiningEngines, Evaluator):
         return sums
 
     def center_state(self) -> dict[str, torch.Tensor]:
-        from espert.vllm.wire import unpack_tensor
-
         return {k: unpack_tensor(v) for k, v in self._first("center_state").items()}
 
     def center_stream(self):
         """The center streamed from a live engine in chunks of ``chunk_bytes`` (the replicas hold the same
         center, checked at every update): checkpoints and exports are written from it chunk by chunk.  An
         engine lost mid-stream is replaced and the same chunk is asked of the next one."""
-        from espert.vllm.driver.stream import CenterStream
-
         return CenterStream(lambda method, *args: self._first("rpc", method, *args), self.chunk_bytes)
 
     def noise_energy(self) -> float | None:
@@ -529,16 +527,11 @@ class EnginePool(JoiningEngines, Evaluator):
         return center_energy(self, self.sigma_scales)
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        from espert.vllm.driver.evaluator import without_optimizer_state
-
         return without_optimizer_state(self.center_state())
 
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
         """Every engine loads ``state`` (one Ray object, sent once per node); it becomes the base a new
         engine starts from (the update log restarts there)."""
-        from espert.vllm.driver.evaluator import host_state
-        from espert.vllm.wire import pack_tensor
-
         ref = self._ray.put({k: pack_tensor(host_state(v)) for k, v in state.items()})
         self.log.rebase(ref)
         self._check(self._broadcast("load_center", ref), "after load_center")

@@ -19,9 +19,11 @@ from typing import Sequence
 
 import torch
 
+from espert.files import atomic_write
+from espert.tensorfile import write_safetensors
 from espert.update import Update
 from espert.vllm.engine.worker import EXACT_FIELDS, ESWorkerExtension
-from espert.vllm.wire import unpack_tensor
+from espert.vllm.wire import assemble, unpack_tensor
 
 log = logging.getLogger("espert.vllm")
 
@@ -158,10 +160,6 @@ class ESAtScaleWorkerExtension(ESWorkerExtension):
         :meth:`load_weights_from_disk` resumes exactly.  An outstanding perturbation is made part of the center
         first.  Both files are written to a temporary name and renamed, so a crash leaves the old ones.
         """
-        from espert.files import atomic_write
-        from espert.tensorfile import write_safetensors
-        from espert.vllm.wire import assemble
-
         self._compat()
         self._compat_commit()
         rank, tp = self._es_rank()

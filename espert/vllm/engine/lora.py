@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from espert.noise import NoiseFamily
+from espert.ops import perturb_
 from espert.params import ParamView
 from espert.vllm.patches.lora_cpu import USED_RANK
 
@@ -203,8 +204,6 @@ def slot_error(slots: LoraSlots, seed: int, sign: int, sigma: float, scales=None
     """Fill slot 0 with member (seed, sign) (``scales`` as :meth:`LoraSlots.fill`) and compare, per target, the
     weight change the slot adds (lora_b @ lora_a, float64) with the in-place perturbation of the same member.
     Returns ``{logical name: max |difference| / max |in-place|}`` for this rank's pieces (about 1e-7)."""
-    from espert.ops import perturb_
-
     slots.fill([(seed, sign)], sigma, scales)
     out = {}
     for t in slots.targets:

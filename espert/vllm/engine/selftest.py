@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from espert.center import CenterStore
 from espert.vllm.patches import INSTALLED, NEWEST, OLDEST, installed_version, releases, runner_name
 
 if TYPE_CHECKING:  # the runner espert drives (tools/vllm_contract.py checks its members in every vLLM release)
@@ -183,8 +184,6 @@ def check_edits_reach_forward(runner: GPUModelRunner, model: torch.nn.Module, vi
     that makes a center's edits visible to the engine (:class:`~espert.vllm.engine.repack.RepackingCenter`).
     Views that are not float tensors (W8A8 codes) are not probed.
     """
-    from espert.center import CenterStore
-
     local = {v.name: v for v in probe_views(views) if getattr(v, "qv", None) is None and v.tensor.is_floating_point()}
     names = _names_on_any_rank(list(local))
     if not names:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import pickle
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -178,8 +179,6 @@ class ESWeightTransferEngine(WeightTransferEngine[ESInitInfo, ESUpdateInfo]):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Check one command, then apply it; the base class's ``torch.accelerator.synchronize()`` is replaced
         by the worker extension's own sync (the CUDA stream; nothing on CPU, where there is no accelerator)."""
-        import pickle
-
         cmd = self.parse_update_info(update_info)
         if getattr(self.worker, "_es_center", None) is None:
             raise RuntimeError("espert weight transfer: call init_weight_transfer_engine first (it runs es_setup)")
