@@ -255,11 +255,9 @@ class VLLMEvaluator(Evaluator):
     llm: a ``vllm.LLM`` made by :func:`make_llm` (``worker_extension_cls=WORKER_EXTENSION``), or a model
     path/Hub id (then the engine is made with ``llm_kwargs`` and closed by :meth:`close`).
     score: batched reward ``fn(completions, answers) -> list[float]`` (a Task's ``score``).
-    setup: the keyword arguments of the workers' ``es_setup``, with its defaults (include / exclude on
-    **logical** names, master, rename, noise, optimizer, sigma_scales, no_decay, members, ...; see
-    :meth:`espert.vllm.engine.worker.ESWorkerExtension.es_setup`): every worker builds its center with them,
-    keyed by logical names, so the centers equal the torch evaluator's bit for bit.  rename may also be
-    ``["vllm_name=checkpoint_name", ...]``.  The optimizer state is part of :meth:`center_state`.
+    setup: the keyword arguments of the workers' ``es_setup`` (:meth:`~espert.vllm.engine.worker.ESWorkerExtension.es_setup`,
+    with its defaults; rename may also be ``["vllm_name=checkpoint_name", ...]``): every worker builds its
+    center with them, keyed by logical names, so the centers equal the torch evaluator's bit for bit.
     max_new_tokens: generation budget.  seed: the SamplingParams seed (greedy ignores it).
     chat_template: wrap prompts as a user message.  member_errors: ``"raise"`` or ``"nan"``, as in
     :class:`espert.evaluators.ModelEvaluator`.  reset_prefix_cache: call ``llm.reset_prefix_cache()``

@@ -25,8 +25,10 @@ import torch
 
 from espert.ops import DTYPE_CODES, Block
 from espert.params import ParamView, matches
+from espert.quant.checkpoint import logical_shapes, quantization_config, weight_scheme
 from espert.tensorfile import read_header
 from espert.vllm.patches import releases
+from espert.vllm.patches.moe_prepack import expert_plain
 
 
 class LayoutError(ValueError):
@@ -370,8 +372,6 @@ def vllm_param_views(
             continue  # the codes, scales and zero points; an int4 layer's float bias is a float view like any
         live = p.data
         if routed_experts(module):  # pieces are rows of [E·R, C]; on vLLM-CPU, of the plain (unpacked) copy
-            from espert.vllm.patches.moe_prepack import expert_plain
-
             live = expert_plain(p.data)
             live = (p.data if live is None else live).reshape(-1, p.shape[-1])
         for pc in _param_pieces(pname, p, module, prefix, leaf, packed):
@@ -477,8 +477,6 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
     files = checkpoint_files(model)
     if files is None:
         return None
-    from espert.quant.checkpoint import logical_shapes, quantization_config, weight_scheme
-
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         shapes.update({k: tuple(v["shape"]) for k, v in read_header(f)[1].items()})

@@ -16,8 +16,7 @@ Commands (``update_info``; each key belongs to one op, and a key another op take
   ``es_update``).
 
 A command is checked whole before anything is applied: a bad op, key or value raises one ValueError
-naming it, and the weights are untouched (vLLM then ends the update session).  Prefix caching must be off
-(or the client resets the prefix cache after each change).
+naming it, and the weights are untouched (vLLM then ends the update session).
 """
 
 from __future__ import annotations

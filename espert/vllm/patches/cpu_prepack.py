@@ -16,8 +16,10 @@ the patch is inert.  docs/vllm.md, "The traps" 1, 5 and 6.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
+import os
 import time
 import types
 import weakref
@@ -62,9 +64,6 @@ def keep_freed_memory() -> bool:
     faulting in fresh mappings (a 0.5 B member's repack: two thirds less; docs/vllm.md, trap 1), at the cost
     of the engine keeping its high-water mark.  Left alone when ``GLIBC_TUNABLES`` or an ``LD_PRELOAD``
     allocator already decides, or without glibc."""
-    import ctypes
-    import os
-
     if _MALLOC or os.environ.get("GLIBC_TUNABLES") or "malloc" in os.environ.get("LD_PRELOAD", ""):
         return False
     _MALLOC["done"] = True
