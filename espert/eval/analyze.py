@@ -372,25 +372,17 @@ def export_thresholded(base_path: str, ckpt_path: str, out_dir: str, tau: float,
 
 def format_drift_summary(label: str, res: dict) -> str:
     """A few readable lines for one checkpoint's drift result."""
-    o = res["overall"]
-    lines = [
+    o, um = res["overall"], res["update_magnitudes"]
+    groups = (f"{g} {v['rel_l2']:.2e}" if v["n_changed"] else f"{g} 0 (unchanged)" for g, v in res["groups"].items())
+    shares = (f"{t:g}: {um['share_le_tau'][repr(t)]:.3f}" for t in um["taus"])
+    head = (
         f"{label}: rel L2 drift {o['rel_l2']:.3e} (|delta| {o['delta_l2']:.3e} / |theta0| {o['base_l2']:.3e}), "
         f"{o['n_changed']}/{o['numel']} weights changed ({100 * o['frac_changed']:.1f}%), "
         f"max |delta| {o['max_abs_update']:.3e}"
-    ]
-    lines.append(
-        "  per group: "
-        + ", ".join(
-            f"{g} {v['rel_l2']:.2e}" if v["n_changed"] else f"{g} 0 (unchanged)" for g, v in res["groups"].items()
-        )
     )
-    lines.extend(f"  warning: {w}" for w in res.get("warnings", []))
-    um = res["update_magnitudes"]
-    lines.append(
-        "  share of changed weights with |delta| <= tau: "
-        + ", ".join(f"{t:g}: {um['share_le_tau'][repr(t)]:.3f}" for t in um["taus"])
-    )
-    return "\n".join(lines)
+    warnings = [f"  warning: {w}" for w in res.get("warnings", [])]
+    shared = "  share of changed weights with |delta| <= tau: " + ", ".join(shares)
+    return "\n".join([head, "  per group: " + ", ".join(groups), *warnings, shared])
 
 
 def plot_drift(results: dict[str, dict], out_dir: str) -> list[str]:
@@ -501,8 +493,7 @@ def run_analyze(args: argparse.Namespace) -> int:
             _check_output_dir(args.export, [args.base, *ckpts.values()], args.force)
         results = {}
         for label, path in ckpts.items():
-            res = compute_drift(args.base, path, args.taus, per_tensor=not args.no_per_tensor)
-            results[label] = res
+            results[label] = res = compute_drift(args.base, path, args.taus, per_tensor=not args.no_per_tensor)
             print(format_drift_summary(label, res))
             for w in res["warnings"]:
                 print(f"espert analyze: warning: {label}: {w}", file=sys.stderr)

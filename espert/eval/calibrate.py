@@ -36,10 +36,8 @@ def describe_level(task: str, level: int) -> str:
     k = level_knobs(task, level)
     if task == "arithmetic":
         return f"{k['digits']}-digit {' '.join(k['ops'])}, {k['terms']} terms"
-    numbers = (
-        f"{k['min_numbers']}" if k["min_numbers"] == k["max_numbers"] else f"{k['min_numbers']}-{k['max_numbers']}"
-    )
-    return f"{numbers} numbers in 1..{k['max_number']}, target <= {k['max_target']}"
+    lo, hi = k["min_numbers"], k["max_numbers"]
+    return f"{lo if lo == hi else f'{lo}-{hi}'} numbers in 1..{k['max_number']}, target <= {k['max_target']}"
 
 
 def calibrate(sampler, task: str, levels: list[int], n: int, max_new_tokens: int, echo=None) -> dict:
@@ -52,13 +50,8 @@ def calibrate(sampler, task: str, levels: list[int], n: int, max_new_tokens: int
         t0 = time.perf_counter()
         samples = sampler.sample(t.prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_new_tokens, seed=0)
         rewards = t.score([s[0] for s in samples], t.answers)
-        row = {
-            "level": level,
-            "knobs": describe_level(t.name, level),
-            "problems": len(t),
-            "reward": sum(rewards) / len(rewards),
-            "seconds": round(time.perf_counter() - t0, 2),
-        }
+        row = {"level": level, "knobs": describe_level(t.name, level), "problems": len(t)}
+        row.update(reward=sum(rewards) / len(rewards), seconds=round(time.perf_counter() - t0, 2))
         rows.append(row)
         if echo:
             echo(f"[espert calibrate] {task}@{level}: reward {row['reward']:.3f} ({row['seconds']} s)")

@@ -237,10 +237,9 @@ def _check_sampling(args: argparse.Namespace) -> None:
 
 def _resolve_models(specs: Sequence[str]) -> dict[str, str]:
     """``{label: local model directory}`` of ``--models``, resolved before anything is written, as ``espert
-    train`` resolves ``--model``: a directory, a GGUF file or named model (converted once, cached), or a Hub
-    id (the local cache, else one short request: an unknown or unreachable one fails in seconds).  A spec
-    without ``LABEL=`` must name a local model or an ``org/name`` Hub id: a bare word ('base') is a missing
-    label far more often than a Hub model."""
+    train`` resolves ``--model`` (a directory, a GGUF file or named model, or a Hub id).  A spec without
+    ``LABEL=`` must name a local model or an ``org/name`` Hub id: a bare word ('base') is a missing label
+    far more often than a Hub model."""
     from ..runs import resolve_model_dir
     from ..runs.gguf import gguf_path
 
@@ -329,8 +328,7 @@ def _sample(args: argparse.Namespace, task, models: dict[str, str], out: str) ->
         finally:
             getattr(sampler, "close", lambda: None)()
         out_path = os.path.join(out, f"samples_{label}.jsonl")
-        os.makedirs(out, exist_ok=True)  # once a model has loaded and sampled: a refusal writes nothing
-        save_samples(out_path, recs)
+        save_samples(out_path, recs)  # makes `out` once a model has loaded and sampled: a refusal writes nothing
         print(f"[espert eval] wrote {out_path}", file=sys.stderr)
         groups[label] = recs
     return groups

@@ -45,27 +45,21 @@ def training_curve(run_dir: str) -> dict:
     }
 
 
-def _band(curve: dict, low: str, high: str) -> tuple[list, list, list]:
+def _band(ts: list, lows: list, highs: list) -> tuple[list, list, list]:
     """``(t, low, high)`` of the iterations where both ends are numbers."""
-    rows = [
-        (t, lo, hi)
-        for t, lo, hi in zip(curve["iterations"], curve[low], curve[high])
-        if lo is not None and hi is not None
-    ]
+    rows = [(t, lo, hi) for t, lo, hi in zip(ts, lows, highs) if lo is not None and hi is not None]
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
 def _draw_members(ax, curve: dict) -> None:
     """The members' rewards per iteration: min-max and ±1 std bands around their mean."""
-    t_mm, lo, hi = _band(curve, "reward_min", "reward_max")
+    its = curve["iterations"]
+    t_mm, lo, hi = _band(its, curve["reward_min"], curve["reward_max"])
     ax.fill_between(t_mm, lo, hi, color="tab:blue", alpha=0.10, lw=0, label="members: min-max")
-    mean_std = [
-        (m - s, m + s) if m is not None and s is not None else (None, None)
-        for m, s in zip(curve["reward_mean"], curve["reward_std"])
-    ]
-    t_sd, lo, hi = _band({**curve, "lo": [a for a, _ in mean_std], "hi": [b for _, b in mean_std]}, "lo", "hi")
+    t_sd, mean, std = _band(its, curve["reward_mean"], curve["reward_std"])
+    lo, hi = [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
     ax.fill_between(t_sd, lo, hi, color="tab:blue", alpha=0.25, lw=0, label="members: mean ± std")
-    means = [(t, m) for t, m in zip(curve["iterations"], curve["reward_mean"]) if m is not None]
+    means = [(t, m) for t, m in zip(its, curve["reward_mean"]) if m is not None]
     ax.plot([t for t, _ in means], [m for _, m in means], color="tab:blue", lw=1.2, label=MEMBERS_MEAN)
 
 

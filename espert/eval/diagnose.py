@@ -44,18 +44,9 @@ def run_diagnostics(run_dir: str) -> dict:
         a = antithetic_stats(rec["members"], rec["rewards"])
         sp = reward_spread(rec["rewards"])
         logged = rec.get("diagnostics") or {}
-        rows.append(
-            {
-                "iteration": rec["iteration"],
-                "corr_pm": a["corr_pm"],
-                "kappa": a["kappa"],
-                "kappa_eval": a["kappa_eval"],
-                "reward_std": sp["std"],
-                "reward_range": sp["range"],
-                "answer_js": (logged.get("answers") or {}).get("js"),
-                "flops_total": logged.get("flops_total"),
-            }
-        )
+        row = {"iteration": rec["iteration"], **{k: a[k] for k in ("corr_pm", "kappa", "kappa_eval")}}
+        row.update(reward_std=sp["std"], reward_range=sp["range"], answer_js=(logged.get("answers") or {}).get("js"))
+        rows.append({**row, "flops_total": logged.get("flops_total")})
     if not rows:
         raise ValueError(f"{path} has no iterations")
     held = [(r["iteration"], r["mean"]) for r in records if r.get("kind") == "eval"]

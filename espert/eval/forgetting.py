@@ -311,22 +311,18 @@ def plot_panel(doc: dict, path: str) -> str:
     others = [m for m in doc["models"] if m != doc["base"]]
     sets = [(f"{t}", d["models"]) for t, d in doc["generation"]["tasks"].items()]
     labels = [t for t, _ in sets] + list(doc["mc"])
+    width = 0.8 / max(1, len(others))
     for i, m in enumerate(others):
-        vals = [d[m]["change"]["pass_at_1"] or 0.0 for _, d in sets] + [
-            doc["mc"][s][m]["change"]["acc"] for s in doc["mc"]
-        ]
-        ax[0, 0].bar(
-            [j + 0.8 * i / max(1, len(others)) for j in range(len(labels))], vals, 0.8 / max(1, len(others)), label=m
-        )
+        vals = [d[m]["change"]["pass_at_1"] or 0.0 for _, d in sets]
+        vals += [mc[m]["change"]["acc"] for mc in doc["mc"].values()]
+        ax[0, 0].bar([j + 0.8 * i / max(1, len(others)) for j in range(len(labels))], vals, width, label=m)
     ax[0, 0].set_xticks(range(len(labels)), labels, rotation=20, fontsize=7)
     ax[0, 0].axhline(0, color="k", lw=0.5)
     ax[0, 0].set_title("change against the base (pass@1; MC acc)")
     for m in others:
         ax[0, 1].plot(doc["kl"][m]["per_position"], label=m)
-        layers = doc["geometry"][m]["per_layer_l2"]
-        ax[1, 0].plot(
-            [k for k in layers if k.isdigit()], [v for k, v in layers.items() if k.isdigit()], marker=".", label=m
-        )
+        layers = {k: v for k, v in doc["geometry"][m]["per_layer_l2"].items() if k.isdigit()}
+        ax[1, 0].plot(list(layers), list(layers.values()), marker=".", label=m)
         ranks = doc["geometry"][m]["rank"]
         ax[1, 1].plot([_short(n) for n in ranks], [r["effective_rank"] for r in ranks.values()], marker="o", label=m)
     titles = ["KL(base || model) per continuation position (nats)", "||θ − θ0|| per layer", "effective rank of ΔW"]

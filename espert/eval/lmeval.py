@@ -4,13 +4,10 @@
     import lm_eval
     lm_eval.simple_evaluate(model="espert", model_args="pretrained=runs/es-smollm2", tasks=["hellaswag"])
 
-``pretrained`` is anything espert's commands take: a model directory, a GGUF file, ``smollm2-135m-instruct``
-or an ES run directory (its ``export/``); a RandOpt run directory with ``member=R`` is that ensemble
-member, θ0 + σ·ε(seed) rebuilt in memory by the ops (the ensemble itself answers by vote, which lm-eval's
-request types have no place for).  Log-likelihoods come from :func:`espert.eval.mc.loglikelihoods` (the
-scorer ``espert forgetting`` uses, float64 log-softmax); generation is greedy ``generate`` cut at the
-request's stop strings.  lm-eval discovers no entry points in its 0.4 releases, so the import is the
-registration.  Needs ``pip install lm-eval`` (0.4.13 tested).
+``pretrained``: anything espert's commands take (a model directory, a GGUF file, ``smollm2-135m-instruct``, an
+ES run directory), or a RandOpt run directory with ``member=R``, that ensemble member rebuilt by the ops.
+Log-likelihoods come from :func:`espert.eval.mc.loglikelihoods`; generation is greedy.  lm-eval 0.4 reads no
+entry points, so the import is the registration (docs/eval.md).  Needs ``pip install lm-eval`` (0.4.13 tested).
 """
 
 from __future__ import annotations

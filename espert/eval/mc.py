@@ -190,13 +190,8 @@ def score_mc(
         at += len(it.choices)
         norm = [v / len((sep + ch).encode()) for v, ch in zip(ll, it.choices)]
         per.append({"gold": it.gold, "pred": ll.index(max(ll)), "pred_norm": norm.index(max(norm)), "ll": ll})
-    n = len(per)
-    return {
-        "acc": sum(p["pred"] == p["gold"] for p in per) / n,
-        "acc_norm": sum(p["pred_norm"] == p["gold"] for p in per) / n,
-        "n": n,
-        "per_item": per,
-    }
+    acc, acc_norm = (sum(p[key] == p["gold"] for p in per) / len(per) for key in ("pred", "pred_norm"))
+    return {"acc": acc, "acc_norm": acc_norm, "n": len(per), "per_item": per}
 
 
 # ---- multiple-choice sets made offline (no download): espert forgetting --mc NAME -----------------------

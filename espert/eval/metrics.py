@@ -151,12 +151,9 @@ def _times(poly: np.ndarray, coef: Sequence[float], tie: Optional[tuple[int, flo
 
 
 def accuracy_bin(c: int, n: int) -> int:
-    """Index into :data:`ACC_BIN_LABELS` for a problem with ``c`` of ``n`` samples correct.
-
-    Bin 0 is exactly 0, bin 11 is exactly 1; bin ``i`` in 1..10 holds fractions in
-    ``((i-1)/10, i/10]`` except bin 10, which is ``(0.9, 1)``. Computed in exact integer
-    arithmetic (``ceil(10 c / n)``), so 3/10 lands in ``(0.2,0.3]``.
-    """
+    """Index into :data:`ACC_BIN_LABELS` for a problem with ``c`` of ``n`` samples correct: bin 0 is exactly 0,
+    bin 11 exactly 1, bin ``i`` in 1..10 holds ``((i-1)/10, i/10]`` (bin 10: ``(0.9, 1)``).  Exact integer
+    arithmetic (``ceil(10 c / n)``), so 3/10 lands in ``(0.2,0.3]``."""
     n, c = _check_int("n", n), _check_int("c", c)
     if n < 1 or not 0 <= c <= n:
         raise ValueError(f"need n >= 1 and 0 <= c <= n, got c={c}, n={n}")
@@ -186,13 +183,9 @@ def answer_entropy(extracted: Sequence[Optional[Hashable]]) -> Optional[float]:
 
 
 def solved(c: int, n: int, extracted: Sequence[Optional[str]], correct: Sequence[bool], rule: str) -> bool:
-    """Whether a model solves a problem under a solve rule (used for progressions).
-
-    * ``any`` (default): at least one of the n samples is correct (c > 0).
-    * ``majority``: strictly more than half of the samples are correct (c / n > 0.5).
-    * ``vote``: the maj@n vote over all samples is correct with no tie involving a wrong
-      answer (maj@n score == 1).
-    """
+    """Whether a model solves a problem under a solve rule (for progressions): ``any``, at least one of the n
+    samples is correct; ``majority``, more than half are; ``vote``, the maj@n vote over all samples is correct
+    with no tie involving a wrong answer (maj@n score == 1)."""
     if rule == "any":
         return c > 0
     if rule == "majority":

@@ -123,8 +123,7 @@ def compare(
     if solve_rule not in SOLVE_RULES:
         raise ValueError(f"unknown solve rule {solve_rule!r}; use one of {', '.join(SOLVE_RULES)}")
     _check_aligned(base, base_recs, label, recs)
-    prog, regr, both, neither = [], [], [], []
-    hb, ht = [], []
+    prog, regr, both, neither, hb, ht = [], [], [], [], [], []  # hb, ht: each problem's answer entropy
     for b, t in zip(base_recs, recs):
         okb = _correct_flags(b["rewards"], threshold)
         okt = _correct_flags(t["rewards"], threshold)

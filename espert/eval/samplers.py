@@ -9,6 +9,8 @@ one model (maj@K is its vote).  :func:`make_sampler` takes a model directory, a 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import json
 import os
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
@@ -109,35 +111,28 @@ class TransformersSampler:
 
         check_sampling_args(prompts, n, temperature, top_p, max_tokens)
         per_call = max(1, self.batch_size // n)
-        eos = self.tokenizer.eos_token_id
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        reps = n if temperature > 0 else 1  # greedy: one decode per prompt, repeated n times
+        gen_kwargs = dict(max_new_tokens=max_tokens, pad_token_id=pad, eos_token_id=eos, num_return_sequences=reps)
+        drawn = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        gen_kwargs.update(drawn if temperature > 0 else dict(do_sample=False))
         out: list[list[str]] = []
         for start in range(0, len(prompts), per_call):
             chunk = [self._format(p) for p in prompts[start : start + per_call]]
             enc = self.tokenizer(chunk, return_tensors="pt", padding=True)
             enc = {k: v.to(self.device) for k, v in enc.items()}
             torch.manual_seed(seed + start)
-            gen_kwargs = dict(max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos)
-            if temperature > 0:
-                reps = n
-                gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, num_return_sequences=n)
-            else:  # greedy: one decode per prompt, repeated n times
-                reps = 1
-                gen_kwargs.update(do_sample=False, num_return_sequences=1)
             with torch.inference_mode():
                 seqs = self.model.generate(**enc, **gen_kwargs)
             new = seqs[:, enc["input_ids"].shape[1] :]
             texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
-            for i in range(len(chunk)):
-                got = texts[i * reps : (i + 1) * reps]
-                out.append(got if reps == n else got * n)
+            out += [texts[i * reps : (i + 1) * reps] * (n // reps) for i in range(len(chunk))]
             if progress is not None:
                 progress(len(chunk))
         return out
 
     def close(self) -> None:
         """Free the model (and GPU memory)."""
-        import gc
-
         import torch
 
         del self.model
@@ -210,14 +205,11 @@ class VLLMSampler:
 
 class EnsembleSampler:
     """The members of a RandOpt ensemble as one sampler: for every problem, member m's greedy completion is
-    sample m (member order, the ensemble's rank order), so pass@1 is the members' mean accuracy, pass@K any
-    member's, and maj@K (``--maj first``, or ``subsets`` at k = n) the ensemble's plurality vote.
+    sample m (the ensemble's rank order), so maj@K is the ensemble's vote (docs/training.md, "RandOpt").
 
-    path: a RandOpt run directory or its ``ensemble.json`` (:mod:`espert.randopt`).  Each member is θ0 +
-    σ·ε(seed) made by the ES evaluator the run's config describes (noise, σ mode, parameter selection), on
-    ``evaluator`` (torch, or vllm, where ``vllm_members: batched`` lowrank members share a generate as LoRA
-    adapters), so it is the very model RandOpt scored.  Members answer greedily, as RandOpt's do:
-    temperature and top_p do not apply; n must be a multiple of K (each member's answer repeated n/K times).
+    path: a RandOpt run directory or its ``ensemble.json``.  Each member is θ0 + σ·ε(seed) made by the ES
+    evaluator the run's config describes, on ``evaluator`` (torch or vllm): the very model RandOpt scored.
+    Temperature and top_p do not apply; n must be a multiple of K (each member's answer repeated n/K times).
     """
 
     def __init__(self, path: str, evaluator: str = "torch", chat_template: bool = False, device=None, **_):
@@ -269,8 +261,6 @@ class EnsembleSampler:
 
 def read_ensemble(path: str) -> tuple[dict, str]:
     """(the ensemble document, its base model's local directory) of a RandOpt run directory or ensemble.json."""
-    import json
-
     from espert.randopt import ENSEMBLE
     from espert.runs import BASE, resolve_model_dir
 

@@ -78,14 +78,10 @@ def validate_record(r: Any, where: str) -> dict:
     comps, rews, ext = r["completions"], r["rewards"], r["extracted"]
     if not isinstance(comps, list) or not comps:
         raise ValueError(f"{where}: 'completions' must be a non-empty list")
-    if not isinstance(rews, list) or len(rews) != len(comps):
-        raise ValueError(
-            f"{where}: {len(comps)} completions but {len(rews) if isinstance(rews, list) else '?'} rewards"
-        )
-    if not isinstance(ext, list) or len(ext) != len(comps):
-        raise ValueError(
-            f"{where}: {len(comps)} completions but {len(ext) if isinstance(ext, list) else '?'} extracted answers"
-        )
+    for got, what in ((rews, "rewards"), (ext, "extracted answers")):
+        if not isinstance(got, list) or len(got) != len(comps):
+            n = len(got) if isinstance(got, list) else "?"
+            raise ValueError(f"{where}: {len(comps)} completions but {n} {what}")
     for j, x in enumerate(rews):
         if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x) or math.isinf(x):
             raise ValueError(f"{where}: reward {j} is not a finite number ({x!r})")
@@ -119,11 +115,9 @@ def group_by_model(records: Iterable[dict]) -> dict[str, list[dict]]:
         groups.setdefault(str(r["model"]), []).append(r)
     for label, recs in groups.items():
         recs.sort(key=lambda r: r["index"])
-        seen = set()
-        for r in recs:
-            if r["index"] in seen:
-                raise ValueError(f"model {label!r}: problem index {r['index']} appears more than once")
-            seen.add(r["index"])
+        for a, b in zip(recs, recs[1:]):  # sorted: a repeated index is a neighbour
+            if a["index"] == b["index"]:
+                raise ValueError(f"model {label!r}: problem index {b['index']} appears more than once")
     return groups
 
 
