@@ -59,7 +59,7 @@ def build_evaluator(cfg: "ESConfig", model_path: str, score: Callable, extract: 
     from espert.quant.checkpoint import quantization_config, weight_scheme
 
     builder = get_builder(cfg.evaluator)
-    weight_scheme(quantization_config(model_path))
+    weight_scheme(quantization_config(model_path), cfg.evaluator)
     if extract is not None and "extract" in inspect.signature(builder).parameters:
         return builder(cfg, model_path, score, extract=extract)
     return builder(cfg, model_path, score)

@@ -42,16 +42,16 @@ def quantization_config(model_dir: str) -> dict | None:
         return None
 
 
-def weight_scheme(qc: dict | None) -> dict | None:
+def weight_scheme(qc: dict | None, evaluator: str | None = None) -> dict | None:
     """The one weight scheme of a quantization config espert edits, as ``{"format", "bits", "symmetric",
-    "strategy", "group_size"}`` (None: no quantization config); format is a key of :data:`STORED_AS` or
-    ``int-quantized``.  Raises :class:`UnsupportedScheme` for any other method, format or weight argument, naming
-    what it found."""
+    "strategy", "group_size"}`` (and ``"act_order": True`` for GPTQ's desc_act with groups; None: no quantization
+    config); format is a key of :data:`STORED_AS` or ``int-quantized``.  Raises :class:`UnsupportedScheme` for any
+    other method, format or weight argument, naming what it found, and for what ``evaluator`` cannot load."""
     if not qc:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else type(qc).__name__
     if method in ("gptq", "awq"):
-        return _gptq_awq_scheme(qc)
+        return _gptq_awq_scheme(qc, evaluator)
     if method != "compressed-tensors":
         raise UnsupportedScheme(
             f"quantization method {method!r}: espert reads compressed-tensors, GPTQ and AWQ checkpoints"
@@ -94,14 +94,14 @@ def weight_scheme(qc: dict | None) -> dict | None:
     return scheme
 
 
-def _gptq_awq_scheme(qc: dict) -> dict:
+def _gptq_awq_scheme(qc: dict, evaluator: str | None) -> dict:
     """:func:`weight_scheme` of a GPTQ or AWQ config (GPTQModel, AutoGPTQ, AutoAWQ)."""
     method, bits, group = qc["quant_method"], qc.get("bits"), qc.get("group_size", -1)
     if method == "gptq":
         fmt = qc.get("checkpoint_format", "gptq")
         desc = f"GPTQ {fmt} int{bits} group {group}{' sym' if qc.get('sym', True) else ' asym'}"
         desc += ", act-order" if qc.get("desc_act") else ""
-        ok = fmt == "gptq" and qc.get("sym", True) and not (qc.get("desc_act") and group != -1)
+        ok = fmt == "gptq" and qc.get("sym", True)
         symmetric = True
     else:
         fmt = str(qc.get("version", qc.get("format", "gemm"))).lower()
@@ -111,11 +111,15 @@ def _gptq_awq_scheme(qc: dict) -> dict:
     ok = ok and bits == 4 and isinstance(group, int) and (group == -1 or group > 0) and not qc.get("lm_head")
     if not ok:
         raise UnsupportedScheme(
-            f"{desc} on every Linear: espert edits GPTQ (format gptq, symmetric, act-order only without groups, "
-            f"as vLLM runs it) and AWQ gemm checkpoints of 4 bits"
+            f"{desc} on every Linear: espert edits GPTQ (format gptq, symmetric) and AWQ gemm checkpoints of 4 bits"
         )
+    act_order = bool(qc.get("desc_act")) and group != -1
+    if act_order and evaluator == "vllm":
+        raise UnsupportedScheme(f"{desc}: vLLM no longer loads GPTQ act-order with groups; use --evaluator torch")
     strategy = "channel" if group == -1 else "group"
-    return {"format": method, "bits": 4, "symmetric": symmetric, "strategy": strategy, "group_size": group}
+    return {"format": method, "bits": 4, "symmetric": symmetric, "strategy": strategy, "group_size": group} | (
+        {"act_order": True} if act_order else {}
+    )
 
 
 def logical_shapes(shapes: dict[str, tuple[int, ...]], fmt: str | None = None) -> dict[str, tuple[int, ...]]:
@@ -161,13 +165,16 @@ def int4_codes(fmt: str, words: torch.Tensor) -> torch.Tensor:
     return unpack_int4_t(fmt, words, n, k)
 
 
-def encode(fmt: str, values: torch.Tensor) -> torch.Tensor:
+def encode(fmt: str, values: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """The center's value of one int4 weight (a code-domain master ``[N, K]``: float, int16 fixed or int codes)
     as the words format ``fmt`` stores: its codes (:func:`espert.quant.center.master_codes`), clamped to [0, 15],
-    packed by :func:`stored_int4`."""
+    put back in the checkpoint's column order (``order``: :func:`act_orders`'), packed by :func:`stored_int4`."""
     from .center import master_codes
 
-    return stored_int4(fmt, master_codes(values).clamp(0, 15))
+    codes = master_codes(values).clamp(0, 15)
+    if order is not None:
+        codes = torch.empty_like(codes).index_copy_(1, order, codes)
+    return stored_int4(fmt, codes)
 
 
 def _zero_points(zp: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -257,23 +264,51 @@ def _stored_tensors(model_dir: str, suffixes: tuple[str, ...]) -> dict[str, torc
     return out
 
 
+def act_order(g_idx: torch.Tensor | None, k: int, group: int, stem: str) -> torch.Tensor | None:
+    """The column order ``[K]`` (int64) that makes an act-order GPTQ weight's groups contiguous: column ``j`` of
+    espert's codes is the checkpoint's column ``order[j]``, and its scale row is ``j // group`` again.  None when
+    ``g_idx`` is absent or already ``k // group``; :class:`UnsupportedScheme` naming the layer when its groups are
+    not ``group`` columns each."""
+    if g_idx is None or torch.equal(g_idx.long(), torch.arange(k) // group):
+        return None
+    order = torch.argsort(g_idx.long(), stable=True)
+    if g_idx.shape != (k,) or not torch.equal(g_idx.long()[order], torch.arange(k) // group):
+        raise UnsupportedScheme(f"{stem}: GPTQ g_idx {tuple(g_idx.shape)} does not hold {group} columns per group")
+    return order
+
+
 def packed_weight(fmt: str, stem: str, stored: dict[str, torch.Tensor], n: int, k: int, group: int):
-    """The :class:`~espert.quant.QuantWeight` of GPTQ's or AWQ's ``stem.qweight`` (fmt ``gptq`` / ``awq``), the
-    stored words themselves (edited in place), with the scales ``[K/g, N]`` as stored and AWQ's zero points
-    unpacked; :class:`UnsupportedScheme` naming the layer for act-order or GPTQ zero points other than 8."""
+    """``(QuantWeight, order)`` of GPTQ's or AWQ's ``stem.qweight`` (fmt ``gptq`` / ``awq``): the stored words
+    themselves (edited in place), the scales ``[K/g, N]`` as stored and AWQ's zero points unpacked.  An act-order
+    GPTQ weight's columns are repacked in :func:`act_order`'s ``order`` (else None), which the layer applies to its
+    input; :class:`UnsupportedScheme` naming the layer for GPTQ zero points other than 8."""
     from .formats import QuantWeight
 
     words, scales, qzeros = stored[stem + ".qweight"], stored[stem + ".scales"], stored.get(stem + ".qzeros")
     g = -1 if group == -1 or group >= k else group
-    g_idx = stored.get(stem + ".g_idx")
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // (k if g == -1 else g)):
-        raise UnsupportedScheme(f"{stem}: GPTQ with act-order (a permuted g_idx): espert edits GPTQ without it")
+    order = act_order(stored.get(stem + ".g_idx"), k, k if g == -1 else g, stem)
+    if order is not None:  # the kernels read scale row k // group: the columns go where their group's row is
+        words = stored_int4(fmt, int4_codes(fmt, words)[:, order])
     zeros = None
     if fmt == "awq":
         zeros = int4_codes("awq", qzeros).t().contiguous()
     elif qzeros is not None and bool((unpack_int4(qzeros) != 7).any()):  # GPTQ stores z − 1: symmetric is 7
         raise UnsupportedScheme(f"{stem}: GPTQ zero points other than 8 (espert edits symmetric GPTQ)")
-    return QuantWeight(fmt, words, scales, n, k, g, zeros)
+    return QuantWeight(fmt, words, scales, n, k, g, zeros), order
+
+
+def act_orders(model_dir: str) -> dict[str, torch.Tensor]:
+    """``{X.weight: order}`` (:func:`act_order`) of an act-order GPTQ checkpoint's weights (empty for any other)."""
+    scheme = weight_scheme(quantization_config(model_dir))
+    if not scheme or not scheme.get("act_order"):
+        return {}
+    stored = _stored_tensors(model_dir, (".g_idx",))
+    out = {}
+    for key, g_idx in stored.items():
+        stem = key.removesuffix(".g_idx")
+        if (order := act_order(g_idx, g_idx.numel(), scheme["group_size"], stem)) is not None:
+            out[stem + ".weight"] = order
+    return out
 
 
 @torch.no_grad()
@@ -305,8 +340,8 @@ def load_packed_model(model_dir: str, dtype: torch.dtype, scheme: dict) -> torch
         m = model.get_submodule(stem)
         if not isinstance(m, torch.nn.Linear):
             raise UnsupportedScheme(f"{stem}: a {scheme['format']} weight on a {type(m).__name__}, not a Linear")
-        qw = packed_weight(scheme["format"], stem, stored, m.out_features, m.in_features, scheme["group_size"])
-        layers.append((stem, QuantLinear(qw, m.bias)))
+        qw, order = packed_weight(scheme["format"], stem, stored, m.out_features, m.in_features, scheme["group_size"])
+        layers.append((stem, QuantLinear(qw, m.bias, order)))
     for stem, layer in layers:  # every layer checked before one changes
         parent, _, child = stem.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)

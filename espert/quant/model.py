@@ -19,15 +19,18 @@ from .formats import FORMATS, QuantWeight, dequantize, quantize_weight
 
 
 class QuantLinear(torch.nn.Module):
-    """A Linear layer whose weight [out, in] is stored quantized (see :class:`QuantWeight`)."""
+    """A Linear layer whose weight [out, in] is stored quantized (see :class:`QuantWeight`); ``in_order`` (int64
+    ``[in]``, optional): the input feature of each stored column (an act-order GPTQ checkpoint's, whose columns
+    espert keeps grouped: :func:`espert.quant.checkpoint.act_order`)."""
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None, in_order: torch.Tensor | None = None):
         super().__init__()
         self.fmt, self.in_features, self.out_features = qw.fmt, qw.in_features, qw.out_features
         self.group_size, self.transposed, self.qmin, self.qmax = qw.group_size, qw.transposed, qw.qmin, qw.qmax
         self.register_buffer("qweight", qw.qweight)
         self.register_buffer("scales", qw.scales)
         self.register_buffer("zeros", qw.zeros)
+        self.register_buffer("in_order", in_order)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @property
@@ -48,6 +51,8 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = dequantize(self.qw).to(device=x.device, dtype=x.dtype)
+        if self.in_order is not None:
+            x = x.index_select(-1, self.in_order.to(x.device))
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:

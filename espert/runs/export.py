@@ -13,7 +13,7 @@ import torch
 
 from espert.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
 from espert.progress import bar
-from espert.quant.checkpoint import STORED_AS, encode, logical_shapes, quantization_config, weight_scheme
+from espert.quant.checkpoint import STORED_AS, act_orders, encode, logical_shapes, quantization_config, weight_scheme
 from espert.runs.gguf import gguf_model_dir, is_gguf
 from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
 
@@ -243,6 +243,7 @@ def _write_export(
             for k, offset, flat in others:
                 w.write(k, offset, _cast(flat, layout[k][1]))
         packing: dict[str, list] = {}  # an int4 weight's codes gathered whole (its format packs across rows), count
+        orders = act_orders(base)
         for k, offset, flat in source:
             if k in where:
                 shard, stored, fmt = where[k]
@@ -254,7 +255,7 @@ def _write_export(
                     whole[0].view(-1)[offset : offset + flat.numel()] = flat
                     whole[1] += flat.numel()
                     if whole[1] == whole[0].numel():
-                        w.write(stored, 0, encode(fmt, packing.pop(k)[0]).reshape(-1))
+                        w.write(stored, 0, encode(fmt, packing.pop(k)[0], orders.get(k)).reshape(-1))
             shown.update(flat.numel() * flat.element_size())
             del flat  # a streamed chunk is freed before the next one arrives
 

@@ -119,10 +119,11 @@ def resolve_dtype(model: str, dtype: str) -> tuple[str, str]:
     generation falls back to torch matmuls (0 of 32 HumanEval samples in 40 minutes for a 0.5 B model).  On
     a CPU: the checkpoint's dtype when vLLM-CPU packs it (:func:`cpu_packs`), else float32 (always packed,
     exact for either half format); on a GPU a float32 checkpoint is left to vLLM's ``auto``.  An int4
-    checkpoint on a CPU runs in bfloat16 when asked for float32 or ``auto``: vLLM-CPU's W4A16 kernel
-    (``cpu_gemm_wna16``) has no float32 path."""
+    checkpoint on a CPU runs in its float16 (AutoAWQ's) or else bfloat16 when asked for float32 or ``auto``:
+    vLLM-CPU's W4A16 kernel (``cpu_gemm_wna16``) has no float32 path."""
     if dtype in ("auto", "float32") and _on_cpu() and _packs_int4(model):
-        return "bfloat16", "vLLM-CPU's W4A16 kernel (cpu_gemm_wna16) computes in bfloat16 or float16, not float32"
+        half = "float16" if checkpoint_dtype(model) == torch.float16 else "bfloat16"
+        return half, "vLLM-CPU's W4A16 kernel (cpu_gemm_wna16) computes in bfloat16 or float16, not float32"
     if dtype != "auto":
         return dtype, "as given"
     declared = checkpoint_dtype(model) or torch.float32
