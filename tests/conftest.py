@@ -12,6 +12,8 @@ if os.environ.get("ESPERT_VLLM_RUNNER", "v1") == "v2":  # vLLM's V2 model runner
 
     v2_runner.enable()
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# bench/exactness.py and bench/quant_exactness.py: the measurements tests/test_exactness.py and test_quant.py assert on
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

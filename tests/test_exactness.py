@@ -2,18 +2,19 @@
 
 import tracemalloc
 
+import exactness
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from espert import diagnostics, ops
+from espert import ops
 
 
 # float16 with ESPERT_SLOW=1 (both take ~30 s of CPU): the restore copies the center back whatever the dtype,
 # and bfloat16 (the README's claim) has the coarser grid
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.extended)])
 def test_thousand_perturb_restore_cycles_are_exact(dtype):
-    r = diagnostics.restore_exactness(dtype, cycles=1000, numel=1 << 18)
+    r = exactness.restore_exactness(dtype, cycles=1000, numel=1 << 18)
     assert r["espert_differ"] == 0
     # the naive subtract-restore really is wrong: the test would catch a center store that did that
     assert r["subtract_differ_frac"] > 0.1
@@ -21,7 +22,7 @@ def test_thousand_perturb_restore_cycles_are_exact(dtype):
 
 
 def test_update_fidelity_of_the_float32_master():
-    r = diagnostics.update_fidelity(steps=100, population=8, numel=1 << 15)
+    r = exactness.update_fidelity(steps=100, population=8, numel=1 << 15)
     assert r["espert_fp32_master"] <= 0.01  # goal: ≤ 1 %; measured ~3e-6
     assert r["naive_bf16_add"] > 0.1  # what existing tools get (measured ~0.4)
     assert r["master_host_bytes_per_param"] == 4.0

@@ -51,7 +51,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "espert.quant",
             "espert.quant.center",
             "espert.quant.model",
-            "espert.quant.diagnostics",
             "espert.diagnostics",
             "espert.vllm.wire",  # the driver <-> worker format
         ),

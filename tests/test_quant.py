@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import quant_exactness as D
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -22,7 +23,6 @@ from espert.quant import (
     quantize_weight,
     unpack_codes,
 )
-from espert.quant import diagnostics as D
 from espert.quant import formats as F
 from espert.quant.center import initial_master
 from espert.quant.reference import e4m3_to_f32, f32_to_e4m3

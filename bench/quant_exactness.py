@@ -1,4 +1,5 @@
-"""Measurements for quantized weights (used by tests/test_quant.py and docs/quantized.md):
+"""Measurements for quantized weights (tests/test_quant.py asserts on them; ``python bench/quant_exactness.py``
+prints the update-fidelity table of docs/quantized.md):
 
 - restore exactness after many perturb / restore cycles, and the memory the center costs;
 - update fidelity: relative error of the dequantized trajectory θ_T − θ_0 against an fp64 simulation,
@@ -8,15 +9,23 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
 from espert import noise, ops
+from espert.quant.center import QuantCenterStore, QuantParamView, initial_master
+from espert.quant.formats import (
+    QuantWeight,
+    dequantize,
+    e4m3_bits_to_float,
+    logical_scales,
+    quantize_weight,
+    unpack_codes,
+)
+from espert.quant.reference import e4m3_round
 from espert.update import Update
-
-from .center import QuantCenterStore, QuantParamView, initial_master
-from .formats import QuantWeight, dequantize, e4m3_bits_to_float, logical_scales, quantize_weight, unpack_codes
-from .reference import e4m3_round
 
 NAME = "diagnostics.quant.weight"
 KEY = noise.param_key(NAME)
@@ -83,8 +92,6 @@ def perturbation_stats(fmt: str, sigma: float, sign: int = 1, seed: int = 7, **k
     n, k = qw.shape
     theta0 = dequantize(qw).double()
     p = qw.clone()
-    from espert import ops
-
     ops.perturb_(p, seed, KEY, sigma, sign)
     delta = dequantize(p).double() - theta0
     eps = _eps(seed, n, k).double()
@@ -179,3 +186,8 @@ def update_fidelity(
         "host_bytes_per_weight_master": master_store.nbytes / (n * k),
         "host_bytes_per_weight_naive": naive_store.nbytes / (n * k),
     }
+
+
+if __name__ == "__main__":
+    for fmt in ("int8", "fp8", "gptq", "marlin", "cpu_w4a16"):
+        print(json.dumps(update_fidelity(fmt, n=64, k=512)))
