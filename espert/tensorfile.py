@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from typing import Iterator, Mapping
 
@@ -227,3 +228,18 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
     metadata always give the same bytes (also through :func:`write_chunks`).
     """
     return write_chunks(path, StateChunks(tensors), metadata)
+
+
+def checkpoint_files(model: str) -> list[str] | None:
+    """The ``*.safetensors`` files of a local model directory or a Hub id already in the local cache (None:
+    none found)."""
+    d = model if os.path.isdir(model) else None
+    if d is None:
+        try:
+            from huggingface_hub import snapshot_download
+
+            d = snapshot_download(model, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached / not a Hub id: nothing to check against
+            return None
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    return [os.path.join(d, f) for f in files] or None

@@ -113,7 +113,7 @@ def test_batched_needs_lowrank_noise_and_vllm():
         ESConfig(evaluator="vllm", vllm_members="batched", noise="gaussian")
     with pytest.raises(ValueError, match="evaluator: vllm"):
         ESConfig(evaluator="torch", vllm_members="batched", noise=NOISE)
-    from espert.vllm.engine.lora import batched_rank, lora_rank_for
+    from espert.vllm.wire import batched_rank, lora_rank_for
 
     with pytest.raises(ValueError, match="lowrank"):
         batched_rank("rademacher")

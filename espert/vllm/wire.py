@@ -3,7 +3,8 @@ logical tensors assembled from (or split into) every rank's pieces, and the chun
 
 Driver and workers meet only here (no vLLM import): the worker packs (:func:`pack_tensor`, the chunks of
 :func:`chunk_plan`), the driver unpacks and reassembles (:func:`assemble`, :func:`segments`), and both
-sides agree on the logical coordinates of a piece (:func:`logical_shape`, :func:`block_slices`).
+sides agree on the logical coordinates of a piece (:func:`logical_shape`, :func:`block_slices`) and on the LoRA rank
+a batched population needs (:func:`batched_rank`, :func:`lora_rank_for`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,31 @@ from typing import Sequence
 
 import torch
 
+from espert.noise import NoiseFamily
 from espert.ops import Block
 from espert.params import ParamView
+
+#: vLLM's allowed ``max_lora_rank`` values (vllm/config/lora.py); a lowrank:r population takes the
+#: smallest one >= r and leaves the extra rank columns at zero.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_for(rank: int) -> int:
+    """The ``max_lora_rank`` a lowrank:``rank`` population needs: the smallest vLLM allows that is >= rank."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"lowrank:{rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+
+
+def batched_rank(noise: str) -> int:
+    """The rank r of a ``lowrank:r`` noise spec; ValueError naming the noise for any other family."""
+    fam = NoiseFamily.parse(noise)
+    if fam.name != "lowrank":
+        raise ValueError(
+            f"members: batched serves each member as a rank-r LoRA adapter, so it needs noise: lowrank:r (got {noise!r})"
+        )
+    return fam.rank
 
 
 def logical_shape(tensor_shape: Sequence[int], block: Block | None) -> tuple[int, ...]:

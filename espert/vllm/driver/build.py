@@ -78,7 +78,7 @@ def checkpoint_rms_scales(model: str, dtype: str, include=None, exclude=None) ->
 
     from espert.evaluators.torch_model import tensor_rms, torch_dtype
     from espert.params import matches
-    from espert.vllm.engine.params import checkpoint_files
+    from espert.tensorfile import checkpoint_files
 
     files = checkpoint_files(model)
     if files is None:

@@ -40,8 +40,7 @@ from espert.update import Update
 from espert.vllm import patches
 from espert.vllm.driver.chunks import lora_chunks
 from espert.vllm.driver.stream import CenterStream, pull_center
-from espert.vllm.engine.lora import batched_rank, lora_rank_for
-from espert.vllm.wire import assemble, pack_tensor
+from espert.vllm.wire import assemble, batched_rank, lora_rank_for, pack_tensor
 
 if TYPE_CHECKING:  # what espert calls on it is checked in every vLLM release (tools/vllm_contract.py)
     from vllm import LLM

@@ -21,14 +21,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from espert.noise import NoiseFamily
 from espert.ops import perturb_
 from espert.params import ParamView
 from espert.vllm.patches.lora_cpu import USED_RANK
-
-#: vLLM's allowed ``max_lora_rank`` values (vllm/config/lora.py); a lowrank:r population takes the
-#: smallest one >= r and leaves the extra rank columns at zero.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 #: First adapter id of espert's slots (ids are vLLM's ``lora_int_id``; anything > 0 works).
 SLOT_ID_BASE = 1
@@ -36,24 +31,6 @@ SLOT_ID_BASE = 1
 
 class LoraLayoutError(ValueError):
     """A selected parameter cannot be carried by a vLLM LoRA slot in the way espert maps it."""
-
-
-def lora_rank_for(rank: int) -> int:
-    """The ``max_lora_rank`` a lowrank:``rank`` population needs: the smallest vLLM allows that is >= rank."""
-    for r in VLLM_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"lowrank:{rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
-
-
-def batched_rank(noise: str) -> int:
-    """The rank r of a ``lowrank:r`` noise spec; ValueError naming the noise for any other family."""
-    fam = NoiseFamily.parse(noise)
-    if fam.name != "lowrank":
-        raise ValueError(
-            f"members: batched serves each member as a rank-r LoRA adapter, so it needs noise: lowrank:r (got {noise!r})"
-        )
-    return fam.rank
 
 
 @dataclass(frozen=True)

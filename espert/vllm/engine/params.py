@@ -26,7 +26,7 @@ import torch
 from espert.ops import DTYPE_CODES, Block
 from espert.params import ParamView, matches
 from espert.quant.checkpoint import logical_shapes, quantization_config, weight_scheme
-from espert.tensorfile import read_header
+from espert.tensorfile import checkpoint_files, read_header
 from espert.vllm.patches import releases
 from espert.vllm.patches.moe_prepack import expert_plain
 
@@ -454,21 +454,6 @@ def _check_param(pname: str, p: torch.Tensor, module, prefix: str, leaf: str) ->
 
 
 # ---- the checkpoint the logical names must match ----------------------------------------------
-
-
-def checkpoint_files(model: str) -> list[str] | None:
-    """The ``*.safetensors`` files of a local model directory or a Hub id already in the local cache (None:
-    none found)."""
-    d = model if os.path.isdir(model) else None
-    if d is None:
-        try:
-            from huggingface_hub import snapshot_download
-
-            d = snapshot_download(model, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached / not a Hub id: nothing to check against
-            return None
-    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
-    return [os.path.join(d, f) for f in files] or None
 
 
 def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:

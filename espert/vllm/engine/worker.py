@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from espert import tensorfile
 from espert.center import CenterStore, Optimizer
 from espert.update import Update
 from espert.vllm import patches, wire
 from espert.vllm.engine import w8a8
-from espert.vllm.engine.lora import LoraSlots, batched_rank, slot_error
-from espert.vllm.engine.params import LayoutError, checkpoint_files, checkpoint_shapes, routed_experts, vllm_param_views
+from espert.vllm.engine.lora import LoraSlots, slot_error
+from espert.vllm.engine.params import LayoutError, checkpoint_shapes, routed_experts, vllm_param_views
 from espert.vllm.engine.repack import RepackingCenter
 from espert.vllm.engine.selftest import check_edits_reach_forward
 from espert.vllm.patches import cpu_prepack, say_counted_warnings
@@ -127,7 +128,7 @@ def _check_choice(name: str, value, choices: tuple) -> None:
 
 def _model_dir(worker) -> str | None:
     """The local directory of the worker's checkpoint (a Hub id resolved in the local cache), or None."""
-    files = checkpoint_files(worker.vllm_config.model_config.model)
+    files = tensorfile.checkpoint_files(worker.vllm_config.model_config.model)
     return os.path.dirname(files[0]) if files else None
 
 
@@ -241,7 +242,7 @@ class ESWorkerExtension:
     def _es_lora_slots(self, model, views, noise: str):
         if getattr(self.model_runner, "lora_manager", None) is None:
             raise ValueError("members: batched needs an engine created with enable_lora=True (espert.vllm.make_llm)")
-        return LoraSlots(model, views, batched_rank(noise))
+        return LoraSlots(model, views, wire.batched_rank(noise))
 
     def _es_install(self, center, model: torch.nn.Module, device: str) -> dict:
         """Run the self-test (edits must reach the forward pass; :mod:`espert.vllm.engine.selftest`), then make

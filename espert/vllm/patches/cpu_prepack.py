@@ -222,6 +222,6 @@ def check_model(model: torch.nn.Module) -> None:
     if bad:
         raise RuntimeError(
             f"vLLM-CPU prepacked the weights of {len(bad)} layers ({bad[:3]}...) without espert's repack hook: "
-            f"in-place edits would be silently ignored.  espert.vllm.cpu_patch.install() must run before the "
+            f"in-place edits would be silently ignored.  espert.vllm.patches.install() must run before the "
             f"model loads (pass worker_extension_cls='espert.vllm.worker.ESWorkerExtension' to LLM(...))"
         )
