@@ -390,17 +390,45 @@ def test_marlin_pieces_of_a_fused_layer_edit_vllms_marlin_layout_in_place(group)
         assert not torch.equal(unpack_codes(qw), codes[start:stop])
         assert torch.equal(layer.qweight.data[:, 2 * stop :], before[:, 2 * stop :])  # later pieces untouched
     refusals = {
-        "Marlin permutes the layer's bias": dict(bias=torch.nn.Parameter(torch.zeros(n))),
         "Marlin's zero points": dict(zero_points=True),
         "torch.float8_e4m3fn activations": dict(act_type=torch.float8_e4m3fn),
         "Marlin padded": dict(partition_weight_shape=(k, n - 64)),
     }
     for why, change in refusals.items():
-        config = {c: v for c, v in change.items() if c != "bias"}
-        bad = _marlin_layer(codes, scales, group, **config)
-        if "bias" in change:
-            bad.bias = change["bias"]
-        assert why in w8a8._w4a16_unsupported(bad)
+        assert why in w8a8._w4a16_unsupported(_marlin_layer(codes, scales, group, **change))
+
+
+def test_a_marlin_layers_bias_is_edited_in_logical_order_and_written_back_as_marlin_permutes_it():
+    """vLLM's Marlin keeps an int4 layer's bias (Qwen2's q/k/v) in ``marlin_permute_bias``'s order.  espert's views
+    edit a logical-order copy, and each edit of the worker's center writes it back through vLLM's own permutation:
+    the live bias is always ``marlin_permute_bias`` of the logical bias the center moved."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_permute_bias
+
+    from espert.center import CenterStore
+    from espert.params import ParamView
+    from espert.vllm.engine import w8a8
+    from espert.vllm.engine.params import marlin_bias
+    from espert.vllm.engine.repack import RepackingCenter
+
+    n, k = 128, 64
+    g = torch.Generator().manual_seed(1)
+    layer = _marlin_layer(torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32), torch.rand(1, n) * 0.01, -1)
+    logical = torch.randn(n, generator=g).to(torch.bfloat16)
+    layer.bias = torch.nn.Parameter(marlin_permute_bias(logical), requires_grad=False)
+    assert w8a8._w4a16_unsupported(layer) is None
+    copy = marlin_bias(layer, layer.bias)
+    assert (
+        torch.equal(copy, logical)
+        and marlin_bias(layer, layer.bias) is copy
+        and marlin_bias(layer, layer.qweight) is None
+    )
+    center = RepackingCenter(CenterStore([ParamView("model.layers.0.self_attn.qkv_proj.bias", copy)]), layer)
+    center.perturb(3, 0.05, 1)
+    assert not torch.equal(copy, logical) and torch.equal(layer.bias.data, marlin_permute_bias(copy))
+    center.restore()
+    assert torch.equal(layer.bias.data, marlin_permute_bias(logical))
+    center.update(Update([4], [0.5]))
+    assert torch.equal(layer.bias.data, marlin_permute_bias(copy)) and not torch.equal(copy, logical)
 
 
 def test_an_int4_checkpoint_on_a_gpu_is_run_by_marlin(monkeypatch):

@@ -169,6 +169,13 @@ def marlin_scale_perms() -> tuple[np.ndarray, np.ndarray]:
     return np.array(grouped), np.array(single)
 
 
+def marlin_bias_order(bias: torch.Tensor) -> torch.Tensor:
+    """The view ``[N/32, 4, 4, 2]`` of a bias ``[N]`` that takes it between logical order and the order vLLM's
+    ``marlin_permute_bias`` stores (its channelwise perm: within each 32 outputs, 4×4 blocks of pairs transposed),
+    either way."""
+    return bias.view(-1, 4, 4, 2).transpose(1, 2)
+
+
 def marlin_grouped(group_size: int, k: int) -> bool:
     """vLLM uses the grouped scale permutation iff group_size != -1 and group_size < K."""
     return group_size not in (-1, None) and group_size < k

@@ -26,6 +26,7 @@ import torch
 from espert.ops import DTYPE_CODES, Block
 from espert.params import ParamView, matches
 from espert.quant.checkpoint import logical_shapes, quantization_config, weight_scheme
+from espert.quant.formats import marlin_bias_order
 from espert.tensorfile import checkpoint_files, read_header
 from espert.vllm.patches import releases
 from espert.vllm.patches.moe_prepack import expert_plain
@@ -166,6 +167,17 @@ def is_w4a16(module) -> bool:
     """An int4 weight-only layer (llm-compressor's W4A16, GPTQ, AWQ), whose codes :mod:`espert.vllm.engine.w8a8`
     edits."""
     return wna16_kernel(module) is not None
+
+
+def marlin_bias(module, p: torch.Tensor) -> torch.Tensor | None:
+    """A logical-order copy of an int4 layer's bias that vLLM's Marlin keeps permuted (``marlin_permute_bias``),
+    made once per layer (None for any other parameter): the views edit it and
+    :class:`~espert.vllm.engine.repack.RepackingCenter` writes it back in Marlin's order after each edit."""
+    if p is not getattr(module, "bias", None) or type(wna16_kernel(module)).__name__ != "MarlinLinearKernel":
+        return None
+    if getattr(module, "_espert_bias", None) is None:
+        module._espert_bias = marlin_bias_order(p.data).reshape(-1)
+    return module._espert_bias
 
 
 def layer_pieces(module, kind: str, vllm_name: str, local_shape: Sequence[int], logical_names) -> list:
@@ -370,7 +382,8 @@ def vllm_param_views(
         pname, prefix = pname.replace(".base_layer.", "."), prefix.removesuffix(".base_layer")
         if hasattr(module, "_espert_codes") or (is_w4a16(module) and leaf != "bias"):  # espert.vllm.engine.w8a8
             continue  # the codes, scales and zero points; an int4 layer's float bias is a float view like any
-        live = p.data
+        live = marlin_bias(module, p) if leaf == "bias" else None
+        live = p.data if live is None else live
         if routed_experts(module):  # pieces are rows of [E·R, C]; on vLLM-CPU, of the plain (unpacked) copy
             live = expert_plain(p.data)
             live = (p.data if live is None else live).reshape(-1, p.shape[-1])

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from espert.quant.formats import marlin_bias_order
 from espert.update import Update
 from espert.vllm.patches.cpu_prepack import packed_layers
 from espert.vllm.patches.moe_prepack import expert_plain, repack_experts
@@ -36,6 +37,12 @@ class RepackingCenter:
             if (plain := expert_plain(p.data)) is not None and plain.untyped_storage().data_ptr() in storages
         ]
         self.expert_seconds, self.expert_repacks = 0.0, 0
+        # int4 biases on Marlin: the views edit a logical-order copy (espert.vllm.engine.params.marlin_bias)
+        self.biases = [
+            m
+            for m in model.modules()
+            if getattr(m, "_espert_bias", None) is not None and m._espert_bias.untyped_storage().data_ptr() in storages
+        ]
 
     def __getattr__(self, name: str):
         """What changes no live weight is the inner center's: ``views``, ``centers``, ``nbytes``, ``sigma_scales``,
@@ -57,6 +64,8 @@ class RepackingCenter:
     def _stale(self) -> None:
         for z in self.lazy:
             z.stale = True
+        for m in self.biases:
+            m.bias.data.view(-1, 4, 4, 2).copy_(marlin_bias_order(m._espert_bias))
         t0 = time.perf_counter()
         for p in self.experts:
             repack_experts(p.data)

@@ -74,8 +74,6 @@ def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
             return "Marlin's zero points (AWQ, asymmetric) are in a layout espert does not map"
         if tuple(getattr(m, kernel.w_q_name).shape) != (k // 16, 2 * n):
             return f"Marlin padded its [{n}, {k}] weight to its thread tiles"
-        if getattr(m, "bias", None) is not None:
-            return "Marlin permutes the layer's bias"
     return None
 
 
