@@ -324,14 +324,14 @@ def test_es_through_the_w8a8_engine_improves_heldout_copy(ev):
         ev.load_center(start)
 
 
-def _marlin_layer(codes: torch.Tensor, scales: torch.Tensor, group: int, **config):
+def _marlin_layer(codes: torch.Tensor, scales: torch.Tensor, group: int, zeros: torch.Tensor | None = None, **config):
     """A layer as vLLM's Marlin kernel leaves it on a GPU, without one: ``qweight`` and ``scales`` written by vLLM's
     own Python twins of its repack (``marlin_weights``, the reference its GPU ``gptq_marlin_repack`` is tested
-    against, and ``marlin_permute_scales``), and vLLM's MarlinLinearKernel on the quant method (built without
-    ``can_implement``, which asks for CUDA)."""
+    against, and ``marlin_permute_scales``), AWQ's ``zeros`` [K/g, N] by ``marlin_zero_points``, and vLLM's
+    MarlinLinearKernel on the quant method (built without ``can_implement``, which asks for CUDA)."""
     from vllm.model_executor.kernels.linear.mixed_precision.marlin import MarlinLinearKernel
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearLayerConfig
-    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_permute_scales
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_permute_scales, marlin_zero_points
     from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
     from vllm.scalar_type import scalar_types
 
@@ -340,23 +340,28 @@ def _marlin_layer(codes: torch.Tensor, scales: torch.Tensor, group: int, **confi
     kernel.config = MPLinearLayerConfig(
         **{
             "full_weight_shape": (k, n), "partition_weight_shape": (k, n), "weight_type": scalar_types.uint4b8,
-            "act_type": torch.bfloat16, "group_size": group, "zero_points": False, **config,
+            "act_type": torch.bfloat16, "group_size": group, "zero_points": zeros is not None, **config,
         }
     )  # fmt: skip
-    kernel.w_q_name, kernel.w_s_name, kernel.w_zp_name = "qweight", "scales", None
+    if zeros is not None:  # AWQ on a GPU: unsigned codes, its zero points
+        kernel.config.weight_type = scalar_types.uint4
+    kernel.w_q_name, kernel.w_s_name, kernel.w_zp_name = "qweight", "scales", "qzeros"
     layer = torch.nn.Module()
     layer.qweight = torch.nn.Parameter(marlin_weights(codes.t(), k, n, 4, get_weight_perm(4)), requires_grad=False)
     layer.scales = torch.nn.Parameter(marlin_permute_scales(scales, k, n, group), requires_grad=False)
+    zp = torch.empty(0, dtype=torch.int32) if zeros is None else marlin_zero_points(zeros, zeros.shape[0], n, 4)
+    layer.qzeros = torch.nn.Parameter(zp, requires_grad=False)  # marlin_make_empty's without zero points
     layer.quant_method = SimpleNamespace(kernel=kernel)
     return layer
 
 
-@pytest.mark.parametrize("group", [32, -1])
-def test_marlin_pieces_of_a_fused_layer_edit_vllms_marlin_layout_in_place(group):
+@pytest.mark.parametrize("group,asym", [(32, False), (-1, False), (32, True)])
+def test_marlin_pieces_of_a_fused_layer_edit_vllms_marlin_layout_in_place(group, asym):
     """A GPU's int4 path (vLLM's Marlin, the layout of compressed-tensors W4A16 and GPTQ there), emulated on the
     CPU: each piece of a fused qkv ([128 | 64 | 64] rows) is a column slice of the Marlin words; it reads the
     codes vLLM's repack wrote, takes the checkpoint's scales in Marlin's column order, and moves exactly as the
-    same piece in GPTQ's layout would, leaving the other pieces alone.  A layer espert cannot map is named."""
+    same piece in GPTQ's layout would, leaving the other pieces alone; AWQ's zero points (asym) are read back in
+    logical order from ``marlin_zero_points``'s words.  A layer espert cannot map is named."""
     from espert.quant import unpack_codes
     from espert.vllm.engine import w8a8
 
@@ -364,7 +369,8 @@ def test_marlin_pieces_of_a_fused_layer_edit_vllms_marlin_layout_in_place(group)
     n, k = 256, 128
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
     scales = (torch.rand(k // (k if group == -1 else group), n, generator=g) * 0.01 + 0.001).to(torch.bfloat16)
-    layer = _marlin_layer(codes, scales, group)
+    zeros = torch.randint(0, 16, (scales.shape[0], n), generator=g, dtype=torch.int32) if asym else None
+    layer = _marlin_layer(codes, scales, group, zeros)
     assert w8a8._w4a16_unsupported(layer) is None and w8a8._int4_shape(layer) == (n, k)
     before = layer.qweight.data.clone()
     for i, (start, stop) in enumerate([(0, 128), (128, 192), (192, 256)]):
@@ -372,6 +378,7 @@ def test_marlin_pieces_of_a_fused_layer_edit_vllms_marlin_layout_in_place(group)
         assert torch.equal(piece, layer.scales.data[:, start:stop])  # the checkpoint's, in Marlin's order
         qw = w8a8._w4a16_piece_weight(layer, start, stop, piece)
         assert qw.fmt == "marlin" and torch.equal(unpack_codes(qw), codes[start:stop])
+        assert (qw.zeros is None) if zeros is None else torch.equal(qw.zeros, zeros[:, start:stop])
         key = param_key(f"model.layers.0.self_attn.{'qkv'[i]}_proj.weight")
         gptq = QuantWeight(
             "gptq",
@@ -390,7 +397,6 @@ def test_marlin_pieces_of_a_fused_layer_edit_vllms_marlin_layout_in_place(group)
         assert not torch.equal(unpack_codes(qw), codes[start:stop])
         assert torch.equal(layer.qweight.data[:, 2 * stop :], before[:, 2 * stop :])  # later pieces untouched
     refusals = {
-        "Marlin's zero points": dict(zero_points=True),
         "torch.float8_e4m3fn activations": dict(act_type=torch.float8_e4m3fn),
         "Marlin padded": dict(partition_weight_shape=(k, n - 64)),
     }

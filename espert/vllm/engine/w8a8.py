@@ -70,8 +70,6 @@ def _w4a16_unsupported(m: torch.nn.Module) -> str | None:
         k, n = c.partition_weight_shape
         if c.act_type not in (torch.float16, torch.bfloat16):
             return f"Marlin with {c.act_type} activations (it rescales the scales)"
-        if c.zero_points:
-            return "Marlin's zero points (AWQ, asymmetric) are in a layout espert does not map"
         if tuple(getattr(m, kernel.w_q_name).shape) != (k // 16, 2 * n):
             return f"Marlin padded its [{n}, {k}] weight to its thread tiles"
     return None
@@ -85,6 +83,15 @@ def _int4_shape(m: torch.nn.Module) -> tuple[int, int]:
     return scales.shape[1], codes.shape[0] * 16 if marlin else codes.shape[1] // 2
 
 
+def _marlin_zeros(z: torch.Tensor) -> torch.Tensor:
+    """Marlin's unpacked zero points ``[K/g, N]`` in logical column order: the inverse of vLLM's
+    ``marlin_zero_points`` (columns in the grouped scale perm of 64, then interleaved [0, 2, 4, 6, 1, 3, 5, 7])."""
+    grouped, _ = marlin_scale_perms()
+    shape = z.shape
+    z = z.reshape(-1, 8)[:, torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])]
+    return z.reshape(-1, 64)[:, torch.from_numpy(grouped.argsort())].reshape(shape)
+
+
 def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int, stored: torch.Tensor | None = None):
     """The QuantWeight of output rows ``[start, stop)`` of an int4 layer: its live codes, edited in place (a row
     block of CPUWNA16's ``[N/16, 2K]``, a column slice of Marlin's ``[K/16, 2N]``), with the checkpoint's scales of
@@ -95,9 +102,10 @@ def _w4a16_piece_weight(m: torch.nn.Module, start: int, stop: int, stored: torch
     codes, scales = getattr(m, kernel.w_q_name).data, getattr(m, kernel.w_s_name).data
     zp = getattr(m, kernel.w_zp_name, None) if kernel.w_zp_name else None
     zeros = None
-    if zp is not None:  # CPUWNA16: [K/g, N/8] int32, 8 output channels per word (vLLM transposed CT's
-        # [N/8, K/g] at load and put AWQ's in this order)
-        zeros = unpack_int4(zp.data)[:, start:stop].contiguous()
+    if zp is not None and zp.numel():  # CPUWNA16: [K/g, N/8] int32, 8 output channels per word (vLLM transposed
+        # CT's [N/8, K/g] at load and put AWQ's in this order); Marlin: the same words, its columns permuted
+        zeros = unpack_int4(zp.data)
+        zeros = (_marlin_zeros(zeros) if fmt == "marlin" else zeros)[:, start:stop].contiguous()
     k, g = _int4_shape(m)[1], kernel.config.group_size
     rows = codes[start // 16 : stop // 16] if fmt == "cpu_w4a16" else codes[:, 2 * start : 2 * stop]
     scales = scales[:, start:stop].contiguous() if stored is None else stored
