@@ -261,7 +261,8 @@ class ESConfig:
         "base",
         "dtype of RUN/export's float weights: base (each tensor as in the base checkpoint; float32 for a "
         "dequantized GGUF) or float32 | bfloat16 | float16 (bfloat16 halves a float32 export but rounds "
-        "updates smaller than its step away); the float32 center is kept either way (may change on resume)",
+        "updates smaller than its step away; a quantized base is then exported dequantized, as a float "
+        "model); the float32 center is kept either way (may change on resume)",
     )
     trackers: list[str] = opt(
         [],

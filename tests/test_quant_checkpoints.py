@@ -357,3 +357,37 @@ def test_gptq_act_order_trains_in_torch_exports_in_its_format_and_vllm_refuses_i
     assert "bit-identical" in (err := capsys.readouterr().err) and ": yes" in err, err
     tokens, _ = compressed.transformers_outputs(os.path.join(run, "export"))
     assert tokens[:3] == [1, 4, 5] and len(tokens) == 6
+
+
+@pytest.mark.parametrize(
+    "scheme", [pytest.param("GPTQ-actorder", marks=gptqmodel), "W4A16-asym"] + (["W8A8", "AutoAWQ"] if SLOW else [])
+)
+def test_a_float_export_is_written_on_request_and_computes_what_the_quantized_export_does(
+    checkpoint_of, scheme, tmp_path
+):
+    """``export_dtype`` other than ``base`` asks for a float model: the trained codes dequantized with the
+    checkpoint's scales and zero points (act-order's columns back in their order), no quantization config.  Plain
+    transformers loads it, and its logits are those of the quantized export as the ecosystem loads it
+    (transformers for compressed-tensors, GPTQModel's kernels for GPTQ and AWQ), to their half-precision rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from espert.runs.export import export_model
+    from espert.tensorfile import FileChunks
+
+    if scheme == "AutoAWQ" and not compressed.has_autoawq():
+        pytest.skip("AutoAWQ is not in .venv/quantizers")
+    d, run = checkpoint_of(scheme), str(tmp_path / "run")
+    _train(d, run)
+    out = export_model(FileChunks(os.path.join(run, runs.CENTER)), d, str(tmp_path / "float"), dtype="float32")
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        assert "quantization_config" not in json.load(f)
+    stored = tensors(out)
+    assert all(t.dtype == torch.float32 for t in stored.values()) and not any("qweight" in k for k in stored)
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(out)(torch.tensor(compressed.PROMPT)).logits
+        if scheme.startswith(("W4A16", "W8A8")):
+            theirs = AutoModelForCausalLM.from_pretrained(os.path.join(run, "export"), dtype=torch.float32)
+            theirs = theirs(torch.tensor(compressed.PROMPT)).logits
+        else:
+            _, theirs = compressed.transformers_outputs(os.path.join(run, "export"))
+    assert (ours - theirs).abs().max() < 0.02 * theirs.abs().max()

@@ -133,7 +133,8 @@ def export_model(
     ``AutoModelForCausalLM.from_pretrained`` and vLLM load the result like the base.  Raises (before
     writing) if a center name is missing from the base checkpoint or has another shape there.
     dtype: ``"base"`` (each tensor in its dtype in the base file) or a float dtype name
-    (:data:`EXPORT_DTYPES`): every floating tensor of the export in it, ``config.json``'s dtype saying so.
+    (:data:`EXPORT_DTYPES`): every floating tensor of the export in it, ``config.json``'s dtype saying so; of a
+    quantized base, a float model in it, dequantized (:func:`_write_dequantized`).
     """
     from espert.center import OPTIM_PREFIX
 
@@ -150,7 +151,10 @@ def export_model(
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        _write_export(tmp, base, heads, where, source, EXPORT_DTYPES[dtype])
+        if EXPORT_DTYPES[dtype] is not None and weight_scheme(quantization_config(base)) is not None:
+            _write_dequantized(tmp, base, source, EXPORT_DTYPES[dtype])
+        else:
+            _write_export(tmp, base, heads, where, source, EXPORT_DTYPES[dtype])
         _write_note(tmp, {"iteration": iteration, "base_model": base_ref, **(note or {})})
         if os.path.exists(out_dir):
             os.replace(out_dir, old)
@@ -258,6 +262,45 @@ def _write_export(
                         w.write(stored, 0, encode(fmt, packing.pop(k)[0], orders.get(k)).reshape(-1))
             shown.update(flat.numel() * flat.element_size())
             del flat  # a streamed chunk is freed before the next one arrives
+
+
+@torch.no_grad()
+def _write_dequantized(tmp: str, base: str, source, dtype: torch.dtype) -> None:
+    """A quantized base's export in a float ``dtype`` (asked for by ``export_dtype``): the model as espert's torch
+    evaluator loads it (QuantLinear over the checkpoint's codes), the center's values put in, each QuantLinear a
+    Linear whose weight is its codes dequantized with the checkpoint's own scales and zero points, in its input
+    order; saved by transformers without a quantization config.  Holds the float model in memory once."""
+    from espert.center import OPTIM_PREFIX
+    from espert.evaluators.torch_model import load_model
+    from espert.quant import QuantLinear, dequantize, pack_codes_
+    from espert.quant.center import master_codes
+
+    model, tok = load_model(base)
+    center: dict[str, torch.Tensor] = {}
+    for k, offset, flat in source:
+        if not k.startswith(OPTIM_PREFIX):
+            whole = center.setdefault(k, torch.empty(source.layout[k][0], dtype=flat.dtype))
+            whole.view(-1)[offset : offset + flat.numel()] = flat
+    for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]:
+        qw = mod.qw
+        if name + ".weight" in center:
+            pack_codes_(qw, master_codes(center.pop(name + ".weight")).clamp(*qw.code_range))
+        w = dequantize(qw)
+        if mod.in_order is not None:  # an act-order GPTQ layer keeps its columns grouped (quant.checkpoint.act_order)
+            w = torch.empty_like(w).index_copy_(1, mod.in_order, w)
+        linear = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+        linear.weight.copy_(w)
+        if mod.bias is not None:
+            linear.bias.copy_(mod.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, linear)
+    for k, value in center.items():  # the float tensors: embeddings, norms, biases
+        model.get_parameter(k).copy_(value)
+    model.config.__dict__.pop("quantization_config", None)  # (GPTQ's and AWQ's loader dropped it already)
+    model.hf_quantizer = None  # compressed-tensors: transformers would compress the weights again on save
+    model.to(dtype).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    _set_config_dtype(os.path.join(tmp, "config.json"), dtype)
 
 
 def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
