@@ -27,6 +27,7 @@ from espert.config import ESConfig
 from espert.diagnostics import IterationMeter
 from espert.es import es_step, prompt_indices
 from espert.extras import check_config
+from espert.runs import legacy
 from espert.tasks import resolve_tasks, task_fingerprint
 
 
@@ -55,9 +56,9 @@ def _refuse_python_task(run_dir: str) -> None:
 
 
 def _check_task_record(run, spec: str, fingerprint: str) -> None:
-    """On resume: the task must be the one the run started with (old runs have no record: skipped)."""
+    """On resume: the task must be the one the run started with."""
     rec = _task_record(run.records)
-    if rec is None:
+    if legacy.before_task_records(rec):
         return
     if rec.get("fingerprint") != fingerprint:
         raise ValueError(
@@ -69,8 +70,7 @@ def _check_task_record(run, spec: str, fingerprint: str) -> None:
 def _check_prompt_log(cfg: ESConfig, run, pool: int) -> None:
     """Every logged iteration's prompt indices must be what the config derives (see module doc)."""
     for rec in run.iterations():
-        logged = rec.get("prompt_indices")
-        if logged is not None and logged != prompt_indices(cfg, rec["iteration"], pool):
+        if not legacy.before_prompt_logs(rec) and rec["prompt_indices"] != prompt_indices(cfg, rec["iteration"], pool):
             raise ValueError(
                 f"{run.path}: the prompts logged for iteration {rec['iteration']} differ from the ones "
                 f"prompt_sampler={cfg.prompt_sampler!r} derives here (Python's random module changed?); "

@@ -15,11 +15,12 @@ where each difference is handled:
 
 2. ``base_fingerprint`` without ``files`` (version 1: config.json and the weight files' names and
    sizes): ``check_base`` hands it to :func:`check_base_v1`.
-3. log lines without a ``crc32`` (written before checksums): read as they are (``log._parse_line``).
+3. log lines without a ``crc32`` (written before checksums): read as they are (:func:`unchecked_line`, from
+   ``log._parse_line``).
 4. a log without ``checkpoint`` records: the center checkpoint is loaded unverified, with a note
    (:func:`note_unverified_checkpoint`, from ``Run.load_checkpoint``).
 5. a log without a ``task`` record, ``iter`` records without ``prompt_indices``: resume skips those
-   checks (``espert.trainer``).
+   checks (:func:`before_task_records`, :func:`before_prompt_logs`, from ``espert.trainer``).
 6. what a killed setup of older espert versions left (:func:`abandoned_setup`): ``Run.open`` accepts the
    directory and ``Run.commit`` replaces it (:func:`clear_abandoned_setup`).
 7. a config of a version-1 run (rule 1a) samples prompts with ``prompt_sampler: python_random``, which
@@ -101,6 +102,21 @@ def check_base_v1(path: str, want: dict, echo: Callable[[str], None] | None = No
             f"[espert] note: this run directory records only config.json and weight file sizes of its base "
             f"model (older espert), so the weight contents at {path} cannot be verified"
         )
+
+
+def unchecked_line(crc: str | None) -> bool:
+    """Rule 3: a log line without a ``crc32`` (written before checksums) is read as it is."""
+    return crc is None
+
+
+def before_task_records(task_record: dict | None) -> bool:
+    """Rule 5: a log without a ``task`` record (older espert): resume cannot check the task."""
+    return task_record is None
+
+
+def before_prompt_logs(iteration_record: dict) -> bool:
+    """Rule 5: an ``iter`` record without ``prompt_indices`` (older espert): resume cannot check its prompts."""
+    return iteration_record.get("prompt_indices") is None
 
 
 def note_unverified_checkpoint(path: str, echo) -> None:

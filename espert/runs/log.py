@@ -12,6 +12,7 @@ import os
 import zlib
 
 from espert.files import LOG, RunError
+from espert.runs import legacy
 
 
 def _body(rec: dict) -> str:
@@ -33,8 +34,8 @@ def _parse_line(line: bytes) -> tuple[dict | None, str]:
         return None, f"not valid JSON ({e})"
     if not isinstance(rec, dict):
         return None, "not a JSON object"
-    crc = rec.pop("crc32", None)  # legacy rule 3: records written before checksums have none
-    if crc is not None and crc != f"{zlib.crc32(_body(rec).encode()):08x}":
+    crc = rec.pop("crc32", None)
+    if not legacy.unchecked_line(crc) and crc != f"{zlib.crc32(_body(rec).encode()):08x}":
         return None, "checksum mismatch (the line was changed after it was written)"
     return rec, ""
 
