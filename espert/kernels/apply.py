@@ -1,7 +1,6 @@
-"""Triton backend of espert's one kernel: in-place ``w += Σ_m c_m·ε(seeds[m], key, idx)`` over a
-launch plan (espert/ops/plan.py): one launch per (dtype, noise family) present in a call, whatever the
-number of tensors.  Each program reads its plan entry through a pointer table (binary search over
-``unit_start``; the interpreter supports int64 -> pointer bitcasts too).
+"""Triton backend of espert's one kernel: in-place ``w += Σ_m c_m·ε(seeds[m], key, idx)`` over a launch plan
+(espert/ops/plan.py): one launch per (dtype, noise family) present in a call, whatever the number of tensors.
+Each program reads its plan entry through a pointer table (binary search over ``unit_start``).
 
 Bit-identical to ``espert.noise.update_reference`` and to the C++/CUDA kernels
 (``csrc/noise.h``): Philox4x32-10 in uint32, a Box-Muller built only from correctly
@@ -63,27 +62,11 @@ NF = tl.constexpr(len(PLAN_FIELDS))
     F_UNITS_PER_ROW,
     F_UNIT_START,
 ) = (
-    tl.constexpr(PLAN_FIELDS.index(n))
+    tl.constexpr(PLAN_FIELDS.index(n))  # by name: the constants follow csrc/apply.h's column order
     for n in (
-        "data",
-        "dtype",
-        "rows",
-        "cols",
-        "row_stride",
-        "row_offset",
-        "col_offset",
-        "logical_cols",
-        "key",
-        "scale_bits",
-        "family",
-        "rank",
-        "stage_a",
-        "stage_b",
-        "member_begin",
-        "member_end",
-        "units_per_row",
-        "unit_start",
-    )
+        "data dtype rows cols row_stride row_offset col_offset logical_cols key scale_bits family rank stage_a "
+        "stage_b member_begin member_end units_per_row unit_start"
+    ).split()
 )
 
 # fp16 <-> fp32 conversions.  True: `.to()`, i.e. `cvt.f32.f16` / `cvt.rn.f16x2.f32` on GPU
@@ -635,17 +618,11 @@ def _apply_kernel(
 
 
 #: _apply_kernel's runtime arguments as Triton types (what a launch passes: the tests compile it with these)
-SIGNATURE = {
-    "plan_ptr": "*i64",
-    "n_entries": "i32",
-    "n_search": "i32",
-    "seeds_ptr": "*i64",
-    "coeffs_ptr": "*fp32",
-    "icdf_ptr": "*i64",
-    "rec_ptr": "*i64",
-    "capacity": "i64",
-    "count_ptr": "*i64",
-}
+SIGNATURE = dict(
+    arg.split("=")
+    for arg in "plan_ptr=*i64 n_entries=i32 n_search=i32 seeds_ptr=*i64 coeffs_ptr=*fp32 icdf_ptr=*i64 rec_ptr=*i64 "
+    "capacity=i64 count_ptr=*i64".split()
+)
 
 
 def constexprs(
