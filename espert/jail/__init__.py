@@ -2,29 +2,28 @@
 
 :func:`command` wraps a Python command line so that it runs with
 
-* new user, PID, mount, IPC, UTS, network (and, where the kernel has it, cgroup) namespaces: it sees no
-  other process, no network interface but a loopback that is down, no socket file of the host (the
-  filesystem view is its own), no host IPC object;
-* an unprivileged uid and gid, 65534, also when espert runs as root.  As root, bwrap joins a user namespace
-  that maps uid/gid 0 and 65534 to themselves (:func:`_make_root_userns`, a new one for every jail, so no
-  keyring or other state of a user namespace outlives a check); bwrap does the
-  mounts as 0 there, and the program's first act (``jailed.confine``) is to become 65534, a real
-  unprivileged user to the kernel, so ``RLIMIT_NPROC`` holds (the kernel exempts uid 0) and only
-  world-readable files can be read.  Not as root, bwrap makes the user namespace itself and maps the user
-  to 65534.  Either way the namespace cannot make further user namespaces, and no capability is left;
-* a read-only view of only what the interpreter needs: ``/usr``, ``/bin``, ``/lib*`` (their symlinks where
-  they are links), ``/etc/ld.so.cache``, the interpreter's prefix, with every site- and dist-packages
-  directory in that view hidden (the standard library and lib-dynload only) and the foreign-function and
-  test extensions (``_ctypes``, ``_testcapi``, ...) masked;
-  ``/dev/null``, ``/dev/zero``, ``/dev/random``, ``/dev/urandom``; its own ``/proc`` (of its PID namespace);
-  no ``/dev/shm``; and one writable place, a private tmpfs of ``tmp_bytes`` at ``/tmp``, its working
-  directory.  The root is a read-only tmpfs;
-* ``--die-with-parent``: if the process that launched it dies, the jail's init is killed, and with it every
-  process of its PID namespace.  :mod:`espert.jail.sandbox` kills that init itself at the deadline.
+* new user, PID, mount, IPC, UTS, network (and, where the kernel has it, cgroup) namespaces: it sees no other process,
+  no network interface but a loopback that is down, no socket file of the host (the filesystem view is its own), no
+  host IPC object;
+* an unprivileged uid and gid, 65534, also when espert runs as root.  As root, bwrap joins a user namespace that maps
+  uid/gid 0 and 65534 to themselves (:func:`_make_root_userns`, a new one for every jail, so no keyring or other state
+  of a user namespace outlives a check); bwrap does the mounts as 0 there, and the program's first act
+  (``jailed.confine``) is to become 65534, a real unprivileged user to the kernel, so ``RLIMIT_NPROC`` holds (the
+  kernel exempts uid 0) and only world-readable files can be read.  Not as root, bwrap makes the user namespace itself
+  and maps the user to 65534.  Either way the namespace cannot make further user namespaces, and no capability is
+  left;
+* a read-only view of only what the interpreter needs: ``/usr``, ``/bin``, ``/lib*`` (their symlinks where they are
+  links), ``/etc/ld.so.cache``, the interpreter's prefix, with every site- and dist-packages directory in that view
+  hidden (the standard library and lib-dynload only) and the foreign-function and test extensions (``_ctypes``,
+  ``_testcapi``, ...) masked; ``/dev/null``, ``/dev/zero``, ``/dev/random``, ``/dev/urandom``; its own ``/proc`` (of
+  its PID namespace); no ``/dev/shm``; and one writable place, a private tmpfs of ``tmp_bytes`` at ``/tmp``, its
+  working directory.  The root is a read-only tmpfs;
+* ``--die-with-parent``: if the process that launched it dies, the jail's init is killed, and with it every process of
+  its PID namespace.  :mod:`espert.jail.sandbox` kills that init itself at the deadline.
 
-:func:`status` probes once per process whether a jail can be made here, and says why not.  Where a memory cgroup
-can be made (v2, else v1), each check's candidate runs in one of its own, bounded as a whole
-(:func:`memory_cgroup`, :func:`memory_bound`).
+:func:`status` probes once per process whether a jail can be made here, and says why not.  Where a memory cgroup can
+be made (v2, else v1), each check's candidate runs in one of its own, bounded as a whole (:func:`memory_cgroup`,
+:func:`memory_bound`).
 """
 
 from __future__ import annotations
@@ -40,19 +39,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-#: The unprivileged uid and gid of jailed code.
-NOBODY = 65534
+NOBODY = 65534  # the unprivileged uid and gid of jailed code
 INSTALL_HINT = "install bubblewrap (Debian, Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
-#: The whole environment of jailed code.
-ENVIRONMENT = {
-    "PATH": "/usr/bin:/bin",
-    "LANG": "C.UTF-8",
-    "LC_ALL": "C.UTF-8",
-    "HOME": "/tmp",
-    "TMPDIR": "/tmp",
-    "PYTHONHASHSEED": "0",  # set and dict orders, hence pass/fail, repeat
-    "PYTHONDONTWRITEBYTECODE": "1",
-}
+#: The whole environment of jailed code (PYTHONHASHSEED: set and dict orders, hence pass/fail, repeat).
+ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp"}
+ENVIRONMENT.update(PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1")
 DEVICES = ("null", "zero", "random", "urandom")
 #: What the probe runs in the jail: the drop to 65534 that ``jailed.confine`` makes as root, then its uid.
 PROBE = f"""import os
@@ -70,8 +61,7 @@ class JailError(RuntimeError):
 
 @dataclass(frozen=True)
 class JailStatus:
-    """Whether code can be jailed here: ``tool`` ("bubblewrap 0.8.0") and ``how`` (the uid setup), or
-    ``reason`` (why not, and what to install)."""
+    """Whether code can be jailed here: ``tool`` ("bubblewrap 0.8.0") and ``how`` (the uid setup), or ``reason``."""
 
     available: bool
     tool: str = ""
@@ -88,21 +78,14 @@ _STATUS: JailStatus | None = None
 
 
 def _make_root_userns() -> int:
-    """``unshare --user`` a helper, map uid/gid 0 and 65534 to themselves in its namespace, forbid further
-    user namespaces there (``user.max_user_namespaces`` 0, written from inside once the map makes it root
-    there), then keep a descriptor of the namespace and end the helper."""
+    """``unshare --user`` a helper, map uid/gid 0 and 65534 to themselves in its namespace, forbid further user
+    namespaces there (``user.max_user_namespaces`` 0, written from inside as its root), keep a descriptor of it."""
     unshare = shutil.which("unshare")
     if unshare is None:
         raise JailError("unshare (util-linux) is not installed: as root the jail needs it")
     script = 'read _ && exec sh -c "echo 0 > /proc/sys/user/max_user_namespaces && echo ready && exec cat"'
-    p = subprocess.Popen(
-        [unshare, "--user", "--", "sh", "-c", script],
-        env=ENVIRONMENT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    argv, pipe = [unshare, "--user", "--", "sh", "-c", script], subprocess.PIPE
+    p = subprocess.Popen(argv, env=ENVIRONMENT, stdin=pipe, stdout=pipe, stderr=pipe, start_new_session=True)
     try:
         own, deadline = os.readlink("/proc/self/ns/user"), time.monotonic() + 30
         while os.readlink(f"/proc/{p.pid}/ns/user") == own:  # unshare has not unshared yet
@@ -126,11 +109,9 @@ def _make_root_userns() -> int:
 
 
 def _python_dirs() -> list[str]:
-    """The directories the interpreter needs that ``/usr`` does not hold: its prefix (the real one, under a
-    virtual environment)."""
-    exe = os.path.realpath(sys.executable)
-    dirs = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
-    dirs.add(os.path.dirname(os.path.dirname(exe)))
+    """What the interpreter needs that ``/usr`` does not hold: its prefix (the real one, under a venv)."""
+    real = os.path.realpath
+    dirs = {real(sys.base_prefix), real(sys.base_exec_prefix), os.path.dirname(os.path.dirname(real(sys.executable)))}
     out = []
     for d in sorted(dirs, key=len):
         if d not in ("/", "") and not any(d == o or d.startswith(o + "/") for o in ["/usr", *out]):
@@ -138,22 +119,14 @@ def _python_dirs() -> list[str]:
     return out
 
 
-def _ancestors(path: str) -> list[str]:
-    """``/a/b/c`` -> ``["/", "/a", "/a/b"]``."""
-    parts = path.strip("/").split("/")[:-1]
-    return ["/"] + ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
-
-
 def _masked() -> list[str]:
-    """Files hidden in the jail (``/dev/null`` bound over them): the standard library's foreign-function and
-    test extensions (``_ctypes``, ``_ctypes_test``, ``_testcapi`` and the other ``_test*``), so that no foreign
-    call or raw memory access can be made even past the Python-level guard."""
+    """Files hidden under ``/dev/null`` in the jail: the foreign-function and test extensions (``_ctypes*``, ``_test*``,
+    ``_xxtest*``), so that no foreign call or raw memory access can be made even past the Python-level guard."""
     import glob
     import importlib.util
 
     found = set()
-    spec = importlib.util.find_spec("_ctypes")
-    origin = getattr(spec, "origin", None) if spec else None
+    origin = getattr(importlib.util.find_spec("_ctypes"), "origin", None)
     if origin and os.path.isfile(origin):
         found.add(os.path.realpath(origin))
         dynload = os.path.dirname(origin)
@@ -163,9 +136,7 @@ def _masked() -> list[str]:
 
 
 def _package_dirs() -> list[str]:
-    """Directories of installed packages inside the jail's view, hidden under an empty read-only tmpfs: the
-    interpreter's own site-packages and Python's site- and dist-packages under ``/usr``.  Only the standard
-    library and lib-dynload stay: a package such as cffi (on ``sys.path`` by hand) would make foreign calls."""
+    """Package directories in the jail's view, hidden under empty read-only tmpfses: cffi & co. make foreign calls."""
     import glob
     import sysconfig
 
@@ -195,10 +166,9 @@ def _filesystem(tmp_bytes: int) -> list[str]:
     binds += [("--dev-bind", f"/dev/{dev}", f"/dev/{dev}") for dev in DEVICES]
     # the directories above the mount points: bwrap would make them 0700, which 65534 could not pass through
     under = [d for _, _, d in binds]
-    parents = sorted(
-        {p for d in under for p in _ancestors(d) if not any(p == u or p.startswith(u + "/") for u in under)}
-    )
-    ops = [x for p in parents if p != "/" for x in ("--perms", "0755", "--dir", p)] + links
+    above = {"/" + "/".join(d.strip("/").split("/")[:i]) for d in under for i in range(1, d.strip("/").count("/") + 1)}
+    parents = sorted(p for p in above if not any(p == u or p.startswith(u + "/") for u in under))
+    ops = [x for p in parents for x in ("--perms", "0755", "--dir", p)] + links
     ops += [x for bind in binds for x in bind]
     ops += [x for d in _package_dirs() for x in ("--perms", "0755", "--tmpfs", d, "--remount-ro", d)]
     ops += ["--proc", "/proc", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp", "--remount-ro", "/"]
@@ -206,10 +176,8 @@ def _filesystem(tmp_bytes: int) -> list[str]:
 
 
 def command(args: list[str], tmp_bytes: int) -> tuple[list[str], tuple[int, ...]]:
-    """``(argv, fds)``: ``args`` (an interpreter command line) run in the jail, and the descriptors the
-    launcher must inherit (``pass_fds``), which the caller closes once bwrap has started (:func:`launch`).  The
-    program learns from ``jailed.confine(drop=...)`` whether it starts as root and must drop to 65534
-    (``os.geteuid() == 0`` here).  Raises :class:`JailError`."""
+    """``(argv, fds)``: ``args`` run in the jail, and the descriptors bwrap must inherit, closed once it has started
+    (:func:`launch`).  As root, ``jailed.confine(drop=True)`` drops to 65534.  Raises :class:`JailError`."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise JailError(f"bwrap not found: {INSTALL_HINT}")
@@ -228,14 +196,9 @@ def command(args: list[str], tmp_bytes: int) -> tuple[list[str], tuple[int, ...]
 
 @functools.cache
 def _memory_root() -> tuple[str, str] | None:
-    """``(version, directory)`` of this process's own memory cgroup where a child cgroup can be made in it
-    (cgroup v2 with the memory controller, else v1's memory hierarchy), or None; probed once per process."""
-    try:
-        lines = open("/proc/self/cgroup", encoding="utf-8").read().splitlines()
-    except OSError:
-        return None
+    """``(version, directory)`` of this process's memory cgroup where a child can be made (v2, else v1), or None."""
     found = []
-    for line in lines:
+    for line in _read("/proc/self/cgroup").splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers == "" and "memory" in _read("/sys/fs/cgroup/cgroup.controllers"):
             found.append(("v2", f"/sys/fs/cgroup{path.rstrip('/')}"))
@@ -280,8 +243,7 @@ _CGROUP_IDS = itertools.count()
 
 def memory_bound() -> str:
     """Which memory bound holds for a check's candidate, in one line (``espert env`` prints it)."""
-    root = _memory_root()
-    if root is not None:
+    if (root := _memory_root()) is not None:
         return (
             f"cgroup {root[0]} memory: each check's candidate ≤ memory_mb as a whole (memfds and /tmp included), "
             f"a cgroup of its own under {root[1]}"
@@ -303,8 +265,7 @@ def oom_killed(cgroup: str) -> bool:
 
 @contextlib.contextmanager
 def memory_cgroup(limit_bytes: int):
-    """A memory cgroup of ``limit_bytes`` for one jail (its directory, for :func:`launch` and :func:`oom_killed`),
-    removed once the jail is gone; None where no memory cgroup can be made (:func:`memory_bound` says so)."""
+    """A memory cgroup of ``limit_bytes`` for one jail, removed once the jail is gone; None where none can be made."""
     root = _memory_root()
     d = _new_cgroup(root[1], limit_bytes) if root is not None else None
     try:
@@ -321,11 +282,9 @@ def memory_cgroup(limit_bytes: int):
 def launch(
     args: list[str], tmp_bytes: int, info_fd: int | None = None, pass_fds=(), cgroup: str | None = None, **popen
 ) -> subprocess.Popen:
-    """Start ``args`` in a jail (:func:`command`; ``info_fd``: bwrap's ``--info-fd``; ``cgroup``: a
-    :func:`memory_cgroup` the jail joins before bwrap starts, so all of it is charged there).  bwrap itself starts
-    with the jail's environment: not as root, the jail's process 1 is bwrap, running as the candidate's uid, so
-    whatever environment bwrap had would be readable in ``/proc/1/environ`` (``--clearenv`` clears only the
-    program's)."""
+    """Start ``args`` in a jail (:func:`command`; ``info_fd``: bwrap's ``--info-fd``; ``cgroup``: joined before bwrap
+    starts).  bwrap has the jail's environment: not as root, it is the jail's process 1 with the candidate's uid, so its
+    environment would be readable in ``/proc/1/environ`` (``--clearenv`` clears only the program's)."""
     argv, fds = command(args, tmp_bytes)
     if info_fd is not None:
         argv = [argv[0], "--info-fd", str(info_fd), *argv[1:]]
@@ -340,8 +299,7 @@ def launch(
 
 
 def python_args(source: str, *argv: str) -> list[str]:
-    """The interpreter running ``source`` (``-S``: no site, only the standard library; ``-s -P``: no user site,
-    no script directory on the path)."""
+    """The interpreter running ``source``: ``-S`` (stdlib only), ``-s -P`` (no user site, no script path)."""
     return [os.path.realpath(sys.executable), "-S", "-s", "-P", "-c", source, *argv]
 
 

@@ -1,25 +1,22 @@
-"""The two programs of a code check: the *callee*, which runs the untrusted candidate, and the *checker*,
-which runs the trusted tests and decides (see :mod:`espert.jail.sandbox` for how they are launched).
+"""The two programs of a code check: the *callee* runs the untrusted candidate, the *checker* runs the trusted tests
+and decides (:mod:`espert.jail.sandbox` launches them).
 
-This file is not imported by espert's processes for its effects: its compiled code is handed to a fresh
-interpreter (``python -S -s -P -c LOADER CODE ROLE CONFIG``) inside the jail, where only the standard
-library exists, so it imports nothing else (not even ``json``: :func:`_json_codec`).  The two processes
-talk over two pipes, one JSON document a line:
+Its compiled code is handed to a fresh interpreter (``python -S -s -P -c LOADER CODE ROLE CONFIG``) in the jail, where
+only the standard library exists, so it imports nothing else (not even ``json``: :func:`_json_codec`).  The two
+processes talk over two pipes, one JSON document a line:
 
-* checker -> callee: ``{"resolve": NAME}`` (a name the tests call: the candidate's value of it),
-  ``{"call": {"r": ID}, "args": [...], "kwargs": {...}}``, ``{"get": {"r": ID}, "attr": NAME}``;
-* callee -> checker: ``{"started": true}`` (before any untrusted code), ``{"loaded": true}`` or
-  ``{"loaded": false, "raise": [TYPE, MESSAGE]}``, then per request ``{"ok": VALUE, "after": [...]}`` or
-  ``{"raise": [TYPE, MESSAGE]}``.
+* checker -> callee: ``{"resolve": NAME}`` (the candidate's value of a name the tests call), ``{"call": {"r": ID},
+  "args": [...], "kwargs": {...}}``, ``{"get": {"r": ID}, "attr": NAME}``;
+* callee -> checker: ``{"started": true}`` (before any untrusted code), ``{"loaded": true}`` or ``{"loaded": false,
+  "raise": [TYPE, MESSAGE]}``, then per request ``{"ok": VALUE, "after": [...]}`` or ``{"raise": [TYPE, MESSAGE]}``.
 
 Values travel as data (:func:`encode`, :func:`decode`): ``None``, bools, ints, floats, strings and lists as
-themselves; tuples, dicts, sets, frozensets, bytes, bytearrays and complex numbers tagged; any other object
-of the candidate stays in the callee and travels as a reference (``{"r": ID}``) that the checker can pass
-back, call or read attributes of, and that equals only itself.  The checker decodes into plain built-in
-objects of its own, so what the tests compare is data: the candidate's ``__eq__``, patched builtins, its
-frames and its memory never reach the decision.  ``after`` carries the new contents of the list, dict, set
-and bytearray arguments, so that a function that changes its argument in place changes the test's object.
-The checker writes its verdict, ``{"passed", "status", "error", "started", "calls"}``, to its stdout, one
+themselves; tuples, dicts, sets, frozensets, bytes, bytearrays and complex numbers tagged; any other object of the
+candidate stays in the callee, a reference (``{"r": ID}``) that the checker can pass back, call or read attributes of,
+and that equals only itself.  The checker decodes into plain built-in objects of its own, so the tests compare data:
+the candidate's ``__eq__``, patched builtins, frames and memory never reach the decision.  ``after`` carries the new
+contents of list, dict, set and bytearray arguments (a function that changes its argument in place changes the
+test's object).  The checker writes its verdict, ``{"passed", "status", "error", "started", "calls"}``, to stdout, one
 line; then both wait to be killed (:func:`linger`).
 """
 
@@ -30,14 +27,11 @@ import sys
 import time
 
 NOBODY = 65534
-#: Built-in containers the codec tags (lists travel as JSON arrays).
-_TAGGED = (("t", tuple), ("s", set), ("fs", frozenset))
+_TAGGED = {"t": tuple, "s": set, "fs": frozenset}  # the containers the codec tags (lists travel as JSON arrays)
 
 
 def _json_codec():
-    """``(dumps, loads)`` of compact JSON, from the C scanner and encoder of ``_json``: importing the ``json``
-    package imports ``re``, about 12 ms of CPU in each of the two processes of every check.  (A malformed
-    document makes ``_json`` import ``json.decoder`` for its error: then the cost is the sender's.)"""
+    """``(dumps, loads)`` from ``_json``'s C scanner and encoder: ``import json`` imports ``re``, ~12 ms a process."""
     try:
         import _json
 
@@ -81,8 +75,7 @@ class CheckTimeout(Exception):
 
 
 def encode(x, refs=None):
-    """``x`` as JSON-able data.  ``refs``: the callee's table of objects that travel by reference (an object
-    of another type raises TypeError where it is None: the checker sends data only)."""
+    """``x`` as JSON-able data; other objects go into ``refs``, the callee's references (checker: None, TypeError)."""
     if x is None or x is True or x is False:
         return x
     for kind in (bool, int, float, str):
@@ -90,7 +83,7 @@ def encode(x, refs=None):
             return kind(x)
     if isinstance(x, list):
         return [encode(v, refs) for v in x]
-    for tag, kind in _TAGGED:
+    for tag, kind in _TAGGED.items():
         if isinstance(x, kind):
             return {tag: [encode(v, refs) for v in x]}
     if isinstance(x, dict):
@@ -118,9 +111,8 @@ def decode(x, resolve):
     (tag, v), *_ = x.items()
     if tag == "r":
         return resolve(x)
-    for name, kind in _TAGGED:
-        if tag == name:
-            return kind(decode(e, resolve) for e in v)
+    if tag in _TAGGED:
+        return _TAGGED[tag](decode(e, resolve) for e in v)
     if tag == "d":
         return {decode(k, resolve): decode(e, resolve) for k, e in v}
     if tag in ("b", "ba"):
@@ -131,8 +123,7 @@ def decode(x, resolve):
 
 
 class Channel:
-    """One end of the pipe pair: JSON lines in and out, at most ``limit`` bytes a line, reads bounded by
-    ``deadline`` (``time.monotonic()``)."""
+    """One end of the pipe pair: JSON lines of at most ``limit`` bytes, reads bounded by ``deadline`` (monotonic)."""
 
     def __init__(self, rfd: int, wfd: int, limit: int, deadline: float = float("inf")):
         self.rfd, self.wfd, self.limit, self.deadline = rfd, wfd, limit, deadline
@@ -145,7 +136,7 @@ class Channel:
 
     def receive(self):
         """The next document; None at end of file."""
-        while b"\n" not in self.buf:
+        while self.buf.find(b"\n", 0, self.limit + 1) < 0:  # no line of at most ``limit`` bytes yet
             if len(self.buf) > self.limit:
                 raise CandidateError(f"the candidate sent more than {self.limit} bytes at once")
             left = self.deadline - time.monotonic()
@@ -157,14 +148,11 @@ class Channel:
                 return None
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        if len(line) > self.limit:
-            raise CandidateError(f"the candidate sent more than {self.limit} bytes at once")
         return loads(line.decode("utf-8"))
 
 
 def raised(pair) -> BaseException:
-    """The exception the checker raises for ``[TYPE, MESSAGE]`` that the candidate raised: the built-in of that
-    name when there is one (a test may expect a ValueError), else :class:`CandidateError`."""
+    """The candidate's ``[TYPE, MESSAGE]`` as an exception: that built-in (tests may expect it), else CandidateError."""
     kind, message = (list(pair) + ["", ""])[:2] if isinstance(pair, (list, tuple)) else ("CandidateError", pair)
     cls = getattr(builtins, str(kind), None)
     if isinstance(cls, type) and issubclass(cls, Exception):
@@ -176,8 +164,7 @@ def raised(pair) -> BaseException:
 
 
 class Remote:
-    """The checker's stand-in for an object of the candidate (its function): calling it, or reading an
-    attribute, asks the callee.  It equals only itself."""
+    """The checker's stand-in for an object of the candidate: calling it, or reading an attribute, asks the callee."""
 
     def __init__(self, link, ref: int, kind: str):
         self.link, self.ref, self.kind = link, ref, kind
@@ -205,9 +192,7 @@ class Link:
         key = ref.get("r")
         if not isinstance(key, int):
             raise TypeError("malformed reference")
-        if key not in self.remotes:
-            self.remotes[key] = Remote(self, key, str(ref.get("type", "object")))
-        return self.remotes[key]
+        return self.remotes.setdefault(key, Remote(self, key, str(ref.get("type", "object"))))
 
     def expect(self):
         doc = self.channel.receive()
@@ -220,8 +205,7 @@ class Link:
 
     def wait_loaded(self) -> None:
         """Wait for the callee's ``started`` (sent before any untrusted code ran), then for ``loaded``."""
-        doc = self.expect()
-        self.started = doc == {"started": True}
+        self.started = self.expect() == {"started": True}
         if not self.started:
             raise CandidateError("the candidate's jail did not start")
         doc = self.expect()
@@ -229,8 +213,7 @@ class Link:
             raise raised(doc.get("raise") or "its code did not load")
 
     def bind(self, namespace: dict, names) -> None:
-        """``namespace[name]``: the candidate's value of each name (data, or a :class:`Remote`); a name the
-        candidate does not define is removed, so the tests meet a NameError as they would have."""
+        """``namespace[name]``: the candidate's value of each name; one it lacks is removed (tests: NameError)."""
         for name in names:
             try:
                 namespace[name] = self.request({"resolve": str(name)}, (), {})
@@ -300,13 +283,10 @@ def serve(channel: Channel, namespace: dict) -> None:
         channel.send(reply)
 
 
-# ---- the processes ----------------------------------------------------------------------------------------
-
-
 def confine(cfg: dict, keep: tuple) -> None:
-    """First of all: close every descriptor but the standard three and ``keep`` (bwrap leaves its own open),
-    leave uid 0 for 65534 where the jail starts this process as root (its user namespace maps both), and set
-    the kernel limits, which an unprivileged process cannot raise again."""
+    """First of all: close every descriptor but the standard three and ``keep`` (bwrap leaves its own open), leave uid
+    0 for 65534 where the jail starts this process as root (its user namespace maps both), and set the kernel limits,
+    which an unprivileged process cannot raise again."""
     lo = 3
     for fd in sorted(keep):
         os.closerange(lo, fd)
@@ -364,9 +344,9 @@ def callee(cfg: dict) -> None:
 
 
 def _recording_asserts(tests: str):
-    """The tests' syntax tree with every ``assert COND`` made ``__espert_assert__(COND, line)``: a failed assertion
-    is recorded and the test goes on, so the candidate gets the same calls whatever its earlier answers were and
-    cannot tell from the next call arriving which assertion passed.  The verdict is decided once the test ends."""
+    """The tests' syntax tree with every ``assert COND`` made ``__espert_assert__(COND, line)``: a failed assertion is
+    recorded and the test goes on, so the candidate gets the same calls whatever its earlier answers were and cannot
+    tell from the next call arriving which assertion passed.  The verdict is decided once the test ends."""
     import ast
 
     class Recording(ast.NodeTransformer):
@@ -378,8 +358,7 @@ def _recording_asserts(tests: str):
 
 
 def checker(cfg: dict) -> None:
-    """Run the trusted code and the tests (stdin: ``{"trusted", "tests", "calls"}``) against the candidate;
-    write the verdict to stdout (the tests' own prints go to stderr)."""
+    """Run trusted code and tests (stdin: ``{"trusted", "tests", "calls"}``): verdict to stdout, prints to stderr."""
     confine(cfg, (cfg["in"], cfg["out"]))
     spec = loads(read_stdin())
     verdict_fd = os.dup(1)
@@ -413,8 +392,7 @@ def checker(cfg: dict) -> None:
 
 
 def linger() -> None:
-    """Wait to be killed.  Neither program ends by itself: the parent kills each jail's init, and bwrap's
-    launcher, which then reaps it, ends last (an init that ended first would be left to the host's init)."""
+    """Wait to be killed: bwrap's launcher reaps the jail's init and ends last (else the host's init would get it)."""
     import signal
 
     while True:
@@ -425,8 +403,6 @@ def linger() -> None:
 # In the jail they stop the usual hostile shapes early with a clear PermissionError; they are not the
 # boundary (a fresh ``posix`` module or ``_io.FileIO`` gets past them).  Without a jail
 # (--unsafe-code-reward) they are all there is.
-
-
 def _deny(name: str):
     def denied(*a, **k):
         raise PermissionError("sandbox: " + name + " is not allowed")
@@ -448,13 +424,11 @@ def _guard_processes() -> None:
                 setattr(m, n, _deny("os." + n))
     _posixsubprocess.fork_exec = _deny("subprocess")
     resource.setrlimit = resource.prlimit = _deny("resource.setrlimit")
-    for n in ("ctypes", "_ctypes"):
-        sys.modules[n] = None
+    sys.modules.update(ctypes=None, _ctypes=None)
 
 
 def _path_check(root: str):
-    """``check(path, write, dir_fd)``: PermissionError for a write outside ``root`` or a read of another
-    process's /proc entry."""
+    """``check(path, write, dir_fd)``: PermissionError writing outside ``root`` or reading another process's /proc."""
     real = os.path.realpath
     own = ("/proc/self", "/proc/thread-self", "/proc/%d" % os.getpid())
 
@@ -530,8 +504,7 @@ def _guard_network() -> None:
 
 
 def install_guards(root: str) -> None:
-    """The Python-level guards: no new process, no signal, no ctypes, no raised rlimit, no write outside
-    ``root``, no read of another process's /proc entry, no socket."""
+    """No new process, signal, ctypes or raised rlimit; no write outside ``root``; no other /proc entry; no socket."""
     _guard_processes()
     _guard_files(os.path.realpath(root))
     _guard_network()

@@ -1,33 +1,33 @@
 """Run untrusted code for the code rewards: the candidate in a jail, the verdict where it cannot reach.
 
-A :class:`Check` is untrusted ``candidate`` code (a completion with the prompt around it), trusted
-``tests`` and the names the tests call.  :func:`run_check` starts two processes, each in a jail of its
-own (:mod:`espert.jail`: bubblewrap, new namespaces, uid 65534, a read-only view, a private tmpfs):
+A :class:`Check` is untrusted ``candidate`` code (a completion with the prompt around it), trusted ``tests`` and the
+names the tests call.  :func:`run_check` starts two processes, each in a jail of its own (:mod:`espert.jail`:
+bubblewrap, new namespaces, uid 65534, a read-only view, a private tmpfs):
 
 * the *callee* runs the candidate and then only answers calls;
-* the *checker* runs the trusted code and the tests, where each called name is a stand-in that sends the
-  call's arguments to the callee as data (JSON, :mod:`espert.jail.jailed`) and turns its answer back into
-  plain built-in objects, with the check's remaining time as the limit of every call.
+* the *checker* runs the trusted code and the tests, where each called name is a stand-in that sends the call's
+  arguments to the callee as data (JSON, :mod:`espert.jail.jailed`) and turns its answer back into plain built-in
+  objects, with the check's remaining time as the limit of every call.
 
-The checker decides, and tells this process on a pipe the candidate does not hold.  So nothing the
-candidate can read or write takes part in the decision: its frames hold no token, its patched builtins and
-its always-equal objects stay in its own process, and its output is only output.  At the end (or at the
-deadline) both jails are killed whole: each jail's init, found through bwrap's ``--info-fd`` and held by a
-pidfd, dies, and with it its PID namespace.  Limits (:class:`Limits`) are the kernel's: ``RLIMIT_CPU``,
-``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC`` (uid 65534: the kernel enforces it),
-``RLIMIT_NOFILE``, ``RLIMIT_CORE`` 0, the tmpfs size; the wall clock and the output are this process's.
-The callee also installs the old Python-level guards, as a second layer (docs/eval.md, "Sandbox").
+The checker decides, and tells this process on a pipe the candidate does not hold.  So nothing the candidate can read
+or write takes part in the decision: its frames hold no token, its patched builtins and its always-equal objects stay
+in its own process, and its output is only output.  At the end (or at the deadline) both jails are killed whole: each
+jail's init, found through bwrap's ``--info-fd`` and held by a pidfd, dies, and with it its PID namespace.  Limits
+(:class:`Limits`) are the kernel's: ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC`` (uid 65534: the
+kernel enforces it), ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` 0, the tmpfs size; the wall clock and the output are this
+process's. The callee also installs the old Python-level guards, as a second layer (docs/eval.md, "Sandbox").
 
-Where no jail can be made (:func:`espert.jail.status` says why), code is refused
-(:class:`JailUnavailable`) unless the user allowed it (``--unsafe-code-reward``, :func:`allow_unsafe_code`,
-or ``ESPERT_UNSAFE_CODE_REWARD=1``): then both processes run unjailed, in sessions of their own, with the
-Python-level guards only (and an empty network namespace where ``unshare --net`` works).
+Where no jail can be made (:func:`espert.jail.status` says why), code is refused (:class:`JailUnavailable`) unless the
+user allowed it (``--unsafe-code-reward``, :func:`allow_unsafe_code`, or ``ESPERT_UNSAFE_CODE_REWARD=1``): then both
+processes run unjailed, in sessions of their own, with the Python-level guards only (and an empty network namespace
+where ``unshare --net`` works).
 """
 
 from __future__ import annotations
 
 import binascii
 import contextlib
+import functools
 import json
 import marshal
 import math
@@ -48,11 +48,8 @@ from typing import Optional, Sequence
 
 from .. import jail
 
-#: The environment variable that allows unjailed code (as ``--unsafe-code-reward`` does).
-UNSAFE_ENV = "ESPERT_UNSAFE_CODE_REWARD"
-_JAILED_CODE: Optional[str] = None
-#: The longest argument the kernel passes to a program (MAX_ARG_STRLEN, 32 pages).
-MAX_ARG_BYTES = 1 << 17
+UNSAFE_ENV = "ESPERT_UNSAFE_CODE_REWARD"  # allows unjailed code, as ``--unsafe-code-reward`` does
+MAX_ARG_BYTES = 1 << 17  # the longest argument the kernel passes to a program (MAX_ARG_STRLEN, 32 pages)
 
 
 class JailUnavailable(ValueError):
@@ -61,15 +58,12 @@ class JailUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Limits of one check.  timeout_s: the budget, in CPU seconds of each process (``RLIMIT_CPU``; cpu_s, when
-    given, sets it in whole seconds instead), so a check's verdict does not depend on the machine's load: a
-    process the CPU limit ends reads ``timeout``.  wall_s: the wall-clock cap, for code that waits without
-    computing (None: ``2·timeout_s + 1``).  memory_mb: address space of each process;
-    output_bytes: stdout+stderr kept (more kills the check); file_bytes: largest file; tmp_bytes: the jail's
-    writable tmpfs; procs: processes the candidate may start (0: none, not even a thread; counted per jail: each has a
-    user namespace of its own); open_files:
-    descriptors of each process (with file_bytes it bounds what memfds can hold); message_bytes: the
-    largest call or answer."""
+    """Limits of one check.  timeout_s: CPU seconds of each process (``RLIMIT_CPU``; cpu_s, when given, in whole
+    seconds instead), so the verdict does not depend on the machine's load; wall_s: the wall-clock cap, for code that
+    waits (None: ``2·timeout_s + 1``); memory_mb: address space of each process; output_bytes: stdout+stderr kept (more
+    kills the check); file_bytes: largest file; tmp_bytes: the writable tmpfs; procs: processes the candidate may start
+    (0: not even a thread; per jail); open_files: descriptors of each process (with file_bytes, it bounds what memfds
+    hold); message_bytes: the largest call or answer."""
 
     timeout_s: float = 10.0
     wall_s: Optional[float] = None
@@ -85,10 +79,9 @@ class Limits:
 
 @dataclass(frozen=True)
 class Check:
-    """One check.  ``candidate``: untrusted code, run in the callee.  ``tests``: trusted code, run in the
-    checker; it passes when it ends without raising.  ``calls``: the names the tests call, each a stand-in for
-    the candidate's function of that name.  ``trusted``: code run in the checker before the tests (a
-    HumanEval prompt's helpers, MBPP's setup), never the candidate's version of it."""
+    """One check: untrusted ``candidate`` code (run in the callee); trusted ``tests`` (run in the checker, passing when
+    they end without raising) calling ``calls``, stand-ins for the candidate's functions; ``trusted`` code run in the
+    checker before the tests (a HumanEval prompt's helpers, MBPP's setup), never the candidate's version of it."""
 
     candidate: str
     tests: str
@@ -98,10 +91,9 @@ class Check:
 
 @dataclass
 class Result:
-    """What became of one check: ``status`` is ``passed``, ``failed`` (a test failed, the candidate raised,
-    did not load or ended), ``timeout``, ``output_limit`` or ``skipped`` (the batch's time was spent before it
-    started).  ``output``: the candidate's stdout+stderr and the tests' prints (at most ``output_bytes``);
-    ``error``: why it failed, in one line."""
+    """One check's outcome: ``status`` ``passed``, ``failed`` (a test failed; the candidate raised, did not load or
+    ended), ``timeout``, ``output_limit`` or ``skipped`` (the batch's time ran out first); ``output``: the candidate's
+    stdout+stderr and the tests' prints (at most ``output_bytes``); ``error``: why it failed, in one line."""
 
     passed: bool
     status: str
@@ -110,8 +102,7 @@ class Result:
     error: str = ""
 
 
-_UNSAFE = False
-_WARNED = False
+_UNSAFE = _WARNED = False
 
 
 def allow_unsafe_code(allowed: bool = True) -> None:
@@ -121,8 +112,8 @@ def allow_unsafe_code(allowed: bool = True) -> None:
 
 
 def code_jail() -> bool:
-    """True: code runs jailed.  False: no jail can be made here and unjailed code was allowed (one warning line
-    on stderr, once).  Raises :class:`JailUnavailable` (one line: why, and what to do) otherwise."""
+    """True: code runs jailed.  False: no jail can be made here and unjailed code was allowed (one warning line on
+    stderr, once).  Raises :class:`JailUnavailable` (one line: why, and what to do) otherwise."""
     global _WARNED
     st = jail.status()
     if st.available:
@@ -138,39 +129,28 @@ def code_jail() -> bool:
     return False
 
 
-_NETNS: Optional[list[str]] = None
+@functools.cache
+def network_namespace() -> tuple[str, ...]:
+    """Unjailed only: the prefix that gives a process its own empty network namespace, or ``()``.  Probed once."""
+    exe = shutil.which("unshare")
+    try:
+        ok = bool(exe) and subprocess.run([exe, "--net", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return (exe, "--net") if ok else ()
 
 
-def network_namespace() -> list[str]:
-    """Unjailed only: the command prefix that gives a process its own empty network namespace
-    (``["unshare", "--net"]``), or ``[]`` where this host does not allow it.  Probed once."""
-    global _NETNS
-    if _NETNS is None:
-        _NETNS = []
-        exe = shutil.which("unshare")
-        if exe:
-            try:
-                ok = subprocess.run([exe, "--net", "true"], capture_output=True, timeout=10).returncode == 0
-            except (OSError, subprocess.SubprocessError):
-                ok = False
-            _NETNS = [exe, "--net"] if ok else []
-    return list(_NETNS)
-
-
+@functools.cache
 def _jailed_code() -> str:
-    """espert/jail/jailed.py compiled, marshalled, compressed, as base64: the jailed interpreter loads it
-    instead of compiling the source again (about 6 ms of CPU in each process; the same interpreter reads it).
-    Compressed, it is ~25 KB of the 128 KiB the kernel allows one argument (as hex it was 80 KB)."""
-    global _JAILED_CODE
-    if _JAILED_CODE is None:
-        from . import jailed
+    """jailed.py compiled, marshalled, compressed, base64: not compiled again per process (~6 ms), ~25 KB of 128 KiB."""
+    from . import jailed
 
-        with open(jailed.__file__, encoding="utf-8") as f:
-            code = compile(f.read(), jailed.__file__, "exec", dont_inherit=True)
-        _JAILED_CODE = binascii.b2a_base64(zlib.compress(marshal.dumps(code), 9), newline=False).decode()
-        if len(_JAILED_CODE) >= MAX_ARG_BYTES:
-            raise jail.JailError(f"espert/jail/jailed.py is too large to pass as an argument: {len(_JAILED_CODE)}")
-    return _JAILED_CODE
+    with open(jailed.__file__, encoding="utf-8") as f:
+        code = compile(f.read(), jailed.__file__, "exec", dont_inherit=True)
+    text = binascii.b2a_base64(zlib.compress(marshal.dumps(code), 9), newline=False).decode()
+    if len(text) >= MAX_ARG_BYTES:
+        raise jail.JailError(f"espert/jail/jailed.py is too large to pass as an argument: {len(text)}")
+    return text
 
 
 def _rlimits(limits: Limits, candidate: bool) -> dict:
@@ -187,8 +167,7 @@ def _rlimits(limits: Limits, candidate: bool) -> dict:
 
 
 def _init_pidfd(r: int, launcher: int) -> Optional[int]:
-    """A pidfd of the jail's init: bwrap names it on ``--info-fd`` right after it is made.  Kept only if it is
-    the launcher's child (the pid cannot have been reused by a stranger: the pidfd pins the process)."""
+    """A pidfd of the jail's init (on ``--info-fd``) if it is the launcher's child: the pidfd pins that process."""
     data, deadline = b"", time.monotonic() + 30
     while b"}" not in data:
         left = deadline - time.monotonic()
@@ -217,27 +196,20 @@ def _init_pidfd(r: int, launcher: int) -> Optional[int]:
 
 
 class _Process:
-    """One process of a check.  Jailed: killed by killing its jail's init (the whole PID namespace dies).
-    Unjailed: in a session of its own, killed by its process group."""
+    """One process of a check: jailed, killed by killing its jail's init; unjailed, in a session of its own."""
 
-    def __init__(
-        self, args: list[str], io: tuple, fds: tuple, jailed: bool, tmp_bytes: int, cwd: Optional[str], cgroup=None
-    ):
-        stdin, stdout, stderr = io
-        self.pidfd: Optional[int] = None
-        self.jailed = jailed
+    def __init__(self, args: list[str], io: tuple, fds: tuple, jailed: bool, tmp_bytes: int, cwd, cgroup=None):
+        std = dict(zip(("stdin", "stdout", "stderr"), io))
+        self.pidfd, self.jailed = None, jailed
         if not jailed:
             env = {**jail.ENVIRONMENT, "HOME": cwd, "TMPDIR": cwd}
             self.proc = subprocess.Popen(
-                [*network_namespace(), *args], stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=fds,
-                cwd=cwd, env=env, start_new_session=True,
-            )  # fmt: skip
+                [*network_namespace(), *args], pass_fds=fds, cwd=cwd, env=env, start_new_session=True, **std
+            )
             return
         r, w = os.pipe()
         try:
-            self.proc = jail.launch(
-                args, tmp_bytes, info_fd=w, pass_fds=fds, cgroup=cgroup, stdin=stdin, stdout=stdout, stderr=stderr
-            )
+            self.proc = jail.launch(args, tmp_bytes, info_fd=w, pass_fds=fds, cgroup=cgroup, **std)
         finally:
             os.close(w)
         try:
@@ -274,8 +246,7 @@ class _Process:
 
 #: What the jailed interpreter runs (``-c``): the marshalled program that follows it on the command line.
 LOADER = "import binascii, marshal, sys, zlib\nexec(marshal.loads(zlib.decompress(binascii.a2b_base64(sys.argv[1]))))"
-#: How long past a check's end the checker may take to report its own timeout before it is killed.
-GRACE_S = 0.5
+GRACE_S = 0.5  # how long past a check's end the checker may take to report its own timeout before it is killed
 
 
 class _Run:
@@ -311,10 +282,8 @@ class _Run:
         if self.jailed:  # the candidate's jail as a whole (memfds, /tmp) within memory_mb, where cgroups allow
             self.cgroup = self.cleanup.enter_context(jail.memory_cgroup(lim.memory_mb << 20))
         c = self.check
-        self.pending = {
-            c_src: c.candidate.encode("utf-8", "surrogatepass"),
-            k_src: json.dumps({"trusted": c.trusted, "tests": c.tests, "calls": list(c.calls)}).encode(),
-        }
+        spec = json.dumps({"trusted": c.trusted, "tests": c.tests, "calls": list(c.calls)}).encode()
+        self.pending = {c_src: c.candidate.encode("utf-8", "surrogatepass"), k_src: spec}
         try:
             for role, cfg, io, fds, cgroup in (
                 ("callee", callee, (c_in, out_w, out_w), (req_r, resp_w), self.cgroup),
@@ -342,8 +311,7 @@ class _Run:
         os.close(fd)
 
     def drive(self) -> Optional[str]:
-        """Feed both programs, collect the output and the verdict until the verdict is complete (None), the
-        deadline (``timeout``) or too much output (``output_limit``)."""
+        """Feed both programs, collect output and verdict: None (verdict complete), ``timeout`` or ``output_limit``."""
         with selectors.DefaultSelector() as sel:
             for fd in self.pending:
                 os.set_blocking(fd, False)
@@ -415,7 +383,6 @@ class _Run:
 
 
 def _parse_verdict(data: bytes) -> Optional[dict]:
-    """The checker's verdict line as a dict, or None when it wrote none (or not a JSON object)."""
     try:
         verdict = json.loads(bytes(data))
     except ValueError:
@@ -424,7 +391,6 @@ def _parse_verdict(data: bytes) -> Optional[dict]:
 
 
 def _compiles(source: str, name: str) -> Optional[str]:
-    """None, or the error compiling ``source`` raises (compiling runs nothing)."""
     try:
         compile(source, name, "exec", dont_inherit=True)
     except Exception as e:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError, ...
@@ -433,10 +399,8 @@ def _compiles(source: str, name: str) -> Optional[str]:
 
 
 def run_check(check: Check, limits: Limits = Limits(), deadline: Optional[float] = None) -> Result:
-    """Run one check (see the module docstring).  ``deadline``: a ``time.monotonic()`` bound that may cut
-    ``limits.timeout_s`` short (the batch's total time).  Raises :class:`JailUnavailable` (no jail, unjailed
-    code not allowed), ValueError (the trusted code or tests do not compile) or :class:`~espert.jail.
-    JailError` (a jail broke)."""
+    """Run one check (see the module docstring); ``deadline``: a ``time.monotonic()`` bound (the batch's).  Raises
+    :class:`JailUnavailable`, ValueError (trusted code or tests do not compile) or ``jail.JailError``."""
     t0 = time.monotonic()
     for source, name in ((check.trusted, "trusted code"), (check.tests, "tests")):
         if (err := _compiles(source, name)) is not None:
@@ -458,14 +422,10 @@ def run_check(check: Check, limits: Limits = Limits(), deadline: Optional[float]
 
 
 def run_checks(
-    checks: Sequence[Check],
-    limits: Limits = Limits(),
-    workers: Optional[int] = None,
-    total_timeout_s: Optional[float] = None,
+    checks: Sequence[Check], limits: Limits = Limits(), workers: int | None = None, total_timeout_s: float | None = None
 ) -> list[Result]:
-    """Run checks in parallel (``workers`` at a time, default: the CPU count, at most 8); results in input
-    order.  ``total_timeout_s`` bounds the whole batch: checks still running then are killed (``timeout``),
-    checks not started are ``skipped``."""
+    """Run checks ``workers`` at a time (default: the CPU count, at most 8); results in input order.
+    ``total_timeout_s`` bounds the batch: those running then are killed (``timeout``), those not started ``skipped``."""
     checks = list(checks)
     if not checks:
         return []
@@ -479,8 +439,8 @@ def run_checks(
 
 
 def run_program(program: str, limits: Limits = Limits(), deadline: Optional[float] = None) -> Result:
-    """Run a whole program as a candidate with no tests: it passes when its code ran without raising.  That is
-    the program's own claim (it can exit early, or fake it): fine for limits and isolation, never a verdict."""
+    """Run a whole program as a candidate with no tests: it passes when its code ran without raising.  That is the
+    program's own claim (it can exit early, or fake it): fine for limits and isolation, never a verdict."""
     return run_check(Check(program, ""), limits, deadline)
 
 
