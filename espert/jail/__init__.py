@@ -43,7 +43,7 @@ NOBODY = 65534  # the unprivileged uid and gid of jailed code
 INSTALL_HINT = "install bubblewrap (Debian, Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
 #: The whole environment of jailed code (PYTHONHASHSEED: set and dict orders, hence pass/fail, repeat).
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp"}
-ENVIRONMENT.update(PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1")
+ENVIRONMENT.update(PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1")  # fixed hash seed: pass/fail repeats
 DEVICES = ("null", "zero", "random", "urandom")
 #: What the probe runs in the jail: the drop to 65534 that ``jailed.confine`` makes as root, then its uid.
 PROBE = f"""import os
