@@ -76,22 +76,22 @@ def test_the_length_check_finds_a_long_function(tmp_path):
 
 
 #: Lines of espert/ per wing (issue 53): growth past a budget is a decision, made by raising it here with a reason.
-#: Set just above what the wings hold (2026-12-06), the update record (espert/update.py) in the engine.  Raised
-#: for issue 49's GPTQ, AWQ and Marlin (quantized weights +100, vLLM +50).  The issue's targets, not reached yet:
-#: vLLM 5.5 k, eval 3.5 k, tasks 2 k, the jail 1.3 k, no file over 700 lines, 27 k in all.
+#: The issue's budgets, met on 2026-12-06 (engine 4,877, quantized weights 2,007, vLLM 5,473, eval 3,475, tasks
+#: 1,975, the jail 1,297, 26,770 in all; the largest file 700 lines), with issue 49's GPTQ, AWQ, act-order, Marlin
+#: and float-export work inside them.
 WINGS = {
     "engine (noise, ops, kernels, center, params, es, update)": (
         ["noise.py", "icdf_table.py", "center.py", "params.py", "es.py", "update.py", "ops/**/*.py", "kernels/**/*.py"],
-        4950,
+        5000,
     ),
-    "quantized weights": (["quant/**/*.py"], 2150),
-    "vLLM": (["vllm/**/*.py"], 6050),
-    "eval": (["eval/**/*.py"], 3850),
-    "tasks": (["tasks/**/*.py"], 2100),
-    "the code jail": (["jail/**/*.py"], 1420),
-    "espert/ in all": (["**/*.py"], 28150),
+    "quantized weights": (["quant/**/*.py"], 2050),
+    "vLLM": (["vllm/**/*.py"], 5500),
+    "eval": (["eval/**/*.py"], 3500),
+    "tasks": (["tasks/**/*.py"], 2000),
+    "the code jail": (["jail/**/*.py"], 1300),
+    "espert/ in all": (["**/*.py"], 27000),
 }
-MAX_FILE_LINES = 730  # kernels/apply.py 723 (target: 700)
+MAX_FILE_LINES = 700
 
 
 def wing_lines(root: str) -> dict[str, int]:

@@ -151,10 +151,7 @@ def export_model(
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        if EXPORT_DTYPES[dtype] is not None and weight_scheme(quantization_config(base)) is not None:
-            _write_dequantized(tmp, base, source, EXPORT_DTYPES[dtype])
-        else:
-            _write_export(tmp, base, heads, where, source, EXPORT_DTYPES[dtype])
+        _write_export(tmp, base, heads, where, source, EXPORT_DTYPES[dtype])
         _write_note(tmp, {"iteration": iteration, "base_model": base_ref, **(note or {})})
         if os.path.exists(out_dir):
             os.replace(out_dir, old)
@@ -221,7 +218,10 @@ def _write_export(
     tmp: str, base: str, heads: dict, where: dict[str, tuple[str, str]], source, dtype: torch.dtype | None = None
 ) -> None:
     """The base's non-weight files, then each shard with the center's tensors (cast to the base's dtypes, or
-    every floating tensor to ``dtype``) in place of the base's; the other tensors are copied (cast alike)."""
+    every floating tensor to ``dtype``) in place of the base's; the other tensors are copied (cast alike).  A
+    quantized base in a float ``dtype``: :func:`_write_dequantized`."""
+    if dtype is not None and weight_scheme(quantization_config(base)) is not None:
+        return _write_dequantized(tmp, base, source, dtype)
     for f in sorted(os.listdir(base)):
         src = os.path.join(base, f)
         if os.path.isfile(src) and not f.endswith(WEIGHT_SUFFIXES):
