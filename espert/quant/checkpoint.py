@@ -171,10 +171,7 @@ def encode(fmt: str, values: torch.Tensor, order: torch.Tensor | None = None) ->
     put back in the checkpoint's column order (``order``: :func:`act_orders`'), packed by :func:`stored_int4`."""
     from .center import master_codes
 
-    codes = master_codes(values).clamp(0, 15)
-    if order is not None:
-        codes = torch.empty_like(codes).index_copy_(1, order, codes)
-    return stored_int4(fmt, codes)
+    return stored_int4(fmt, checkpoint_columns(master_codes(values).clamp(0, 15), order))
 
 
 def _zero_points(zp: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -275,6 +272,12 @@ def act_order(g_idx: torch.Tensor | None, k: int, group: int, stem: str) -> torc
     if g_idx.shape != (k,) or not torch.equal(g_idx.long()[order], torch.arange(k) // group):
         raise UnsupportedScheme(f"{stem}: GPTQ g_idx {tuple(g_idx.shape)} does not hold {group} columns per group")
     return order
+
+
+def checkpoint_columns(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """``t`` ``[N, K]`` with its columns, in :func:`act_order`'s grouped ``order``, put back in the checkpoint's
+    order (``t`` itself when ``order`` is None)."""
+    return t if order is None else torch.empty_like(t).index_copy_(1, order, t)
 
 
 def packed_weight(fmt: str, stem: str, stored: dict[str, torch.Tensor], n: int, k: int, group: int):

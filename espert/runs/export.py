@@ -13,7 +13,15 @@ import torch
 
 from espert.files import WEIGHT_SUFFIXES, fsync_dir, kill_point, naming
 from espert.progress import bar
-from espert.quant.checkpoint import STORED_AS, act_orders, encode, logical_shapes, quantization_config, weight_scheme
+from espert.quant.checkpoint import (
+    STORED_AS,
+    act_orders,
+    checkpoint_columns,
+    encode,
+    logical_shapes,
+    quantization_config,
+    weight_scheme,
+)
 from espert.runs.gguf import gguf_model_dir, is_gguf
 from espert.tensorfile import ST_TORCH, FileChunks, TensorFileWriter, as_chunks, read_header
 
@@ -285,9 +293,7 @@ def _write_dequantized(tmp: str, base: str, source, dtype: torch.dtype) -> None:
         qw = mod.qw
         if name + ".weight" in center:
             pack_codes_(qw, master_codes(center.pop(name + ".weight")).clamp(*qw.code_range))
-        w = dequantize(qw)
-        if mod.in_order is not None:  # an act-order GPTQ layer keeps its columns grouped (quant.checkpoint.act_order)
-            w = torch.empty_like(w).index_copy_(1, mod.in_order, w)
+        w = checkpoint_columns(dequantize(qw), mod.in_order)  # an act-order GPTQ layer keeps its columns grouped
         linear = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
         linear.weight.copy_(w)
         if mod.bias is not None:
